@@ -1,0 +1,197 @@
+"""Load a checkpoint into the current mesh, whatever mesh saved it (worker side; torch).
+
+The model must already be built, TP-parallelised and ``fully_shard``-ed on the *new* mesh: the
+template state dict then holds DTensors with the new placements, and DCP reads exactly the slices
+each rank needs from the saved pieces (resharding across dp/tp/pp changes, even or uneven shards).
+Every rank of the new mesh calls :func:`load` collectively.
+
+Before the first byte is read the template is checked against the checkpoint's metadata, so a
+checkpoint from another model fails with :class:`CheckpointMismatchError` listing the keys, instead
+of a DCP error from deep inside a collective.
+
+Elastic rebuilds: clear DTensor's sharding caches before rebuilding the model on a re-formed world
+(notes/cpu-gloo-facts.md gotcha 6); otherwise a same-size, permuted world silently loads shards at
+the wrong offsets. That is the caller's rebuild step, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from checkpoints.errors import CheckpointError, CheckpointMismatchError, summarize_failure
+from checkpoints.state import ModelState, OptimizerState, ResumePoint, restore_extras
+from checkpoints.storage import local_path
+
+EXTRA = "extra"
+
+
+def dcp_reader(path: str) -> dcp.StorageReader:
+    """DCP reader for a local/shared path or any fsspec URI."""
+    lp = local_path(path)
+    if lp is not None:
+        return dcp.FileSystemReader(lp)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not exported in 2.13
+
+    return FsspecReader(path)
+
+
+def read_metadata(path: str) -> Metadata:
+    """DCP's global metadata of a checkpoint (tensor shapes, dtypes, where each piece is stored).
+
+    Raises:
+        CheckpointError: ``.metadata`` is missing or unreadable.
+    """
+    try:
+        return dcp_reader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"cannot read DCP .metadata ({summarize_failure(e)}); the checkpoint "
+                              "is incomplete or damaged: resume from an older one", path) from e
+
+
+def extras_template(metadata: Metadata, key: str = EXTRA) -> dict[str, Any]:
+    """A template for the ``key`` subtree rebuilt from the checkpoint's own metadata.
+
+    Tensors get empty tensors of the saved shape and dtype, byte items (ints, lists, dicts of the
+    scheduler state) get None, which DCP replaces with the saved object. So loading the extras needs
+    no knowledge of what the saving side put there.
+    """
+    mappings = metadata.planner_data
+    if not isinstance(mappings, Mapping):
+        raise CheckpointError("checkpoint metadata has no key paths (saved without flatten_state_dict?)")
+    root: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        obj_path = mappings.get(fqn)
+        if not obj_path or obj_path[0] != key:
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            value: Any = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            value = None
+        _set_path(root, tuple(obj_path), value)
+    return root.get(key, {})
+
+
+def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Load ``path`` into ``state_like`` in place (collective over ``process_group``).
+
+    Args:
+        state_like: top-level keys as saved (``"model"``, ``"optim"``...); values are dicts or DCP
+            ``Stateful`` objects (their ``load_state_dict`` is called afterwards). ``"extra"`` may be
+            omitted: it is then rebuilt from the checkpoint and returned.
+        path: the ``step-N`` directory (local path or URI).
+        process_group: group for DCP's collectives (default: the default group; ignored when
+            torch.distributed is not initialised, e.g. consolidating in one process).
+
+    Returns:
+        The loaded ``"extra"`` dict (empty if the checkpoint has none).
+
+    Raises:
+        CheckpointMismatchError: template keys missing from the checkpoint, or shapes differ.
+        CheckpointError: anything else, naming the path.
+    """
+    metadata = read_metadata(path)
+    plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_like.items()}
+    if EXTRA not in plain and any(m and m[0] == EXTRA for m in (metadata.planner_data or {}).values()):
+        plain[EXTRA] = extras_template(metadata)
+    _check_template(plain, metadata, path)
+    distributed = dist.is_available() and dist.is_initialized()
+    try:
+        dcp.load(plain, storage_reader=dcp_reader(path), process_group=process_group if distributed else None,
+                 no_dist=not distributed)
+        for k, v in state_like.items():
+            if _is_stateful(v):
+                v.load_state_dict(plain[k])
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"loading the checkpoint failed: {summarize_failure(e)}", path) from e
+    return plain.get(EXTRA, {})
+
+
+def load_training_state(path: str, model_parts: nn.Module | Sequence[nn.Module],
+                        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
+                        lr_schedulers: Any | Sequence[Any] = (), restore_rng: bool = True,
+                        process_group: dist.ProcessGroup | None = None) -> ResumePoint:
+    """Load model, optimizer and extras saved by :func:`checkpoints.state.training_state`.
+
+    Returns:
+        The step and data cursor to continue from.
+    """
+    state: dict[str, Any] = {"model": ModelState(model_parts)}
+    if optimizers:
+        state["optim"] = OptimizerState(model_parts, optimizers)
+    extra = load(state, path, process_group)
+    if "step" not in extra or "data_cursor" not in extra:
+        raise CheckpointError("checkpoint has no extra.step / extra.data_cursor: not an elastimesh "
+                              "training checkpoint", path)
+    return restore_extras(extra, lr_schedulers, rng=restore_rng)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    # Mirror of DCP's set_element: str keys make dicts, int keys make lists.
+    node = root
+    for here, nxt in zip(path[:-1], path[1:], strict=True):
+        if isinstance(node, list):
+            node.extend([None] * (here + 1 - len(node)))
+            if node[here] is None:
+                node[here] = [] if isinstance(nxt, int) else {}
+            node = node[here]
+        else:
+            node = node.setdefault(here, [] if isinstance(nxt, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
+
+
+def _is_terminal(value: Any) -> bool:
+    # DCP's rule (_traverse.traverse_state_dict): mappings are walked; a list is walked only when
+    # it holds a tensor or a non-terminal container; anything else is one item.
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _is_terminal(v))
+                   for v in value)
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif not _is_terminal(value):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}.{i}", out)
+    else:
+        out[prefix] = value
+
+
+def _check_template(plain: dict[str, Any], metadata: Metadata, path: str) -> None:
+    flat: dict[str, Any] = {}
+    _flatten(plain, "", flat)
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    wrong: list[str] = []
+    details: list[str] = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None or not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            wrong.append(key)
+            details.append(f"{key}: saved as an object, expected a tensor")
+        elif tuple(md.size) != tuple(value.shape):  # DTensor.shape is the global shape
+            wrong.append(key)
+            details.append(f"{key}: saved {tuple(md.size)}, model has {tuple(value.shape)}")
+    if missing or wrong:
+        raise CheckpointMismatchError(missing + wrong, path, "; ".join(details[:4]))

@@ -1,0 +1,196 @@
+"""Background checkpoint writes for one rank (worker side; torch).
+
+``save`` returns as soon as the rank's shard is staged into CPU memory (the only part the training
+step pays for); DCP then writes it from a thread. Rules this module enforces:
+
+* at most one save in flight: the next ``save`` first waits for the previous one, which is also
+  what makes reusing the staging buffers safe;
+* a background failure is never lost: it is logged when it happens, set on the returned future, and
+  raised as :class:`CheckpointError` by the next ``save``/``wait_for_previous``;
+* the asynchronous collectives (DCP's plan exchange) run on a process group of their own. On the
+  training group they interleave with training collectives and gloo aborts the process
+  (notes/cpu-gloo-facts.md row 7e, gotcha 9), so that case is refused.
+
+Thread mode only: DCP's process mode keeps a daemon bound to the world it started with, which breaks
+after an elastic resize (row 7e).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from checkpoints.errors import CheckpointError, summarize_failure
+from checkpoints.layout import DCP_METADATA, expected_file_sizes
+from checkpoints.storage import local_path, storage_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """How one save went, delivered by its future once the shard is durably written."""
+
+    stall_s: float
+    """Seconds ``save`` blocked the caller: waiting for the previous save plus staging to CPU."""
+    write_s: float
+    """Seconds from the end of staging until the checkpoint was written (the background part)."""
+    path: str = ""
+    files: dict[str, int] = field(default_factory=dict)
+    """Minimum size of each file of the checkpoint (all ranks' shards and ``.metadata``), for the
+    manifest's ``files`` so the driver can validate it without torch."""
+    waited_s: float = 0.0
+    """Part of ``stall_s`` spent waiting for the previous save to finish."""
+
+
+def dcp_writer(path: str) -> dcp.StorageWriter:
+    """DCP writer for a local/shared path (``FileSystemWriter``) or any fsspec URI (``FsspecWriter``)."""
+    lp = local_path(path)
+    if lp is not None:
+        return dcp.FileSystemWriter(lp, single_file_per_rank=True, sync_files=True, overwrite=True)
+    # Not exported from torch.distributed.checkpoint in torch 2.13; this module path is stable since 2.3.
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    # sync_files would call os.sync() for streams without a fileno (every object store): useless there.
+    return FsspecWriter(path, sync_files=False, overwrite=True)
+
+
+class AsyncCheckpointWriter:
+    """Saves one rank's shard of a checkpoint, asynchronously by default.
+
+    Args:
+        process_group: the group DCP coordinates on. For async saves it must be a group dedicated to
+            checkpointing (``dist.new_group(backend="gloo")`` made with the generation's groups),
+            never the training group. None when torch.distributed is not initialised (one process).
+        use_async: False writes synchronously with ``dcp.save``.
+        pin_memory: pin the staging buffers (default: when CUDA is available).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, use_async: bool = True,
+                 *, pin_memory: bool | None = None) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        if use_async and distributed and (process_group is None or process_group is dist.group.WORLD):
+            raise ValueError(
+                "async checkpoint saves need a dedicated process group (dist.new_group(backend='gloo')); "
+                "on the default/training group gloo aborts the process with a collective mismatch")
+        self.process_group = process_group
+        self.use_async = use_async
+        self._no_dist = not distributed
+        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._stager = self._new_stager() if use_async else None
+        self._pending: Future[SaveTiming] | None = None
+        self.last_error: BaseException | None = None
+        """The most recent failure of any save (kept after it was raised, for status reports)."""
+
+    def _new_stager(self) -> DefaultStager:
+        # One stager for the writer's lifetime: it caches a CPU buffer per source storage and copies
+        # into it on the next save instead of allocating again (pinned when on GPU).
+        cuda = torch.cuda.is_available()
+        return DefaultStager(StagingOptions(use_pinned_memory=self._pin, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=cuda))
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def wait_for_previous(self, timeout: float | None = None) -> SaveTiming | None:
+        """Block until the previous save finished. Returns its timing, or None if there was none.
+
+        Raises:
+            CheckpointError: the previous save failed (raised once; ``last_error`` keeps it) or did
+                not finish within ``timeout`` seconds (it stays pending).
+        """
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            timing = pending.result(timeout=timeout)
+        except TimeoutError:
+            raise CheckpointError(f"previous checkpoint save still running after {timeout}s") from None
+        except BaseException as e:
+            self._pending = None
+            if isinstance(e, CheckpointError):
+                raise CheckpointError(f"previous checkpoint save failed: {e.message}", e.path) from e
+            raise CheckpointError(f"previous checkpoint save failed: {summarize_failure(e)}") from e
+        self._pending = None
+        return timing
+
+    def save(self, state: dict[str, Any], path: str) -> Future[SaveTiming]:
+        """Save ``state`` (e.g. :func:`checkpoints.state.training_state`) as this rank's shard of ``path``.
+
+        All ranks of the process group must call it with the same path. Returns once the state is
+        copied to CPU memory (async) or written (sync); training may then modify the parameters.
+
+        Raises:
+            CheckpointError: the previous save failed, or staging / the synchronous write failed.
+        """
+        t0 = time.monotonic()
+        self.wait_for_previous()
+        waited = time.monotonic() - t0
+        writer = dcp_writer(path)
+        kwargs: dict[str, Any] = dict(storage_writer=writer, process_group=self.process_group, no_dist=self._no_dist)
+        try:
+            if not self.use_async:
+                metadata = dcp.save(state, **kwargs)
+                elapsed = time.monotonic() - t0
+                done: Future[SaveTiming] = Future()
+                done.set_result(SaveTiming(elapsed, elapsed - waited, path, self._files(metadata, path), waited))
+                return done
+            upload = dcp.async_save(state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                    async_stager=self._stager, **kwargs)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            self.last_error = e
+            raise CheckpointError(f"checkpoint save failed: {summarize_failure(e)}", path) from e
+        staged = time.monotonic()
+        out: Future[SaveTiming] = Future()
+
+        def finish(f: Future) -> None:  # runs on DCP's writer thread when the write ends
+            try:
+                metadata = f.result()
+                out.set_result(SaveTiming(staged - t0, time.monotonic() - staged, path,
+                                          self._files(metadata, path), waited))
+            except BaseException as e:
+                self.last_error = e
+                logger.error("background checkpoint write to %s failed: %s", path, summarize_failure(e))
+                out.set_exception(CheckpointError(f"background checkpoint write failed: {summarize_failure(e)}", path))
+
+        assert isinstance(upload, Future)  # synchronous staging -> DCP returns a plain Future
+        upload.add_done_callback(finish)
+        self._pending = out
+        return out
+
+    def abandon(self) -> None:
+        """Forget an in-flight save without waiting (its group is being torn down in a rebuild).
+
+        The abandoned write may still be reading the staging buffers, so new ones are made.
+        """
+        if self.in_flight:
+            logger.warning("abandoning an unfinished checkpoint save; it will not be committed")
+        self._pending = None
+        if self._stager is not None:
+            self._stager = self._new_stager()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the last save (raising its failure) and free the staging buffers."""
+        try:
+            self.wait_for_previous(timeout)
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+
+    @staticmethod
+    def _files(metadata: Any, path: str) -> dict[str, int]:
+        files = expected_file_sizes(metadata)
+        storage = storage_for(path)
+        files[DCP_METADATA] = storage.file_size(storage.join(path, DCP_METADATA))
+        return files

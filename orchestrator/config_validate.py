@@ -1,0 +1,307 @@
+"""Semantic validation of a loaded job configuration, and the error type it raises.
+
+This module owns the rules that say whether a `JobConfig` describes a job that can run: value
+ranges, enums, and the divisibility constraints between the model, the batch and the mesh.
+Every rule raises `ConfigError` naming the offending key and how to fix it, because the CLI
+prints that one line and exits 2 (ARCHITECTURE.md, CLI contract).
+
+The checks that depend on the mesh shape live in `check_mesh`, separately from the rest,
+because the elastic controller re-runs them for every candidate mesh when dp changes. The
+elastic bounds (`elastic.min_dp`/`max_dp`) are policy, not feasibility, so they are checked
+for the configured target in `validate_job` and exposed to the controller as `dp_bounds`.
+
+Pure stdlib: importable by the driver, the workers and the checkpoint tools alike.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations; config.py imports this module at runtime
+    from orchestrator.config import JobConfig, TrainConfig
+
+DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+ZERO_STAGES = (2, 3)
+BUILTIN_DATA = "builtin"
+BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line that names the key and the fix.
+
+    Attributes:
+        key: the config key at fault ("model.n_heads"); for file-level problems the file path,
+            for a malformed override the `--set` text.
+        message: the one-line, user-facing message (also `str(error)`).
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # The default reduce replays only `args` (the message), which would lose `key` when
+        # the error crosses a Ray actor boundary.
+        return (type(self), (self.key, self.message))
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _at_least(value: float, minimum: float, key: str) -> None:
+    _require(value >= minimum, key, f"{key} must be >= {minimum}, got {value!r}")
+
+
+def _positive(value: float, key: str) -> None:
+    _require(value > 0, key, f"{key} must be > 0, got {value!r}")
+
+
+def _one_of(value: object, allowed: tuple[object, ...], key: str) -> None:
+    # `True == 1` in Python, so compare types too: zero=True must not pass as zero=1.
+    ok = any(type(value) is type(a) and value == a for a in allowed)
+    shown = ", ".join(_toml_literal(a) for a in allowed)
+    _require(ok, key, f"{key}={_toml_literal(value)} is not allowed: use one of {shown}")
+
+
+def _toml_literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def microbatches_per_replica(train: TrainConfig, dp: int) -> int:
+    """Number of microbatches each DP replica runs per step.
+
+    Args:
+        train: the train section (global and micro batch sizes).
+        dp: data-parallel degree of the mesh in question.
+
+    Returns:
+        `global_batch_size // (dp * micro_batch_size)`; exact only when `check_mesh` passes.
+    """
+    return train.global_batch_size // (dp * train.micro_batch_size)
+
+
+def dp_bounds(cfg: JobConfig) -> tuple[int, int]:
+    """The (min, max) data-parallel degree the elastic controller may use.
+
+    `elastic.max_dp = 0` means "never grow past the configured mesh.dp".
+    """
+    return cfg.elastic.min_dp, cfg.elastic.max_dp or cfg.mesh.dp
+
+
+def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
+    """Check that the model, batch and pipeline settings of `cfg` fit a (dp, pp, tp) mesh.
+
+    Called by `load_config` for the configured mesh and by the elastic controller for each
+    candidate mesh. Messages name the mesh axes as `mesh.dp` etc. with the candidate values.
+    Does not check `dp_bounds`: a mesh outside the elastic bounds is a policy decision.
+
+    Raises:
+        ConfigError: naming the first key that does not fit, with a suggested fix.
+    """
+    for axis, degree in (("dp", dp), ("pp", pp), ("tp", tp)):
+        _require(
+            isinstance(degree, int) and degree >= 1,
+            f"mesh.{axis}",
+            f"mesh.{axis} must be an integer >= 1, got {degree!r}",
+        )
+    model, train, pipe = cfg.model, cfg.train, cfg.pipeline
+
+    # Tensor parallelism splits attention heads, the vocabulary (embedding / loss_parallel),
+    # the FFN hidden dimension, and - with sequence parallelism - the sequence.
+    for key, size in (
+        ("model.n_heads", model.n_heads),
+        ("model.vocab_size", model.vocab_size),
+        ("model.seq_len", model.seq_len),
+    ):
+        name = key.split(".")[1]
+        _require(
+            size % tp == 0,
+            key,
+            f"{key}={size} is not divisible by mesh.tp={tp}: choose {name} as a multiple of tp "
+            f"(e.g. {_next_multiple(size, tp)}) or a tp that divides {size}",
+        )
+    if model.ffn_hidden:
+        _require(
+            model.ffn_hidden % tp == 0,
+            "model.ffn_hidden",
+            f"model.ffn_hidden={model.ffn_hidden} is not divisible by mesh.tp={tp}: choose a "
+            f"multiple of tp (e.g. {_next_multiple(model.ffn_hidden, tp)}) or 0 for 4*d_model",
+        )
+
+    n_stages = pp * pipe.virtual_stages
+    if n_stages > model.n_layers:
+        what = f"mesh.pp={pp}"
+        if pipe.virtual_stages > 1:
+            what += f" x pipeline.virtual_stages={pipe.virtual_stages} = {n_stages} stages"
+        raise ConfigError(
+            "mesh.pp",
+            f"{what} exceeds model.n_layers={model.n_layers}: every pipeline stage needs at "
+            f"least one layer; lower mesh.pp or raise model.n_layers",
+        )
+    if pipe.layers is not None:
+        _require(
+            len(pipe.layers) == n_stages,
+            "pipeline.layers",
+            f"pipeline.layers has {len(pipe.layers)} entries but mesh.pp x "
+            f"pipeline.virtual_stages = {n_stages} stages: give one layer count per stage",
+        )
+
+    per_step = dp * train.micro_batch_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"train.global_batch_size={train.global_batch_size} is not divisible by mesh.dp x "
+            f"train.micro_batch_size = {dp} x {train.micro_batch_size} = {per_step}: choose a "
+            f"multiple of {per_step} (e.g. {_next_multiple(train.global_batch_size, per_step)})",
+        )
+    n_micro = microbatches_per_replica(train, dp)
+    if pipe.schedule in ("1f1b", "interleaved_1f1b") and n_micro < pp:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"pipeline.schedule={pipe.schedule!r} needs at least mesh.pp={pp} microbatches per "
+            f"replica, got {n_micro} (train.global_batch_size={train.global_batch_size} / "
+            f"(mesh.dp={dp} x train.micro_batch_size={train.micro_batch_size})): raise "
+            f"train.global_batch_size to {pp * per_step} or lower train.micro_batch_size",
+        )
+    if pipe.schedule == "interleaved_1f1b" and n_micro % pp:
+        example = _next_multiple(train.global_batch_size, pp * per_step)
+        raise ConfigError(
+            "train.global_batch_size",
+            f"pipeline.schedule='interleaved_1f1b' needs the microbatches per replica "
+            f"({n_micro}) to be a multiple of mesh.pp={pp}: set train.global_batch_size to a "
+            f"multiple of {pp * per_step} (e.g. {example})",
+        )
+
+
+def _next_multiple(value: int, divisor: int) -> int:
+    return max(divisor, -(-value // divisor) * divisor)
+
+
+def validate_job(cfg: JobConfig) -> None:
+    """Check every rule for a complete job; the first violation raises `ConfigError`."""
+    _check_ranges(cfg)
+    _check_relations(cfg)
+    check_mesh(cfg, cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
+    _check_elastic_bounds(cfg)
+
+
+def _check_ranges(cfg: JobConfig) -> None:
+    # Single-field rules first, so the cross-field rules below never divide by zero.
+    ones = {
+        "mesh.dp": cfg.mesh.dp, "mesh.pp": cfg.mesh.pp, "mesh.tp": cfg.mesh.tp,
+        "model.n_layers": cfg.model.n_layers, "model.d_model": cfg.model.d_model,
+        "model.n_heads": cfg.model.n_heads, "model.vocab_size": cfg.model.vocab_size,
+        "model.seq_len": cfg.model.seq_len, "train.steps": cfg.train.steps,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "pipeline.virtual_stages": cfg.pipeline.virtual_stages,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "elastic.min_dp": cfg.elastic.min_dp, "metrics.log_every": cfg.metrics.log_every,
+    }  # fmt: skip
+    for key, value in ones.items():
+        _at_least(value, 1, key)
+    zeros = {
+        "model.ffn_hidden": cfg.model.ffn_hidden, "train.warmup_steps": cfg.train.warmup_steps,
+        "train.weight_decay": cfg.train.weight_decay, "train.grad_clip": cfg.train.grad_clip,
+        "checkpoint.every": cfg.checkpoint.every, "elastic.max_dp": cfg.elastic.max_dp,
+        "elastic.max_restarts": cfg.elastic.max_restarts,
+    }  # fmt: skip
+    for key, value in zeros.items():
+        _at_least(value, 0, key)
+    positives = {
+        "train.lr": cfg.train.lr, "model.norm_eps": cfg.model.norm_eps,
+        "model.init_std": cfg.model.init_std, "model.rope_theta": cfg.model.rope_theta,
+        "elastic.collective_timeout_s": cfg.elastic.collective_timeout_s,
+        "elastic.step_timeout_s": cfg.elastic.step_timeout_s,
+        "elastic.rebuild_timeout_s": cfg.elastic.rebuild_timeout_s,
+        "elastic.grow_check_s": cfg.elastic.grow_check_s,
+        "resources.cpus_per_worker": cfg.resources.cpus_per_worker,
+        "resources.placement_timeout_s": cfg.resources.placement_timeout_s,
+    }  # fmt: skip
+    for key, value in positives.items():
+        _positive(value, key)
+    for key, value in (("train.beta1", cfg.train.beta1), ("train.beta2", cfg.train.beta2)):
+        _require(0 <= value < 1, key, f"{key} must be in [0, 1), got {value!r}")
+    ratio = cfg.train.min_lr_ratio
+    msg = f"train.min_lr_ratio must be in [0, 1], got {ratio!r}"
+    _require(0 <= ratio <= 1, "train.min_lr_ratio", msg)
+
+    _one_of(cfg.mesh.zero, ZERO_STAGES, "mesh.zero")
+    _one_of(cfg.train.dtype, DTYPES, "train.dtype")
+    _one_of(cfg.pipeline.schedule, SCHEDULES, "pipeline.schedule")
+    _one_of(cfg.resources.use_gpu, (True, False, "auto"), "resources.use_gpu")
+
+
+def _check_relations(cfg: JobConfig) -> None:
+    model, pipe = cfg.model, cfg.pipeline
+    _require(
+        model.d_model % model.n_heads == 0,
+        "model.d_model",
+        f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}: choose "
+        f"d_model as a multiple of n_heads (e.g. {_next_multiple(model.d_model, model.n_heads)})",
+    )
+    # Rotary embeddings rotate channel pairs, so each head needs an even width.
+    even = model.n_heads * (model.head_dim + 1)
+    _require(
+        model.head_dim % 2 == 0,
+        "model.d_model",
+        f"model.d_model / model.n_heads = {model.head_dim} is odd: rotary embeddings need an even "
+        f"head_dim; choose d_model = n_heads x an even number (e.g. {even})",
+    )
+    if cfg.data.path == BUILTIN_DATA:
+        _require(
+            model.vocab_size >= BUILTIN_VOCAB,
+            "model.vocab_size",
+            f"model.vocab_size={model.vocab_size} is too small for data.path=\"builtin\" (byte "
+            f"tokens need {BUILTIN_VOCAB}): set model.vocab_size >= {BUILTIN_VOCAB}",
+        )
+    if pipe.schedule == "interleaved_1f1b":
+        _require(
+            pipe.virtual_stages >= 2,
+            "pipeline.virtual_stages",
+            f"pipeline.schedule='interleaved_1f1b' needs pipeline.virtual_stages >= 2, got "
+            f"{pipe.virtual_stages}: set virtual_stages=2 or use schedule='1f1b'",
+        )
+    else:
+        _require(
+            pipe.virtual_stages == 1,
+            "pipeline.virtual_stages",
+            f"pipeline.virtual_stages={pipe.virtual_stages} needs "
+            f"pipeline.schedule='interleaved_1f1b' (got {pipe.schedule!r}): set virtual_stages=1 "
+            f"or switch the schedule",
+        )
+    if pipe.layers is not None:
+        for i, n in enumerate(pipe.layers):
+            _require(
+                n >= 1, "pipeline.layers", f"pipeline.layers[{i}]={n}: every stage needs >= 1 layer"
+            )
+        _require(
+            sum(pipe.layers) == model.n_layers,
+            "pipeline.layers",
+            f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
+            f"model.n_layers={model.n_layers}: make the per-stage counts add up to n_layers",
+        )
+
+
+def _check_elastic_bounds(cfg: JobConfig) -> None:
+    dp, el = cfg.mesh.dp, cfg.elastic
+    _require(
+        el.min_dp <= dp,
+        "elastic.min_dp",
+        f"elastic.min_dp={el.min_dp} > mesh.dp={dp}: lower elastic.min_dp to at most {dp} or "
+        f"raise mesh.dp",
+    )
+    _require(
+        el.max_dp == 0 or el.max_dp >= dp,
+        "elastic.max_dp",
+        f"elastic.max_dp={el.max_dp} < mesh.dp={dp}: raise elastic.max_dp to at least {dp}, "
+        f"or set 0 to mean mesh.dp",
+    )

@@ -1,0 +1,141 @@
+"""The mesh plan as pure data: rank <-> (dp, pp, tp) coordinates, group member lists, stage split.
+
+Nothing here starts a process or imports torch/ray, so every rule is unit-tested directly.
+
+Rank order puts TP innermost, then PP, then DP (rank = (dp * pp_size + pp) * tp_size + tp), the same
+order as ``init_device_mesh(("dp", "pp", "tp"))``. Placement-group bundles are filled in rank order
+with the PACK strategy, so the ranks of one TP group are adjacent and land on one node, where TP's
+per-layer collectives are cheapest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class MeshAxis(StrEnum):
+    """A DeviceMesh axis. We say *axis* for a mesh axis and *dim* for a tensor dimension."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+
+
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    dp: int
+    pp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} pp={self.pp} tp={self.tp}"
+
+
+@dataclass(frozen=True, slots=True)
+class MeshShape:
+    dp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        for axis in MeshAxis:
+            if getattr(self, axis) < 1:
+                raise ValueError(f"mesh.{axis} must be >= 1, got {getattr(self, axis)}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coords(self, world_rank: int) -> RankCoords:
+        if not 0 <= world_rank < self.world:
+            raise ValueError(f"rank {world_rank} outside a world of {self.world}")
+        tp = world_rank % self.tp
+        pp = (world_rank // self.tp) % self.pp
+        dp = world_rank // (self.tp * self.pp)
+        return RankCoords(dp=dp, pp=pp, tp=tp)
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def group_ranks(self, axis: MeshAxis) -> list[list[int]]:
+        """Member lists of every group along ``axis`` (each list ordered by that axis' index)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank in range(self.world):
+            c = self.coords(rank)
+            key = {
+                MeshAxis.DP: (c.pp, c.tp),
+                MeshAxis.PP: (c.dp, c.tp),
+                MeshAxis.TP: (c.dp, c.pp),
+            }[MeshAxis(axis)]
+            groups.setdefault(key, []).append(rank)
+        return [groups[k] for k in sorted(groups)]
+
+    def replica_ranks(self, dp: int) -> list[int]:
+        """All pp*tp ranks of one data-parallel replica: the unit that elastic resizing adds or drops."""
+        return [self.rank_of(dp, p, t) for p in range(self.pp) for t in range(self.tp)]
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} pp={self.pp} tp={self.tp}"
+
+
+def stage_param_counts(
+    n_layers: int, layer_params: int, embed_params: int, head_params: int
+) -> list[int]:
+    """Per-layer cost list used for balancing: the embedding rides on layer 0, the head on the last."""
+    costs = [layer_params] * n_layers
+    costs[0] += embed_params
+    costs[-1] += head_params
+    return costs
+
+
+def balanced_split(costs: list[int], num_stages: int) -> list[int]:
+    """Split consecutive layers into ``num_stages`` non-empty groups minimising the largest group cost.
+
+    Returns the number of layers per stage. Exact (binary search on the bottleneck + greedy), which is
+    cheap for any realistic layer count, so `elastimesh plan` shows the same split the actors build.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+
+    def fits(limit: int) -> list[int] | None:
+        # Greedy left to right, but leave at least one layer for each remaining stage.
+        sizes: list[int] = []
+        i = 0
+        for stage in range(num_stages):
+            remaining_stages = num_stages - stage - 1
+            total, count = 0, 0
+            while i < n - remaining_stages and (count == 0 or total + costs[i] <= limit):
+                if costs[i] > limit:
+                    return None
+                total += costs[i]
+                count += 1
+                i += 1
+            sizes.append(count)
+        return sizes if i == n else None
+
+    lo, hi = max(costs), sum(costs)
+    best = fits(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = fits(mid)
+        if found is None:
+            lo = mid + 1
+        else:
+            hi, best = mid, found
+    result = fits(lo) or best
+    assert result is not None and sum(result) == n
+    return result
+
+
+def layer_ranges(layers_per_stage: list[int]) -> list[tuple[int, int]]:
+    """[(first_layer, end_layer_exclusive)] per stage."""
+    out, start = [], 0
+    for count in layers_per_stage:
+        out.append((start, start + count))
+        start += count
+    return out

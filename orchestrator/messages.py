@@ -1,0 +1,80 @@
+"""The typed, picklable messages the driver and the rank actors exchange (pure data, no torch, no ray).
+
+The driver imports these to read results; the actors import them to build results. Keeping them here
+means neither side needs the other's heavy imports to unpickle a message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.mesh import MeshShape
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    """What a rank needs to build its model, optimizer and data for one generation."""
+
+    model: Any  # orchestrator.config.ModelConfig
+    train: Any  # orchestrator.config.TrainConfig
+    data_path: str
+    zero: int
+    layers_per_stage: tuple[int, ...]  # over all pp * virtual_stages stages, in stage order
+    virtual_stages: int
+    collective_timeout_s: float
+    use_gpu: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    """Join generation ``generation`` as ``world_rank`` of ``shape`` through the store at addr:port."""
+
+    generation: int
+    shape: MeshShape
+    world_rank: int
+    store_addr: str
+    store_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What a rank reports after joining a generation."""
+
+    world_rank: int
+    pid: int
+    node_ip: str
+    gloo_listeners: tuple[tuple[str, int], ...]
+    setup_s: float
+    num_params_local: int
+
+
+@dataclass(frozen=True, slots=True)
+class ActionTiming:
+    action: str  # e.g. "2F0"
+    start_s: float  # relative to the step's start on this rank
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One rank's outcome of one step. Errors are latched and reported, never raised mid-collective."""
+
+    step: int
+    world_rank: int
+    ok: bool
+    loss: float | None = None  # this replica's share of the global-mean loss (last stage, tp 0 only)
+    error: str | None = None
+    step_time_s: float = 0.0
+    compute_s: float = 0.0
+    timings: tuple[ActionTiming, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    world_rank: int
+    pid: int
+    generation: int
+    busy: bool
+    step: int
+    error: str | None

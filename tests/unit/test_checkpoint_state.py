@@ -1,0 +1,197 @@
+"""Worker-side checkpoint state, writer and reader in one process (no torch.distributed init).
+
+Covers what the multi-rank test does not: pipeline parts merged/split by FQN, the async writer's
+snapshot, buffer reuse, one-in-flight rule and failure reporting, fsspec URIs, and mismatch errors.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoints.errors import CheckpointError, CheckpointMismatchError
+from checkpoints.reader import load, load_training_state
+from checkpoints.state import training_state
+from checkpoints.writer import AsyncCheckpointWriter, SaveTiming
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
+
+
+class Net(nn.Module):
+    """Layers in a ModuleDict, so a pipeline stage keeps full-model FQNs (``layers.2.weight``)."""
+
+    def __init__(self, n_layers: int = 4, dim: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Linear(dim, dim) for i in range(n_layers)})
+        self.head: nn.Module | None = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = torch.tanh(layer(x))
+        return self.head(x) if self.head is not None else x
+
+
+def _stage(model: Net, keep: set[str], head: bool) -> Net:
+    part = copy.deepcopy(model)
+    for name in list(part.layers):
+        if name not in keep:
+            del part.layers[name]
+    if not head:
+        part.head = None
+    return part
+
+
+def _net(seed: int = 0, **kw) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def _step(parts: list[Net], opts: list[torch.optim.Optimizer], step: int) -> float:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+    for part in parts:
+        x = part(x)
+    loss = nn.functional.mse_loss(x, y)
+    loss.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return float(loss)
+
+
+def _params(*parts: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for p in parts for k, v in p.named_parameters()}
+
+
+@pytest.mark.parametrize("direction", ["pipeline-to-whole", "whole-to-pipeline"])
+def test_parts_merge_and_split_by_fqn(tmp_path, direction):
+    base = _net()
+    split = [_stage(base, {"0", "1"}, head=False), _stage(base, {"2", "3"}, head=True)]
+    whole = [copy.deepcopy(base)]
+    layouts = {"pipeline": split, "whole": whole}
+    opts = {k: [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in v] for k, v in layouts.items()}
+    for s in (1, 2):
+        assert _step(split, opts["pipeline"], s) == pytest.approx(_step(whole, opts["whole"], s), abs=1e-7)
+    src, dst = direction.split("-to-")
+    writer = AsyncCheckpointWriter()
+    writer.save(training_state(layouts[src], opts[src], step=2, data_cursor=10), str(tmp_path / "c")).result()
+    fresh = _net(seed=1)  # other initial values: everything must come from the checkpoint
+    target = [_stage(fresh, {"0", "1"}, False), _stage(fresh, {"2", "3"}, True)] if dst == "pipeline" else [fresh]
+    target_opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in target]
+    resume = load_training_state(str(tmp_path / "c"), target, target_opts)
+    assert (resume.step, resume.data_cursor) == (2, 10)
+    expected = _params(*layouts[src])
+    for key, value in _params(*target).items():
+        assert torch.equal(value, expected[key]), key
+    assert _step(target, target_opts, 3) == _step(layouts[src], opts[src], 3)
+    assert _step(target, target_opts, 4) == _step(layouts[src], opts[src], 4)  # optimizer state carried over
+    writer.close()
+
+
+def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step([model], [opt], 1)
+    before = _params(model)
+    writer = AsyncCheckpointWriter()
+    first = writer.save(training_state(model, opt, step=1, data_cursor=5), str(tmp_path / "a"))
+    with torch.no_grad():  # training goes on while the write runs
+        for p in model.parameters():
+            p.add_(1000.0)
+    timing = first.result(timeout=30)
+    assert isinstance(timing, SaveTiming) and timing.stall_s >= 0 and timing.write_s > 0
+    assert {"__0_0.distcp", ".metadata"} <= set(timing.files)
+    cache = writer._stager._state_dict_stager._cached_storage_mapping  # DCP's staging-buffer cache
+    buffers = {id(v) for v in cache.values()}
+    second = writer.save(training_state(model, opt, step=2, data_cursor=10), str(tmp_path / "b"))
+    assert first.done() and buffers and buffers <= {id(v) for v in cache.values()}  # reused, not reallocated
+    second.result(timeout=30)
+    writer.close()
+    restored = _net(seed=3)
+    load_training_state(str(tmp_path / "a"), restored, torch.optim.AdamW(restored.parameters()))
+    for key, value in _params(restored).items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_background_failure_is_reported_never_lost(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    writer = AsyncCheckpointWriter()
+    failed = writer.save(training_state(model, opt, step=1, data_cursor=1), str(blocker / "step-1"))
+    with pytest.raises(CheckpointError) as info:
+        failed.result(timeout=30)
+    assert str(blocker / "step-1") in str(info.value)
+    assert writer.last_error is not None
+    # Even had nobody looked at the future, the next save reports it instead of starting.
+    writer._pending = failed
+    with pytest.raises(CheckpointError, match="previous checkpoint save failed"):
+        writer.save(training_state(model, opt, step=2, data_cursor=2), str(tmp_path / "ok"))
+    writer.save(training_state(model, opt, step=2, data_cursor=2), str(tmp_path / "ok")).result(timeout=30)
+    writer.close()
+
+
+def test_sync_mode_writes_before_returning(tmp_path):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    writer = AsyncCheckpointWriter(use_async=False)
+    future = writer.save(training_state(model, opt, step=3, data_cursor=9), str(tmp_path / "s"))
+    assert future.done() and (tmp_path / "s" / ".metadata").exists()
+    assert load_training_state(str(tmp_path / "s"), model, opt).step == 3
+
+
+def test_fsspec_uri_round_trip_with_extras():
+    uri = f"memory://elastimesh-{uuid.uuid4().hex[:8]}/step-00000004"
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for s in (1, 2, 3, 4):
+        _step([model], [opt], s)
+        sched.step()
+    torch.manual_seed(42)
+    writer = AsyncCheckpointWriter()
+    writer.save(training_state(model, opt, step=4, data_cursor=32, lr_scheduler=sched), uri).result(timeout=30)
+    expected_draw = torch.rand(3)
+    writer.close()
+    other = _net(seed=5)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 0.5 ** s)
+    resume = load_training_state(uri, other, other_opt, lr_schedulers=other_sched)
+    assert (resume.step, resume.data_cursor) == (4, 32)
+    assert other_sched.last_epoch == 4 and other_opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 16)
+    assert torch.equal(torch.rand(3), expected_draw)  # RNG restored
+    assert _step([other], [other_opt], 5) == _step([model], [opt], 5)
+
+
+def test_extras_of_any_shape_load_without_a_template(tmp_path):
+    model = _net()
+    extra = {"step": 7, "data_cursor": 70, "nested": {"xs": [1, 2.5, "three"], "t": torch.arange(4)},
+             "mixed": [torch.ones(2), {"k": 1}]}
+    writer = AsyncCheckpointWriter(use_async=False)
+    writer.save({"model": model.state_dict(), "extra": extra}, str(tmp_path / "e"))
+    got = load({"model": _net(seed=9).state_dict()}, str(tmp_path / "e"))
+    assert got["step"] == 7 and got["nested"]["xs"] == [1, 2.5, "three"]
+    assert torch.equal(got["nested"]["t"], torch.arange(4)) and torch.equal(got["mixed"][0], torch.ones(2))
+    assert got["mixed"][1] == {"k": 1}
+
+
+def test_mismatched_model_names_the_keys(tmp_path):
+    model = _net(n_layers=2)
+    AsyncCheckpointWriter(use_async=False).save(
+        training_state(model, torch.optim.AdamW(model.parameters()), step=1, data_cursor=1), str(tmp_path / "m"))
+    wider = _net(n_layers=2, dim=7)
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_training_state(str(tmp_path / "m"), wider, torch.optim.AdamW(wider.parameters()))
+    assert "model.layers.0.weight" in info.value.keys and "(6, 6)" in str(info.value)
+    deeper = _net(n_layers=3)
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_training_state(str(tmp_path / "m"), deeper, torch.optim.AdamW(deeper.parameters()))
+    assert "model.layers.2.weight" in info.value.keys and str(tmp_path / "m") in str(info.value)
+    with pytest.raises(CheckpointError, match="metadata") as info:
+        load_training_state(str(tmp_path / "nothing"), model, [])
+    assert str(tmp_path / "nothing") in str(info.value)

@@ -1,0 +1,491 @@
+"""Config loading, overrides and validation: every error names its key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import (
+    ALL_KEYS,
+    SECTIONS,
+    ConfigError,
+    JobConfig,
+    check_mesh,
+    config_to_dict,
+    dp_bounds,
+    load_config,
+    microbatches_per_replica,
+    model_diff,
+    model_fingerprint,
+    replace_mesh,
+)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def dump_toml(d: dict[str, dict[str, object]]) -> str:
+    lines = []
+    for section, table in d.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def error_for(*overrides: str, path: str | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    err = info.value
+    assert "\n" not in str(err)  # the CLI prints exactly one line
+    return err
+
+
+# --- defaults, schema, round trip ----------------------------------------------------------
+
+
+def test_defaults_are_the_tiny_job() -> None:
+    cfg = load_config(None)
+    assert cfg == JobConfig()
+    assert (cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, cfg.mesh.world) == (2, 1, 2, 4)
+    assert cfg.model.ffn_dim == 256 and cfg.model.head_dim == 16
+    assert microbatches_per_replica(cfg.train, cfg.mesh.dp) == 2
+    assert dp_bounds(cfg) == (1, 2)
+    assert cfg.resources.use_gpu == "auto"
+
+
+def test_module_is_pure_stdlib() -> None:
+    code = "import sys, orchestrator.config; assert not {'ray', 'torch'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_all_keys_and_aliases() -> None:
+    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 49
+    assert "checkpoint.async" in ALL_KEYS and "checkpoint.async_write" not in ALL_KEYS
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
+    assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)
+    checkpoint_keys = list(config_to_dict(JobConfig())["checkpoint"])
+    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume"]
+
+
+def test_every_section_is_frozen_and_pickles() -> None:
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.mesh.dp = 3  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_toml_round_trip(tmp_path: Path) -> None:
+    text = """
+[mesh]
+dp = 1
+pp = 2
+tp = 1
+zero = 2
+[model]
+n_layers = 6
+vocab_size = 512
+rope_theta = 500000
+[train]
+global_batch_size = 8
+micro_batch_size = 1
+lr = 1e-3
+dtype = "bfloat16"
+activation_checkpointing = true
+[pipeline]
+schedule = "interleaved_1f1b"
+virtual_stages = 2
+layers = [1, 2, 1, 2]
+[data]
+path = "/data/shards"
+"""
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.mesh.zero == 2 and cfg.model.n_layers == 6 and cfg.model.vocab_size == 512
+    assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
+    assert cfg.pipeline.layers == (1, 2, 1, 2)
+    assert cfg.train.activation_checkpointing and cfg.train.dtype == "bfloat16"
+    d = config_to_dict(cfg)
+    assert d["pipeline"]["layers"] == [1, 2, 1, 2]
+    again = load_config(write(tmp_path, dump_toml(d)))
+    assert again == cfg
+    assert model_fingerprint(again) == model_fingerprint(cfg)
+
+
+def test_default_dict_round_trip_drops_none(tmp_path: Path) -> None:
+    d = config_to_dict(JobConfig())
+    assert "layers" not in d["pipeline"]  # TOML has no null
+    assert load_config(write(tmp_path, dump_toml(d))) == JobConfig()
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == JobConfig()
+
+
+# --- overrides -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "section", "attr", "expected"),
+    [
+        ("mesh.dp=1", "mesh", "dp", 1),
+        ("train.lr=1e-3", "train", "lr", 1e-3),
+        ("train.lr=1", "train", "lr", 1.0),
+        ("data.path=/x", "data", "path", "/x"),
+        ('data.path="/quoted path"', "data", "path", "/quoted path"),
+        ("data.path=2024", "data", "path", "2024"),
+        ("train.dtype=bfloat16", "train", "dtype", "bfloat16"),
+        ("train.activation_checkpointing=true", "train", "activation_checkpointing", True),
+        ("checkpoint.async=false", "checkpoint", "async_write", False),
+        ("resources.use_gpu=false", "resources", "use_gpu", False),
+        ("resources.use_gpu=auto", "resources", "use_gpu", "auto"),
+        ("pipeline.layers=[4]", "pipeline", "layers", (4,)),
+        ("pipeline.layers=[]", "pipeline", "layers", None),
+        (" elastic.step_timeout_s = 30 ", "elastic", "step_timeout_s", 30.0),
+    ],
+)
+def test_override_types(override: str, section: str, attr: str, expected: object) -> None:
+    value = getattr(getattr(load_config(None, [override]), section), attr)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_override_beats_file_and_last_wins(tmp_path: Path) -> None:
+    path = write(tmp_path, "[train]\nsteps = 5\nseed = 7\n")
+    cfg = load_config(path, ["train.steps=9", "train.steps=11"])
+    assert (cfg.train.steps, cfg.train.seed) == (11, 7)
+
+
+def test_pipeline_layers_override() -> None:
+    cfg = load_config(None, ["mesh.pp=2", "mesh.dp=1", "pipeline.layers=[1,3]"])
+    assert cfg.pipeline.layers == (1, 3)
+
+
+def test_set_without_equals() -> None:
+    err = error_for("mesh.dp")
+    assert err.key == "mesh.dp"
+    assert "--set 'mesh.dp': expected SECTION.KEY=VALUE" in str(err)
+
+
+def test_set_without_section_suggests_one() -> None:
+    err = error_for("dp=3")
+    assert err.key == "dp" and "SECTION.KEY=VALUE" in str(err) and "'mesh.dp=3'" in str(err)
+
+
+# --- files, sections, keys -----------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "nope.toml")
+    err = error_for(path=path)
+    assert err.key == path and "no such config file" in str(err) and "omit it" in str(err)
+
+
+def test_directory_is_unreadable(tmp_path: Path) -> None:
+    err = error_for(path=str(tmp_path))
+    assert err.key == str(tmp_path) and "cannot read config file" in str(err)
+
+
+def test_invalid_toml_names_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[mesh]\ndp = 2\ntp = \n")
+    err = error_for(path=path)
+    assert str(err).startswith(f"{path}: invalid TOML at line 3: ")
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"[data]\npath = '\xff'\n")
+    assert "not UTF-8" in str(error_for(path=str(path)))
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    err = error_for(path=write(tmp_path, "[modle]\nn_layers = 2\n"))
+    assert err.key == "modle" and "unknown section '[modle]': did you mean '[model]'?" in str(err)
+    err = error_for("modle.n_layers=2")
+    assert "did you mean '[model]'?" in str(err)
+
+
+def test_section_must_be_a_table(tmp_path: Path) -> None:
+    err = error_for(path=write(tmp_path, "mesh = 2\n"))
+    assert err.key == "mesh" and "must be a table" in str(err)
+
+
+def test_unknown_key_suggests_closest(tmp_path: Path) -> None:
+    err = error_for("model.n_layer=2")
+    assert err.key == "model.n_layer"
+    assert "unknown key 'model.n_layer': did you mean 'model.n_layers'?" in str(err)
+    err = error_for(path=write(tmp_path, "[train]\nlearning_rate = 1\n"))
+    assert err.key == "train.learning_rate" and "unknown key 'train.learning_rate'" in str(err)
+    # A real key under the wrong section points at its home.
+    assert "did you mean 'mesh.pp'?" in str(error_for("train.pp=2"))
+    assert "keys are path" in str(error_for("data.zzzzzz=1"))
+
+
+def test_async_field_name_is_not_a_toml_key() -> None:
+    assert "did you mean 'checkpoint.async'?" in str(error_for("checkpoint.async_write=false"))
+
+
+# --- types ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("train.lr=abc", "train.lr", "train.lr: expected a number, got 'abc' (str)"),
+        ("train.lr=true", "train.lr", "expected a number, got True (bool)"),
+        ("mesh.dp=two", "mesh.dp", "mesh.dp: expected an integer, got 'two' (str)"),
+        ("mesh.dp=true", "mesh.dp", "mesh.dp: expected an integer, got True (bool)"),
+        ("mesh.dp=[1,2]", "mesh.dp", "mesh.dp: expected an integer, got [1, 2] (list)"),
+        ("mesh.dp=2.0", "mesh.dp", "expected an integer, got 2.0 (float)"),
+        ("train.activation_checkpointing=1", "train.activation_checkpointing", "true or false"),
+        ("resources.use_gpu=1", "resources.use_gpu", 'expected true, false or "auto"'),
+        ("pipeline.layers=1,3", "pipeline.layers", "expected a list of integers, got '1,3' (str)"),
+        ("pipeline.layers=[1,true]", "pipeline.layers", "expected a list of integers"),
+        ("elastic.step_timeout_s=inf", "elastic.step_timeout_s", "expected a finite number"),
+        ("train.lr=nan", "train.lr", "expected a finite number"),
+    ],
+)
+def test_wrong_types(override: str, key: str, expected: str) -> None:
+    err = error_for(override)
+    assert err.key == key and expected in str(err)
+
+
+def test_wrong_type_in_file_names_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[mesh]\ntp = "2"\n')
+    err = error_for(path=path)
+    assert err.key == "mesh.tp" and "mesh.tp: expected an integer, got '2' (str)" in str(err)
+
+
+# --- validation ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "mesh.dp", "mesh.pp", "mesh.tp", "model.n_layers", "model.d_model", "model.n_heads",
+        "model.vocab_size", "model.seq_len", "train.steps", "train.global_batch_size",
+        "train.micro_batch_size", "pipeline.virtual_stages", "checkpoint.keep",
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("value", [0, -1])
+def test_sizes_must_be_positive(key: str, value: int) -> None:
+    err = error_for(f"{key}={value}")
+    assert err.key == key and f"{key} must be >= 1" in str(err)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.warmup_steps", "checkpoint.every", "elastic.max_restarts", "train.weight_decay",
+        "train.grad_clip", "model.ffn_hidden", "elastic.max_dp",
+    ],
+)  # fmt: skip
+def test_counts_must_be_non_negative(key: str) -> None:
+    load_config(None, [f"{key}=0"])
+    err = error_for(f"{key}=-1")
+    assert err.key == key and f"{key} must be >= 0" in str(err)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.lr", "elastic.collective_timeout_s", "elastic.step_timeout_s",
+        "elastic.rebuild_timeout_s", "elastic.grow_check_s", "resources.placement_timeout_s",
+        "resources.cpus_per_worker", "model.norm_eps",
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("value", ["0", "-1.5"])
+def test_must_be_positive(key: str, value: str) -> None:
+    err = error_for(f"{key}={value}")
+    assert err.key == key and f"{key} must be > 0" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragments"),
+    [
+        (["mesh.zero=1"], "mesh.zero", ["mesh.zero=1 is not allowed", "2, 3"]),
+        (["train.dtype=float16"], "train.dtype", ['"float32", "bfloat16"']),
+        (["pipeline.schedule=zb"], "pipeline.schedule", ['"1f1b", "gpipe", "interleaved_1f1b"']),
+        (["resources.use_gpu=yes"], "resources.use_gpu", ['true, false, "auto"']),
+        (['resources.use_gpu="true"'], "resources.use_gpu", ['"true" is not allowed']),
+        (["train.beta2=1"], "train.beta2", ["[0, 1)"]),
+        (["train.min_lr_ratio=2"], "train.min_lr_ratio", ["[0, 1]"]),
+    ],
+)
+def test_enums_and_ranges(overrides: list[str], key: str, fragments: list[str]) -> None:
+    err = error_for(*overrides)
+    assert err.key == key
+    for fragment in fragments:
+        assert fragment in str(err)
+
+
+def test_n_heads_not_divisible_by_tp() -> None:
+    err = error_for("model.n_heads=6", "model.d_model=96", "mesh.tp=4", "mesh.dp=1")
+    assert err.key == "model.n_heads"
+    assert str(err) == (
+        "model.n_heads=6 is not divisible by mesh.tp=4: choose n_heads as a multiple of tp "
+        "(e.g. 8) or a tp that divides 6"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model.vocab_size=257"], "model.vocab_size"),
+        (["model.seq_len=63"], "model.seq_len"),
+        (["model.ffn_hidden=255"], "model.ffn_hidden"),
+    ],
+)
+def test_tp_divisibility(overrides: list[str], key: str) -> None:
+    err = error_for(*overrides)
+    assert err.key == key and "not divisible by mesh.tp=2" in str(err) and "multiple of" in str(err)
+
+
+def test_d_model_heads() -> None:
+    err = error_for("model.d_model=66")
+    assert err.key == "model.d_model" and "not divisible by model.n_heads=4" in str(err)
+    err = error_for("model.d_model=12")  # head_dim 3
+    assert err.key == "model.d_model" and "even head_dim" in str(err)
+
+
+def test_builtin_data_needs_byte_vocab() -> None:
+    err = error_for("model.vocab_size=128")
+    assert err.key == "model.vocab_size" and "model.vocab_size >= 256" in str(err)
+    assert load_config(None, ["model.vocab_size=128", "data.path=/shards"]).model.vocab_size == 128
+
+
+def test_pp_exceeds_layers() -> None:
+    err = error_for("mesh.pp=8", "mesh.dp=1", "mesh.tp=1", "train.global_batch_size=16")
+    assert err.key == "mesh.pp"
+    expected = "mesh.pp=8 exceeds model.n_layers=4: every pipeline stage needs at least one layer"
+    assert expected in str(err)
+    err = error_for(
+        "mesh.pp=4", "mesh.dp=1", "mesh.tp=1", "train.global_batch_size=16",
+        "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+    )  # fmt: skip
+    assert err.key == "mesh.pp" and "pipeline.virtual_stages=2 = 8 stages exceeds" in str(err)
+
+
+def test_batch_not_divisible() -> None:
+    err = error_for("train.global_batch_size=10")
+    assert err.key == "train.global_batch_size"
+    assert "not divisible by mesh.dp x train.micro_batch_size = 2 x 2 = 4" in str(err)
+    assert "(e.g. 12)" in str(err)
+
+
+def test_too_few_microbatches_for_1f1b() -> None:
+    err = error_for("mesh.pp=4", "mesh.tp=1")  # 8 / (2*2) = 2 microbatches < 4 stages
+    assert err.key == "train.global_batch_size"
+    assert "at least mesh.pp=4 microbatches per replica, got 2" in str(err)
+    assert "raise train.global_batch_size to 16 or lower train.micro_batch_size" in str(err)
+    # GPipe has no such requirement: only a larger bubble.
+    assert load_config(None, ["mesh.pp=4", "mesh.tp=1", "pipeline.schedule=gpipe"]).mesh.pp == 4
+
+
+def test_interleaved_rules() -> None:
+    base = ["mesh.pp=2", "mesh.dp=1", "mesh.tp=1", "model.n_layers=8"]
+    err = error_for(*base, "pipeline.schedule=interleaved_1f1b")
+    assert err.key == "pipeline.virtual_stages" and "virtual_stages >= 2" in str(err)
+    err = error_for(*base, "pipeline.virtual_stages=2")
+    assert err.key == "pipeline.virtual_stages" and "interleaved_1f1b" in str(err)
+    err = error_for(
+        *base, "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+        "train.global_batch_size=6",
+    )  # fmt: skip  # 3 microbatches, pp=2
+    assert err.key == "train.global_batch_size" and "multiple of mesh.pp=2" in str(err)
+    ok = load_config(
+        None, [*base, "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"]
+    )
+    assert microbatches_per_replica(ok.train, ok.mesh.dp) == 4
+
+
+def test_pipeline_layers_rules() -> None:
+    base = ["mesh.pp=2", "mesh.dp=1"]
+    err = error_for(*base, "pipeline.layers=[4]")
+    assert err.key == "pipeline.layers" and "has 1 entries but" in str(err)
+    err = error_for(*base, "pipeline.layers=[2,3]")
+    assert err.key == "pipeline.layers" and "sums to 5 but model.n_layers=4" in str(err)
+    err = error_for(*base, "pipeline.layers=[0,4]")
+    assert err.key == "pipeline.layers" and "pipeline.layers[0]=0" in str(err)
+
+
+def test_elastic_bounds() -> None:
+    err = error_for("elastic.min_dp=3")
+    assert err.key == "elastic.min_dp"
+    assert str(err).startswith("elastic.min_dp=3 > mesh.dp=2: lower elastic.min_dp to at most 2")
+    err = error_for("elastic.min_dp=0")
+    assert err.key == "elastic.min_dp"
+    err = error_for("elastic.max_dp=1")
+    assert err.key == "elastic.max_dp" and "raise elastic.max_dp to at least 2" in str(err)
+    assert dp_bounds(load_config(None, ["elastic.max_dp=4"])) == (1, 4)
+
+
+def test_step_timeout_message() -> None:
+    err = error_for("elastic.step_timeout_s=0")
+    assert str(err).startswith("elastic.step_timeout_s must be > 0")
+
+
+# --- reusable pieces -----------------------------------------------------------------------
+
+
+def test_check_mesh_for_candidate_meshes() -> None:
+    cfg = load_config(None)
+    check_mesh(cfg, 1, 1, 2)
+    check_mesh(cfg, 4, 1, 1)
+    with pytest.raises(ConfigError) as info:
+        check_mesh(cfg, 3, 1, 2)  # 8 samples over 3 replicas x 2
+    assert info.value.key == "train.global_batch_size"
+    with pytest.raises(ConfigError) as info:
+        check_mesh(cfg, 0, 1, 2)
+    assert info.value.key == "mesh.dp"
+    with pytest.raises(ConfigError) as info:
+        check_mesh(cfg, 1, 1, 8)
+    assert info.value.key == "model.n_heads"
+
+
+def test_replace_mesh() -> None:
+    cfg = load_config(None)
+    smaller = replace_mesh(cfg, dp=1)
+    assert smaller.mesh.dp == 1 and smaller.mesh.tp == 2 and cfg.mesh.dp == 2
+    assert smaller.model is cfg.model
+    assert model_fingerprint(smaller) == model_fingerprint(cfg)
+
+
+def test_fingerprint_and_diff() -> None:
+    a = load_config(None)
+    b = load_config(None, ["model.n_layers=2", "train.lr=1e-2"])
+    c = load_config(None, ["data.path=/shards"])
+    assert len(model_fingerprint(a)) == 64
+    # Only the model and data.path matter: training knobs do not.
+    same_model = load_config(None, ["train.lr=1e-2", "mesh.dp=1"])
+    assert model_fingerprint(same_model) == model_fingerprint(a)
+    assert model_fingerprint(b) != model_fingerprint(a) != model_fingerprint(c)
+    da, db = config_to_dict(a), config_to_dict(b)
+    assert model_diff(da, db) == ["model.n_layers"]
+    assert model_diff(da, da) == []
+    assert model_diff(da, config_to_dict(c)) == ["data.path"]
+    partial_model = {k: v for k, v in da["model"].items() if k != "seq_len"}
+    partial = {"model": partial_model, "data": da["data"]}
+    assert model_diff(da, partial) == ["model.seq_len"]
+
+
+def test_config_error_pickles() -> None:
+    err = ConfigError("model.n_heads", "model.n_heads=6 is not divisible by mesh.tp=4: fix it")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ConfigError and isinstance(back, ValueError)
+    assert (back.key, str(back), back.message) == (err.key, str(err), err.message)

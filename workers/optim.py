@@ -1,0 +1,62 @@
+"""Optimizer, learning-rate schedule and gradient clipping, shared by the mesh runtime and the reference.
+
+The LR is a pure function of the optimizer step (warm-up then cosine), set on every param group
+before each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def lr_at(step: int, train) -> float:
+    """Learning rate for optimizer step ``step`` (1-based)."""
+    if train.warmup_steps and step <= train.warmup_steps:
+        return train.lr * step / train.warmup_steps
+    decay_steps = max(1, train.steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    floor = train.lr * train.min_lr_ratio
+    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(module: nn.Module, train) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        module.parameters(),
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        weight_decay=train.weight_decay,
+        eps=1e-8,
+    )
+
+
+def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
+def clip_grad_norm(
+    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+) -> float:
+    """Clip by the global grad norm over every parameter of the model, wherever it is sharded.
+
+    DTensor norms reduce over dp/tp by themselves; pipeline stages hold disjoint parameters, so their
+    squared norms are summed over the pp group (as TorchTitan's ``clip_grad_norm_`` does).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        squared = total.pow(2)
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)

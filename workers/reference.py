@@ -1,0 +1,51 @@
+"""The single-process reference trainer: the math every mesh, resize and resume must reproduce.
+
+One process, no process groups, the whole model, the whole global batch. Tests compare the mesh's
+per-step losses and final parameters against this; the step-overhead benchmark times it as the
+"plain PyTorch loop".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers import data as data_lib
+from workers.model import GPT, build_stage, lm_loss_sum
+from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+
+class ReferenceTrainer:
+    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN) -> None:
+        self.model_cfg, self.train = model_cfg, train
+        self.model: GPT = build_stage(
+            model_cfg, range(model_cfg.n_layers), train.seed, train.activation_checkpointing
+        )
+        self.optimizer = build_optimizer(self.model, train)
+        self.source = data_lib.open_source(data_path)
+        self.num_samples = self.source.num_samples(model_cfg.seq_len)
+
+    def step(self, step: int) -> float:
+        """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
+        train, seq_len = self.train, self.model_cfg.seq_len
+        ids = data_lib.global_sample_ids(step, train.global_batch_size, train.seed, self.num_samples)
+        global_tokens = train.global_batch_size * seq_len
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for start in range(0, len(ids), train.micro_batch_size):
+            x, y = data_lib.microbatch_tokens(self.source, ids[start : start + train.micro_batch_size], seq_len)
+            loss = lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
+            loss.backward()
+            total += float(loss.detach())
+        params = list(self.model.parameters())
+        if train.grad_clip > 0:
+            clip_grad_norm(params, train.grad_clip, None)
+        set_lr([self.optimizer], lr_at(step, train))
+        self.optimizer.step()
+        return total
+
+    def run(self, first_step: int, last_step: int) -> list[float]:
+        return [self.step(s) for s in range(first_step, last_step + 1)]
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().float().numpy().copy() for n, p in self.model.named_parameters()}

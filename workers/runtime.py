@@ -1,0 +1,148 @@
+"""RankRuntime: everything one rank trains with during one generation.
+
+It owns the generation's ``ProcessGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
+their optimizers and the data source. A rebuild throws the whole object away and makes a new one
+from the next generation's groups; state crosses generations only through a checkpoint (or the
+in-memory snapshot used by tests), never through cached groups or meshes.
+
+Usable without Ray (the single-rank benchmark and the spawned-process tests build it directly).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from orchestrator.mesh import layer_ranges
+from orchestrator.messages import RuntimeSpec, StepResult
+from orchestrator.schedule import Action, stages_of_rank
+from workers import data as data_lib
+from workers.groups import ProcessGroups
+from workers.model import build_stage
+from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from workers.parallelize import parallelize_stage
+from workers.pipeline import Executor, Stage, StepData
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class RankRuntime:
+    def __init__(self, spec: RuntimeSpec, groups: ProcessGroups) -> None:
+        self.spec = spec
+        self.groups = groups
+        model_cfg, train = spec.model, spec.train
+        shape, coords = groups.shape, groups.coords
+        self.num_stages = shape.pp * spec.virtual_stages
+        self.param_dtype = DTYPES[train.dtype]
+        ranges = layer_ranges(list(spec.layers_per_stage))
+        self.stages: dict[int, Stage] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
+            first, end = ranges[index]
+            module = build_stage(
+                model_cfg, range(first, end), train.seed, train.activation_checkpointing
+            ).to(groups.device)
+            module = parallelize_stage(
+                module,
+                dp_mesh=groups.dp_mesh,
+                tp_mesh=groups.tp_mesh,
+                zero=spec.zero,
+                param_dtype=self.param_dtype,
+            )
+            self.stages[index] = Stage(
+                index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
+            )
+            self.optimizers.append(build_optimizer(module, train))
+        self.params: list[nn.Parameter] = [
+            p for stage in self.stages.values() for p in stage.module.parameters()
+        ]
+        seq_local = model_cfg.seq_len // shape.tp if shape.tp > 1 else model_cfg.seq_len
+        self.executor = Executor(
+            self.stages,
+            num_stages=self.num_stages,
+            pp=shape.pp,
+            peer_of_pp_index=groups.pp_peer,
+            boundary_shape=(train.micro_batch_size, seq_local, model_cfg.d_model),
+            boundary_dtype=self.param_dtype,
+            device=groups.device,
+            pp_group=groups.pp_group if shape.pp > 1 else None,
+        )
+        self.source = data_lib.open_source(spec.data_path)
+        self.num_samples = self.source.num_samples(model_cfg.seq_len)
+
+    # -- training ---------------------------------------------------------------------------------
+    def _step_data(self, step: int) -> StepData:
+        train, shape = self.spec.train, self.groups.shape
+        seq_len = self.spec.model.seq_len
+        ids = data_lib.replica_microbatches(
+            step, train.global_batch_size, train.micro_batch_size,
+            self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
+        )
+        inputs, targets = [], []
+        for mb_ids in ids:
+            x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
+            inputs.append(torch.from_numpy(x).to(self.groups.device))
+            targets.append(torch.from_numpy(y).to(self.groups.device))
+        global_tokens = train.global_batch_size * seq_len
+        return StepData(
+            inputs=inputs,
+            targets=targets,
+            grad_scale=shape.dp / global_tokens,
+            report_scale=1.0 / global_tokens,
+        )
+
+    def train_step(self, step: int, actions: list[Action]) -> StepResult:
+        """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
+        t0 = time.perf_counter()
+        data = self._step_data(step)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss, timings, compute = self.executor.run(actions, data)
+        if self.spec.train.grad_clip > 0:
+            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
+        set_lr(self.optimizers, lr_at(step, self.spec.train))
+        for opt in self.optimizers:
+            opt.step()
+        coords = self.groups.coords
+        reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
+        return StepResult(
+            step=step,
+            world_rank=self.groups.world_rank,
+            ok=True,
+            loss=loss if reports_loss else None,
+            step_time_s=time.perf_counter() - t0,
+            compute_s=compute,
+            timings=tuple(timings),
+        )
+
+    # -- inspection -------------------------------------------------------------------------------
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Unsharded parameters of this rank's stages (a collective over dp/tp: all ranks must call).
+
+        Returned on (dp=0, tp=0) ranks only, so the driver gets each stage's parameters exactly once.
+        """
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, np.ndarray] = {}
+        keep = self.groups.coords.dp == 0 and self.groups.coords.tp == 0
+        for stage in self.stages.values():
+            for name, param in stage.module.named_parameters():
+                full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+                if keep:
+                    out[name] = full.float().cpu().numpy().copy()
+        return out
+
+    def model_parts(self) -> list[nn.Module]:
+        return [stage.module for stage in self.stages.values()]
+
+    def destroy(self) -> None:
+        self.stages.clear()
+        self.optimizers.clear()
+        self.params.clear()
+        self.groups.destroy()
