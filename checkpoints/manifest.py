@@ -74,7 +74,7 @@ class CheckpointManifest:
         if not isinstance(data, dict):
             raise ManifestError(f"manifest must be a JSON object, got {type(data).__name__}", path)
         version = data.get("format_version")
-        if not _is_int(version):
+        if not isinstance(version, int) or isinstance(version, bool):
             raise ManifestError("manifest has no integer format_version", path)
         if version > FORMAT_VERSION:
             raise ManifestError(

@@ -113,13 +113,16 @@ def capture_extras(step: int, data_cursor: int, lr_scheduler: Any | None = None,
     return extra
 
 
-def restore_extras(extra: dict[str, Any], lr_schedulers: Any | Sequence[Any] = (), *, rng: bool = True) -> ResumePoint:
+def restore_extras(extra: dict[str, Any], lr_schedulers: Any | Sequence[Any] | None = (), *,
+                   rng: bool = True) -> ResumePoint:
     """Apply loaded extras: scheduler state into every given scheduler, RNG state if present.
 
     Returns:
         The step and data cursor to resume from.
     """
-    schedulers = list(lr_schedulers) if isinstance(lr_schedulers, (list, tuple)) else [lr_schedulers]
+    if lr_schedulers is None:
+        lr_schedulers = ()
+    schedulers: list[Any] = list(lr_schedulers) if isinstance(lr_schedulers, (list, tuple)) else [lr_schedulers]
     if schedulers and "lr_scheduler" in extra:
         for sched in schedulers:
             sched.load_state_dict(extra["lr_scheduler"])

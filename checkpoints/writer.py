@@ -5,8 +5,9 @@ step pays for); DCP then writes it from a thread. Rules this module enforces:
 
 * at most one save in flight: the next ``save`` first waits for the previous one, which is also
   what makes reusing the staging buffers safe;
-* a background failure is never lost: it is logged when it happens, set on the returned future, and
-  raised as :class:`CheckpointError` by the next ``save``/``wait_for_previous``;
+* a background failure is never lost and reported once: it is logged when it happens and set on the
+  returned future; if nobody read it from there, the next ``save``/``wait_for_previous`` raises it
+  as :class:`CheckpointError`. ``last_error`` keeps the latest failure either way;
 * the asynchronous collectives (DCP's plan exchange) run on a process group of their own. On the
   training group they interleave with training collectives and gloo aborts the process
   (notes/cpu-gloo-facts.md row 7e, gotcha 9), so that case is refused.
@@ -53,6 +54,24 @@ class SaveTiming:
     """Part of ``stall_s`` spent waiting for the previous save to finish."""
 
 
+class SaveFuture(Future):
+    """A ``Future[SaveTiming]`` that remembers whether its outcome was read (to report failures once)."""
+
+    observed = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        finally:
+            self.observed = self.observed or self.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        finally:
+            self.observed = self.observed or self.done()
+
+
 def dcp_writer(path: str) -> dcp.StorageWriter:
     """DCP writer for a local/shared path (``FileSystemWriter``) or any fsspec URI (``FsspecWriter``)."""
     lp = local_path(path)
@@ -88,7 +107,7 @@ class AsyncCheckpointWriter:
         self._no_dist = not distributed
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._stager = self._new_stager() if use_async else None
-        self._pending: Future[SaveTiming] | None = None
+        self._pending: SaveFuture | None = None
         self.last_error: BaseException | None = None
         """The most recent failure of any save (kept after it was raised, for status reports)."""
 
@@ -107,25 +126,28 @@ class AsyncCheckpointWriter:
         """Block until the previous save finished. Returns its timing, or None if there was none.
 
         Raises:
-            CheckpointError: the previous save failed (raised once; ``last_error`` keeps it) or did
-                not finish within ``timeout`` seconds (it stays pending).
+            CheckpointError: the previous save failed and its future's outcome was never read, or it
+                did not finish within ``timeout`` seconds (it stays pending).
         """
         pending = self._pending
         if pending is None:
             return None
+        already_reported = pending.observed
         try:
             timing = pending.result(timeout=timeout)
         except TimeoutError:
             raise CheckpointError(f"previous checkpoint save still running after {timeout}s") from None
         except BaseException as e:
             self._pending = None
+            if already_reported:  # the caller got it from the future already
+                return None
             if isinstance(e, CheckpointError):
                 raise CheckpointError(f"previous checkpoint save failed: {e.message}", e.path) from e
             raise CheckpointError(f"previous checkpoint save failed: {summarize_failure(e)}") from e
         self._pending = None
         return timing
 
-    def save(self, state: dict[str, Any], path: str) -> Future[SaveTiming]:
+    def save(self, state: dict[str, Any], path: str) -> SaveFuture:
         """Save ``state`` (e.g. :func:`checkpoints.state.training_state`) as this rank's shard of ``path``.
 
         All ranks of the process group must call it with the same path. Returns once the state is
@@ -143,7 +165,7 @@ class AsyncCheckpointWriter:
             if not self.use_async:
                 metadata = dcp.save(state, **kwargs)
                 elapsed = time.monotonic() - t0
-                done: Future[SaveTiming] = Future()
+                done = SaveFuture()
                 done.set_result(SaveTiming(elapsed, elapsed - waited, path, self._files(metadata, path), waited))
                 return done
             upload = dcp.async_save(state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
@@ -152,7 +174,7 @@ class AsyncCheckpointWriter:
             self.last_error = e
             raise CheckpointError(f"checkpoint save failed: {summarize_failure(e)}", path) from e
         staged = time.monotonic()
-        out: Future[SaveTiming] = Future()
+        out = SaveFuture()
 
         def finish(f: Future) -> None:  # runs on DCP's writer thread when the write ends
             try:

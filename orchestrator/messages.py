@@ -24,6 +24,7 @@ class RuntimeSpec:
     virtual_stages: int
     collective_timeout_s: float
     use_gpu: bool
+    async_checkpoint: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -39,6 +40,7 @@ class RankActor:
         self.error: str | None = None
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
         self._lock = threading.Lock()
+        self._fault: tuple[int, str, float] | None = None
 
     def ping(self) -> tuple[int, str]:
         return os.getpid(), ray.util.get_node_ip_address()
@@ -81,6 +83,7 @@ class RankActor:
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         self.busy, self.step = True, step
+        self._maybe_fire_fault(step)
         try:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
@@ -94,6 +97,20 @@ class RankActor:
 
     def full_state(self) -> dict:
         return self.runtime.full_state()
+
+    def save_checkpoint(self, path: str, step: int) -> dict:
+        return {"stall_s": self.runtime.save_checkpoint(path, step)}
+
+    def wait_checkpoint(self) -> dict:
+        return self.runtime.wait_checkpoint()
+
+    def load_checkpoint(self, path: str) -> int:
+        with self._lock:
+            return self.runtime.load_checkpoint(path)
+
+    def arm_fault(self, step: int, kind: str, delay_s: float = 0.3) -> None:
+        """Test hook: at ``step``, ``delay_s`` into it, SIGKILL ("kill") or SIGSTOP ("hang") this process."""
+        self._fault = (step, kind, delay_s)
 
     def leave_generation(self) -> None:
         with self._lock:
@@ -111,6 +128,14 @@ class RankActor:
 
         local = {port for _, port in self.gloo_listeners}
         return shutdown_gloo_sockets(local, set(map(tuple, peers)))
+
+    def _maybe_fire_fault(self, step: int) -> None:
+        if self._fault is None or self._fault[0] != step:
+            return
+        _, kind, delay = self._fault
+        self._fault = None
+        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}[kind]
+        threading.Timer(delay, os.kill, (os.getpid(), sig)).start()
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(

@@ -1,12 +1,11 @@
-"""Optimizer, learning-rate schedule and gradient clipping, shared by the mesh runtime and the reference.
+"""Optimizer and gradient clipping, shared by the mesh runtime and the single-process reference.
 
-The LR is a pure function of the optimizer step (warm-up then cosine), set on every param group
-before each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
+The LR (orchestrator/lr_schedule.py) is a pure function of the step, set on every param group before
+each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -14,15 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def lr_at(step: int, train) -> float:
-    """Learning rate for optimizer step ``step`` (1-based)."""
-    if train.warmup_steps and step <= train.warmup_steps:
-        return train.lr * step / train.warmup_steps
-    decay_steps = max(1, train.steps - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
-    floor = train.lr * train.min_lr_ratio
-    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+from orchestrator.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
 
 
 def build_optimizer(module: nn.Module, train) -> torch.optim.AdamW:

@@ -73,6 +73,8 @@ class RankRuntime:
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
         )
+        self._writer = None
+        self._save_future = None
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
 
@@ -141,7 +143,43 @@ class RankRuntime:
     def model_parts(self) -> list[nn.Module]:
         return [stage.module for stage in self.stages.values()]
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, step: int) -> float:
+        """Stage this rank's shard of step ``step`` and start writing it; returns the stall seconds."""
+        from checkpoints.state import training_state
+        from checkpoints.writer import AsyncCheckpointWriter
+
+        t0 = time.perf_counter()
+        if self._writer is None:
+            # Dedicated group: async DCP on a training group aborts gloo (cpu-gloo-facts gotcha 9).
+            self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint)
+        state = training_state(
+            self.model_parts(), self.optimizers, step=step,
+            data_cursor=step * self.spec.train.global_batch_size, rng=False,
+        )
+        self._save_future = self._writer.save(state, path)
+        return time.perf_counter() - t0
+
+    def wait_checkpoint(self) -> dict:
+        """Block until the shard is durable (called on a second actor thread); the ack."""
+        timing = self._save_future.result()
+        return {"write_s": timing.write_s, "files": dict(timing.files), "stall_s": timing.stall_s}
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load (resharding into this generation's mesh) and return the checkpoint's step."""
+        from checkpoints.reader import load_training_state
+
+        point = load_training_state(
+            path, self.model_parts(), self.optimizers, restore_rng=False,
+            process_group=self.groups.ckpt_group,
+        )
+        return point.step
+
     def destroy(self) -> None:
+        if self._writer is not None:
+            # A write still running belongs to a generation being torn down: never committed.
+            self._writer.abandon()
+            self._writer = None
         self.stages.clear()
         self.optimizers.clear()
         self.params.clear()

@@ -22,6 +22,7 @@ from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
 from tests.distributed.conftest import run_world
 
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 D_IN, HIDDEN, D_OUT, GLOBAL_BATCH, SAVED_STEP = 10, 22, 6, 8, 2
 SOURCES = {"fsdp": (4, 1), "tp": (2, 2)}  # name -> (dp, tp) of the saving layout
 

@@ -16,7 +16,7 @@ from torch import nn
 from checkpoints.errors import CheckpointError, CheckpointMismatchError
 from checkpoints.reader import load, load_training_state
 from checkpoints.state import training_state
-from checkpoints.writer import AsyncCheckpointWriter, SaveTiming
+from checkpoints.writer import AsyncCheckpointWriter, SaveFuture, SaveTiming
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 
@@ -103,7 +103,8 @@ def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
         for p in model.parameters():
             p.add_(1000.0)
     timing = first.result(timeout=30)
-    assert isinstance(timing, SaveTiming) and timing.stall_s >= 0 and timing.write_s > 0
+    assert isinstance(first, SaveFuture) and isinstance(timing, SaveTiming)
+    assert timing.stall_s >= 0 and timing.write_s > 0
     assert {"__0_0.distcp", ".metadata"} <= set(timing.files)
     cache = writer._stager._state_dict_stager._cached_storage_mapping  # DCP's staging-buffer cache
     buffers = {id(v) for v in cache.values()}
@@ -117,22 +118,30 @@ def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
         assert torch.equal(value, before[key]), key
 
 
-def test_background_failure_is_reported_never_lost(tmp_path):
+def test_background_failure_is_reported_once_never_lost(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
+    bad = str(blocker / "step-1")
     model = _net()
     opt = torch.optim.AdamW(model.parameters())
     writer = AsyncCheckpointWriter()
-    failed = writer.save(training_state(model, opt, step=1, data_cursor=1), str(blocker / "step-1"))
-    with pytest.raises(CheckpointError) as info:
+
+    def state(step: int) -> dict:
+        return training_state(model, opt, step=step, data_cursor=step)
+
+    # Nobody reads the failed future: the next save raises instead of starting.
+    writer.save(state(1), bad)
+    with pytest.raises(CheckpointError, match="previous checkpoint save failed.*Not a directory") as info:
+        writer.save(state(2), str(tmp_path / "ok"))
+    assert bad in str(info.value) and writer.last_error is not None
+    assert not (tmp_path / "ok").exists()
+    # The caller read it from the future: reported there, so the next save goes ahead.
+    failed = writer.save(state(1), bad)
+    with pytest.raises(CheckpointError, match="background checkpoint write failed") as info:
         failed.result(timeout=30)
-    assert str(blocker / "step-1") in str(info.value)
-    assert writer.last_error is not None
-    # Even had nobody looked at the future, the next save reports it instead of starting.
-    writer._pending = failed
-    with pytest.raises(CheckpointError, match="previous checkpoint save failed"):
-        writer.save(training_state(model, opt, step=2, data_cursor=2), str(tmp_path / "ok"))
-    writer.save(training_state(model, opt, step=2, data_cursor=2), str(tmp_path / "ok")).result(timeout=30)
+    assert bad in str(info.value)
+    writer.save(state(2), str(tmp_path / "ok")).result(timeout=30)
+    assert (tmp_path / "ok" / ".metadata").exists()
     writer.close()
 
 

@@ -1,0 +1,149 @@
+"""Metrics sinks: the JSONL contract, a progress display, TensorBoard, Ray metrics, step timelines.
+
+JSONL records follow shared/ARCHITECTURE.md exactly (one object per line, flushed as written); we add
+``bubble`` (measured pipeline bubble fraction) to step records. The Chrome-trace/Perfetto timeline
+(``metrics.timeline``) shows one row per rank with every pipeline action of the latest step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from orchestrator.messages import StepResult
+
+logger = logging.getLogger(__name__)
+
+
+def bubble_fraction(results: list[StepResult]) -> float:
+    """1 - (compute time summed over ranks) / (ranks x slowest rank's step time)."""
+    if not results:
+        return 0.0
+    wall = max(r.step_time_s for r in results)
+    if wall <= 0:
+        return 0.0
+    return max(0.0, 1.0 - sum(r.compute_s for r in results) / (len(results) * wall))
+
+
+def write_timeline(path: str, step: int, results: list[StepResult]) -> None:
+    """Chrome trace (chrome://tracing, ui.perfetto.dev): one row (tid) per world rank."""
+    events: list[dict[str, Any]] = []
+    for r in sorted(results, key=lambda r: r.world_rank):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r.world_rank,
+                       "args": {"name": f"rank {r.world_rank}"}})
+        for t in r.timings:
+            events.append({
+                "name": t.action, "ph": "X", "pid": 0, "tid": r.world_rank,
+                "ts": t.start_s * 1e6, "dur": max(0.0, t.end_s - t.start_s) * 1e6,
+                "cat": "compute" if t.action.rstrip("0123456789")[-1:] in "FB" else "comm",
+            })
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": events, "otherData": {"step": step}}, f)
+    os.replace(tmp, path)
+
+
+class RayMetrics:
+    """Step metrics exported through ray.util.metrics (dashboard / Prometheus) as ``elastimesh_*``."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics
+
+        self.loss = metrics.Gauge("elastimesh_loss", "global-batch mean loss of the latest step")
+        self.tps = metrics.Gauge("elastimesh_tokens_per_s", "training throughput, tokens per second")
+        self.step = metrics.Gauge("elastimesh_step", "latest completed optimizer step")
+        self.world = metrics.Gauge("elastimesh_world_size", "ranks in the current generation")
+        self.events = metrics.Counter(
+            "elastimesh_events_total", "failures, rebuilds, grows, checkpoints", tag_keys=("event",)
+        )
+
+    def on_step(self, rec: dict) -> None:
+        self.loss.set(rec["loss"])
+        self.tps.set(rec["tokens_per_s"])
+        self.step.set(rec["step"])
+        self.world.set(rec["dp"] * rec["pp"] * rec["tp"])
+
+    def on_event(self, rec: dict) -> None:
+        self.events.inc(1, tags={"event": rec["event"]})
+
+
+class MetricsLog:
+    def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True) -> None:
+        self.cfg = cfg
+        self._file = None
+        if cfg.path:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.path)), exist_ok=True)
+            self._file = open(cfg.path, "a", buffering=1)
+        self._tb = None
+        if cfg.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(cfg.tensorboard_dir)
+        self._ray = None
+        if ray_metrics:
+            try:
+                self._ray = RayMetrics()
+            except Exception as exc:  # metrics are best-effort; training must not depend on them
+                logger.debug("ray metrics unavailable: %s", exc)
+        self._progress = None
+        if progress_total:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False,
+            )
+            self._task = self._progress.add_task("train", total=progress_total, info="")
+            self._progress.start()
+
+    def _write(self, rec: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+
+    def step(self, rec: dict) -> None:
+        self._write(rec)
+        if self._tb is not None:
+            for key in ("loss", "lr", "tokens_per_s", "step_time_s", "bubble"):
+                if key in rec:
+                    self._tb.add_scalar(f"train/{key}", rec[key], rec["step"])
+        if self._ray is not None:
+            self._ray.on_step(rec)
+        line = (
+            f"step {rec['step']:>5}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+            f"{rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s']:.2f}s  "
+            f"mesh dp={rec['dp']} pp={rec['pp']} tp={rec['tp']} gen={rec['generation']}"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=rec["step"], info=f"loss {rec['loss']:.4f}")
+            if rec["step"] % max(1, self.cfg.log_every) == 0:
+                self._progress.console.print(line, highlight=False)
+        elif rec["step"] % max(1, self.cfg.log_every) == 0:
+            logger.info(line)
+
+    def event(self, event: str, **fields: Any) -> None:
+        rec = {"event": event, **fields, "time": time.time()}
+        self._write(rec)
+        if self._ray is not None:
+            self._ray.on_event(rec)
+        message = f"{event}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+        if self._progress is not None:
+            self._progress.console.print(message, highlight=False)
+        else:
+            logger.info(message)
+
+    def timeline(self, step: int, results: list[StepResult]) -> None:
+        if self.cfg.timeline:
+            write_timeline(self.cfg.timeline, step, results)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None

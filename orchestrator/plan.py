@@ -1,0 +1,134 @@
+"""MeshPlan: what the driver decides before any actor starts (pure; no torch, no ray).
+
+Shape, stage split (balanced by parameter count, embedding and head included, or the user's
+``pipeline.layers``), which actor holds which coordinates, the pipeline schedule, and a per-rank
+memory estimate (parameters, gradients, optimizer state, activations) for ``elastimesh plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.config import JobConfig, microbatches_per_replica
+from orchestrator.mesh import MeshShape, balanced_split, layer_ranges, stage_param_counts
+from orchestrator.schedule import (
+    Action,
+    make_schedule,
+    peak_in_flight,
+    stages_of_rank,
+    theoretical_bubble,
+)
+
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def param_counts(model) -> dict[str, int]:
+    """Parameter counts of the built-in GPT by part (matches workers/model.py; tested there)."""
+    d, f, v = model.d_model, model.ffn_dim, model.vocab_size
+    layer = 4 * d * d + 3 * d * f + 2 * d
+    return {"embed": v * d, "layer": layer, "head": v * d + d, "total": 2 * v * d + d + model.n_layers * layer}
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    shape: MeshShape
+    layers_per_stage: tuple[int, ...]
+    virtual_stages: int
+    schedule_name: str
+    microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.shape.pp * self.virtual_stages
+
+    def actions(self) -> list[list[Action]]:
+        """The schedule per pipeline rank (every dp/tp rank at one pp position runs the same list)."""
+        return make_schedule(self.schedule_name, self.shape.pp, self.microbatches, self.virtual_stages)
+
+
+def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
+    dp = cfg.mesh.dp if dp is None else dp
+    num_stages = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    if cfg.pipeline.layers:
+        layers = tuple(cfg.pipeline.layers)
+    else:
+        counts = param_counts(cfg.model)
+        costs = stage_param_counts(cfg.model.n_layers, counts["layer"], counts["embed"], counts["head"])
+        layers = tuple(balanced_split(costs, num_stages))
+    return MeshPlan(
+        shape=MeshShape(dp, cfg.mesh.pp, cfg.mesh.tp),
+        layers_per_stage=layers,
+        virtual_stages=cfg.pipeline.virtual_stages,
+        schedule_name=cfg.pipeline.schedule,
+        microbatches=microbatches_per_replica(cfg.train, dp),
+    )
+
+
+def stage_params(cfg: JobConfig, plan: MeshPlan, stage: int) -> int:
+    counts = param_counts(cfg.model)
+    first, end = layer_ranges(list(plan.layers_per_stage))[stage]
+    total = (end - first) * counts["layer"]
+    if first == 0:
+        total += counts["embed"]
+    if end == cfg.model.n_layers:
+        total += counts["head"]
+    return total
+
+
+def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
+    """Estimated bytes per rank at pipeline position ``pp_rank`` (all dp/tp ranks there are alike).
+
+    Model state: fp32 master params + fp32 grads + two fp32 Adam moments, divided by tp (TP shards the
+    weights) and by dp under ZeRO (FSDP shards all of it; ZeRO-2 keeps the bf16/fp32 compute copy of
+    the parameters gathered). Activations: per layer and microbatch, roughly 16·s·b·d values (inputs of
+    norms, q/k/v, attention output, the 4x MLP) in the compute dtype, sequence/tensor-sharded by tp,
+    plus logits on the last stage, times the schedule's peak microbatches in flight on that stage.
+    """
+    m, t, train = cfg.model, plan.shape.tp, cfg.train
+    dp = plan.shape.dp
+    stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages)
+    params = sum(stage_params(cfg, plan, s) for s in stages) // t
+    sharded = params // dp if dp > 1 else params
+    act_bytes = BYTES[train.dtype]
+    gathered = params * act_bytes if cfg.mesh.zero == 2 and dp > 1 else 0
+    per_layer = 16 * train.micro_batch_size * m.seq_len * m.d_model * act_bytes // t
+    ranges = layer_ranges(list(plan.layers_per_stage))
+    inflight = peak_in_flight(plan.actions()[pp_rank])
+    layers_here = sum(ranges[s][1] - ranges[s][0] for s in stages)
+    activations = per_layer * layers_here * inflight // max(1, len(stages))
+    if plan.num_stages - 1 in stages:
+        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2  # fp32 logits + grad
+    return {
+        "params": sharded * 4 + gathered,
+        "grads": sharded * 4,
+        "optimizer": sharded * 8,
+        "activations": activations,
+        "peak_microbatches_in_flight": inflight,
+    }
+
+
+def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
+    """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
+    shape = plan.shape
+    ranges = layer_ranges(list(plan.layers_per_stage))
+    return {
+        "mesh": shape.as_dict(),
+        "world": shape.world,
+        "schedule": plan.schedule_name,
+        "virtual_stages": plan.virtual_stages,
+        "microbatches_per_replica": plan.microbatches,
+        "bubble_estimate": theoretical_bubble(shape.pp, plan.microbatches, plan.virtual_stages),
+        "stages": [
+            {"stage": s, "pp_rank": s % shape.pp, "layers": [a, b - 1], "params": stage_params(cfg, plan, s)}
+            for s, (a, b) in enumerate(ranges)
+        ],
+        "ranks": [
+            {"rank": r, **vars_of(shape.coords(r))} for r in range(shape.world)
+        ],
+        "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
+        "total_params": param_counts(cfg.model)["total"],
+    }
+
+
+def vars_of(coords) -> dict[str, int]:
+    return {"dp": coords.dp, "pp": coords.pp, "tp": coords.tp}

@@ -1,0 +1,34 @@
+"""Render `elastimesh plan`'s data (orchestrator.plan.describe) as a readable text report."""
+
+from __future__ import annotations
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def render(info: dict) -> str:
+    m = info["mesh"]
+    lines = [
+        f"mesh        dp={m['dp']} pp={m['pp']} tp={m['tp']}  ({info['world']} ranks, TP innermost)",
+        f"model       {info['total_params']:,} parameters",
+        f"schedule    {info['schedule']} (virtual stages {info['virtual_stages']}), "
+        f"{info['microbatches_per_replica']} microbatches per replica, "
+        f"bubble estimate {info['bubble_estimate']:.1%}",
+        "",
+        "stage  pp_rank  layers        params",
+    ]
+    for s in info["stages"]:
+        lo, hi = s["layers"]
+        lines.append(f"{s['stage']:>5}  {s['pp_rank']:>7}  {lo:>3}..{hi:<3}     {s['params']:>12,}")
+    lines += ["", "rank  dp  pp  tp"]
+    lines += [f"{r['rank']:>4}  {r['dp']:>2}  {r['pp']:>2}  {r['tp']:>2}" for r in info["ranks"]]
+    lines += ["", "memory per rank (estimate)   params      grads       optimizer   activations  total"]
+    for pp_rank, mem in info["memory_per_rank"].items():
+        total = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+        lines.append(
+            f"  pp_rank {pp_rank:<3} (peak {mem['peak_microbatches_in_flight']} mb in flight) "
+            f"{_mib(mem['params']):>10}  {_mib(mem['grads']):>10}  {_mib(mem['optimizer']):>10}  "
+            f"{_mib(mem['activations']):>11}  {_mib(total)}"
+        )
+    return "\n".join(lines) + "\n"

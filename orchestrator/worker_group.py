@@ -1,0 +1,170 @@
+"""WorkerGroup: the RankActors, their placement groups, and fan-out calls that always have a deadline.
+
+Actors are numbered by ``actor_id`` for their whole life; their *world rank* changes per generation.
+The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
+TP group shares a node); every later grow adds a placement group for the new actors. A dead actor's
+call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.errors import WorkerGroupStartupError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallOutcome:
+    """Per-actor outcome of one fan-out call."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    dead: dict[int, str] = field(default_factory=dict)  # actor died (RayActorError)
+    failed: dict[int, str] = field(default_factory=dict)  # the method raised
+    pending: list[int] = field(default_factory=list)  # no answer before the deadline
+    pending_refs: dict = field(default_factory=dict)  # ref -> actor_id, for a later collect()
+
+    @property
+    def ok(self) -> bool:
+        return not (self.dead or self.failed or self.pending)
+
+
+@dataclass(frozen=True, slots=True)
+class ActorResources:
+    cpus: float
+    gpus: int
+
+
+class WorkerGroup:
+    def __init__(self, resources: ActorResources, placement_timeout_s: float) -> None:
+        self.resources = resources
+        self.placement_timeout_s = placement_timeout_s
+        self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.pids: dict[int, int] = {}
+        self.node_ips: dict[int, str] = {}
+        self._pgs: list[Any] = []
+        self._next_id = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.resources.cpus}
+        if self.resources.gpus:
+            b["GPU"] = float(self.resources.gpus)
+        return b
+
+    def add(self, count: int, *, wait_s: float | None = None) -> list[int]:
+        """Start ``count`` new actors in a new placement group; returns their actor ids.
+
+        Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
+        """
+        from workers.actor import RankActor  # imported lazily: the class is shipped to the actors
+
+        wait_s = self.placement_timeout_s if wait_s is None else wait_s
+        pg = placement_group([self.bundle()] * count, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=wait_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise WorkerGroupStartupError(
+                f"could not place {count} workers of {self.bundle()} within "
+                f"resources.placement_timeout_s={wait_s:g}s (cluster has {ray.cluster_resources()}): "
+                "lower mesh.dp/pp/tp or resources.cpus_per_worker, set resources.use_gpu=false on a "
+                "CPU-only cluster, or add nodes"
+            ) from None
+        self._pgs.append(pg)
+        remote_cls = ray.remote(RankActor)
+        ids = []
+        for index in range(count):
+            actor_id = self._next_id
+            self._next_id += 1
+            self.actors[actor_id] = remote_cls.options(
+                num_cpus=self.resources.cpus,
+                num_gpus=self.resources.gpus,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            ).remote(actor_id)
+            ids.append(actor_id)
+        outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
+        if not outcome.ok:
+            raise WorkerGroupStartupError(
+                f"workers failed to start: {outcome.dead or outcome.failed or outcome.pending}"
+            )
+        for actor_id, (pid, ip) in outcome.results.items():
+            self.pids[actor_id], self.node_ips[actor_id] = pid, ip
+        return ids
+
+    def kill(self, actor_ids: list[int]) -> None:
+        for actor_id in actor_ids:
+            handle = self.actors.pop(actor_id, None)
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+            self.pids.pop(actor_id, None)
+
+    def shutdown(self) -> None:
+        self.kill(list(self.actors))
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # the cluster may already be gone
+                logger.debug("remove_placement_group: %s", exc)
+        self._pgs.clear()
+
+    @property
+    def live_ids(self) -> list[int]:
+        return sorted(self.actors)
+
+    # -- calls ------------------------------------------------------------------------------------
+    def call(
+        self,
+        actor_ids: list[int],
+        method: str,
+        args: dict[int, tuple] | tuple = (),
+        *,
+        timeout_s: float,
+    ) -> CallOutcome:
+        """Call ``method`` on each actor (per-actor args or shared args) and wait up to ``timeout_s``."""
+        return self.collect(self.submit(actor_ids, method, args), timeout_s)
+
+    def submit(self, actor_ids: list[int], method: str, args: dict[int, tuple] | tuple = ()) -> dict:
+        """Start calls without waiting; pass the returned refs to ``collect``."""
+        refs = {}
+        for actor_id in actor_ids:
+            a = args.get(actor_id, ()) if isinstance(args, dict) else args
+            refs[getattr(self.actors[actor_id], method).remote(*a)] = actor_id
+        return refs
+
+    def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
+        """Wait for refs until all answered or the deadline; ``stop_early(outcome)`` may end the wait
+        sooner (the controller stops waiting for a step as soon as one actor died)."""
+        outcome = CallOutcome()
+        remaining = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
+            for ref in done:
+                actor_id = refs[ref]
+                try:
+                    outcome.results[actor_id] = ray.get(ref, timeout=10)
+                except RayActorError as exc:
+                    outcome.dead[actor_id] = type(exc).__name__
+                except Exception as exc:  # the method raised: latched for the controller
+                    outcome.failed[actor_id] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if stop_early is not None and stop_early(outcome):
+                break
+        outcome.pending = [refs[r] for r in remaining]
+        outcome.pending_refs = {r: refs[r] for r in remaining}
+        return outcome

@@ -1,0 +1,1 @@
+"""Shared helpers for the distributed tests and benchmarks (spawned gloo meshes, cached references)."""
