@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -81,6 +82,7 @@ class Controller:
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
         self.state = State.INITIALIZING
+        self.run_id = uuid.uuid4().hex[:8]
         self.generation: Generation | None = None
         self.next_step = 1
         self.restarts = 0
@@ -296,7 +298,7 @@ class Controller:
         spec = self._runtime_spec(plan)
         host, port = self.store_address
         args = {
-            actor: (GenerationSpec(number, plan.shape, rank, host, port), spec)
+            actor: (GenerationSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
             for rank, actor in members.items()
         }
         if spares:

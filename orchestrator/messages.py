@@ -29,13 +29,18 @@ class RuntimeSpec:
 
 @dataclass(frozen=True, slots=True)
 class GenerationSpec:
-    """Join generation ``generation`` as ``world_rank`` of ``shape`` through the store at addr:port."""
+    """Join generation ``generation`` as ``world_rank`` of ``shape`` through the store at addr:port.
+
+    ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
+    earlier run sharing the store — must never be seen again (cpu-gloo-facts gotcha 5).
+    """
 
     generation: int
     shape: MeshShape
     world_rank: int
     store_addr: str
     store_port: int
+    store_prefix: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ class RankActor:
             groups = build_process_groups(
                 store_addr=gen.store_addr,
                 store_port=gen.store_port,
+                store_prefix=gen.store_prefix,
                 generation=gen.generation,
                 shape=gen.shape,
                 world_rank=gen.world_rank,

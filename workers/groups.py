@@ -90,6 +90,7 @@ def build_process_groups(
     world_rank: int,
     timeout_s: float,
     device: torch.device,
+    store_prefix: str | None = None,
 ) -> ProcessGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
@@ -99,7 +100,7 @@ def build_process_groups(
     base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
     # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
     # reused prefix would meet the previous generation's keys (gotcha 5).
-    store = dist.PrefixStore(f"gen{generation}", base)
+    store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
     dist.init_process_group(
         backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
     )
