@@ -160,6 +160,7 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
         "median_step_s": {"elastimesh": med_mesh, "plain": med_plain},
         "mean_step_s": {k: statistics.fmean(v) for k, v in times.items()},
         "min_step_s": {k: min(v) for k, v in times.items()},
+        "min_ratio": min(times["elastimesh"]) / min(times["plain"]),
         "step_times_s": times,
         # Process CPU seconds per step: far less sensitive than wall time to other processes
         # competing for the cores, so a cross-check when the machine is shared.

@@ -57,7 +57,8 @@ def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
             f"{cfg.resources.cpus_per_worker:g} need {needed:g} CPU slots but the local Ray has {cpus}: "
             "lower mesh.dp/pp/tp or resources.cpus_per_worker, or set RAY_ADDRESS to a larger cluster"
         )
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    # address="local": never attach to a `ray start` cluster on this machine by accident.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     return True
 
 

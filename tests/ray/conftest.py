@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

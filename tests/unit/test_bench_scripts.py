@@ -1,0 +1,75 @@
+"""The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
+
+The step_overhead test runs by default (~10 s); the zero3_memory one spawns ranks and is marked slow.
+Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
+each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
+and the closing notes read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_script(name: str, out: Path, *args: str, timeout: float = 110) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / name), "--quick", "--out", str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert out.is_file(), f"{name} wrote nothing to {out}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_step_overhead_quick_writes_json(tmp_path: Path) -> None:
+    result = _run_script("step_overhead.py", tmp_path / "nested" / "step_overhead.json", "--steps", "2")
+    assert result["benchmark"] == "step_overhead"
+    assert result["quick"] is True
+    for side in ("elastimesh", "plain"):
+        assert result["median_step_s"][side] > 0
+        assert result["median_step_cpu_s"][side] > 0
+        assert len(result["step_times_s"][side]) == 2
+    assert result["ratio"] > 0 and result["cpu_ratio"] > 0
+    assert isinstance(result["goal_met"], bool)
+    # Same model, same samples, same math: the two loops must produce the same losses.
+    assert result["losses_match"] is True
+    warmup = result["config"]["warmup_steps_per_side"]
+    assert len(result["losses"]["elastimesh"]) == len(result["losses"]["plain"]) == warmup + 2
+    assert all(loss > 0 for loss in result["losses"]["elastimesh"])
+    config = result["config"]
+    assert config["num_params"] > 0 and config["torch_num_threads"] >= 1
+    assert config["mesh"] == {"dp": 1, "pp": 1, "tp": 1, "zero": 3, "schedule": "1f1b"}
+
+
+@pytest.mark.slow  # spawns 3 gloo ranks: ~12 s idle, over a minute on a loaded 2-core machine
+@pytest.mark.timeout(180)
+def test_zero3_memory_quick_writes_json(tmp_path: Path) -> None:
+    result = _run_script("zero3_memory.py", tmp_path / "zero3_memory.json", timeout=170)
+    assert result["benchmark"] == "zero3_memory"
+    assert result["dps"] == [1, 2]
+    model = result["models"]["tiny"]
+    assert model["num_params"] > 0
+    # One fp32 rank holds params + grads + two AdamW moments: 16 bytes per parameter.
+    assert model["dp1_matches_analytic"] is True
+    assert model["unsharded_bytes"] == 16 * model["num_params"]
+    for dp in ("1", "2"):
+        run = model["by_dp"][dp]
+        assert len(run["per_rank_allocated_bytes"]) == int(dp)
+        assert all(b > 0 for b in run["per_rank_local_bytes"] + run["per_rank_allocated_bytes"])
+        assert run["ratio_local"] > 0 and run["ratio_allocated"] > 0
+    # Sharding really happened: each of two ranks holds about half.
+    assert model["by_dp"]["2"]["max_local_bytes"] < model["by_dp"]["1"]["max_local_bytes"]
