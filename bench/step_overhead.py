@@ -152,7 +152,8 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
     cpu_med = {k: statistics.median(v) for k, v in cpu_times.items()}
     return {
         "benchmark": "step_overhead",
-        "goal": "elastimesh median step time / plain PyTorch median step time <= 1.05 (one rank, one process)",
+        "goal": "elastimesh median step time / plain PyTorch median step time <= 1.05 "
+        "(one rank, one process)",
         "goal_ratio": 1.05,
         "ratio": ratio,
         "goal_met": ratio <= 1.05,
@@ -172,7 +173,10 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
         "loss_max_abs_diff": max_abs,
         "loss_max_rel_diff": max_rel,
         "config": {
-            "model": {k: getattr(cfg.model, k) for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "ffn_dim")},
+            "model": {
+                k: getattr(cfg.model, k)
+                for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "ffn_dim")
+            },
             "num_params": num_params,
             "global_batch_size": cfg.train.global_batch_size,
             "micro_batch_size": cfg.train.micro_batch_size,
@@ -195,12 +199,13 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per side (default 30; 4 with --quick)")
-    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per side first (default 3)")
-    parser.add_argument("--block", type=int, default=2, help="steps per alternating block (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for both sides (default 1)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run, not a measurement")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
+    add = parser.add_argument
+    add("--steps", type=int, default=None, help="measured steps per side (default 30; 4 with --quick)")
+    add("--warmup", type=int, default=3, help="unmeasured steps per side first (default 3)")
+    add("--block", type=int, default=2, help="steps per alternating block (default 2)")
+    add("--threads", type=int, default=1, help="torch.set_num_threads for both sides (default 1)")
+    add("--quick", action="store_true", help="tiny model, few steps: a smoke run, not a measurement")
+    add("--out", type=Path, default=DEFAULT_OUT, help="JSON output (default bench/results/step_overhead.json)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (4 if args.quick else 30)
     if steps < 1 or args.warmup < 0 or args.block < 1 or args.threads < 1:
@@ -211,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     med = result["median_step_s"]
     print(
         f"step_overhead: elastimesh {med['elastimesh'] * 1e3:.1f} ms, plain {med['plain'] * 1e3:.1f} ms, "
-        f"ratio {result['ratio']:.3f} (cpu-time ratio {result['cpu_ratio']:.3f}) (goal <= 1.05: {'met' if result['goal_met'] else 'NOT met'}); "
-        f"losses match: {result['losses_match']} (max rel diff {result['loss_max_rel_diff']:.2e}) -> {args.out}"
+        f"ratio {result['ratio']:.3f} (cpu-time ratio {result['cpu_ratio']:.3f}) "
+        f"(goal <= 1.05: {'met' if result['goal_met'] else 'NOT met'}); "
+        f"losses match: {result['losses_match']} "
+        f"(max rel diff {result['loss_max_rel_diff']:.2e}) -> {args.out}"
     )
     return 0
 

@@ -40,6 +40,10 @@ if str(ROOT) not in sys.path:
 DEFAULT_OUT = ROOT / "bench" / "results" / "zero3_memory.json"
 STEPS = 2
 GOAL = 1.05
+BREAKDOWN_KEYS = (
+    "rank", "local_numel", "local_bytes", "allocated_bytes", "fsdp_unsharded_alive_bytes",
+    "fsdp_params_inspected",
+)
 
 # "tiny": the default [model] section (the tiny dp=2, tp=2 CPU job's model); "medium": a larger one
 # (d_model 256, 4 layers). Their dim-0 sizes are all multiples of 4, so neither pads.
@@ -245,8 +249,7 @@ def measure(name: str, model: dict[str, int], dps: list[int]) -> dict:
             "per_rank_local_bytes": [r["local_total"] for r in ranks],
             "per_rank_allocated_bytes": [r["allocated_total"] for r in ranks],
             "per_rank_breakdown": [
-                {k: r[k] for k in ("rank", "local_numel", "local_bytes", "allocated_bytes", "fsdp_unsharded_alive_bytes", "fsdp_params_inspected")}
-                for r in ranks
+                {k: r[k] for k in BREAKDOWN_KEYS} for r in ranks
             ],
             "max_local_bytes": max_local,
             "max_allocated_bytes": max_alloc,
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dps", default="1,2,4", help="comma-separated dp sizes (default 1,2,4)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument("--quick", action="store_true", help="tiny model, dp 1 and 2 only")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output (default bench/results/zero3_memory.json)")
     args = parser.parse_args(argv)
     dps = [1, 2] if args.quick else [int(x) for x in args.dps.split(",")]
     names = ["tiny"] if args.quick else [x for x in args.models.split(",") if x]
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "goal": "max per-rank model-state bytes x dp / unsharded model-state bytes <= 1.05 (ZeRO-3, tp=pp=1)",
         "goal_ratio": GOAL,
         "goal_met": all(m["goal_met"] for m in models.values()),
-        "headline": "ratio_allocated (storage actually allocated, FSDP2 padding included); ratio_local is to_local() sizes",
+        "headline": "ratio_allocated (storage actually allocated, FSDP2 padding included); "
+        "ratio_local is to_local() sizes",
         "steps_trained": STEPS,
         "dps": dps,
         "models": models,
@@ -306,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, m in models.items():
         figs = ", ".join(
-            f"dp={dp}: {v['ratio_allocated']:.4f} (local {v['ratio_local']:.4f})" for dp, v in m["by_dp"].items()
+            f"dp={dp}: {v['ratio_allocated']:.4f} (local {v['ratio_local']:.4f})"
+            for dp, v in m["by_dp"].items()
         )
         print(f"zero3_memory[{name}] {m['num_params']} params, unsharded {m['unsharded_bytes']} B: {figs}")
     print(f"goal <= {GOAL}: {'met' if result['goal_met'] else 'NOT met'} -> {args.out}")

@@ -1,0 +1,85 @@
+"""Bad input through the real CLI: exit 2, one line on stderr naming the key and the fix, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          timeout=100, cwd=cwd)
+
+
+def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "elastimesh: error:" in line]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["mesh.dp=4", "mesh.tp=4", "train.global_batch_size=16", "train.micro_batch_size=1"],
+         ["mesh.dp*pp*tp=16", "lower mesh.dp"]),  # more than the cluster holds
+        (["mesh.tp=3", "model.n_heads=4"], ["model.n_heads", "mesh.tp"]),
+        (["mesh.tp=2", "model.vocab_size=257"], ["model.vocab_size"]),
+        (["train.global_batch_size=10", "train.micro_batch_size=4"], ["train.global_batch_size"]),
+        (["model.n_layer=3"], ["model.n_layer", "model.n_layers"]),  # unknown key: closest suggested
+        (["train.lr=fast"], ["train.lr", "expected a number"]),
+        (["mesh.dp=0"], ["mesh.dp"]),
+        (["model.d_model=-64"], ["model.d_model"]),
+        (["data.path=/nonexistent/shards"], ["data.path"]),
+        (["mesh.dp"], ["expected SECTION.KEY=VALUE"]),  # --set without '='
+        (["mesh.pp=8"], ["mesh.pp", "model.n_layers"]),
+        (["pipeline.schedule=zigzag"], ["pipeline.schedule"]),
+        (["elastic.min_dp=3"], ["elastic.min_dp"]),
+        (["elastic.max_dp=1"], ["elastic.max_dp"]),
+        (["elastic.step_timeout_s=0"], ["elastic.step_timeout_s"]),
+        (["elastic.collective_timeout_s=-1"], ["elastic.collective_timeout_s"]),
+    ],
+)
+def test_train_rejects_bad_input(overrides, needles):
+    args = ["train"]
+    for o in overrides:
+        args += ["--set", o]
+    assert_bad_input(run_cli(*args), *needles)
+
+
+def test_empty_and_corrupt_data_dirs(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_bad_input(run_cli("train", "--set", f"data.path={empty}"), "data.path")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "shard-00000.parquet").write_bytes(b"not parquet at all")
+    assert_bad_input(run_cli("train", "--set", f"data.path={corrupt}"), "data.path")
+
+
+def test_missing_and_invalid_config_files(tmp_path):
+    assert_bad_input(run_cli("train", str(tmp_path / "nope.toml")), "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[mesh\ndp = 2\n")
+    assert_bad_input(run_cli("plan", str(bad)), "bad.toml")
+    wrong_type = tmp_path / "wrong.toml"
+    wrong_type.write_text('[model]\nn_layers = "four"\n')
+    assert_bad_input(run_cli("plan", str(wrong_type)), "model.n_layers")
+
+
+def test_plan_prints_mesh_coords_and_memory():
+    proc = run_cli("plan", "--set", "mesh.pp=2", "--set", "mesh.dp=1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    info = json.loads(proc.stdout)
+    assert info["mesh"] == {"dp": 1, "pp": 2, "tp": 2}
+    assert len(info["ranks"]) == 4 and len(info["stages"]) == 2
+    for mem in info["memory_per_rank"].values():
+        assert mem["params"] > 0 and mem["optimizer"] == 2 * mem["params"] and mem["activations"] > 0
