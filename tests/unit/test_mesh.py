@@ -1,0 +1,91 @@
+"""The mesh plan is pure data: rank <-> coords, group members, stage split, policies (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.mesh import MeshAxis, MeshShape, balanced_split, layer_ranges, stage_param_counts
+from orchestrator.plan import describe, make_plan, param_counts
+from orchestrator.policies import ResizeDecision, TooFewWorkers, choose_dp, grow_target
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (3, 2, 1), (1, 4, 2)])
+def test_coords_round_trip_and_tp_innermost(dp, pp, tp):
+    shape = MeshShape(dp, pp, tp)
+    seen = set()
+    for rank in range(shape.world):
+        c = shape.coords(rank)
+        assert shape.rank_of(c.dp, c.pp, c.tp) == rank
+        seen.add((c.dp, c.pp, c.tp))
+    assert len(seen) == shape.world
+    # TP innermost: each TP group is a run of adjacent ranks (one node under PACK placement).
+    for members in shape.group_ranks(MeshAxis.TP):
+        assert members == list(range(members[0], members[0] + tp))
+
+
+def test_group_members_match_device_mesh_layout():
+    shape = MeshShape(2, 2, 2)
+    assert shape.group_ranks(MeshAxis.TP) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.group_ranks(MeshAxis.PP) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.group_ranks(MeshAxis.DP) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.replica_ranks(1) == [4, 5, 6, 7]
+
+
+def test_bad_shapes_and_ranks():
+    with pytest.raises(ValueError, match="mesh.dp"):
+        MeshShape(0, 1, 1)
+    with pytest.raises(ValueError):
+        MeshShape(2, 1, 1).coords(2)
+
+
+def test_balanced_split_is_optimal_and_covers_all_layers():
+    costs = stage_param_counts(8, 100, 400, 400)  # heavy embedding/head on the ends
+    split = balanced_split(costs, 4)
+    assert sum(split) == 8 and all(n >= 1 for n in split)
+    ranges = layer_ranges(split)
+    loads = [sum(costs[a:b]) for a, b in ranges]
+    assert max(loads) == 500  # embedding+layer0 alone; nothing better exists
+    assert balanced_split([1] * 4, 4) == [1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        balanced_split([1, 1], 3)
+
+
+def test_param_counts_match_the_built_model():
+    torch = pytest.importorskip("torch")
+    from workers.model import GPT
+
+    cfg = load_config(None, ["model.n_layers=3", "model.d_model=32"])
+    model = GPT(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == param_counts(cfg.model)["total"]
+    del torch
+
+
+def test_plan_uses_layer_override_and_reports_memory():
+    cfg = load_config(None, ["mesh.pp=2", "mesh.dp=1", "pipeline.layers=[1,3]"])
+    plan = make_plan(cfg)
+    assert plan.layers_per_stage == (1, 3)
+    info = describe(cfg, plan)
+    assert [s["layers"] for s in info["stages"]] == [[0, 0], [1, 3]]
+    assert info["memory_per_rank"][0]["peak_microbatches_in_flight"] == 2  # 1F1B stage 0 at pp=2
+
+
+def test_zero3_memory_estimate_shrinks_with_dp():
+    small = describe(*_plan(["mesh.dp=1", "mesh.tp=1"]))["memory_per_rank"][0]
+    big = describe(*_plan(["mesh.dp=4", "mesh.tp=1"]))["memory_per_rank"][0]
+    assert big["optimizer"] * 4 <= small["optimizer"] + 8 * 4
+
+
+def _plan(overrides):
+    cfg = load_config(None, overrides)
+    return cfg, make_plan(cfg)
+
+
+def test_elastic_policy_keeps_whole_replicas_and_batch_divisibility():
+    cfg = load_config(None, ["mesh.dp=4", "mesh.tp=1", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    assert choose_dp(cfg, 4, "x") == ResizeDecision(dp=4, reason="x")
+    assert choose_dp(cfg, 3, "x") == ResizeDecision(dp=2, reason="x")  # 3 does not divide 8/2
+    cfg2 = load_config(None, ["mesh.dp=2", "mesh.tp=2", "elastic.min_dp=2"])
+    decision = choose_dp(cfg2, 3, "x")
+    assert isinstance(decision, TooFewWorkers) and "elastic.min_dp=2" in decision.message
+    assert grow_target(cfg, 2, 4) == 4 and grow_target(cfg, 4, 8) is None  # capped by max_dp = dp
