@@ -227,6 +227,7 @@ def bubble_stats(run) -> dict:
     _, replayed = replay(run.actions, pp, mean_cost)
     return {
         "measured": statistics.mean(per_step),
+        "measured_median_over_steps": statistics.median(per_step),
         "measured_per_step": per_step,
         "measured_per_rank": [statistics.mean(x) for x in per_rank_window],
         "measured_vs_full_step_per_rank": [statistics.mean(x) for x in per_rank_step],
@@ -344,7 +345,7 @@ def main() -> None:
     import torch
 
     t0 = time.monotonic()
-    steps = 4 if args.quick else 8
+    steps = 5 if args.quick else 12
     ms = (4, 8) if args.quick else (4, 8, 16)
     report: dict = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,

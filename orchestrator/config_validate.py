@@ -163,6 +163,14 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
             f"multiple of {per_step} (e.g. {_next_multiple(train.global_batch_size, per_step)})",
         )
     n_micro = microbatches_per_replica(train, dp)
+    if pipe.schedule == "interleaved_1f1b" and pp < 2:
+        # The executor sends stage outputs to the neighbouring pp rank; with one pp rank every
+        # virtual stage would send to itself, and there is no bubble to shrink anyway.
+        raise ConfigError(
+            "pipeline.schedule",
+            f"pipeline.schedule='interleaved_1f1b' needs mesh.pp >= 2, got mesh.pp={pp}: use "
+            "pipeline.schedule='1f1b' with virtual_stages=1, or raise mesh.pp",
+        )
     if pipe.schedule in ("1f1b", "interleaved_1f1b") and n_micro < pp:
         raise ConfigError(
             "train.global_batch_size",
