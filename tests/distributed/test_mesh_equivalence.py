@@ -9,11 +9,15 @@ within 1e-5 relative, and every final parameter (same name set) within 1e-5 abso
 The schedules need: n_layers >= pp * virtual_stages (4 >= 2 * 2) and, for 1F1B and interleaved,
 microbatches per replica >= pp and (interleaved) divisible by pp; with global_batch_size 8 and
 micro_batch_size 1 that is 8 microbatches at dp=1 and 4 at dp=2.
+
+The last tests check the harness itself: a rank that raises, dies or hangs ends the run at once with a
+``MeshRunError`` (and the rank's traceback) instead of leaving the test blocked in a collective.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -96,6 +100,20 @@ def fail_on_rank_one(runtime):
     return None
 
 
+def exit_on_rank_one(runtime):
+    """An ``instrument`` hook whose rank 1 process dies without a word (as a crash would)."""
+    if runtime.groups.world_rank == 1:
+        os._exit(3)
+    return None
+
+
+def hang_on_rank_one(runtime):
+    """An ``instrument`` hook whose rank 1 never comes back."""
+    if runtime.groups.world_rank == 1:
+        time.sleep(600)
+    return None
+
+
 @pytest.mark.timeout(120)
 def test_harness_reports_a_failing_rank_without_hanging() -> None:
     """A rank that raises ends the run at once with its traceback (rank 0 is stuck in a barrier)."""
@@ -105,3 +123,17 @@ def test_harness_reports_a_failing_rank_without_hanging() -> None:
     assert "ranks raised: [1]" in str(info.value)
     assert "Traceback" in str(info.value)
     assert time.monotonic() - t0 < 50, "the harness waited for the collective timeout"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("hook", "run_timeout", "expected"),
+    [(exit_on_rank_one, 120.0, r"ranks died \(rank -> exit code\): \{1: 3\}"),
+     (hang_on_rank_one, 15.0, r"no result from ranks \[0, 1\]")],
+    ids=["dies", "hangs"],
+)  # fmt: skip
+def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: float, expected: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(MeshRunError, match=expected):
+        run_mesh(2, 1, 1, SMALL, 1, timeout=run_timeout, instrument=hook, collective_timeout_s=60, fresh=True)
+    assert time.monotonic() - t0 < 60, "the harness waited for the collective timeout"

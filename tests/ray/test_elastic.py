@@ -64,5 +64,6 @@ def test_sigstopped_rank_is_detected_and_dropped(ray_local, store_address, tmp_p
         extra=["elastic.step_timeout_s=20"])
     assert summary.restarts == 1 and controller.generation.shape.dp == 1
     failure, = events(tmp_path / "m.jsonl", "failure")
-    assert failure["step"] == 3
+    # The SIGSTOP fires 0.2 s into step 3; when step 3 is faster than that it lands in step 4.
+    assert failure["step"] in (3, 4)
     assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)

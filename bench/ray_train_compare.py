@@ -1,0 +1,249 @@
+"""Goal (b): dp=2 on a local Ray: elastimesh throughput vs Ray Train ``TorchTrainer`` + DDP (goal >= 1.05x).
+
+Both sides train the same model (``workers.model.build_stage`` over all layers, same seed), on the same
+samples (``workers.data.replica_microbatches``: each of the 2 replicas takes its contiguous half of the
+same global batch), with the same math (AdamW from ``workers.optim.build_optimizer``, global-norm
+clipping, ``lr_at`` warm-up + cosine), one torch thread per worker, on the CPU with gloo:
+
+* **elastimesh**: ``orchestrator.launch.run_job`` with ``mesh.dp=2, mesh.tp=1`` (it starts and stops its
+  own embedded local Ray). Per-step ``tokens_per_s`` comes from the metrics JSONL (global tokens over the
+  slowest rank's step time).
+* **Ray Train**: ``ray.init(address="local")`` then ``TorchTrainer`` with ``ScalingConfig(num_workers=2,
+  use_gpu=False)``; the loop wraps the model with ``ray.train.torch.prepare_model`` (DDP on gloo) and
+  times each step; per step the slowest worker's time is used (same convention as elastimesh).
+
+Figures: the median tokens/s over steps >= 3 on each side, their ratio (elastimesh / Ray Train), the
+"loop" throughput (all steps' tokens over the first-step-start .. last-step-end wall time of the loop),
+and the start-up / total wall times (elastimesh: ``run_job`` incl. ``ray.init``; Ray Train: ``ray.init``
++ ``fit()``). Losses of both sides are recorded and compared (they should agree to ~1e-5 relative).
+
+    python bench/ray_train_compare.py [--steps N] [--quick] [--out PATH]
+
+Writes ``bench/results/ray_train_compare.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "ray_train_compare.json"
+GOAL_RATIO = 1.05
+DP = 2
+
+# A bit larger than the default tiny model so that compute, not fixed per-step cost, dominates.
+FULL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64",
+        "train.global_batch_size=8", "train.micro_batch_size=2"]
+QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
+         "train.global_batch_size=4", "train.micro_batch_size=2"]
+
+
+def _median_from(per_step: dict[int, float], first: int = 3) -> float:
+    vals = [v for s, v in sorted(per_step.items()) if s >= first] or list(per_step.values())
+    return statistics.median(vals)
+
+
+# -- elastimesh ------------------------------------------------------------------------------------
+def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
+    import ray
+
+    from orchestrator.config import load_config
+    from orchestrator.launch import run_job
+
+    mpath = os.path.join(workdir, "elastimesh.jsonl")
+    cfg = load_config(None, overrides + [f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}",
+                                         f"metrics.path={mpath}"])
+    assert not ray.is_initialized()
+    t0 = time.time()
+    summary = run_job(cfg, progress=False)
+    t_end = time.time()
+    records = [json.loads(line) for line in open(mpath)]
+    tps = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    step_time = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    start_ev = next((r for r in records if r.get("event") == "start"), None)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    out = {
+        "tokens_per_s_median": _median_from(tps),
+        "step_time_s_median": _median_from(step_time),
+        "tokens_per_s_by_step": tps,
+        "losses": losses,
+        "final_step": summary.final_step,
+        "total_wall_s": t_end - t0,
+    }
+    if start_ev is not None:
+        # From "generation 1 formed" to run_job's return (includes teardown of actors and Ray).
+        out["startup_s"] = start_ev["time"] - t0
+        out["loop_plus_teardown_s"] = t_end - start_ev["time"]
+        out["loop_tokens_per_s_lower_bound"] = tokens * steps / (t_end - start_ev["time"])
+    return out
+
+
+# -- Ray Train -------------------------------------------------------------------------------------
+def _train_loop(config: dict) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import ray.train
+    import ray.train.torch
+
+    sys.path.insert(0, config["root"])
+    from orchestrator.config import load_config
+    from workers import data as data_lib
+    from workers.model import build_stage, lm_loss_sum
+    from workers.optim import build_optimizer, lr_at, set_lr
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, config["overrides"])
+    train, mcfg = cfg.train, cfg.model
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    model = build_stage(mcfg, range(mcfg.n_layers), train.seed)
+    model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU)
+    optimizer = build_optimizer(model, train)
+    source = data_lib.open_source("builtin")
+    num_samples = source.num_samples(mcfg.seq_len)
+    global_tokens = train.global_batch_size * mcfg.seq_len
+    params = list(model.parameters())
+    log = []
+    for step in range(1, config["steps"] + 1):
+        t0 = time.perf_counter()
+        mbs = data_lib.replica_microbatches(step, train.global_batch_size, train.micro_batch_size, rank, world,
+                                            train.seed, num_samples)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, ids in enumerate(mbs):
+            x, y = data_lib.microbatch_tokens(source, ids, mcfg.seq_len)
+            # DDP averages grads over `world`; the loss is normalised by global tokens, so scale by world
+            # to get the sum over replicas (the same gradient as the one-process reference).
+            sync = i == len(mbs) - 1
+            ctxm = model.no_sync() if not sync and hasattr(model, "no_sync") else _null()
+            with ctxm:
+                loss = lm_loss_sum(model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
+                (loss * world).backward()
+            total += float(loss.detach())
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
+        set_lr([optimizer], lr_at(step, train))
+        optimizer.step()
+        t1 = time.perf_counter()
+        loss_t = torch.tensor([total])
+        dist.all_reduce(loss_t)  # outside the timed region: only for the loss comparison
+        log.append({"step": step, "t0": time.time() - (t1 - t0), "t1": time.time(), "dt": t1 - t0,
+                    "loss": float(loss_t)})
+    with open(os.path.join(config["logdir"], f"rank{rank}.json"), "w") as f:
+        json.dump(log, f)
+    del np
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from orchestrator.config import load_config
+
+    cfg = load_config(None, overrides)
+    logdir = os.path.join(workdir, "raytrain_logs")
+    os.makedirs(logdir, exist_ok=True)
+    t0 = time.time()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    t_init = time.time()
+    try:
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={"overrides": overrides + [f"train.steps={steps}"], "steps": steps,
+                               "logdir": logdir, "root": str(ROOT)},
+            scaling_config=ScalingConfig(num_workers=DP, use_gpu=False),
+            run_config=RunConfig(name="rt_compare", storage_path=os.path.join(workdir, "rt_storage")),
+        )
+        trainer.fit()
+        t_fit = time.time()
+    finally:
+        ray.shutdown()
+    t_end = time.time()
+    logs = [json.load(open(os.path.join(logdir, f"rank{r}.json"))) for r in range(DP)]
+    tokens = cfg.train.global_batch_size * cfg.model.seq_len
+    dt = {rec["step"]: max(lg[i]["dt"] for lg in logs) for i, rec in enumerate(logs[0])}
+    tps = {s: tokens / v for s, v in dt.items()}
+    loop_wall = max(lg[-1]["t1"] for lg in logs) - min(lg[0]["t0"] for lg in logs)
+    return {
+        "tokens_per_s_median": _median_from(tps),
+        "step_time_s_median": _median_from(dt),
+        "tokens_per_s_by_step": tps,
+        "losses": {rec["step"]: rec["loss"] for rec in logs[0]},
+        "ray_init_s": t_init - t0,
+        "fit_s": t_fit - t_init,
+        "startup_s": min(lg[0]["t0"] for lg in logs) - t0,
+        "total_wall_s": t_end - t0,
+        "loop_tokens_per_s": tokens * steps / loop_wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 20, quick 6)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 20)
+    overrides = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory(prefix="em_rt_cmp_") as workdir:
+        em = run_elastimesh(overrides, steps, workdir)
+        rt = run_ray_train(overrides, steps, workdir)
+    ratio = em["tokens_per_s_median"] / rt["tokens_per_s_median"]
+    common = sorted(set(em["losses"]) & set(rt["losses"]))
+    max_rel = max((abs(em["losses"][s] - rt["losses"][s]) / abs(rt["losses"][s]) for s in common), default=None)
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    result = {
+        "benchmark": "ray_train_compare",
+        "goal": f"elastimesh tokens/s / Ray Train tokens/s >= {GOAL_RATIO} (dp={DP}, local Ray, CPU gloo)",
+        "config": {"overrides": overrides, "dp": DP, "steps": steps, "quick": args.quick,
+                   "median_over": "steps >= 3", "threads_per_worker": 1},
+        "elastimesh": em,
+        "ray_train": rt,
+        "ratio_tokens_per_s": ratio,
+        "ratio_loop_tokens_per_s": (em.get("loop_tokens_per_s_lower_bound", 0) / rt["loop_tokens_per_s"]),
+        "ratio_total_wall": em["total_wall_s"] / rt["total_wall_s"],
+        "loss_max_rel_diff": max_rel,
+        "goal_met": ratio >= GOAL_RATIO,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"ray_train_compare: elastimesh {em['tokens_per_s_median']:,.0f} tok/s vs Ray Train "
+          f"{rt['tokens_per_s_median']:,.0f} tok/s -> ratio {ratio:.2f} (goal >= {GOAL_RATIO}: "
+          f"{'met' if result['goal_met'] else 'NOT met'}); wall {em['total_wall_s']:.1f}s vs "
+          f"{rt['total_wall_s']:.1f}s; loss max rel diff {max_rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Recovery after one worker is killed: elastimesh vs Ray Train 2.60 elastic ``TorchTrainer`` (goal <= 0.25x).
+
+Same model, data and math on both sides (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
+AdamW + clip + ``lr_at``), dp=4 workers, one torch thread each, checkpoints every 2 steps, and one worker
+killed at step 5:
+
+* **elastimesh**: embedded local Ray (``num_cpus=8``), a ``StoreHost``, 4 ``RankActor``s
+  (``tests.ray.conftest.make_group``) and the real ``Controller`` (``tests.ray.harness.make_controller``),
+  ``mesh.dp=4, tp=1, checkpoint.every=2``. The victim (rank 1) is armed with ``arm_fault(5, "kill", 0.2)``,
+  i.e. it SIGKILLs itself 0.2 s into step 5. The driver polls the victim's pid every 5 ms to timestamp the
+  death. Figures: ``recovery_s`` of the ``rebuild`` event (failure detected -> first step done in the new
+  generation) and the wall-clock "kill -> next step done" = time of the ``rebuild`` event (written right
+  after the new generation's first step record) minus the observed death time.
+* **Ray Train**: ``TorchTrainer`` with elastic ``ScalingConfig(num_workers=(2, 4))`` and
+  ``RunConfig(failure_config=FailureConfig(max_failures=2))``; DDP via ``prepare_model``. Rank 0 reports a
+  checkpoint (model + optimizer + step) every 2 steps; the loop resumes from ``ray.train.get_checkpoint()``.
+  At step 5, after 0.2 s, rank 1 of the first attempt writes ``time.time()`` and calls ``os._exit(1)``.
+  Every worker appends (attempt, rank, step, time) per completed step. Figure: first step completed by the
+  restarted group minus the exit time.
+
+Work lost on both sides = (failure step - 1) - step the run resumed from (steps that had completed and
+were re-run). The ratio is elastimesh kill->next-step / Ray Train kill->next-step (goal <= 0.25).
+
+    python bench/recovery.py [--steps N] [--quick] [--out PATH]
+
+Writes ``bench/results/recovery.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "recovery.json"
+GOAL_RATIO = 0.25
+DP, FAIL_STEP, VICTIM, DELAY_S, CKPT_EVERY = 4, 5, 1, 0.2, 2
+
+MODEL = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+# -- elastimesh ------------------------------------------------------------------------------------
+def run_elastimesh(steps: int, workdir: str) -> dict:
+    import ray
+
+    from orchestrator.config import load_config
+    from tests.ray.conftest import make_group
+    from tests.ray.harness import make_controller
+    from workers.store import StoreHost
+
+    mpath = os.path.join(workdir, "em.jsonl")
+    cfg = load_config(None, MODEL + [
+        f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}",
+        f"checkpoint.dir={os.path.join(workdir, 'em_ckpt')}", f"metrics.path={mpath}",
+        "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
+    t0 = time.time()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        host = StoreHost.remote()
+        store_address = ray.get(host.address.remote(), timeout=60)
+        group = make_group(cfg.mesh.world)
+        try:
+            controller = make_controller(cfg, group, store_address)
+            controller.step()  # INITIALIZING -> RUNNING (generation 1 formed)
+            victim = controller.generation.members[VICTIM]
+            pid = group.pids[victim]
+            death: list[float] = []
+            stop = threading.Event()
+
+            def watch() -> None:
+                while not stop.is_set():
+                    if _pid_dead(pid):
+                        death.append(time.time())
+                        return
+                    time.sleep(0.005)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            group.call([victim], "arm_fault", (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
+            t_loop = time.time()
+            summary = controller.run()
+            t_done = time.time()
+            stop.set()
+            controller.metrics.close()
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
+    records = [json.loads(line) for line in open(mpath)]
+    failure = next(r for r in records if r.get("event") == "failure")
+    rebuild = next(r for r in records if r.get("event") == "rebuild")
+    fail_idx = records.index(failure)
+    rebuild_idx = records.index(rebuild)
+    first_new = next(r for r in records[fail_idx:rebuild_idx] if "step" in r and "loss" in r)
+    resumed = rebuild["resumed_from_step"]
+    kill_t = death[0] if death else None
+    return {
+        "failure_step": failure["step"], "failed_ranks": failure["ranks"], "reason": failure.get("reason"),
+        "resumed_from_step": resumed, "new_dp": rebuild["dp"], "first_step_after": first_new["step"],
+        "first_step_after_time_s": first_new["step_time_s"],
+        "recovery_s_event": rebuild["recovery_s"],
+        "kill_to_detect_s": failure["time"] - kill_t if kill_t else None,
+        "kill_to_next_step_done_s": rebuild["time"] - kill_t if kill_t else None,
+        "work_lost_steps": (failure["step"] - 1) - resumed,
+        "restarts": summary.restarts, "final_step": summary.final_step,
+        "loop_wall_s": t_done - t_loop, "total_wall_s": t_done - t0,
+        "kill_time_source": "driver polled /proc/<victim pid>/stat every 5 ms",
+    }
+
+
+# -- Ray Train -------------------------------------------------------------------------------------
+def _train_loop(config: dict) -> None:
+    import shutil
+    import tempfile as _tf
+
+    import torch
+
+    import ray.train
+    import ray.train.torch
+    from ray.train import Checkpoint
+
+    sys.path.insert(0, config["root"])
+    from orchestrator.config import load_config
+    from workers import data as data_lib
+    from workers.model import build_stage, lm_loss_sum
+    from workers.optim import build_optimizer, lr_at, set_lr
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, config["overrides"])
+    train, mcfg = cfg.train, cfg.model
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    logdir = config["logdir"]
+    attempt = 2 if os.path.exists(os.path.join(logdir, "killed")) else 1
+    model = build_stage(mcfg, range(mcfg.n_layers), train.seed)
+    model = ray.train.torch.prepare_model(model)
+    optimizer = build_optimizer(model, train)
+    start = 1
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        getattr(model, "module", model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+    with open(os.path.join(logdir, "starts.jsonl"), "a") as f:
+        f.write(json.dumps({"attempt": attempt, "rank": rank, "world": world, "start": start,
+                            "time": time.time()}) + "\n")
+    source = data_lib.open_source("builtin")
+    num_samples = source.num_samples(mcfg.seq_len)
+    global_tokens = train.global_batch_size * mcfg.seq_len
+    params = list(model.parameters())
+    for step in range(start, config["steps"] + 1):
+        mbs = data_lib.replica_microbatches(step, train.global_batch_size, train.micro_batch_size, rank, world,
+                                            train.seed, num_samples)
+        optimizer.zero_grad(set_to_none=True)
+        for i, ids in enumerate(mbs):
+            if step == config["fail_step"] and rank == config["victim"] and attempt == 1 and i == 0:
+                time.sleep(config["delay_s"])
+                with open(os.path.join(logdir, "killed"), "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(1)
+            x, y = data_lib.microbatch_tokens(source, ids, mcfg.seq_len)
+            loss = lm_loss_sum(model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
+            (loss * world).backward()  # DDP averages over world; the reference sums
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
+        set_lr([optimizer], lr_at(step, train))
+        optimizer.step()
+        with open(os.path.join(logdir, "steps.jsonl"), "a") as f:
+            f.write(json.dumps({"attempt": attempt, "rank": rank, "world": world, "step": step,
+                                "time": time.time()}) + "\n")
+        if step % config["ckpt_every"] == 0:
+            if rank == 0:
+                d = _tf.mkdtemp()
+                torch.save({"model": getattr(model, "module", model).state_dict(),
+                            "optimizer": optimizer.state_dict(), "step": step}, os.path.join(d, "state.pt"))
+                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                ray.train.report({"step": step})
+
+
+def run_ray_train(steps: int, workdir: str) -> dict:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    logdir = os.path.join(workdir, "rt_logs")
+    os.makedirs(logdir, exist_ok=True)
+    t0 = time.time()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    error = None
+    try:
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={"overrides": MODEL + [f"train.steps={steps}"], "steps": steps, "logdir": logdir,
+                               "root": str(ROOT), "fail_step": FAIL_STEP, "victim": VICTIM,
+                               "delay_s": DELAY_S, "ckpt_every": CKPT_EVERY},
+            scaling_config=ScalingConfig(num_workers=(2, DP), use_gpu=False),
+            run_config=RunConfig(name="rt_recovery", storage_path=os.path.join(workdir, "rt_storage"),
+                                 failure_config=FailureConfig(max_failures=2)),
+        )
+        trainer.fit()
+    except Exception as exc:  # recorded; the figures below may still be there
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    finally:
+        ray.shutdown()
+    t_end = time.time()
+    kill_t = float(open(os.path.join(logdir, "killed")).read())
+    steps_log = [json.loads(line) for line in open(os.path.join(logdir, "steps.jsonl"))]
+    starts = [json.loads(line) for line in open(os.path.join(logdir, "starts.jsonl"))]
+    after = [r for r in steps_log if r["attempt"] == 2]
+    first_step_after = min(r["step"] for r in after) if after else None
+    # "next step done": every worker of the new group has finished its first step (slowest one).
+    t_first = max(r["time"] for r in after if r["step"] == first_step_after) if after else None
+    restart = [s for s in starts if s["attempt"] == 2]
+    resumed = (restart[0]["start"] - 1) if restart else None
+    done_before = max((r["step"] for r in steps_log if r["attempt"] == 1), default=0)
+    return {
+        "failure_step": FAIL_STEP, "resumed_from_step": resumed,
+        "steps_completed_before_kill": done_before,
+        "new_world": restart[0]["world"] if restart else None,
+        "first_step_after": first_step_after,
+        "kill_to_restart_loop_entry_s": (min(s["time"] for s in restart) - kill_t) if restart else None,
+        "kill_to_next_step_done_s": (t_first - kill_t) if t_first else None,
+        "work_lost_steps": (FAIL_STEP - 1) - resumed if resumed is not None else None,
+        "final_step": max(r["step"] for r in steps_log), "fit_error": error,
+        "total_wall_s": t_end - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 8; >= 6)")
+    ap.add_argument("--quick", action="store_true", help="same as --steps 6 (the fault is always at step 5)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 8)
+    if steps <= FAIL_STEP:
+        ap.error(f"--steps must exceed the fault step {FAIL_STEP}")
+    with tempfile.TemporaryDirectory(prefix="em_recovery_") as workdir:
+        em = run_elastimesh(steps, workdir)
+        rt = run_ray_train(steps, workdir)
+    em_t, rt_t = em["kill_to_next_step_done_s"], rt["kill_to_next_step_done_s"]
+    ratio = em_t / rt_t if em_t and rt_t else None
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    result = {
+        "benchmark": "recovery",
+        "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO}; also report steps re-run",
+        "config": {"overrides": MODEL, "dp": DP, "steps": steps, "fail_step": FAIL_STEP, "victim_rank": VICTIM,
+                   "kill_delay_s": DELAY_S, "checkpoint_every": CKPT_EVERY, "ray_train_workers": [2, DP],
+                   "ray_train_max_failures": 2},
+        "elastimesh": em,
+        "ray_train": rt,
+        "ratio_kill_to_next_step": ratio,
+        "ratio_event_recovery_vs_ray_train": (em["recovery_s_event"] / rt_t) if rt_t else None,
+        "goal_met": ratio is not None and ratio <= GOAL_RATIO,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}s"  # noqa: E731
+    print(f"recovery: elastimesh kill->next step {fmt(em_t)} (event recovery_s {fmt(em['recovery_s_event'])}, "
+          f"lost {em['work_lost_steps']} steps) vs Ray Train {fmt(rt_t)} (lost {rt['work_lost_steps']} steps) "
+          f"-> ratio {ratio if ratio is None else round(ratio, 3)} (goal <= {GOAL_RATIO}: "
+          f"{'met' if result['goal_met'] else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
