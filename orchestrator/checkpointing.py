@@ -30,6 +30,7 @@ from checkpoints.errors import CheckpointError
 from checkpoints.manifest import CheckpointManifest
 from orchestrator.config import JobConfig, config_to_dict, model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
+from orchestrator.mesh import layer_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class CheckpointCoordinator:
             world_size=gen.shape.world,
             ranks_acked=sorted(rank_of[a] for a in outcome.results),
             schedule=gen.plan.schedule_name,
-            stage_layers=_stage_layers(gen.plan.layers_per_stage),
+            stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
             model_config=config_to_dict(self.cfg)["model"],
             files=files,
         )
@@ -180,10 +181,3 @@ class CheckpointCoordinator:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-
-def _stage_layers(layers_per_stage) -> list[list[int]]:
-    out, start = [], 0
-    for n in layers_per_stage:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
