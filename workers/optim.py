@@ -23,6 +23,10 @@ def build_optimizer(module: nn.Module, train) -> torch.optim.AdamW:
         betas=(train.beta1, train.beta2),
         weight_decay=train.weight_decay,
         eps=1e-8,
+        # CPU tensors default to the per-parameter loop; with FSDP2's DTensor parameters that is one
+        # DTensor dispatch per op per parameter (~45 ms/step on a 0.8M-param model, 2 ranks). The
+        # multi-tensor path dispatches once per op for the whole list: same math, a fraction of the cost.
+        foreach=True,
     )
 
 
@@ -41,7 +45,7 @@ def clip_grad_norm(
     squared norms are summed over the pp group (as TorchTitan's ``clip_grad_norm_`` does).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -49,5 +53,5 @@ def clip_grad_norm(
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)

@@ -135,8 +135,13 @@ class Executor:
 
     def _backward(self, stage: Stage, mb: int) -> None:
         if uses_fsdp(stage.module):
-            # Reduce-scatter gradients once per step, on this stage's last microbatch only.
-            stage.module.set_requires_gradient_sync(mb == stage.last_backward_mb)
+            # Reduce-scatter gradients once per step, on this stage's last microbatch only, and keep
+            # the gathered parameters between microbatches instead of re-gathering them for every
+            # backward (torch.distributed.pipelining's PipelineStage does the same around its
+            # backward). Parameters are still sharded at rest: after the step's last backward.
+            last = mb == stage.last_backward_mb
+            stage.module.set_requires_gradient_sync(last)
+            stage.module.set_reshard_after_backward(last)
         out = stage.outputs.pop(mb)
         if stage.is_last:
             out.backward()
