@@ -96,68 +96,24 @@ def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
 
 # -- Ray Train -------------------------------------------------------------------------------------
 def _train_loop(config: dict) -> None:
-    import numpy as np
     import torch
     import torch.distributed as dist
 
-    import ray.train
-    import ray.train.torch
-
     sys.path.insert(0, config["root"])
-    from orchestrator.config import load_config
-    from workers import data as data_lib
-    from workers.model import build_stage, lm_loss_sum
-    from workers.optim import build_optimizer, lr_at, set_lr
+    from bench.ddp_loop import DDPLoop
 
-    torch.set_num_threads(1)
-    cfg = load_config(None, config["overrides"])
-    train, mcfg = cfg.train, cfg.model
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model = build_stage(mcfg, range(mcfg.n_layers), train.seed)
-    model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU)
-    optimizer = build_optimizer(model, train)
-    source = data_lib.open_source("builtin")
-    num_samples = source.num_samples(mcfg.seq_len)
-    global_tokens = train.global_batch_size * mcfg.seq_len
-    params = list(model.parameters())
+    loop = DDPLoop(config["overrides"])
     log = []
     for step in range(1, config["steps"] + 1):
         t0 = time.perf_counter()
-        mbs = data_lib.replica_microbatches(step, train.global_batch_size, train.micro_batch_size, rank, world,
-                                            train.seed, num_samples)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for i, ids in enumerate(mbs):
-            x, y = data_lib.microbatch_tokens(source, ids, mcfg.seq_len)
-            # DDP averages grads over `world`; the loss is normalised by global tokens, so scale by world
-            # to get the sum over replicas (the same gradient as the one-process reference).
-            sync = i == len(mbs) - 1
-            ctxm = model.no_sync() if not sync and hasattr(model, "no_sync") else _null()
-            with ctxm:
-                loss = lm_loss_sum(model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
-                (loss * world).backward()
-            total += float(loss.detach())
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-        set_lr([optimizer], lr_at(step, train))
-        optimizer.step()
+        share = loop.step(step)
         t1 = time.perf_counter()
-        loss_t = torch.tensor([total])
+        loss_t = torch.tensor([share])
         dist.all_reduce(loss_t)  # outside the timed region: only for the loss comparison
         log.append({"step": step, "t0": time.time() - (t1 - t0), "t1": time.time(), "dt": t1 - t0,
                     "loss": float(loss_t)})
-    with open(os.path.join(config["logdir"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(config["logdir"], f"rank{loop.rank}.json"), "w") as f:
         json.dump(log, f)
-    del np
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:

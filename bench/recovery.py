@@ -136,65 +136,44 @@ def _train_loop(config: dict) -> None:
     import torch
 
     import ray.train
-    import ray.train.torch
     from ray.train import Checkpoint
 
     sys.path.insert(0, config["root"])
-    from orchestrator.config import load_config
-    from workers import data as data_lib
-    from workers.model import build_stage, lm_loss_sum
-    from workers.optim import build_optimizer, lr_at, set_lr
+    from bench.ddp_loop import DDPLoop
 
-    torch.set_num_threads(1)
-    cfg = load_config(None, config["overrides"])
-    train, mcfg = cfg.train, cfg.model
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    loop = DDPLoop(config["overrides"])
+    rank, world = loop.rank, loop.world
     logdir = config["logdir"]
     attempt = 2 if os.path.exists(os.path.join(logdir, "killed")) else 1
-    model = build_stage(mcfg, range(mcfg.n_layers), train.seed)
-    model = ray.train.torch.prepare_model(model)
-    optimizer = build_optimizer(model, train)
     start = 1
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
             state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
-        getattr(model, "module", model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        loop.inner.load_state_dict(state["model"])
+        loop.optimizer.load_state_dict(state["optimizer"])
         start = state["step"] + 1
     with open(os.path.join(logdir, "starts.jsonl"), "a") as f:
         f.write(json.dumps({"attempt": attempt, "rank": rank, "world": world, "start": start,
                             "time": time.time()}) + "\n")
-    source = data_lib.open_source("builtin")
-    num_samples = source.num_samples(mcfg.seq_len)
-    global_tokens = train.global_batch_size * mcfg.seq_len
-    params = list(model.parameters())
+
+    def maybe_die(step: int, microbatch: int) -> None:
+        if step == config["fail_step"] and rank == config["victim"] and attempt == 1 and microbatch == 0:
+            time.sleep(config["delay_s"])
+            with open(os.path.join(logdir, "killed"), "w") as f:
+                f.write(repr(time.time()))
+            os._exit(1)
+
     for step in range(start, config["steps"] + 1):
-        mbs = data_lib.replica_microbatches(step, train.global_batch_size, train.micro_batch_size, rank, world,
-                                            train.seed, num_samples)
-        optimizer.zero_grad(set_to_none=True)
-        for i, ids in enumerate(mbs):
-            if step == config["fail_step"] and rank == config["victim"] and attempt == 1 and i == 0:
-                time.sleep(config["delay_s"])
-                with open(os.path.join(logdir, "killed"), "w") as f:
-                    f.write(repr(time.time()))
-                os._exit(1)
-            x, y = data_lib.microbatch_tokens(source, ids, mcfg.seq_len)
-            loss = lm_loss_sum(model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
-            (loss * world).backward()  # DDP averages over world; the reference sums
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
-        set_lr([optimizer], lr_at(step, train))
-        optimizer.step()
+        loop.step(step, before_microbatch=lambda i: maybe_die(step, i))  # noqa: B023 - called right away
         with open(os.path.join(logdir, "steps.jsonl"), "a") as f:
             f.write(json.dumps({"attempt": attempt, "rank": rank, "world": world, "step": step,
                                 "time": time.time()}) + "\n")
         if step % config["ckpt_every"] == 0:
             if rank == 0:
                 d = _tf.mkdtemp()
-                torch.save({"model": getattr(model, "module", model).state_dict(),
-                            "optimizer": optimizer.state_dict(), "step": step}, os.path.join(d, "state.pt"))
+                torch.save({"model": loop.inner.state_dict(), "optimizer": loop.optimizer.state_dict(),
+                            "step": step}, os.path.join(d, "state.pt"))
                 ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
                 shutil.rmtree(d, ignore_errors=True)
             else:
