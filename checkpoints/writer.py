@@ -1,7 +1,19 @@
 """Background checkpoint writes for one rank (worker side; torch).
 
 ``save`` returns as soon as the rank's shard is staged into CPU memory (the only part the training
-step pays for); DCP then writes it from a thread. Rules this module enforces:
+step pays for); ``dcp.save`` then writes it on the writer's own thread (one per writer, started once).
+With ``stage_in_background=True`` it returns even sooner, once the state dict is built: the copy into
+the staging buffers runs on that thread too, overlapping the next step's forward and backward, which
+only read the parameters. The caller must then call :meth:`AsyncCheckpointWriter.wait_staged` before
+anything writes the saved tensors (the optimizer step, a load), as torchtitan calls
+``maybe_wait_for_staging()`` before ``optimizer.step()``. The state dict itself is always built on the
+caller's thread, at the step boundary: during a forward FSDP2 swaps the modules' parameters for
+unsharded ones, so a state dict taken then would be wrong.
+
+Why not ``dcp.async_save``: it makes a new thread per save and, with background staging, starts its
+staging thread before returning; on a 2-core machine the GIL hand-offs between those threads and the
+caller cost 5-10 ms per save (measured; bench/checkpoint_stall.py), more than building the state dict.
+Submitting to an idle thread that already exists costs microseconds. Rules this module enforces:
 
 * at most one save in flight: the next ``save`` first waits for the previous one, which is also
   what makes reusing the staging buffers safe;
@@ -12,15 +24,16 @@ step pays for); DCP then writes it from a thread. Rules this module enforces:
   training group they interleave with training collectives and gloo aborts the process
   (notes/cpu-gloo-facts.md row 7e, gotcha 9), so that case is refused.
 
-Thread mode only: DCP's process mode keeps a daemon bound to the world it started with, which breaks
-after an elastic resize (row 7e).
+A thread, not a process: DCP's process mode keeps a daemon bound to the world it started with, which
+breaks after an elastic resize (row 7e). On GPU the staging copy runs on the writer thread's current
+stream; a dedicated copy stream would overlap it with compute better (not needed on CPU, not done).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoints.errors import CheckpointError, summarize_failure
 from checkpoints.layout import DCP_METADATA, expected_file_sizes
@@ -52,6 +65,9 @@ class SaveTiming:
     manifest's ``files`` so the driver can validate it without torch."""
     waited_s: float = 0.0
     """Part of ``stall_s`` spent waiting for the previous save to finish."""
+    staging_s: float = 0.0
+    """Seconds the copy into the staging buffers took on the staging thread (background staging
+    only; 0 when ``save`` staged before returning, and then part of ``stall_s``)."""
 
 
 class SaveFuture(Future):
@@ -93,10 +109,12 @@ class AsyncCheckpointWriter:
             never the training group. None when torch.distributed is not initialised (one process).
         use_async: False writes synchronously with ``dcp.save``.
         pin_memory: pin the staging buffers (default: when CUDA is available).
+        stage_in_background: copy into the staging buffers on the staging thread as well; the
+            caller then owes a :meth:`wait_staged` before modifying the saved state.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, use_async: bool = True,
-                 *, pin_memory: bool | None = None) -> None:
+                 *, pin_memory: bool | None = None, stage_in_background: bool = False) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         if use_async and distributed and (process_group is None or process_group is dist.group.WORLD):
             raise ValueError(
@@ -106,8 +124,13 @@ class AsyncCheckpointWriter:
         self.use_async = use_async
         self._no_dist = not distributed
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._background = use_async and stage_in_background
         self._stager = self._new_stager() if use_async else None
+        self._thread = self._new_thread() if use_async else None
         self._pending: SaveFuture | None = None
+        self._staging: Future | None = None  # the in-flight save's staging completion
+        self.fence_wait_s = 0.0
+        """Seconds :meth:`wait_staged` blocked for the latest save (its share of the step's stall)."""
         self.last_error: BaseException | None = None
         """The most recent failure of any save (kept after it was raised, for status reports)."""
 
@@ -115,8 +138,33 @@ class AsyncCheckpointWriter:
         # One stager for the writer's lifetime: it caches a CPU buffer per source storage and copies
         # into it on the next save instead of allocating again (pinned when on GPU).
         cuda = torch.cuda.is_available()
+        # Staging is synchronous wherever it runs (the caller, or our writer thread for background
+        # staging), so the stager needs no executor of its own.
         return DefaultStager(StagingOptions(use_pinned_memory=self._pin, use_shared_memory=False,
                                             use_async_staging=False, use_non_blocking_copy=cuda))
+
+    @staticmethod
+    def _new_thread() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+
+    def wait_staged(self) -> float:
+        """Block until the latest save's state is copied into the staging buffers; returns seconds.
+
+        Call before anything modifies the saved tensors in place (optimizer step, load). Free when
+        staging already finished or nothing is staging. A staging failure is not raised here: it
+        fails the save's future, which reports it.
+        """
+        staging, self._staging = self._staging, None
+        if staging is None or staging.done():
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            staging.result()
+        except BaseException:  # reported by the save's future
+            pass
+        waited = time.monotonic() - t0
+        self.fence_wait_s += waited
+        return waited
 
     @property
     def in_flight(self) -> bool:
@@ -152,12 +200,15 @@ class AsyncCheckpointWriter:
 
         All ranks of the process group must call it with the same path. Returns once the state is
         copied to CPU memory (async) or written (sync); training may then modify the parameters.
+        With ``stage_in_background`` it returns once the state dict is built: call
+        :meth:`wait_staged` before modifying the parameters or optimizer state.
 
         Raises:
             CheckpointError: the previous save failed, or staging / the synchronous write failed.
         """
         t0 = time.monotonic()
         self.wait_for_previous()
+        self._staging, self.fence_wait_s = None, 0.0
         waited = time.monotonic() - t0
         writer = dcp_writer(path)
         kwargs: dict[str, Any] = dict(storage_writer=writer, process_group=self.process_group, no_dist=self._no_dist)
@@ -168,26 +219,36 @@ class AsyncCheckpointWriter:
                 done = SaveFuture()
                 done.set_result(SaveTiming(elapsed, elapsed - waited, path, self._files(metadata, path), waited))
                 return done
-            upload = dcp.async_save(state, async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                                    async_stager=self._stager, **kwargs)
+            # At the step boundary, on this thread: Stateful objects -> plain dicts of tensors.
+            plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+            if not self._background:
+                plain = self._stager.stage(plain)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self.last_error = e
             raise CheckpointError(f"checkpoint save failed: {summarize_failure(e)}", path) from e
         staged = time.monotonic()
-        out = SaveFuture()
+        out, staging = SaveFuture(), Future()
+        if not self._background:
+            staging.set_result(0.0)
+        self._staging = staging
 
-        def finish(f: Future) -> None:  # runs on DCP's writer thread when the write ends
+        def write() -> None:  # on the writer thread
             try:
-                metadata = f.result()
+                snapshot = plain
+                if not staging.done():
+                    snapshot = self._stager.stage(plain)
+                    staging.set_result(time.monotonic() - staged)
+                metadata = dcp.save(snapshot, **kwargs)
                 out.set_result(SaveTiming(staged - t0, time.monotonic() - staged, path,
-                                          self._files(metadata, path), waited))
+                                          self._files(metadata, path), waited, staging.result()))
             except BaseException as e:
+                if not staging.done():
+                    staging.set_exception(e)
                 self.last_error = e
                 logger.error("background checkpoint write to %s failed: %s", path, summarize_failure(e))
                 out.set_exception(CheckpointError(f"background checkpoint write failed: {summarize_failure(e)}", path))
 
-        assert isinstance(upload, Future)  # synchronous staging -> DCP returns a plain Future
-        upload.add_done_callback(finish)
+        self._thread.submit(write)
         self._pending = out
         return out
 
@@ -199,14 +260,20 @@ class AsyncCheckpointWriter:
         if self.in_flight:
             logger.warning("abandoning an unfinished checkpoint save; it will not be committed")
         self._pending = None
+        self._staging = None
         if self._stager is not None:
             self._stager = self._new_stager()
+        if self._thread is not None:  # the old one may stay blocked in a collective of a dead group
+            self._thread.shutdown(wait=False)
+            self._thread = self._new_thread()
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the last save (raising its failure) and free the staging buffers."""
         try:
             self.wait_for_previous(timeout)
         finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=False)
             if self._stager is not None:
                 self._stager.close()
 

@@ -6,6 +6,18 @@ the shard is durable. Phase 2: once every rank acked, the driver writes ``manife
 (``checkpoints.catalog.commit``). At most one save is in flight; a failure in between leaves a
 directory without a manifest, which is never taken as a checkpoint.
 
+Failures: a save that fails because a rank died or hung is the elastic path's business (the step is
+never committed; the rebuild resumes from the previous checkpoint). A save that fails while every
+rank is alive is a storage problem (disk full, permissions, a vanished mount): the run stops with
+``TrainingFailed`` (exit 1) instead of training on without checkpoints, and committed checkpoints are
+left as they are, so running again resumes from the newest one.
+
+Resume: the newest *valid* checkpoint, skipping (with a warning and a ``checkpoint_skipped`` event)
+damaged newer ones. It must come from the same model (``model_fingerprint``) and the same global
+batch size: the data cursor counts samples of a (seed, epoch) order, and step k trains on samples
+[(k-1)*G, k*G), so a different G would skip or repeat samples. Both are checked when the controller
+is constructed, before any process group is formed, and are bad input (exit 2) naming the keys.
+
 With ``checkpoint.dir`` unset, planned resizes still need to move state between meshes: they use a
 private temporary directory on the driver's machine (fine for one node; multi-node runs need a shared
 ``checkpoint.dir``, which ``elastimesh train`` warns about).
@@ -18,11 +30,12 @@ import shutil
 import tempfile
 import time
 
+import ray
+
 from checkpoints.catalog import (
     BackgroundPurger,
     commit,
     ensure_writable,
-    latest_valid,
     list_checkpoints,
     prepare_step,
 )
@@ -33,6 +46,15 @@ from orchestrator.errors import TrainingFailed, UserInputError
 from orchestrator.mesh import layer_ranges
 
 logger = logging.getLogger(__name__)
+
+
+class RestoreFailed(TrainingFailed):
+    """Loading a checkpoint into a new generation failed; ``outcome`` says which members died,
+    failed or never answered, so the controller can treat a lost member as a failed rebuild."""
+
+    def __init__(self, message: str, outcome=None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
 
 
 class CheckpointCoordinator:
@@ -48,14 +70,19 @@ class CheckpointCoordinator:
         self._pending: dict | None = None  # the save in flight: step, gen, refs, stall
         self.last_committed = 0
         self._committed_here: set[int] = set()  # steps this run committed (resume=false trusts only these)
+        self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
+        self._abandoned: list = []  # ack refs of saves dropped by a failure, read once they resolve
         if self.user_dir:
             try:
                 ensure_writable(self.root)
             except CheckpointError as exc:
                 raise UserInputError(f"checkpoint.dir: {exc}") from None
+            # Refuse an alien checkpoint now, before the actors spend seconds forming groups.
+            self.resume_point()
 
     # -- saving -----------------------------------------------------------------------------------
     def after_step(self, group, gen, step: int) -> None:
+        self._reap_abandoned()
         self._try_commit(group, block=False)
         if self.every and step % self.every == 0:
             self._start_save(group, gen, step)
@@ -72,20 +99,41 @@ class CheckpointCoordinator:
 
     def finish(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)
+        self._reap_abandoned()
 
     def abandon_pending(self) -> None:
         if self._pending is not None:
             logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending["step"])
+            self._abandoned.extend(self._pending["refs"])
         self._pending = None
+
+    def _reap_abandoned(self) -> None:
+        # Read the acks of abandoned saves once they fail, so Ray does not log each as an
+        # "Unhandled error" with a traceback: the failure was already reported as one event.
+        if not self._abandoned:
+            return
+        ready, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1)
+            except Exception:
+                pass
 
     def _start_save(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)  # at most one save in flight
-        path = prepare_step(self.root, step)
+        try:
+            path = prepare_step(self.root, step)
+        except CheckpointError as exc:
+            self._storage_failed(step, self.root, exc.message)
         actors = list(gen.members.values())
         t0 = time.monotonic()
-        staged = group.call(actors, "save_checkpoint", (path, step), timeout_s=self.cfg.elastic.step_timeout_s)
+        calls = group.submit(actors, "save_checkpoint", (path, step))
+        staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
+            if staged.failed and not (staged.dead or staged.pending):
+                failed = {r: a for r, a in calls.items() if a in staged.failed}
+                self._storage_failed(step, path, _first_cause(failed, staged.failed))
             return
         refs = group.submit(actors, "wait_checkpoint")
         self._pending = {
@@ -97,12 +145,21 @@ class CheckpointCoordinator:
         pending = self._pending
         if pending is None:
             return
-        timeout = self.cfg.elastic.step_timeout_s if block else 0.0
-        outcome = group.collect(dict(pending["refs"]), timeout)
-        if not block and outcome.pending:
-            return  # still writing; look again after the next step
+        refs = list(pending["refs"])
+        if not block:
+            # Poll: commit as soon as every ack is in, without waiting. (collect() with a zero
+            # deadline returns before looking at any ref, so it cannot serve as the poll.)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
+                return  # still writing; look again after the next step
+        outcome = group.collect(dict(pending["refs"]), self.cfg.elastic.step_timeout_s)
         self._pending = None
+        if outcome.failed and not (outcome.dead or outcome.pending):
+            # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
+            failed = {r: a for r, a in pending["refs"].items() if a in outcome.failed}
+            self._storage_failed(pending["step"], pending["path"], _first_cause(failed, outcome.failed))
         if not outcome.ok:
+            # A rank died or hung while writing: never committed; the failure path rebuilds.
             logger.warning("checkpoint of step %d not committed: %s", pending["step"],
                            outcome.failed or outcome.dead or f"no ack from actors {outcome.pending}")
             self.metrics.event("checkpoint_failed", step=pending["step"], path=pending["path"],
@@ -130,16 +187,31 @@ class CheckpointCoordinator:
         try:
             commit(self.root, manifest)
         except CheckpointError as exc:
-            logger.warning("%s", exc)
-            self.metrics.event("checkpoint_failed", step=pending["step"], path=pending["path"], reason=str(exc)[:300])
-            return
+            self._storage_failed(pending["step"], pending["path"], exc.message)
         self.last_committed = pending["step"]
         self._committed_here.add(pending["step"])
         write_s = max(a["write_s"] for a in outcome.results.values())
-        self.metrics.event("checkpoint", step=pending["step"], stall_s=pending["stall_s"],
+        # The acks' stall includes any wait for background staging before the next optimizer step.
+        stall_s = max([pending["stall_s"]] + [a.get("stall_s", 0.0) for a in outcome.results.values()])
+        self.metrics.event("checkpoint", step=pending["step"], stall_s=stall_s,
                            write_s=write_s, path=pending["path"])
         if self.user_dir:
             self.purger.request(self.root, self.cfg.checkpoint.keep)
+
+    def _storage_failed(self, step: int, path: str, reason: str) -> None:
+        """Stop the run: a checkpoint could not be written although every rank is alive.
+
+        Training on would leave nothing to recover from at the next failure; committed
+        checkpoints are untouched (a failed step never gets a manifest), so a rerun resumes.
+        """
+        reason = " ".join(reason.split())[:300]
+        self.metrics.event("checkpoint_failed", step=step, path=path, reason=reason)
+        newest = f"step {self.last_committed}" if self.last_committed else "none yet"
+        raise TrainingFailed(
+            f"checkpoint.dir: saving step {step} failed ({reason}); training stopped rather than run on "
+            f"without checkpoints. Committed checkpoints are intact (newest: {newest}): free space or fix "
+            "permissions of checkpoint.dir and run again to resume"
+        )
 
     # -- loading ----------------------------------------------------------------------------------
     def resume_point(self):
@@ -149,30 +221,52 @@ class CheckpointCoordinator:
         never jumps into an older run's state that happens to share the directory.
         """
         if self.cfg.checkpoint.resume or not self.user_dir:
-            info = latest_valid(self.root)
+            info = self._latest_valid()
         else:
             valid = [i for i in list_checkpoints(self.root) if i.valid and i.step in self._committed_here]
             info = valid[-1] if valid else None
         if info is None:
             return None
         if info.manifest.model_fingerprint != self.fingerprint:
-            keys = model_diff(info.manifest.model_config, config_to_dict(self.cfg)["model"])
+            # The manifest keeps the model section only; data.path is the fingerprint's other input.
+            keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
             raise UserInputError(
                 f"checkpoint {info.path} was saved from a different model config "
                 f"(mismatching keys: {', '.join(keys) or 'data.path'}): use a new checkpoint.dir or "
                 "restore those keys"
             )
+        saved_batch, batch = info.manifest.global_batch_size, self.cfg.train.global_batch_size
+        if saved_batch != batch:
+            raise UserInputError(
+                f"checkpoint {info.path} consumed {info.manifest.data_cursor} samples in batches of "
+                f"train.global_batch_size={saved_batch}; resuming with {batch} would skip or repeat "
+                f"samples: set train.global_batch_size={saved_batch} or use a new checkpoint.dir"
+            )
         return info
+
+    def _latest_valid(self):
+        """Newest valid checkpoint; each damaged newer one is reported once (log + metrics event)."""
+        for info in reversed(list_checkpoints(self.root)):
+            if info.valid:
+                return info
+            if info.path not in self._reported_skips:
+                self._reported_skips.add(info.path)
+                logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+                self.metrics.event("checkpoint_skipped", step=info.step, path=info.path, reason=info.reason)
+        return None
 
     def restore(self, group, gen) -> int:
         """Load the newest committed checkpoint into every member; returns its step (0 = none)."""
         info = self.resume_point()
         if info is None:
             return 0
-        outcome = group.call(list(gen.members.values()), "load_checkpoint", (info.path,),
-                             timeout_s=self.cfg.elastic.rebuild_timeout_s)
+        # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
+        # and the controller frees them (RestoreFailed carries who answered what).
+        refs = group.submit(list(gen.members.values()), "load_checkpoint", (info.path,))
+        outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead))
         if not outcome.ok:
-            raise TrainingFailed(f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}")
+            raise RestoreFailed(
+                f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}", outcome)
         self.last_committed = max(self.last_committed, info.step)
         return info.step
 
@@ -180,4 +274,16 @@ class CheckpointCoordinator:
         self.purger.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _first_cause(refs: dict, fallback: dict[int, str]) -> str:
+    """The rank-side error of the first failed call, not Ray's wrapper line (``ray::Actor.m() (pid=..)``)."""
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=5)
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc
+            text = getattr(cause, "message", None) or str(cause)
+            return f"{type(cause).__name__}: {text}".splitlines()[0]
+    return next(iter(fallback.values()), "unknown error")
 

@@ -4,16 +4,15 @@ INITIALIZING -> RUNNING <-> REBUILDING -> FINISHED | ERRORED. ``step()`` makes e
 (or runs one training step while RUNNING), so tests can drive it and assert the state after each call.
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
-survivors (kills dead/hung actors, shuts their blocked gloo sockets), bumps the generation, re-plans the
-mesh from the live actors, has them re-form groups *in the same processes*, and reloads the newest
-committed checkpoint resharded into the new mesh.
+survivors (kills dead/hung actors, shuts their blocked gloo sockets: ``orchestrator.recovery``), bumps
+the generation, re-plans the mesh from the live actors, has them re-form groups *in the same
+processes*, and reloads the newest committed checkpoint resharded into the new mesh. A failure while a
+generation forms (joining, loading) is handled the same way and the rebuild is retried.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,15 +20,16 @@ from enum import StrEnum
 
 import ray
 
-from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig, dp_bounds
 from orchestrator.lr_schedule import lr_at
-from orchestrator.errors import RebuildTimeoutError, TrainingFailed
+from orchestrator.errors import RebuildTimeoutError, TrainingFailed, WorkerGroupStartupError
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, bubble_fraction
 from orchestrator.plan import MeshPlan, make_plan
-from orchestrator.policies import ResizeDecision, choose_dp, grow_target
+from orchestrator.policies import ResizeDecision, choose_dp, fit_dp, grow_target
+from orchestrator.recovery import reason_line, settle
 from orchestrator.worker_group import CallOutcome, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -189,61 +189,64 @@ class Controller:
 
     # -- failures ---------------------------------------------------------------------------------
     def _on_failure(self, step: int, outcome: CallOutcome, results: list[StepResult]) -> None:
+        """A step broke: free the survivors (recovery.settle), record it, and go rebuild."""
         self._failure_at = time.monotonic()
         gen = self.generation
         rank_of = {actor: rank for rank, actor in gen.members.items()}
-        dead = set(outcome.dead)
-        # Ranks still inside the step: alive but blocked in a collective, or hung (SIGSTOP, deadlock).
-        # A status() poll runs on a second actor thread, so only a stopped process fails to answer.
-        if outcome.pending:
-            polled = self.group.call(outcome.pending, "status", timeout_s=3.0)
-            hung = set(outcome.pending) - set(polled.results)
-            dead |= hung
-        reasons = {a: outcome.dead.get(a, "no progress within elastic.step_timeout_s") for a in dead}
-        reasons.update({a: msg for a, msg in outcome.failed.items()})
+        found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
+                       wait_s=self.cfg.elastic.collective_timeout_s + 5,
+                       hang_reason="no progress within elastic.step_timeout_s")
+        reasons = dict(found.reasons)
         for r in results:
             if not r.ok and r.error:
                 reasons.setdefault(gen.members.get(r.world_rank, -1), r.error)
-        self.metrics.event(
-            "failure", step=step, ranks=sorted(rank_of[a] for a in reasons if a in rank_of),
-            reason="; ".join(sorted({v.splitlines()[0][:200] for v in reasons.values()})),
-        )
-        self._free_survivors(dead, outcome)
+        if not reasons:  # everyone alive, answering, error-free: just slower than the bound
+            reasons[-1] = (f"step {step} exceeded elastic.step_timeout_s={self.cfg.elastic.step_timeout_s:g} "
+                           "with every rank alive: raise it if steps are legitimately this slow")
+        # Name the ranks that were lost; only when none was (a latched error) the ones that errored.
+        blamed = found.lost or set(reasons)
+        self.metrics.event("failure", step=step, ranks=sorted(rank_of[a] for a in blamed if a in rank_of),
+                           reason=reason_line(reasons))
         self.ckpt.abandon_pending()
-        self.restarts += 1
-        if self.restarts > self.cfg.elastic.max_restarts:
-            raise TrainingFailed(
-                f"giving up after {self.restarts - 1} restarts (elastic.max_restarts="
-                f"{self.cfg.elastic.max_restarts}); last failure at step {step}: raise "
-                "elastic.max_restarts or look at the failure events in the metrics file"
-            )
+        self._count_restart(
+            TrainingFailed, f"giving up after {self.restarts} restarts (elastic.max_restarts="
+            f"{self.cfg.elastic.max_restarts}); last failure at step {step}: raise "
+            "elastic.max_restarts or look at the failure events in the metrics file")
         self._rebuild_reason = "failure"
         self.state = State.REBUILDING
 
-    def _free_survivors(self, dead: set[int], outcome: CallOutcome) -> None:
-        """Kill dead/hung actors and unblock everyone else still inside the step."""
-        self._kill_now(dead)
-        survivors = [a for a in self.generation.members.values() if a not in dead and a in self.group.actors]
-        listeners = [ep for info in self.generation.infos.values() for ep in info.gloo_listeners]
-        if survivors:
-            self.group.call(survivors, "kick", (listeners,), timeout_s=10.0)
-        # Let the freed survivors finish their (failed) step so their threads are idle again.
-        still = {r: a for r, a in outcome.pending_refs.items() if a not in dead}
-        if still:
-            late = self.group.collect(still, self.cfg.elastic.collective_timeout_s + 5)
-            self._kill_now(set(late.pending) | set(late.dead))
+    def _rebuild_failed(self, outcome: CallOutcome, stage: str) -> None:
+        """A member died, hung or failed while generation ``self.generation`` was forming.
 
-    def _kill_now(self, actor_ids: set[int]) -> None:
-        """SIGKILL local processes directly (~0.1 s; ray.kill on a stopped process takes ~5 s)."""
-        here = ray.util.get_node_ip_address()
-        for actor_id in actor_ids:
-            pid = self.group.pids.get(actor_id)
-            if pid and self.group.node_ips.get(actor_id) == here:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.group.kill(sorted(actor_ids))
+        Just another failure: free and drop whom it cost, then rebuild from the live actors. A
+        rebuild that broke although nobody was lost is not elastic business (a bug, bad state): stop.
+        """
+        if self._failure_at is None:
+            self._failure_at = time.monotonic()
+        gen = self.generation
+        rank_of = {actor: rank for rank, actor in gen.members.items()}
+        found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
+                       wait_s=self.cfg.elastic.collective_timeout_s + 5,
+                       hang_reason=f"no answer within elastic.rebuild_timeout_s while {stage}")
+        why = f"rebuild of generation {gen.number} failed while {stage}: {reason_line(found.reasons)}"
+        self.metrics.event("failure", step=self.next_step,
+                           ranks=sorted(rank_of[a] for a in found.lost if a in rank_of), reason=why)
+        if not found.lost:
+            raise TrainingFailed(why)
+        self._count_restart(
+            RebuildTimeoutError, f"could not form generation {gen.number} within elastic.max_restarts="
+            f"{self.cfg.elastic.max_restarts} tries ({why})")
+        self._rebuild_reason = "failure"
+        self.state = State.REBUILDING
+
+    def _count_restart(self, error: type[TrainingFailed], message: str) -> None:
+        self.restarts += 1
+        if self.restarts > self.cfg.elastic.max_restarts:
+            raise error(message)
+
+    def _listeners(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
+        return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
 
     # -- generations ------------------------------------------------------------------------------
     def _rebuild_after_failure(self) -> None:
@@ -256,7 +259,24 @@ class Controller:
         """Planned resize at a step boundary: commit a checkpoint of the current step, then rebuild."""
         self._failure_at = time.monotonic()
         self.ckpt.save_now(self.group, self.generation, self.next_step - 1)
+        if reason == "requested":
+            dp = self._fit_request(dp)
         self._rebuild(dp, reason)
+
+    def _fit_request(self, dp: int) -> int:
+        """A requested dp larger than the live actors allow starts the missing actors first (as a
+        replacement would); if they cannot be placed, the largest feasible dp the live ones allow."""
+        missing = dp * self.cfg.mesh.pp * self.cfg.mesh.tp - len(self.group.live_ids)
+        if missing > 0:
+            try:
+                self.group.add(missing, wait_s=self.cfg.resources.placement_timeout_s)
+            except WorkerGroupStartupError as exc:
+                logger.warning("resize to dp=%d: %s", dp, exc)
+        fitted = fit_dp(self.cfg, dp, len(self.group.live_ids))
+        if fitted < 1:
+            raise TrainingFailed(f"resize to dp={dp}: {len(self.group.live_ids)} live workers hold no "
+                                 "whole replica that divides train.global_batch_size: add nodes")
+        return fitted
 
     def _maybe_grow(self, step: int) -> bool:
         if time.monotonic() - self._last_grow_check < self.cfg.elastic.grow_check_s:
@@ -279,6 +299,9 @@ class Controller:
         free = ray.available_resources()
         bundle = self.group.bundle()
         fits = min(int(free.get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
+        # A lost node's bundles are re-placed by Ray on the node that replaces it: those resources
+        # are not "available", yet they are ours to start actors in (WorkerGroup.add refills them).
+        fits += len(self.group.placed_vacancies())
         count = min(wanted, fits)
         if count >= replica:
             try:
@@ -303,26 +326,22 @@ class Controller:
         }
         if spares:
             self.group.call(spares, "leave_generation", timeout_s=30.0)
-        outcome = self.group.call(
-            list(members.values()), "join_generation", args, timeout_s=self.cfg.elastic.rebuild_timeout_s
-        )
+        refs = self.group.submit(list(members.values()), "join_generation", args)
+
+        def broken(o: CallOutcome) -> bool:
+            # A member that died or failed to join leaves the others blocked in the rendezvous.
+            return bool(o.dead or o.failed)
+
+        outcome = self.group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=broken)
         self.generation = Generation(number, plan, members, infos=dict(outcome.results))
         if not outcome.ok:
-            # A failure during the rebuild is just another failure: drop the broken actors and retry.
-            self._kill_now(set(outcome.dead) | set(outcome.pending))
-            self.metrics.event("failure", step=self.next_step, ranks=[],
-                               reason=f"rebuild of generation {number} failed: {outcome.failed or outcome.dead or outcome.pending}")
-            self.restarts += 1
-            if self.restarts > self.cfg.elastic.max_restarts:
-                raise RebuildTimeoutError(
-                    f"could not form generation {number} within elastic.max_restarts="
-                    f"{self.cfg.elastic.max_restarts} tries"
-                )
-            if outcome.failed and not (outcome.dead or outcome.pending):
-                raise TrainingFailed(f"generation {number} could not be formed: {outcome.failed}")
-            self.state = State.REBUILDING
+            self._rebuild_failed(outcome, "joining")
             return
-        resumed = self.ckpt.restore(self.group, self.generation)
+        try:
+            resumed = self.ckpt.restore(self.group, self.generation)
+        except RestoreFailed as exc:
+            self._rebuild_failed(exc.outcome, "loading the checkpoint")
+            return
         self.next_step = resumed + 1
         event = {"kind": "rebuild" if reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,

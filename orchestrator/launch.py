@@ -1,18 +1,23 @@
 """Bring a job up on Ray and run it: connect (or start an embedded local Ray), check the cluster can hold
-the mesh, start the store host and the RankActors, hand them to the Controller, and tear down.
+the mesh, ask the autoscaler for the largest mesh the job may grow to, start the store host and the
+RankActors, hand them to the Controller, and tear down -- also when stopped by SIGTERM (`ray job stop`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import threading
+from contextlib import contextmanager
 
 import ray
 
+from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
-from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
+from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import validate_source
@@ -20,6 +25,33 @@ from workers.data import validate_source
 logger = logging.getLogger(__name__)
 
 LOCAL_MIN_CPUS = 8  # logical CPU slots of the embedded Ray: enough for a dp=2 x tp=2 laptop job
+PROBE_TIMEOUT_S = 5.0  # a TCP connect to the GCS port: a closed port fails at once, not after ray.init's retries
+FIX_ADDRESS = ("start one with `ray start --head`, fix RAY_ADDRESS, or unset it to use an embedded local "
+               "Ray (with token auth on, also set RAY_AUTH_MODE=token)")
+
+
+def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Fail fast and clearly when RAY_ADDRESS cannot be a reachable cluster address."""
+    if address.startswith(("http://", "https://")):
+        # `ray job` talks to the dashboard's HTTP address; a driver needs the GCS address, which
+        # `ray job submit` sets for the job itself. Exporting the first for `ray job` is a common slip.
+        raise ClusterConnectError(
+            f"RAY_ADDRESS={address} is a dashboard (job API) address; elastimesh joins the cluster "
+            "address host:6379, which `ray job submit` sets for the job: unset RAY_ADDRESS here, or "
+            "use --address / RAY_API_SERVER_ADDRESS for `ray job` commands"
+        )
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and other forms: ray.init resolves them (bounded below)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ClusterConnectError(
+            f"RAY_ADDRESS={address}: cannot reach a Ray cluster (nothing answers at {target}: {why}); "
+            + FIX_ADDRESS
+        ) from None
 
 
 def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
@@ -28,6 +60,7 @@ def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        probe(address)
         # ray.init retries for a long time on an unreachable address: bound it ourselves.
         error: list[BaseException] = []
 
@@ -42,11 +75,7 @@ def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
         thread.join(connect_timeout_s)
         if thread.is_alive() or error:
             why = f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0]}" if error else f"no answer in {connect_timeout_s:g}s"
-            raise ClusterConnectError(
-                f"RAY_ADDRESS={address}: cannot reach a Ray cluster ({why}); start one with "
-                "`ray start --head`, fix RAY_ADDRESS, or unset it to use an embedded local Ray "
-                "(with token auth on, also set RAY_AUTH_MODE=token)"
-            )
+            raise ClusterConnectError(f"RAY_ADDRESS={address}: cannot reach a Ray cluster ({why}); " + FIX_ADDRESS)
         return False
     world = cfg.mesh.world
     needed = world * cfg.resources.cpus_per_worker
@@ -69,11 +98,53 @@ def resolve_gpu(cfg: JobConfig) -> bool:
     return bool(setting)
 
 
+@contextmanager
+def stop_on_sigterm():
+    """Turn SIGTERM (`ray job stop`, a scheduler's preemption) into SystemExit so the `finally`
+    blocks run: above all the autoscaler request must be withdrawn, or idle nodes stay up.
+
+    Enter it *after* ray.init: Ray's core worker installs a C-level SIGTERM handler that aborts the
+    driver (exit 134, no cleanup), replacing any Python handler set before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    got: list[int] = []
+
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        got.append(signum)
+        logger.warning("stopping: got %s (e.g. `ray job stop`); with checkpoint.dir set, a rerun "
+                       "resumes from the newest committed checkpoint", signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except SystemExit:
+        if got:  # raised inside ray.wait/ray.get, Ray re-raises it as SystemExit(1): keep 128+SIGTERM
+            raise SystemExit(128 + got[0]) from None
+        raise
+    finally:
+        # None: the previous handler was not a Python one (Ray's); the default is as good after the run.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
     source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
     started_local = connect(cfg)
+    try:
+        with stop_on_sigterm():
+            return _run(cfg, source, progress, started_local)
+    finally:
+        if started_local:
+            ray.shutdown()
+
+
+def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSummary:
     metrics = None
     group = None
+    capacity = CapacityRequest()
     try:
         use_gpu = resolve_gpu(cfg)
         if not started_local and not cfg.checkpoint.dir and len(ray.nodes()) > 1:
@@ -91,6 +162,9 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s,
         )
+        if not started_local:  # an embedded Ray has no autoscaler to ask
+            capacity.ask(wanted_bundles(cfg, group.bundle()),
+                         fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
         controller = Controller(
@@ -98,12 +172,9 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
             data_path=source.name,
         )
         return controller.run()
-    except UserInputError:
-        raise
     finally:
+        capacity.release()  # first: if the job is being killed, this is what must not be lost
         if metrics is not None:
             metrics.close()
         if group is not None:
             group.shutdown()
-        if started_local:
-            ray.shutdown()

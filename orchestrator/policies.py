@@ -56,3 +56,14 @@ def grow_target(cfg: JobConfig, current_dp: int, live_actors: int) -> int | None
     if isinstance(decision, ResizeDecision) and decision.dp > current_dp:
         return decision.dp
     return None
+
+
+
+def fit_dp(cfg: JobConfig, wanted: int, live_actors: int) -> int:
+    """The largest feasible dp <= ``wanted`` that ``live_actors`` can hold (a requested resize);
+    0 when not even one replica fits. Unlike ``choose_dp`` it ignores ``elastic.max_dp``: an explicit
+    request is the operator's call."""
+    best = min(wanted, live_actors // (cfg.mesh.pp * cfg.mesh.tp))
+    while best >= 1 and not feasible_dp(cfg, best):
+        best -= 1
+    return max(best, 0)

@@ -2,8 +2,9 @@
 
 Actors are numbered by ``actor_id`` for their whole life; their *world rank* changes per generation.
 The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
-TP group shares a node); every later grow adds a placement group for the new actors. A dead actor's
-call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
+TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
+placement group for the rest. A dead actor's call raises ``RayActorError``; that is caught only here
+and turned into a ``CallOutcome``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.bundles import BundleLedger
 from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
+
+LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
 
 
 @dataclass
@@ -53,6 +57,8 @@ class WorkerGroup:
         self.node_ips: dict[int, str] = {}
         self._pgs: list[Any] = []
         self._next_id = 0
+        # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/bundles.py).
+        self._bundles = BundleLedger()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bundle(self) -> dict[str, float]:
@@ -62,30 +68,29 @@ class WorkerGroup:
         return b
 
     def add(self, count: int, *, wait_s: float | None = None) -> list[int]:
-        """Start ``count`` new actors in a new placement group; returns their actor ids.
+        """Start ``count`` new actors, in vacated bundles that are placed and then in a new placement
+        group; returns their actor ids.
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
         from workers.actor import RankActor  # imported lazily: the class is shipped to the actors
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
-        pg = placement_group([self.bundle()] * count, strategy="PACK")
-        try:
-            ray.get(pg.ready(), timeout=wait_s)
-        except GetTimeoutError:
-            remove_placement_group(pg)
-            raise WorkerGroupStartupError(
-                f"could not place {count} workers of {self.bundle()} within "
-                f"resources.placement_timeout_s={wait_s:g}s (cluster has {ray.cluster_resources()}): "
-                "lower mesh.dp/pp/tp or resources.cpus_per_worker, set resources.use_gpu=false on a "
-                "CPU-only cluster, or add nodes"
-            ) from None
-        self._pgs.append(pg)
+        slots = self._bundles.usable()[:count]
+        fresh = count - len(slots)
+        if fresh:
+            pg = placement_group([self.bundle()] * fresh, strategy="PACK")
+            if not self._wait_placed(pg, fresh, wait_s):
+                remove_placement_group(pg)
+                raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
+            self._pgs.append(pg)
+            slots += [(pg, index) for index in range(fresh)]
         remote_cls = ray.remote(RankActor)
         ids = []
-        for index in range(count):
+        for pg, index in slots:
             actor_id = self._next_id
             self._next_id += 1
+            self._bundles.assign(actor_id, pg, index)
             self.actors[actor_id] = remote_cls.options(
                 num_cpus=self.resources.cpus,
                 num_gpus=self.resources.gpus,
@@ -97,6 +102,8 @@ class WorkerGroup:
             ids.append(actor_id)
         outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
         if not outcome.ok:
+            # Leave no half-started actors behind: callers count live_ids as ranks to form.
+            self.kill(ids)
             raise WorkerGroupStartupError(
                 f"workers failed to start: {outcome.dead or outcome.failed or outcome.pending}"
             )
@@ -104,12 +111,49 @@ class WorkerGroup:
             self.pids[actor_id], self.node_ips[actor_id] = pid, ip
         return ids
 
+    def _wait_placed(self, pg, count: int, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the bundles. A pending placement group is also what an autoscaler
+        reacts to, so a long wait (minutes for a cold GPU node) is normal there: say so now and then."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ray.get(pg.ready(), timeout=max(0.0, min(left, LOG_WAIT_EVERY_S)))
+                return True
+            except GetTimeoutError:
+                if time.monotonic() >= deadline:
+                    return False
+                logger.info("waiting for %d workers of %s to be placed (cluster has %s; %.0fs left of "
+                            "resources.placement_timeout_s)", count, self.bundle(),
+                            self._cluster_summary(), deadline - time.monotonic())
+
+    def _cluster_summary(self) -> str:
+        total = ray.cluster_resources()
+        return ", ".join(f"{key} {total.get(key, 0):g}" for key in self.bundle())
+
+    def _unplaceable(self, count: int, wait_s: float) -> str:
+        """One line: what could not be placed, what the cluster has, and the fix that fits."""
+        if self.resources.gpus and ray.cluster_resources().get("GPU", 0) == 0:
+            fix = ("no node has a GPU: set resources.use_gpu=false (or \"auto\") for a CPU-only cluster, "
+                   "or add GPU nodes (an autoscaler needs a GPU node type and a larger "
+                   "resources.placement_timeout_s to boot one)")
+        else:
+            fix = ("lower mesh.dp/pp/tp or resources.cpus_per_worker, add nodes, or raise "
+                   "resources.placement_timeout_s while an autoscaler adds them")
+        return (f"could not place {count} workers of {self.bundle()} within "
+                f"resources.placement_timeout_s={wait_s:g}s (cluster has {self._cluster_summary()}): {fix}")
+
     def kill(self, actor_ids: list[int]) -> None:
         for actor_id in actor_ids:
             handle = self.actors.pop(actor_id, None)
             if handle is not None:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
+            self._bundles.release(actor_id)
+
+    def placed_vacancies(self) -> list[tuple[Any, int]]:
+        """Vacant bundles that ``add`` would refill right now (their node is known to be up)."""
+        return self._bundles.usable()
 
     def shutdown(self) -> None:
         self.kill(list(self.actors))

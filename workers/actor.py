@@ -4,6 +4,10 @@ Calls run in a small thread pool (``max_concurrency``), so while one thread is i
 — possibly blocked in a collective whose peer died — the driver can still poll the actor and tell it
 to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched into the
 returned ``StepResult``; the driver decides what happens next.
+
+Faults can be injected on purpose (``arm_fault``) at four points — inside a training step, at the
+start of joining a generation, at the start of loading a checkpoint, and inside the background
+checkpoint write — so tests can prove recovery from each.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from orchestrator.schedule import Action
 
 logger = logging.getLogger(__name__)
 
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+# Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
+FAULT_POINTS = ("step", "join", "load", "ckpt_write")
+
 
 class RankActor:
     def __init__(self, actor_id: int) -> None:
@@ -40,13 +48,21 @@ class RankActor:
         self.error: str | None = None
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
         self._lock = threading.Lock()
-        self._fault: tuple[int, str, float] | None = None
+        self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
+        # While a join is in progress: (its spec, listening ports before it). A kick then also frees
+        # a rendezvous blocked on a peer that died mid-join (see ``kick``).
+        self._joining: tuple[GenerationSpec, frozenset[int]] | None = None
 
     def ping(self) -> tuple[int, str]:
         return os.getpid(), ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (several nodes may share one IP, e.g. in tests)."""
+        return ray.get_runtime_context().get_node_id()
+
     def join_generation(self, gen: GenerationSpec, spec: RuntimeSpec) -> RankInfo:
         """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``."""
+        from workers import sockets
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
@@ -55,21 +71,26 @@ class RankActor:
             self._leave()
             use_gpu = spec.use_gpu and torch.cuda.is_available()
             device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-            groups = build_process_groups(
-                store_addr=gen.store_addr,
-                store_port=gen.store_port,
-                store_prefix=gen.store_prefix,
-                generation=gen.generation,
-                shape=gen.shape,
-                world_rank=gen.world_rank,
-                timeout_s=spec.collective_timeout_s,
-                device=device,
-            )
+            self._joining = (gen, frozenset(sockets.listening_ports()))
             try:
-                self.runtime = RankRuntime(spec, groups)
-            except BaseException:
-                groups.destroy()
-                raise
+                self._maybe_fire_fault("join", gen.generation)
+                groups = build_process_groups(
+                    store_addr=gen.store_addr,
+                    store_port=gen.store_port,
+                    store_prefix=gen.store_prefix,
+                    generation=gen.generation,
+                    shape=gen.shape,
+                    world_rank=gen.world_rank,
+                    timeout_s=spec.collective_timeout_s,
+                    device=device,
+                )
+                try:
+                    self.runtime = RankRuntime(spec, groups)
+                except BaseException:
+                    groups.destroy()
+                    raise
+            finally:
+                self._joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
@@ -84,7 +105,7 @@ class RankActor:
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         self.busy, self.step = True, step
-        self._maybe_fire_fault(step)
+        self._maybe_fire_fault("step", step)
         try:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
@@ -100,6 +121,9 @@ class RankActor:
         return self.runtime.full_state()
 
     def save_checkpoint(self, path: str, step: int) -> dict:
+        fault = self._take_fault("ckpt_write", step)
+        if fault is not None:
+            _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
         return {"stall_s": self.runtime.save_checkpoint(path, step)}
 
     def wait_checkpoint(self) -> dict:
@@ -107,11 +131,20 @@ class RankActor:
 
     def load_checkpoint(self, path: str) -> int:
         with self._lock:
+            self._maybe_fire_fault("load", self.generation)
             return self.runtime.load_checkpoint(path)
 
-    def arm_fault(self, step: int, kind: str, delay_s: float = 0.3) -> None:
-        """Test hook: at ``step``, ``delay_s`` into it, SIGKILL ("kill") or SIGSTOP ("hang") this process."""
-        self._fault = (step, kind, delay_s)
+    def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step") -> None:
+        """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching
+        ``where`` at ``at``: "step" (train step ``at``), "join" / "load" (joining generation ``at`` /
+        loading a checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s
+        shard; ``delay_s`` is ignored there). Bad arguments raise, so a test never arms nothing."""
+        if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
+            raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
+                             f"where one of {list(FAULT_POINTS)}")
+        if where == "ckpt_write":
+            _dcp_write_function()  # fail now, not silently at the write, if torch moved it
+        self._faults[where] = (at, kind, delay_s)
 
     def leave_generation(self) -> None:
         with self._lock:
@@ -124,19 +157,41 @@ class RankActor:
         self.generation, self.world_rank = -1, -1
 
     def kick(self, peers: list[tuple[str, int]]) -> int:
-        """Make a collective blocked on a dead peer fail now (runs on a second actor thread)."""
-        from workers.sockets import shutdown_gloo_sockets
+        """Make a collective blocked on a dead peer fail now (runs on a second actor thread).
+
+        Mid-join the new generation's listeners are not known to the driver yet, and a rank may be
+        blocked in the rendezvous itself (waiting in the store for a peer that died before
+        registering), so then the connections of listeners opened since the join began and the
+        connection to the store are shut down too; the join then raises and leaves nothing behind.
+        """
+        from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
 
         local = {port for _, port in self.gloo_listeners}
-        return shutdown_gloo_sockets(local, set(map(tuple, peers)))
+        remote = set(map(tuple, peers))
+        joining = self._joining
+        if joining is not None:
+            gen, before = joining
+            local |= listening_ports() - before
+            remote.add(endpoint(gen.store_addr, gen.store_port))
+        return shutdown_gloo_sockets(local, remote)
 
-    def _maybe_fire_fault(self, step: int) -> None:
-        if self._fault is None or self._fault[0] != step:
+    def _take_fault(self, where: str, at: int) -> tuple[int, str, float] | None:
+        fault = self._faults.get(where)
+        if fault is None or fault[0] != at:
+            return None
+        del self._faults[where]
+        return fault
+
+    def _maybe_fire_fault(self, where: str, at: int) -> None:
+        fault = self._take_fault(where, at)
+        if fault is None:
             return
-        _, kind, delay = self._fault
-        self._fault = None
-        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}[kind]
-        threading.Timer(delay, os.kill, (os.getpid(), sig)).start()
+        _, kind, delay = fault
+        logger.warning("fault injection: %s at %s %d", kind, where, at)
+        if delay <= 0:
+            os.kill(os.getpid(), FAULT_SIGNALS[kind])  # right here, deterministically
+        else:
+            threading.Timer(delay, os.kill, (os.getpid(), FAULT_SIGNALS[kind])).start()
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(
@@ -147,3 +202,31 @@ class RankActor:
             step=self.step,
             error=self.error,
         )
+
+
+def _dcp_write_function():
+    """DCP's per-item file write (private; looked up so a torch upgrade fails the fault test loudly)."""
+    from torch.distributed.checkpoint import filesystem
+
+    if not callable(getattr(filesystem, "_write_item", None)):
+        raise RuntimeError("torch.distributed.checkpoint.filesystem._write_item is gone: update the "
+                           "ckpt_write fault injection in workers/actor.py")
+    return filesystem._write_item
+
+
+def _die_inside_next_dcp_write(sig: int) -> None:
+    """Make this process receive ``sig`` on DCP's writer thread, after the first item of the next
+    shard is on disk: the shard file is then partial and the rank never acks it."""
+    from torch.distributed.checkpoint import filesystem
+
+    real = _dcp_write_function()
+
+    def write_then_die(*args, **kwargs):
+        result = real(*args, **kwargs)
+        filesystem._write_item = real
+        logger.warning("fault injection: signal %d inside the checkpoint write", sig)
+        os.kill(os.getpid(), sig)
+        return result
+
+    filesystem._write_item = write_then_die
+

@@ -6,10 +6,13 @@ As these change size at runtime, nothing may cache a rank, a world size or a gro
 Every group is created here with an explicit timeout (``elastic.collective_timeout_s``):
 ``init_device_mesh`` would create its sub-groups with the backend default (30 min on gloo), so we make
 the (dp, pp, tp) groups ourselves with ``new_group`` and wrap them with ``DeviceMesh.from_group``.
+The mesh's axis names are unique per generation (``_axis_names``): DTensor's caches must never see
+an earlier generation's mesh as equal to the current one.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,18 +30,57 @@ AXES = (MeshAxis.DP, MeshAxis.PP, MeshAxis.TP)
 
 
 def clear_dtensor_caches() -> None:
-    """Drop DTensor's sharding caches before a rebuild.
+    """Drop DTensor's cached sharding decisions made for earlier generations' meshes (hygiene).
 
-    DeviceMesh equality ignores the process group and the rank, so after a re-form with the same
-    world size and permuted ranks the cached specs still point at the old coordinates and DCP loads
-    shards at wrong offsets with no error (cpu-gloo-facts gotcha 6). These are private functions; if a
-    torch upgrade removes them we want a loud failure here, not silent corruption, so no try/except.
+    Not what keeps rebuilds correct — that is ``_axis_names`` — because it cannot reach every cache:
+    the sharding-propagation caches are per thread (the Python one is a ``threading.local`` LRU; the
+    C++ fast-path one behaves so too: clearing both on every thread fixed the shrink-grow-shrink test,
+    clearing them here did not), and Ray runs an actor's calls on a pool of threads, so this clears
+    only the joining thread's. It does clear the process-wide redistribute caches, which otherwise keep
+    every old mesh (and through it its process groups) alive. Private functions: if a torch upgrade
+    removes them we want a loud failure here, so no try/except.
     """
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+
+
+_meshes_built = itertools.count()
+
+
+def _axis_names(tag: str) -> dict[MeshAxis, str]:
+    """Mesh axis names no earlier mesh of this process had, e.g. ``dp@3fa2c1e0-gen3#2``.
+
+    Why: ``DeviceMesh`` equality (and hash) compares the rank layout and the axis names but not the
+    process group or this rank's coordinate, and DTensor's caches key on it. After a re-form with
+    the same world size and permuted ranks (shrink, then grow with a replacement), a cache entry made
+    for the old mesh matches the new one and hands back a spec bound to the *old* mesh object, so
+    this rank computes shard offsets from its old coordinate: DCP saves then fail ("invalid fill" in
+    the global plan) or, worse, loads and optimizer states land at wrong offsets with no error
+    (cpu-gloo-facts gotcha 6; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
+    (see ``clear_dtensor_caches``); names unique per process make every old entry unreachable.
+    """
+    count = next(_meshes_built)
+    return {a: f"{a.value}@{tag}#{count}" for a in AXES}
+
+
+def _restart_group_names() -> None:
+    """Make this rank's first group of the generation get the name "0" again, like every peer's.
+
+    Group names are a process-wide counter and they are part of the store keys of each group's
+    rendezvous. ``destroy_process_group`` resets the counter, but an ``init_process_group`` that
+    failed half-way (a peer died or the driver kicked us mid-rendezvous) leaves it advanced with no
+    default group to destroy; the next generation would then wait for peers under other keys until
+    the store timeout. The counter is private (``_world.group_count``); an upgrade that moves it
+    must fail here loudly.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        c10d._world.group_count = 0
 
 
 @dataclass
@@ -52,20 +94,21 @@ class ProcessGroups:
     device: torch.device
     mesh: DeviceMesh
     ckpt_group: dist.ProcessGroup
+    axis_names: dict[MeshAxis, str]  # generation-unique mesh axis names (see _axis_names)
     gloo_ports: list[int] = field(default_factory=list)
     destroyed: bool = False
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh[MeshAxis.DP.value]
+        return self.mesh[self.axis_names[MeshAxis.DP]]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.mesh[MeshAxis.TP.value]
+        return self.mesh[self.axis_names[MeshAxis.TP]]
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(MeshAxis.PP.value)
+        return self.mesh.get_group(self.axis_names[MeshAxis.PP])
 
     def pp_peer(self, pp_index: int) -> int:
         """World rank of the rank with my dp/tp coordinates at pipeline position ``pp_index``."""
@@ -94,30 +137,42 @@ def build_process_groups(
 ) -> ProcessGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
+    _restart_group_names()
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     listeners_before = sockets.listening_ports()
-    base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
-    # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
-    # reused prefix would meet the previous generation's keys (gotcha 5).
-    store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
-    dist.init_process_group(
-        backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
-    )
-    groups: list[dist.ProcessGroup] = []
-    for axis in AXES:
-        mine = None
-        # Every rank must call new_group for every group, in the same order.
-        for members in shape.group_ranks(axis):
-            group = dist.new_group(members, timeout=timeout, backend=backend)
-            if world_rank in members:
-                mine = group
-        groups.append(mine)
-    # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
-    ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
+    try:
+        base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
+        # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
+        # reused prefix would meet the previous generation's keys (gotcha 5).
+        store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
+        dist.init_process_group(
+            backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
+        )
+        groups: list[dist.ProcessGroup] = []
+        for axis in AXES:
+            mine = None
+            # Every rank must call new_group for every group, in the same order.
+            for members in shape.group_ranks(axis):
+                group = dist.new_group(members, timeout=timeout, backend=backend)
+                if world_rank in members:
+                    mine = group
+            groups.append(mine)
+        # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
+        ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
+    except BaseException:
+        # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
+        # the next generation's init_process_group would fail with "initialize twice".
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:
+                logger.warning("gen=%d cleanup after a failed rendezvous: %s", generation, exc)
+        raise
     layout = torch.arange(shape.world).view(shape.dp, shape.pp, shape.tp)
+    names = _axis_names(store_prefix or f"gen{generation}")
     mesh = DeviceMesh.from_group(
-        groups, device.type, mesh=layout, mesh_dim_names=tuple(a.value for a in AXES)
+        groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
     )
     ports = sorted(sockets.listening_ports() - listeners_before)
     return ProcessGroups(
@@ -128,5 +183,6 @@ def build_process_groups(
         device=device,
         mesh=mesh,
         ckpt_group=ckpt_group,
+        axis_names=names,
         gloo_ports=ports,
     )

@@ -75,6 +75,7 @@ class RankRuntime:
         )
         self._writer = None
         self._save_future = None
+        self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
 
@@ -109,6 +110,7 @@ class RankRuntime:
         if self.spec.train.grad_clip > 0:
             clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
         set_lr(self.optimizers, lr_at(step, self.spec.train))
+        self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
         for opt in self.optimizers:
             opt.step()
         coords = self.groups.coords
@@ -152,23 +154,38 @@ class RankRuntime:
         t0 = time.perf_counter()
         if self._writer is None:
             # Dedicated group: async DCP on a training group aborts gloo (cpu-gloo-facts gotcha 9).
-            self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint)
+            # Staging in the background overlaps the copy with the next forward/backward, which only
+            # read the parameters; train_step waits for it before the optimizer writes them.
+            self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,
+                                                 stage_in_background=True)
         state = training_state(
             self.model_parts(), self.optimizers, step=step,
             data_cursor=step * self.spec.train.global_batch_size, rng=False,
         )
         self._save_future = self._writer.save(state, path)
-        return time.perf_counter() - t0
+        self._save_call_s = time.perf_counter() - t0
+        return self._save_call_s
 
     def wait_checkpoint(self) -> dict:
-        """Block until the shard is durable (called on a second actor thread); the ack."""
+        """Block until the shard is durable (called on a second actor thread); the ack.
+
+        ``stall_s`` is what training paid: the save call plus any wait for staging before the next
+        optimizer step. Staging ends before the write does, so that wait is final by now.
+        """
         timing = self._save_future.result()
-        return {"write_s": timing.write_s, "files": dict(timing.files), "stall_s": timing.stall_s}
+        stall = self._save_call_s + self._writer.fence_wait_s
+        return {"write_s": timing.write_s, "files": dict(timing.files), "stall_s": stall,
+                "staging_s": timing.staging_s}
+
+    def _wait_checkpoint_staging(self) -> None:
+        if self._writer is not None:
+            self._writer.wait_staged()
 
     def load_checkpoint(self, path: str) -> int:
         """Load (resharding into this generation's mesh) and return the checkpoint's step."""
         from checkpoints.reader import load_training_state
 
+        self._wait_checkpoint_staging()  # loading overwrites the tensors a save may be copying
         point = load_training_state(
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,

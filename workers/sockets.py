@@ -7,6 +7,8 @@ connections down makes the blocked recv fail at once. It is a sharp tool: a firs
 sockets by "opened recently" hit a Ray socket and killed the actor. So we only touch connections whose
 local port is one of *this generation's* gloo listening ports, or whose peer is a gloo listener of
 some rank of this generation, and re-check each fd's addresses right before shutting it down.
+A rank blocked in the *rendezvous* of a generation (a peer died before registering in the store) is
+freed the same way, by shutting down its connection to the driver's store endpoint.
 On GPU the proper tool is NCCL's communicator abort; this module is for the gloo path.
 """
 
@@ -30,15 +32,29 @@ def listening_ports() -> set[int]:
     }
 
 
+def _plain_ip(ip: str) -> str:
+    # TCPStore and gloo use AF_INET6 sockets, so psutil shows IPv4 peers as "::ffff:a.b.c.d".
+    return ip[7:] if ip.startswith("::ffff:") else ip
+
+
+def endpoint(host: str, port: int) -> tuple[str, int]:
+    """(ip, port) as psutil reports a peer: the store may be given by host name."""
+    try:
+        return socket.gethostbyname(host), port
+    except OSError:
+        return host, port
+
+
 def shutdown_gloo_sockets(local_ports: set[int], peer_endpoints: set[tuple[str, int]]) -> int:
     """Shut down established connections that belong to the given gloo listeners. Returns the count."""
     closed = 0
+    peer_endpoints = {(_plain_ip(ip), port) for ip, port in peer_endpoints}
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
             continue
         ours = conn.laddr.port in local_ports
         # Every gloo connection was either accepted by one of our listeners or dialled to a peer's.
-        theirs = (conn.raddr.ip, conn.raddr.port) in peer_endpoints
+        theirs = (_plain_ip(conn.raddr.ip), conn.raddr.port) in peer_endpoints
         if not (ours or theirs):
             continue
         try:

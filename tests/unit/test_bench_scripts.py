@@ -73,3 +73,25 @@ def test_zero3_memory_quick_writes_json(tmp_path: Path) -> None:
         assert run["ratio_local"] > 0 and run["ratio_allocated"] > 0
     # Sharding really happened: each of two ranks holds about half.
     assert model["by_dp"]["2"]["max_local_bytes"] < model["by_dp"]["1"]["max_local_bytes"]
+
+
+@pytest.mark.slow  # spawns 2 gloo ranks that re-form twice: ~25 s idle, longer on a loaded machine
+@pytest.mark.timeout(300)
+def test_checkpoint_stall_quick_writes_json(tmp_path: Path) -> None:
+    result = _run_script("checkpoint_stall.py", tmp_path / "checkpoint_stall.json", timeout=290)
+    assert result["benchmark"] == "checkpoint_stall" and result["quick"] is True
+    assert result["state_bytes"] > 0 and result["sync_save_median_s"] > 0
+    repeats = result["config"]["repeats"]
+    assert len(result["sync_save_s"]) == repeats
+    for mode in ("async_staged", "async_background"):
+        figures = result["async"][mode]
+        assert len(figures["stall_s"]) == repeats + 1 and all(s > 0 for s in figures["stall_s"])
+        assert figures["staging_buffers_reused"] is True
+        assert figures["waited_for_previous_max_s"] < 0.5  # each save started with nothing in flight
+    assert result["async"]["async_background"]["staging_median_s"] > 0  # the copy ran off the step
+    assert result["stall_ratio"] > 0 and isinstance(result["goal_met"], bool)
+    for target in ("tp2", "dp1"):  # resharded loads put back exactly the saved parameters
+        load = result["loads"][target]
+        assert load["params_match_saved"] is True
+        assert load["resharded_from_dp2_median_s"] > 0 and load["same_mesh_median_s"] > 0
+    assert result["loads"]["dp2"]["same_mesh_median_s"] > 0

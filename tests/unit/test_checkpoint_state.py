@@ -118,6 +118,42 @@ def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
         assert torch.equal(value, before[key]), key
 
 
+def test_background_staging_snapshots_the_state_at_the_fence(tmp_path):
+    """stage_in_background: save returns before the copy; after wait_staged() training may write."""
+    model = _net(n_layers=2, dim=256)  # big enough that staging is not instantaneous
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_wide(model, opt, 1)
+    before = _params(model)
+    writer = AsyncCheckpointWriter(stage_in_background=True)
+    # rng=False as RankRuntime saves: the RNG state is a new tensor each time, so not a reusable buffer
+    future = writer.save(training_state(model, opt, step=1, data_cursor=5, rng=False), str(tmp_path / "a"))
+    fenced = writer.wait_staged()  # what train_step does before opt.step()
+    assert fenced >= 0 and writer.fence_wait_s == fenced and writer.wait_staged() == 0.0
+    with torch.no_grad():  # the optimizer step of the next iteration
+        for p in model.parameters():
+            p.add_(1000.0)
+    timing = future.result(timeout=60)
+    assert timing.staging_s > 0 and timing.write_s > 0
+    cache = writer._stager._state_dict_stager._cached_storage_mapping
+    buffers = {(v.data_ptr(), v.nbytes()) for v in cache.values()}
+    writer.save(training_state(model, opt, step=2, data_cursor=10, rng=False), str(tmp_path / "b"))
+    writer.wait_staged()
+    assert buffers and buffers == {(v.data_ptr(), v.nbytes()) for v in cache.values()}  # reused
+    writer.close()
+    restored = _net(seed=3, n_layers=2, dim=256)
+    load_training_state(str(tmp_path / "a"), restored, torch.optim.AdamW(restored.parameters()))
+    for key, value in _params(restored).items():
+        assert torch.equal(value, before[key]), key
+
+
+def _train_wide(model: Net, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    loss = model(torch.randn(4, 256, generator=g)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_background_failure_is_reported_once_never_lost(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -48,6 +48,8 @@ def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> None:
         (["elastic.max_dp=1"], ["elastic.max_dp"]),
         (["elastic.step_timeout_s=0"], ["elastic.step_timeout_s"]),
         (["elastic.collective_timeout_s=-1"], ["elastic.collective_timeout_s"]),
+        (["elastic.rebuild_timeout_s=0"], ["elastic.rebuild_timeout_s"]),
+        (["elastic.grow_check_s=-1"], ["elastic.grow_check_s"]),
     ],
 )
 def test_train_rejects_bad_input(overrides, needles):

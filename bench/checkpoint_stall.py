@@ -1,0 +1,411 @@
+"""Issue 4: what a checkpoint costs the training step, async vs sync, and load time with resharding.
+
+Two ranks (one spawned process each, gloo on the CPU, a parent ``TCPStore`` on port 0) build their
+``RankRuntime`` for the built-in GPT at dp=2 (ZeRO-3) and train one step, so that AdamW's moments
+exist. The model (default ``n_layers=3, d_model=512``, ~12.8 M parameters) holds >= 100 MB of state:
+fp32 parameters + ``exp_avg`` + ``exp_avg_sq`` = 12 bytes per parameter, half on each rank. Saves go
+through the production path, ``RankRuntime.save_checkpoint`` / ``wait_checkpoint`` (DCP, one file per
+rank, fsync'd), into a directory on local disk.
+
+* **sync** (``checkpoint.async = false``): ``save_checkpoint`` returns once the shard is written and
+  fsync'd and DCP's ``.metadata`` is down: the whole save is stall.
+* **async** (default): ``save_checkpoint`` returns once the state is staged into CPU buffers; DCP
+  then writes from a thread. Its stall is what the training step pays. The first async save
+  allocates the staging buffers; later ones copy into the same buffers (checked: the stager's cache
+  holds the same number of storages at the same addresses), so the steady-state figure is the
+  headline and the first one is reported beside it. Each save waits for the previous one's write
+  to finish first (outside the timing), so no stall includes waiting for an earlier save.
+* **interference**: on a 2-core machine the background write competes with training for CPU, so the
+  step trained while a write is in flight is timed against an idle step.
+
+Per repetition the figure is the slowest rank's (the step waits for every rank). Goal: the median
+steady-state async stall <= 2% of the median sync save.
+
+Loads (``RankRuntime.load_checkpoint``, DCP reading exactly the slices each rank needs) of a checkpoint
+saved at dp=2, into: the same mesh (no resharding), (dp=1, tp=2) in the same two processes re-formed
+as a new generation (every tensor resharded from dim-0 FSDP shards to TP shards) and one process
+(dp=1, world 1). For each target the baseline is a checkpoint saved at that target mesh. The parameters
+loaded by resharding are checked against the saved ones (sum of squares over the whole model). Files
+are read from the page cache (just written; dropping caches needs privileges this bench does not ask for).
+
+    python bench/checkpoint_stall.py [--repeats 5] [--layers 3] [--d-model 512] [--dir DIR] [--quick] [--out PATH]
+
+Writes ``bench/results/checkpoint_stall.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "checkpoint_stall.json"
+GOAL = 0.02  # async stall / sync save
+WORLD = 2
+
+
+def _overrides(model: dict[str, int], dp: int, tp: int = 1) -> list[str]:
+    out = [f"mesh.dp={dp}", "mesh.pp=1", f"mesh.tp={tp}", "mesh.zero=3", "train.steps=1000"]
+    out += ["train.global_batch_size=4", "train.micro_batch_size=2"]
+    return out + [f"model.{k}={v}" for k, v in model.items()]
+
+
+class _Rank:
+    """One rank's runtime for one generation, and the helpers the measurements share."""
+
+    def __init__(self, rank: int, port: int, model: dict[str, int], dp: int, tp: int, generation: int) -> None:
+        import torch
+
+        from orchestrator.config import load_config
+        from orchestrator.mesh import MeshShape
+        from orchestrator.messages import RuntimeSpec
+        from orchestrator.schedule import make_schedule
+        from workers.groups import build_process_groups
+        from workers.runtime import RankRuntime
+
+        cfg = load_config(None, _overrides(model, dp, tp))
+        self.spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=3,
+                                layers_per_stage=(cfg.model.n_layers,), virtual_stages=1,
+                                collective_timeout_s=600, use_gpu=False, async_checkpoint=True)
+        self.groups = build_process_groups(store_addr="127.0.0.1", store_port=port, generation=generation,
+                                           shape=MeshShape(dp, 1, tp), world_rank=rank, timeout_s=600,
+                                           device=torch.device("cpu"), store_prefix=f"bench-gen{generation}")
+        self.runtime = RankRuntime(self.spec, self.groups)
+        microbatches = cfg.train.global_batch_size // (dp * cfg.train.micro_batch_size)
+        self.actions = make_schedule("1f1b", 1, microbatches, 1)[0]
+        self.rank = rank
+        self.step = 0
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups.ckpt_group)
+
+    def train(self) -> float:
+        self.step += 1
+        t0 = time.perf_counter()
+        self.runtime.train_step(self.step, self.actions)
+        return time.perf_counter() - t0
+
+    def use_writer(self, mode: str) -> None:
+        """Give the runtime a fresh writer: "sync", "async_staged" (copy before save returns) or
+        "async_background" (copy on the staging thread; what RankRuntime uses by default)."""
+        from checkpoints.writer import AsyncCheckpointWriter
+
+        if self.runtime._writer is not None:
+            self.runtime._writer.close()
+        self.runtime._writer = AsyncCheckpointWriter(
+            self.groups.ckpt_group, use_async=mode != "sync", stage_in_background=mode == "async_background")
+
+    def state_bytes(self) -> int:
+        """Local bytes of parameters + AdamW moments on this rank."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        total = sum(local(p).numel() * p.element_size() for p in self.runtime.params)
+        for opt in self.runtime.optimizers:
+            for state in opt.state.values():
+                for name, value in state.items():
+                    if name != "step" and isinstance(value, torch.Tensor):
+                        total += local(value).numel() * value.element_size()
+        return total
+
+    def param_checksum(self) -> float | None:
+        """Sum of squares of the full model's parameters (a collective; the value on rank 0 only)."""
+        full = self.runtime.full_state()
+        return float(sum((v.astype("float64") ** 2).sum() for v in full.values())) if full else None
+
+    def stager_cache(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the staging buffers the async writer's stager keeps (private API)."""
+        writer = self.runtime._writer
+        stager = getattr(getattr(writer, "_stager", None), "_state_dict_stager", None)
+        cache = getattr(stager, "_cached_storage_mapping", None)
+        if cache is None:
+            return []
+        return sorted((s.data_ptr(), s.nbytes()) for s in cache.values())
+
+    def destroy(self) -> None:
+        self.runtime.destroy()
+
+
+def _rm(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _child(rank: int, port: int, model: dict[str, int], repeats: int, workdir: str, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    out: dict = {"rank": rank}
+    try:
+        r = _Rank(rank, port, model, dp=WORLD, tp=1, generation=1)
+        r.train()  # AdamW state exists from here on
+        out["local_state_bytes"] = r.state_bytes()
+
+        # Synchronous saves: the whole save is stall.
+        r.use_writer("sync")
+        out["sync_s"] = []
+        for i in range(repeats):
+            path = os.path.join(workdir, f"sync-{i}")
+            r.barrier()
+            t0 = time.perf_counter()
+            r.runtime.save_checkpoint(path, r.step)
+            out["sync_s"].append(time.perf_counter() - t0)
+            r.barrier()
+            if rank == 0:
+                _rm(path)
+        for mode in ("async_staged", "async_background"):
+            out[mode] = _async_saves(r, mode, repeats, workdir)
+
+        # Loads. The source: the current state, saved at dp=2.
+        source = os.path.join(workdir, "sync-src-dp2")
+        r.use_writer("sync")
+        r.runtime.save_checkpoint(source, r.step)
+        r.barrier()
+        saved_checksum = r.param_checksum()
+        out["saved_checksum"] = saved_checksum
+        out["loads"] = {"dp2": _time_loads(r, source, repeats)}  # same mesh: no resharding
+        r.destroy()
+
+        # (dp=1, tp=2) in the same processes, a new generation: resharded load vs a tp=2 checkpoint.
+        r = _Rank(rank, port, model, dp=1, tp=2, generation=2)
+        resharded = _time_loads(r, source, repeats)
+        resharded["checksum"] = r.param_checksum()
+        own = os.path.join(workdir, "sync-tp2")
+        r.use_writer("sync")
+        r.runtime.save_checkpoint(own, r.step)
+        r.barrier()
+        out["loads"]["tp2"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
+        r.destroy()
+
+        # One process (dp=1, world 1): rank 0 alone.
+        if rank == 0:
+            r = _Rank(0, port, model, dp=1, tp=1, generation=3)
+            resharded = _time_loads(r, source, repeats)
+            resharded["checksum"] = r.param_checksum()
+            own = os.path.join(workdir, "sync-dp1")
+            r.use_writer("sync")
+            r.runtime.save_checkpoint(own, r.step)
+            out["loads"]["dp1"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
+            r.destroy()
+        queue.put(out)
+    except BaseException as exc:  # report, so the parent fails fast instead of timing out
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+        raise
+
+
+def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
+    """Stall of each save (the call, plus the wait for staging before the next optimizer step),
+    the step trained while the write runs, and an idle step before it for comparison."""
+    r.use_writer(mode)
+    writer = r.runtime._writer
+    out: dict = {k: [] for k in ("call_s", "fence_s", "stall_s", "write_s", "staging_s", "waited_s",
+                                 "step_idle_s", "step_during_write_s", "stager_cache")}
+    for i in range(repeats + 1):  # save 0 allocates the staging buffers
+        out["step_idle_s"].append(r.train())
+        path = os.path.join(workdir, f"{mode}-{i}")
+        r.barrier()
+        call = r.runtime.save_checkpoint(path, r.step)
+        out["step_during_write_s"].append(r.train())  # waits for staging before its optimizer step
+        ack = r.runtime.wait_checkpoint()
+        timing = r.runtime._save_future.result()
+        out["call_s"].append(call)
+        out["fence_s"].append(writer.fence_wait_s)
+        out["stall_s"].append(ack["stall_s"])  # = the call + the wait for staging in the next step
+        out["write_s"].append(ack["write_s"])
+        out["staging_s"].append(timing.staging_s)
+        out["waited_s"].append(timing.waited_s)
+        out["stager_cache"].append(r.stager_cache())
+        r.barrier()
+        if r.rank == 0:
+            _rm(path)
+    return out
+
+
+def _time_loads(r: _Rank, path: str, repeats: int) -> dict:
+    times = []
+    for _ in range(repeats):
+        r.barrier()
+        t0 = time.perf_counter()
+        r.runtime.load_checkpoint(path)
+        times.append(time.perf_counter() - t0)
+    return {"load_s": times}
+
+
+def run_world(model: dict[str, int], repeats: int, workdir: str, timeout_s: float = 1800.0) -> list[dict]:
+    import queue as queue_lib
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, store.port, model, repeats, workdir, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results: list[dict] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < WORLD:
+            try:
+                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_lib.Empty:
+                raise TimeoutError(f"only {len(results)} of {WORLD} ranks reported") from None
+            if "error" in item:
+                raise RuntimeError(f"rank {item['rank']} failed:\n{item['error']}")
+            results.append(item)
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    del store
+    return sorted(results, key=lambda x: x["rank"])
+
+
+def _slowest_of(per_rank) -> list[float]:
+    """Per repetition, the slowest rank's figure: the training step waits for every rank."""
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+def _slowest(ranks: list[dict], key: str) -> list[float]:
+    return _slowest_of(r[key] for r in ranks)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _async_summary(ranks: list[dict], mode: str, sync_median: float) -> dict:
+    def slowest(key: str) -> list[float]:
+        return _slowest_of(r[mode][key] for r in ranks)
+
+    stall, idle, during = slowest("stall_s"), slowest("step_idle_s"), slowest("step_during_write_s")
+    caches = [r[mode]["stager_cache"] for r in ranks]
+    steady = _median(stall[1:])
+    return {
+        "stall_s": stall,
+        "stall_first_s": stall[0],
+        "stall_steady_median_s": steady,
+        "stall_ratio": steady / sync_median,
+        "call_median_s": _median(slowest("call_s")[1:]),
+        "fence_wait_median_s": _median(slowest("fence_s")[1:]),
+        "staging_median_s": _median(slowest("staging_s")[1:]),
+        "write_median_s": _median(slowest("write_s")),
+        "waited_for_previous_max_s": max(slowest("waited_s")),
+        # Same staging buffers (address, size) after every save: allocated once, then reused.
+        "staging_buffers_reused": all(c and all(x == c[0] for x in c) for c in caches),
+        "staging_buffer_bytes_per_rank": [sum(n for _, n in c[-1]) for c in caches],
+        "step_idle_median_s": _median(idle),
+        "step_during_write_median_s": _median(during),
+        "step_slowdown_during_write": _median(during) / _median(idle),
+    }
+
+
+def summarize(ranks: list[dict], model: dict[str, int], repeats: int) -> dict:
+    sync = _slowest(ranks, "sync_s")
+    modes = {mode: _async_summary(ranks, mode, _median(sync)) for mode in ("async_staged", "async_background")}
+    state_bytes = sum(r["local_state_bytes"] for r in ranks)
+    loads: dict = {}
+    saved = ranks[0]["saved_checksum"]
+    for target, entry in ranks[0]["loads"].items():
+        holders = [r for r in ranks if target in r["loads"]]  # dp1 ran on rank 0 alone
+        if target == "dp2":
+            same = _slowest_of(h["loads"][target]["load_s"] for h in holders)
+            loads[target] = {"same_mesh_median_s": _median(same), "same_mesh_s": same}
+            continue
+        resh = _slowest_of(h["loads"][target]["resharded_from_dp2"]["load_s"] for h in holders)
+        same = _slowest_of(h["loads"][target]["same_mesh"]["load_s"] for h in holders)
+        checksum = entry["resharded_from_dp2"]["checksum"]
+        loads[target] = {
+            "resharded_from_dp2_median_s": _median(resh),
+            "same_mesh_median_s": _median(same),
+            "ratio_resharded_vs_same": _median(resh) / _median(same),
+            "resharded_s": resh,
+            "same_mesh_s": same,
+            "params_match_saved": checksum is not None and abs(checksum - saved) <= 1e-6 * abs(saved),
+        }
+    headline = modes["async_background"]
+    return {
+        "state_bytes": state_bytes,
+        "state_mb": state_bytes / 1e6,
+        "sync_save_s": sync,
+        "sync_save_median_s": _median(sync),
+        "async_stall_steady_median_s": headline["stall_steady_median_s"],
+        "async_stall_first_s": headline["stall_first_s"],
+        "stall_ratio": headline["stall_ratio"],
+        "async": modes,
+        "loads": loads,
+        "goal_met": headline["stall_ratio"] <= GOAL,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="measured saves/loads of each kind (default 5)")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="the default tiny model, 2 repeats (smoke run)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.repeats < 2:
+        parser.error("--repeats must be >= 2")
+    repeats = 2 if args.quick else args.repeats
+    model = {} if args.quick else {"n_layers": args.layers, "d_model": args.d_model, "n_heads": 8}
+    workdir = tempfile.mkdtemp(prefix="ckpt-stall-", dir=args.dir)
+    t0 = time.perf_counter()
+    try:
+        ranks = run_world(model, repeats, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    figures = summarize(ranks, model, repeats)
+    result = {
+        "benchmark": "checkpoint_stall",
+        "goal": "median steady-state async stall <= 2% of the median synchronous save of the same state",
+        "goal_ratio": GOAL,
+        "quick": args.quick,
+        "config": {"model_overrides": model, "world": WORLD, "mesh": {"dp": WORLD, "pp": 1, "tp": 1, "zero": 3},
+                   "repeats": repeats, "writer": "DCP FileSystemWriter, one file per rank, fsync",
+                   "async": "thread, dedicated gloo group, DefaultStager (CPU buffers reused); headline = "
+                            "async_background (staging copy on DCP's staging thread, waited for before "
+                            "the next optimizer step); async_staged = copy before save returns",
+                   "torch_num_threads": 1},
+        **figures,
+        "elapsed_s": time.perf_counter() - t0,
+        "environment": {"torch": __import__("torch").__version__, "python": platform.python_version(),
+                        "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    loads = ", ".join(f"{k}: {v.get('resharded_from_dp2_median_s', v['same_mesh_median_s']):.3f}s"
+                      + (f" vs {v['same_mesh_median_s']:.3f}s" if "resharded_from_dp2_median_s" in v else "")
+                      for k, v in figures["loads"].items())
+    print(f"checkpoint_stall: {figures['state_mb']:.0f} MB state; sync save {figures['sync_save_median_s']:.3f}s, "
+          f"async stall {figures['async_stall_steady_median_s'] * 1000:.1f} ms (first {figures['async_stall_first_s'] * 1000:.1f} ms) "
+          f"= {figures['stall_ratio'] * 100:.2f}% (goal <= {GOAL * 100:.0f}%: {'met' if figures['goal_met'] else 'NOT met'}); "
+          f"loads resharded vs same mesh: {loads} -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

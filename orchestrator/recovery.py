@@ -1,0 +1,106 @@
+"""Freeing a broken generation (driver side; never imports torch.distributed).
+
+Whatever broke — a training step, a rebuild's rendezvous, a checkpoint load — the same three things
+must happen before the next generation can form, and fast (seconds, not ``collective_timeout_s``):
+
+1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
+   actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
+   wedged process fails to answer — those count as hung;
+2. SIGKILL dead and hung processes (``ray.kill`` on a stopped process takes ~5 s, cpu-gloo-facts 4);
+3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
+   ``RankActor.kick``) and wait for their calls to return; one that still does not is killed too.
+
+The survivors' processes are never restarted: that is the point of the elastic design.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+
+import ray
+
+from orchestrator.worker_group import CallOutcome, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+STATUS_POLL_S = 3.0  # a live actor answers status() on its second thread well within this
+KICK_S = 10.0
+
+
+@dataclass
+class Casualties:
+    """Who a broken fan-out call lost, and why (actor id -> first line of the reason)."""
+
+    lost: set[int] = field(default_factory=set)  # killed: dead, hung, or never freed
+    reasons: dict[int, str] = field(default_factory=dict)
+
+
+def kill_now(group: WorkerGroup, actor_ids: set[int]) -> None:
+    """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``)."""
+    here = ray.util.get_node_ip_address()
+    for actor_id in actor_ids:
+        pid = group.pids.get(actor_id)
+        if pid and group.node_ips.get(actor_id) == here:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    group.kill(sorted(actor_ids))
+
+
+def settle(
+    group: WorkerGroup,
+    outcome: CallOutcome,
+    members: list[int],
+    *,
+    listeners: dict[int, tuple[tuple[str, int], ...]],
+    wait_s: float,
+    hang_reason: str,
+) -> Casualties:
+    """Resolve a fan-out call over ``members`` that did not end cleanly (see the module docstring).
+
+    Args:
+        outcome: the call's outcome so far (``pending_refs`` still running).
+        listeners: actor id -> its gloo listening endpoints in the broken generation (those the
+            driver knows: members that finished joining).
+        wait_s: how long freed survivors may take to return from the call.
+        hang_reason: the reason recorded for actors that answer no status poll.
+
+    Returns:
+        The casualties; every lost actor is already killed and removed from ``group``.
+    """
+    found = Casualties()
+    found.reasons.update(outcome.dead)
+    found.reasons.update(outcome.failed)
+    dead = set(outcome.dead)
+    if outcome.pending:
+        polled = group.call(outcome.pending, "status", timeout_s=STATUS_POLL_S)
+        hung = set(outcome.pending) - set(polled.results)
+        dead |= hung
+        found.reasons.update({a: hang_reason for a in hung})
+    kill_now(group, dead)
+    survivors = [a for a in members if a not in dead and a in group.actors]
+    if survivors:
+        # Only survivors' listeners: a dead rank's port may already belong to another process.
+        alive = [ep for a in survivors for ep in listeners.get(a, ())]
+        group.call(survivors, "kick", (alive,), timeout_s=KICK_S)
+    # Let the freed survivors finish their (failed) call so their threads are idle again.
+    still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
+    if still:
+        late = group.collect(still, wait_s)
+        never = set(late.pending) | set(late.dead)
+        if never:
+            logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
+            found.reasons.update({a: "did not return after the kick" for a in never})
+        kill_now(group, never)
+        dead |= never
+    found.lost = dead
+    return found
+
+
+def reason_line(reasons: dict[int, str]) -> str:
+    """The distinct first lines of the reasons, for a ``failure`` event."""
+    return "; ".join(sorted({v.splitlines()[0][:200] for v in reasons.values()}))

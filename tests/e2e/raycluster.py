@@ -1,0 +1,221 @@
+"""A real Ray cluster on this machine for e2e tests: `ray start --head --block` in its own process
+session (nodes the autoscaler adds are its descendants), driven through the `ray` CLI as a user would.
+
+Isolation from everything else running Ray here (other test sessions share the machine):
+  * its own ``--temp-dir`` and free ports for every listener (GCS, dashboard, agents, metrics);
+  * token auth with its own token file (RAY_AUTH_MODE=token + RAY_AUTH_TOKEN_PATH), so the
+    user's ``~/.ray/auth_token`` is neither used nor created;
+  * teardown never runs ``ray stop`` (it ends every Ray on the machine). It sends SIGTERM to the
+    ``ray start --block`` processes it started (each then stops its own node), waits, and SIGKILLs
+    what is left: processes of those process groups, their descendants, and any process whose
+    environment carries this cluster's token path. Ray's workers run in process groups of their
+    own, so the process group alone would miss them; the token path marks exactly our processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+# Not worth uploading with --working-dir (Ray already leaves out .git, .venv and .gitignore'd files).
+EXCLUDES = [".git", ".mypy_cache", ".ruff_cache", ".pytest_cache", "bench/results"]
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports no process listens on now (held open together so they are distinct)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class RayCluster:
+    def __init__(self, root: Path, *, num_cpus: int, autoscaling_config: dict | None = None) -> None:
+        self.root = root
+        self.num_cpus = num_cpus
+        self.autoscaling_config = autoscaling_config
+        self.token_path = root / "auth_token"
+        self.token_path.write_text(secrets.token_hex(32))
+        self.temp_dir = root / "ray"
+        (self.gcs_port, self.dashboard_port, self.client_port, self.agent_listen_port, self.agent_grpc_port,
+         self.runtime_env_port, self.metrics_port) = free_ports(7)
+        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        self.env.update({
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # `elastimesh`, `ray` of this venv
+            "RAY_AUTH_MODE": "token",  # clients too: Ray 2.60 clients stay 'disabled' without it
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops the node now, not after 30 s
+            "RAY_DEDUP_LOGS": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+        })
+        self.procs: list[subprocess.Popen] = []
+
+    # -- nodes ------------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 240.0) -> None:
+        cmd = ["ray", "start", "--head", "--block", f"--temp-dir={self.temp_dir}",
+               f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
+               "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+               f"--ray-client-server-port={self.client_port}",
+               f"--dashboard-agent-listen-port={self.agent_listen_port}",
+               f"--dashboard-agent-grpc-port={self.agent_grpc_port}",
+               f"--runtime-env-agent-port={self.runtime_env_port}",
+               f"--metrics-export-port={self.metrics_port}",
+               "--min-worker-port=0", "--max-worker-port=0",  # OS-chosen: no clash with other clusters
+               f"--num-cpus={self.num_cpus}", "--num-gpus=0", "--disable-usage-stats"]
+        env = dict(self.env)
+        if self.autoscaling_config is not None:
+            config = dict(self.autoscaling_config)
+            config["provider"] = {**config["provider"], "gcs_address": self.gcs_address}
+            path = self.root / "autoscaling.json"
+            path.write_text(json.dumps(config))
+            cmd.append(f"--autoscaling-config={path}")
+            # Ray's fake multi-node provider: the autoscaler "launches" nodes as local raylets.
+            env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+        self._spawn(cmd, env, self.root / "head.log")
+        self._wait_ready(timeout_s)
+
+    def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
+        with open(log, "ab") as out:
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True, cwd=self.root))
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        log = self.root / "head.log"
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start --head failed or timed out:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        # The job API answers once the dashboard and the head's job agent are up.
+        while self.ray("job", "list", "--address", self.dashboard, timeout=60).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the dashboard's job API never answered")
+            time.sleep(2)
+
+    # -- the CLI ----------------------------------------------------------------------------------
+    def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(["ray", *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO)
+
+    def submit(self, submission_id: str, train_args: list[str], *, wait: bool, timeout: float = 900,
+               working_dir: bool = True) -> subprocess.CompletedProcess:
+        """`ray job submit --working-dir . -- elastimesh train ...`, from the repository root.
+
+        ``working_dir=False`` leaves the upload out: the job then runs the package installed in this
+        venv. Needed where several nodes share this machine's session directory (see
+        test_autoscale_grow.py): a node that joins later unpacks the same package into the same
+        directory again, deleting it under processes that are starting there."""
+        cmd = ["job", "submit", "--address", self.dashboard, "--submission-id", submission_id]
+        if working_dir:
+            cmd += ["--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES})]
+        if not wait:
+            cmd.append("--no-wait")
+        return self.ray(*cmd, "--", "elastimesh", "train", *train_args, timeout=timeout)
+
+    def job_status(self, submission_id: str) -> str:
+        out = self.ray("job", "status", "--address", self.dashboard, submission_id, timeout=60)
+        text = out.stdout + out.stderr
+        # What `ray job status` prints (ray/dashboard/modules/job/cli.py, _log_job_status).
+        for needle, status in ((f"Job '{submission_id}' succeeded", "SUCCEEDED"),
+                               (f"Job '{submission_id}' failed", "FAILED"),
+                               (f"Job '{submission_id}' was stopped", "STOPPED"),
+                               (": RUNNING", "RUNNING"), (": PENDING", "PENDING")):
+            if needle in text:
+                return status
+        return f"unknown: {text[-1000:]}"
+
+    def wait_job(self, submission_id: str, timeout_s: float, until=("SUCCEEDED", "FAILED", "STOPPED")) -> str:
+        deadline = time.monotonic() + timeout_s
+        status = self.job_status(submission_id)
+        while status not in until and time.monotonic() < deadline:
+            time.sleep(3)
+            status = self.job_status(submission_id)
+        return status
+
+    def job_logs(self, submission_id: str) -> str:
+        return self.ray("job", "logs", "--address", self.dashboard, submission_id, timeout=60).stdout
+
+    def python(self, code: str, timeout: float = 120) -> str:
+        """Run `code` in a driver connected to this cluster; returns its stdout."""
+        out = subprocess.run([sys.executable, "-c", code], env={**self.env, "RAY_ADDRESS": self.gcs_address},
+                             capture_output=True, text=True, timeout=timeout, cwd=self.root)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-3000:])
+        return out.stdout
+
+    def autoscaler_request(self) -> list[dict]:
+        """The bundles last passed to ray.autoscaler.sdk.request_resources, as the cluster stores them
+        for its autoscaler (the v1 autoscaler reads this GCS key)."""
+        code = (
+            "import json, ray\n"
+            "ray.init(log_to_driver=False)\n"
+            "from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL as K\n"
+            "from ray.experimental.internal_kv import _internal_kv_get\n"
+            "raw = _internal_kv_get(K)\n"
+            "print('REQUEST=' + (raw.decode() if raw else '[]'))\n"
+        )
+        line = next(x for x in self.python(code).splitlines() if x.startswith("REQUEST="))
+        return json.loads(line.removeprefix("REQUEST="))
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def _ours(self) -> set[psutil.Process]:
+        found: set[psutil.Process] = set()
+        marker = str(self.token_path)
+        for proc in self.procs:
+            try:
+                parent = psutil.Process(proc.pid)
+                found |= {parent, *parent.children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get("RAY_AUTH_TOKEN_PATH") == marker:
+                    found.add(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def shutdown(self, grace_s: float = 60.0) -> None:
+        leftovers = self._ours()
+        # `ray start --block` stops its own node on SIGTERM (the monitor's fake nodes go with it).
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        leftovers |= self._ours()
+        for proc in self.procs:  # our own sessions: what is still in them is ours
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(leftovers), timeout=10)

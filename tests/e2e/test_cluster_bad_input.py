@@ -1,0 +1,116 @@
+"""Cluster bad input through the real CLI (default run): exit 2, one line naming what to fix, no
+traceback, and always within a bound -- never a hang.
+
+  * RAY_ADDRESS with nothing listening: fails at once (a TCP probe before ray.init's retries);
+  * RAY_ADDRESS that accepts TCP but never speaks Ray: fails after the 30 s connect bound;
+  * RAY_ADDRESS set to the dashboard's http:// address (what `ray job` uses): says so;
+  * resources.use_gpu=true on a CPU-only Ray with no autoscaler: fails after
+    resources.placement_timeout_s instead of waiting forever. (tests/e2e/test_ray_job_submit.py does
+    the same through `ray job submit` on a `ray start` cluster.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from orchestrator.launch import PROBE_TIMEOUT_S
+from tests.e2e.raycluster import free_ports
+
+pytestmark = pytest.mark.ray  # Ray clients (and, for the GPU case, an embedded Ray) in a subprocess
+
+CONNECT_BOUND_S = 30.0  # orchestrator.launch.connect's default connect_timeout_s
+
+
+def run_cli(*args: str, env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**base, **env})
+    return proc, time.monotonic() - started
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("elastimesh: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_ray_address_with_nothing_listening_fails_at_once():
+    (port,) = free_ports(1)
+    proc, elapsed = run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=100)
+    line = error_line(proc)
+    assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "cannot reach a Ray cluster" in line
+    assert "ray start --head" in line
+    # Python start-up plus one refused connect; nowhere near ray.init's own retry loop.
+    assert elapsed < PROBE_TIMEOUT_S + 20, elapsed
+
+
+class SilentListener:
+    """Accepts TCP connections on a free port and never answers: a host:port that is not a Ray GCS."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("0.0.0.0", 0))  # any interface: ray.init rewrites 127.0.0.1 to the node's IP
+        self.sock.listen(64)
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+@pytest.mark.timeout(180)
+def test_ray_address_that_never_answers_fails_within_the_connect_bound():
+    listener = SilentListener()
+    try:
+        proc, elapsed = run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{listener.port}"}, timeout=150)
+    finally:
+        listener.close()
+    line = error_line(proc)
+    assert f"RAY_ADDRESS=127.0.0.1:{listener.port}" in line and "cannot reach a Ray cluster" in line
+    assert listener.conns, "the probe should have connected (then ray.init waited for an answer)"
+    assert elapsed < CONNECT_BOUND_S + 40, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_dashboard_http_address_in_ray_address_is_explained():
+    proc, _ = run_cli("train", env={"RAY_ADDRESS": "http://127.0.0.1:8265"}, timeout=100)
+    line = error_line(proc)
+    assert "RAY_ADDRESS=http://127.0.0.1:8265" in line and "dashboard" in line and "host:6379" in line
+
+
+@pytest.mark.timeout(300)
+def test_gpu_job_on_a_cpu_only_ray_fails_after_the_placement_timeout():
+    # No RAY_ADDRESS: the embedded local Ray, CPU only, no autoscaler.
+    proc, elapsed = run_cli("train", "--set", "resources.use_gpu=true", "--set", "resources.placement_timeout_s=3",
+                            env={}, timeout=280)
+    line = error_line(proc)
+    assert "resources.placement_timeout_s=3s" in line and "GPU 0" in line
+    assert "no node has a GPU" in line and "resources.use_gpu=false" in line
+    # Ray start-up on a loaded 2-core machine dominates; the wait itself is the configured 3 s.
+    assert elapsed < 3 + 150, elapsed
