@@ -34,12 +34,12 @@ from orchestrator.config import load_config
 from orchestrator.controller import State
 from orchestrator.errors import TrainingFailed
 from tests.ray.conftest import make_group
-from tests.ray.harness import assert_matches_reference, events, last_losses, make_controller, mesh_params
+from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 
 STEPS, STOP_AFTER, EVERY, BATCH = 6, 5, 2, 8
-BASE = ["model.seq_len=32", f"train.global_batch_size={BATCH}", "train.micro_batch_size=2",
+BASE = [TEST_LR, "model.seq_len=32", f"train.global_batch_size={BATCH}", "train.micro_batch_size=2",
         f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "elastic.collective_timeout_s=60",
         "elastic.grow_check_s=1e6"]
 ROOT = Path(__file__).resolve().parents[2]

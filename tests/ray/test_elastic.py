@@ -8,11 +8,11 @@ import pytest
 
 from orchestrator.config import load_config
 from tests.ray.conftest import make_group
-from tests.ray.harness import assert_matches_reference, events, last_losses, make_controller
+from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
 
 pytestmark = pytest.mark.ray
 
-BASE = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
+BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
         "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"]
 
 

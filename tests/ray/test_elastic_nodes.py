@@ -15,14 +15,14 @@ import pytest
 
 from orchestrator.config import load_config
 from tests.ray.conftest import make_group
-from tests.ray.harness import assert_matches_reference, events, last_losses, make_controller, mesh_params
+from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
 
 STEPS = 10
-OVERRIDES = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
              f"train.steps={STEPS}", "mesh.dp=2", "mesh.pp=1", "mesh.tp=2", "checkpoint.every=2",
              "elastic.collective_timeout_s=60", "elastic.grow_check_s=0.5"]
 

@@ -15,6 +15,7 @@ import pytest
 from orchestrator.config import load_config
 from tests.ray.conftest import make_group
 from tests.ray.harness import (
+    TEST_LR,
     assert_matches_reference,
     events,
     last_losses,
@@ -25,7 +26,7 @@ from tests.ray.harness import (
 pytestmark = pytest.mark.ray
 
 STEPS = 8
-OVERRIDES = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
              f"train.steps={STEPS}", "mesh.dp=4", "mesh.pp=1", "mesh.tp=1", "checkpoint.every=2",
              "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"]
 

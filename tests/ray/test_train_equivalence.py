@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import load_config
-from tests.ray.harness import assert_matches_reference, last_losses, make_controller, mesh_params
+from tests.ray.harness import TEST_LR, assert_matches_reference, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 
-SMALL = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
+SMALL = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
 @pytest.mark.timeout(300)
