@@ -232,6 +232,8 @@ def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
         out["staging_s"].append(timing.staging_s)
         out["waited_s"].append(timing.waited_s)
         out["stager_cache"].append(r.stager_cache())
+        kept = r.runtime._ckpt_state  # did this save take the verified state-dict shortcut?
+        out.setdefault("state_dict_shortcut", []).append([kept.model.shortcut, kept.optim.shortcut])
         r.barrier()
         if r.rank == 0:
             _rm(path)
@@ -315,6 +317,8 @@ def _async_summary(ranks: list[dict], mode: str, sync_median: float) -> dict:
         # Same staging buffers (address, size) after every save: allocated once, then reused.
         "staging_buffers_reused": all(c and all(x == c[0] for x in c) for c in caches),
         "staging_buffer_bytes_per_rank": [sum(n for _, n in c[-1]) for c in caches],
+        # [model, optimizer] per save and rank: True once checkpoints.state verified its shortcut.
+        "state_dict_shortcut_steady": all(all(all(f) for f in r[mode]["state_dict_shortcut"][1:]) for r in ranks),
         "step_idle_median_s": _median(idle),
         "step_during_write_median_s": _median(during),
         "step_slowdown_during_write": _median(during) / _median(idle),

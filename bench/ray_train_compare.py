@@ -65,7 +65,9 @@ def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     from orchestrator.config import load_config
     from orchestrator.launch import run_job
 
-    mpath = os.path.join(workdir, "elastimesh.jsonl")
+    # One file per run: the metrics file is appended to, and an earlier run's "start" event would
+    # otherwise be read as this run's.
+    mpath = os.path.join(workdir, f"elastimesh-{time.time_ns()}.jsonl")
     cfg = load_config(None, overrides + [f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}",
                                          f"metrics.path={mpath}"])
     assert not ray.is_initialized()

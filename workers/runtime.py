@@ -75,6 +75,7 @@ class RankRuntime:
         )
         self._writer = None
         self._save_future = None
+        self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
         self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
@@ -148,7 +149,7 @@ class RankRuntime:
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, step: int) -> float:
         """Stage this rank's shard of step ``step`` and start writing it; returns the stall seconds."""
-        from checkpoints.state import training_state
+        from checkpoints.state import TrainingState
         from checkpoints.writer import AsyncCheckpointWriter
 
         t0 = time.perf_counter()
@@ -158,10 +159,10 @@ class RankRuntime:
             # read the parameters; train_step waits for it before the optimizer writes them.
             self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,
                                                  stage_in_background=True)
-        state = training_state(
-            self.model_parts(), self.optimizers, step=step,
-            data_cursor=step * self.spec.train.global_batch_size, rng=False,
-        )
+        if self._ckpt_state is None:  # kept for the generation: later saves take the fast path
+            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
+        state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
+                                          rng=False)
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
         return self._save_call_s
@@ -197,6 +198,7 @@ class RankRuntime:
             # A write still running belongs to a generation being torn down: never committed.
             self._writer.abandon()
             self._writer = None
+        self._ckpt_state = None
         self.stages.clear()
         self.optimizers.clear()
         self.params.clear()

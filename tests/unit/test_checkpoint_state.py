@@ -240,3 +240,55 @@ def test_mismatched_model_names_the_keys(tmp_path):
     with pytest.raises(CheckpointError, match="metadata") as info:
         load_training_state(str(tmp_path / "nothing"), model, [])
     assert str(tmp_path / "nothing") in str(info.value)
+
+
+def test_kept_training_state_takes_the_verified_shortcut_with_the_official_entries():
+    """Saves after the first build the flat dicts directly; they must equal the helpers' output."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from checkpoints.state import STATE_DICT_OPTIONS, TrainingState, _same_entries
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = _net(3)
+    parts = [_stage(model, {"0", "1"}, head=False), _stage(model, {"2", "3"}, head=True)]
+    parts[1].layers["2"] = checkpoint_wrapper(parts[1].layers["2"])  # FQNs the helpers must clean
+    opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in parts]
+    kept = TrainingState(parts, opts)
+
+    assert kept.optim.shortcut is None and kept.model.shortcut is None
+    _step(parts, opts, 1)
+    for _ in range(2):  # the first call decides, the second takes the shortcut
+        model_sd, optim_sd = kept.model.state_dict(), kept.optim.state_dict()
+    assert kept.model.shortcut and kept.optim.shortcut
+    official_model, official_optim = {}, {}
+    for part, opt in zip(parts, opts):
+        official_model |= get_model_state_dict(part, options=STATE_DICT_OPTIONS)
+        official_optim |= get_optimizer_state_dict(part, opt, options=STATE_DICT_OPTIONS)
+    assert "layers.2.weight" in model_sd and "state.layers.2.weight.exp_avg" in optim_sd
+    assert _same_entries(official_model, model_sd) and _same_entries(official_optim, optim_sd)
+
+    _step(parts, opts, 2)  # the shortcut reads the current tensors, not those of the first save
+    assert _same_entries(get_optimizer_state_dict(parts[0], opts[0], options=STATE_DICT_OPTIONS),
+                         {k: v for k, v in kept.optim.state_dict().items() if ".layers.0." in k or ".layers.1." in k})
+    assert not _same_entries({"a": torch.zeros(2)}, {"a": torch.zeros(2)})  # other memory: different
+
+
+def test_kept_training_state_round_trips_through_a_save(tmp_path):
+    model, opt = _net(4), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from checkpoints.state import TrainingState
+
+    kept = TrainingState(model, opt)
+    writer = AsyncCheckpointWriter()
+    for step in (1, 2, 3):
+        _step([model], [opt], step)
+        writer.save(kept.snapshot(step=step, data_cursor=step), str(tmp_path / f"s{step}")).result(timeout=30)
+    assert kept.optim.shortcut and kept.model.shortcut
+    restored = _net(9)
+    restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+    assert load_training_state(str(tmp_path / "s3"), restored, restored_opt).step == 3
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], restored_opt.state[q]["exp_avg_sq"])
+    writer.close()
