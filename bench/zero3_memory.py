@@ -156,6 +156,7 @@ def _child(rank: int, dp: int, port: int, model: dict[str, int], queue) -> None:
             train=cfg.train,
             data_path=cfg.data.path,
             zero=3,
+            fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
             layers_per_stage=(cfg.model.n_layers,),
             virtual_stages=1,
             collective_timeout_s=120,

@@ -46,6 +46,9 @@ class MeshConfig:
     pp: int = 1  # pipeline stages
     tp: int = 2  # tensor-parallel shards (with sequence parallelism)
     zero: int = 3  # 3: params+grads+optimizer sharded over dp; 2: params gathered for the step
+    # Consecutive blocks share one FSDP unit (one all-gather / reduce-scatter) until it holds this many
+    # MB of fp32 parameters per tp shard; 0 = one unit per block. See orchestrator.mesh.fsdp_units.
+    fsdp_unit_mb: float = 25.0
 
     @property
     def world(self) -> int:

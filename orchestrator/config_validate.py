@@ -220,7 +220,7 @@ def _check_ranges(cfg: JobConfig) -> None:
         "model.ffn_hidden": cfg.model.ffn_hidden, "train.warmup_steps": cfg.train.warmup_steps,
         "train.weight_decay": cfg.train.weight_decay, "train.grad_clip": cfg.train.grad_clip,
         "checkpoint.every": cfg.checkpoint.every, "elastic.max_dp": cfg.elastic.max_dp,
-        "elastic.max_restarts": cfg.elastic.max_restarts,
+        "elastic.max_restarts": cfg.elastic.max_restarts, "mesh.fsdp_unit_mb": cfg.mesh.fsdp_unit_mb,
     }  # fmt: skip
     for key, value in zeros.items():
         _at_least(value, 0, key)

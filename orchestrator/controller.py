@@ -363,4 +363,5 @@ class Controller:
             collective_timeout_s=self.cfg.elastic.collective_timeout_s,
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
+            fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
         )

@@ -25,6 +25,7 @@ class RuntimeSpec:
     collective_timeout_s: float
     use_gpu: bool
     async_checkpoint: bool = True
+    fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
 
 
 @dataclass(frozen=True, slots=True)

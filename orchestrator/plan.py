@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig, microbatches_per_replica
-from orchestrator.mesh import MeshShape, balanced_split, layer_ranges, stage_param_counts
+from orchestrator.mesh import MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
 from orchestrator.schedule import (
     Action,
     make_schedule,
@@ -80,7 +80,8 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
 
     Model state: fp32 master params + fp32 grads + two fp32 Adam moments, divided by tp (TP shards the
     weights) and by dp under ZeRO (FSDP shards all of it; ZeRO-2 keeps the bf16/fp32 compute copy of
-    the parameters gathered). Activations: per layer and microbatch, roughly 16·s·b·d values (inputs of
+    the parameters gathered; ZeRO-3 gathers the root unit (embedding, head and the blocks that
+    ``mesh.fsdp_unit_mb`` left in it) plus one block unit at a time). Activations: per layer and microbatch, roughly 16·s·b·d values (inputs of
     norms, q/k/v, attention output, the 4x MLP) in the compute dtype, sequence/tensor-sharded by tp,
     plus logits on the last stage, times the schedule's peak microbatches in flight on that stage.
     """
@@ -90,7 +91,10 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     params = sum(stage_params(cfg, plan, s) for s in stages) // t
     sharded = params // dp if dp > 1 else params
     act_bytes = BYTES[train.dtype]
-    gathered = params * act_bytes if cfg.mesh.zero == 2 and dp > 1 else 0
+    gathered = 0
+    if dp > 1:
+        gathered = params if cfg.mesh.zero == 2 else _zero3_gathered_params(cfg, plan, stages)
+        gathered *= act_bytes
     per_layer = 16 * train.micro_batch_size * m.seq_len * m.d_model * act_bytes // t
     ranges = layer_ranges(list(plan.layers_per_stage))
     inflight = peak_in_flight(plan.actions()[pp_rank])
@@ -105,6 +109,21 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
         "activations": activations,
         "peak_microbatches_in_flight": inflight,
     }
+
+
+def _zero3_gathered_params(cfg: JobConfig, plan: MeshPlan, stages: list[int]) -> int:
+    """Parameters (per tp shard) gathered at once under ZeRO-3: the largest stage's root + one unit."""
+    layer = param_counts(cfg.model)["layer"] // plan.shape.tp
+    ranges = layer_ranges(list(plan.layers_per_stage))
+    unit_bytes = int(cfg.mesh.fsdp_unit_mb * 2**20)
+    peak = 0
+    for s in stages:
+        n_blocks = ranges[s][1] - ranges[s][0]
+        units = fsdp_units([layer * 4] * n_blocks, unit_bytes)  # fp32 master bytes decide the grouping
+        in_units = sum(len(u) for u in units)
+        root = stage_params(cfg, plan, s) // plan.shape.tp - in_units * layer
+        peak = max(peak, root + max((len(u) for u in units), default=0) * layer)
+    return peak
 
 
 def describe(cfg: JobConfig, plan: MeshPlan) -> dict:

@@ -1,8 +1,9 @@
 """Apply tensor(+sequence) parallelism and ZeRO (FSDP2) to one pipeline stage, in a fixed order.
 
 Order (as TorchTitan's ``parallelize_llama``): TP/SP first (so parameters become DTensors on the tp
-axis), activation checkpointing is already inside each Block, then FSDP2 ``fully_shard`` per block and
-on the stage root over the dp axis (giving 2-D (dp, tp) DTensors when both are > 1).
+axis), activation checkpointing is already inside each Block, then FSDP2 ``fully_shard`` per unit of
+consecutive blocks (one block per unit for big blocks; small blocks grouped, ``orchestrator.mesh.fsdp_units``)
+and on the stage root over the dp axis (giving 2-D (dp, tp) DTensors when both are > 1).
 
 Sequence parallelism keeps the residual stream sharded on the sequence dim between blocks, so what a
 pipeline stage sends to the next one is the *local* sequence shard of shape [b, seq/tp, d].
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from orchestrator.mesh import fsdp_units
 from workers.model import GPT
 
 
@@ -62,12 +64,30 @@ def apply_tp(stage: GPT, tp_mesh: DeviceMesh) -> None:
         )
 
 
-def apply_fsdp(stage: GPT, dp_mesh: DeviceMesh, *, zero: int, param_dtype: torch.dtype) -> None:
-    """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step)."""
+def _local_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters on this rank after TP (a DTensor counts its local shard)."""
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in module.parameters()
+    )
+
+
+def apply_fsdp(
+    stage: GPT, dp_mesh: DeviceMesh, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0
+) -> None:
+    """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step).
+
+    Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``orchestrator.mesh.fsdp_units``);
+    blocks left out of every unit are sharded with the root. Parameter names do not change, so
+    checkpoints load whatever the unit size.
+    """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero == 3
-    for block in stage.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    blocks = list(stage.layers.values())
+    for unit in fsdp_units([_local_bytes(b) for b in blocks], fsdp_unit_bytes):
+        members = [blocks[i] for i in unit]
+        # fully_shard on a list makes one parameter group (one collective) for all its modules.
+        fully_shard(members if len(members) > 1 else members[0], mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=reshard)
     # The root holds embedding/norm/head; it is used last in forward, so never reshard it there.
     fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
 
@@ -79,6 +99,7 @@ def parallelize_stage(
     tp_mesh: DeviceMesh,
     zero: int,
     param_dtype: torch.dtype,
+    fsdp_unit_bytes: int = 0,
 ) -> nn.Module:
     if tp_mesh.size() > 1:
         apply_tp(stage, tp_mesh)
@@ -86,7 +107,7 @@ def parallelize_stage(
     # as fast as plain PyTorch (bench/step_overhead.py). bf16 always goes through FSDP2's
     # MixedPrecisionPolicy (fp32 master weights, bf16 compute, fp32 gradient reduction).
     if dp_mesh.size() > 1 or param_dtype != torch.float32:
-        apply_fsdp(stage, dp_mesh, zero=zero, param_dtype=param_dtype)
+        apply_fsdp(stage, dp_mesh, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes)
     return stage
 
 

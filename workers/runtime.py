@@ -54,6 +54,7 @@ class RankRuntime:
                 tp_mesh=groups.tp_mesh,
                 zero=spec.zero,
                 param_dtype=self.param_dtype,
+                fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1

@@ -82,6 +82,41 @@ def test_schedule_matches_reference(shape: tuple[int, int, int], schedule: str, 
     assert_matches_reference(run, reference(overrides, STEPS))
 
 
+def count_fsdp_units(runtime):
+    """An ``instrument`` hook: the number of FSDP units (parameter groups) of each stage on this rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # Modules sharded together (fully_shard on a list) share one state: count distinct groups.
+    counts = [
+        len({id(group) for m in stage.module.modules() if isinstance(m, FSDPModule)
+             for group in m._get_fsdp_state()._fsdp_param_groups})
+        for stage in runtime.executor.stages.values()
+    ]  # fmt: skip
+    return lambda: counts
+
+
+# A SMALL block holds ~66 KB of fp32 parameters (~33 KB per tp shard); 0.1 MB units pair them at tp=1.
+FSDP_UNIT_CASES = [
+    ((2, 1, 1), 3, 0, 5),  # one unit per block + the root (TorchTitan's wrapping)
+    ((2, 1, 1), 3, 0.1, 3),  # blocks paired + the root
+    ((2, 1, 1), 2, 0.1, 3),
+    ((2, 1, 1), 3, 25, 1),  # the default: 4 small blocks all in the root unit
+    ((2, 2, 2), 3, 0, 3),  # per stage: 2 blocks + the root
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("shape", "zero", "unit_mb", "units"), FSDP_UNIT_CASES,
+                         ids=[f"{_id(c[0])}-zero{c[1]}-unit{c[2]}MB" for c in FSDP_UNIT_CASES])
+def test_fsdp_unit_size_changes_collectives_not_math(shape, zero, unit_mb, units) -> None:
+    """``mesh.fsdp_unit_mb`` regroups blocks into FSDP units; the training stays the reference's."""
+    dp, pp, tp = shape
+    overrides = (*SMALL, f"mesh.zero={zero}", f"mesh.fsdp_unit_mb={unit_mb}")
+    run = run_mesh(dp, pp, tp, overrides, STEPS, instrument=count_fsdp_units)
+    assert all(counts == [units] for counts in run.extras.values()), run.extras
+    assert_matches_reference(run, reference(SMALL, STEPS))
+
+
 @pytest.mark.timeout(180)
 def test_bf16_smoke_close_to_fp32() -> None:
     """bf16 compute (FSDP2 mixed precision, fp32 master weights and reductions) at dp=2 x tp=2."""

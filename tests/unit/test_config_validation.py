@@ -29,7 +29,7 @@ def test_sizes_must_be_positive(key: str, value: int) -> None:
     "key",
     [
         "train.warmup_steps", "checkpoint.every", "elastic.max_restarts", "train.weight_decay",
-        "train.grad_clip", "model.ffn_hidden", "elastic.max_dp",
+        "train.grad_clip", "model.ffn_hidden", "elastic.max_dp", "mesh.fsdp_unit_mb",
     ],
 )  # fmt: skip
 def test_counts_must_be_non_negative(key: str) -> None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import load_config
-from orchestrator.mesh import MeshAxis, MeshShape, balanced_split, layer_ranges, stage_param_counts
+from orchestrator.mesh import (
+    MeshAxis,
+    MeshShape,
+    balanced_split,
+    fsdp_units,
+    layer_ranges,
+    stage_param_counts,
+)
 from orchestrator.plan import describe, make_plan, param_counts
 from orchestrator.policies import ResizeDecision, TooFewWorkers, choose_dp, grow_target
 
@@ -51,6 +58,27 @@ def test_balanced_split_is_optimal_and_covers_all_layers():
         balanced_split([1, 1], 3)
 
 
+def test_fsdp_units_group_small_blocks_and_keep_big_ones_apart():
+    mb = 1 << 20
+    # 0 MB: one unit per block, whatever the sizes.
+    assert fsdp_units([mb] * 3, 0) == [[0], [1], [2]]
+    # Blocks at or above the size stay alone.
+    assert fsdp_units([30 * mb] * 3, 25 * mb) == [[0], [1], [2]]
+    # Small blocks accumulate until a unit reaches the size; the short tail joins the last unit.
+    assert fsdp_units([10 * mb] * 7, 25 * mb) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert fsdp_units([10 * mb] * 6, 25 * mb) == [[0, 1, 2], [3, 4, 5]]
+    # All blocks together below the size: no unit of their own (they stay in the root unit).
+    assert fsdp_units([mb] * 4, 25 * mb) == []
+    assert fsdp_units([], 25 * mb) == []
+    # Every block lands in exactly one unit, in order.
+    sizes = [3, 9, 1, 1, 12, 2, 2, 2, 8]
+    units = fsdp_units([s * mb for s in sizes], 10 * mb)
+    assert [i for unit in units for i in unit] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in unit) >= 10 for unit in units)
+    with pytest.raises(ValueError):
+        fsdp_units([mb], -1)
+
+
 def test_param_counts_match_the_built_model():
     torch = pytest.importorskip("torch")
     from workers.model import GPT
@@ -74,6 +102,20 @@ def test_zero3_memory_estimate_shrinks_with_dp():
     small = describe(*_plan(["mesh.dp=1", "mesh.tp=1"]))["memory_per_rank"][0]
     big = describe(*_plan(["mesh.dp=4", "mesh.tp=1"]))["memory_per_rank"][0]
     assert big["optimizer"] * 4 <= small["optimizer"] + 8 * 4
+
+
+def test_zero3_estimate_counts_the_gathered_fsdp_units():
+    base = ["mesh.dp=2", "mesh.tp=1", "model.n_layers=4"]
+    counts = param_counts(load_config(None, base).model)
+    sharded = counts["total"] // 2 * 4
+
+    def params_bytes(unit_mb):
+        return describe(*_plan([*base, f"mesh.fsdp_unit_mb={unit_mb}"]))["memory_per_rank"][0]["params"]
+
+    # One unit per block: the root (embedding + head) and one block gathered at a time.
+    assert params_bytes(0) == sharded + (counts["embed"] + counts["head"] + counts["layer"]) * 4
+    # Tiny blocks under the default 25 MB all stay in the root: the whole stage is gathered.
+    assert params_bytes(25) == sharded + counts["total"] * 4
 
 
 def _plan(overrides):
