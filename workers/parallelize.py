@@ -77,8 +77,8 @@ def apply_fsdp(
     """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step).
 
     Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``orchestrator.mesh.fsdp_units``);
-    blocks left out of every unit are sharded with the root. Parameter names do not change, so
-    checkpoints load whatever the unit size.
+    blocks left out of every unit are sharded with the root. Neither the parameter names nor their
+    dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero == 3
