@@ -111,17 +111,25 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     }
 
 
+def stage_fsdp_units(cfg: JobConfig, plan: MeshPlan, stage: int) -> list[list[int]]:
+    """The FSDP units (global layer indices) ``stage``'s blocks form; blocks in none stay in the root.
+
+    The same grouping ``workers.parallelize.apply_fsdp`` makes from the built blocks, estimated from the
+    parameter count (fp32 master weights per tp shard; the actors also count the replicated norms).
+    """
+    layer_bytes = param_counts(cfg.model)["layer"] // plan.shape.tp * 4
+    first, end = layer_ranges(list(plan.layers_per_stage))[stage]
+    units = fsdp_units([layer_bytes] * (end - first), int(cfg.mesh.fsdp_unit_mb * 2**20))
+    return [[first + i for i in unit] for unit in units]
+
+
 def _zero3_gathered_params(cfg: JobConfig, plan: MeshPlan, stages: list[int]) -> int:
     """Parameters (per tp shard) gathered at once under ZeRO-3: the largest stage's root + one unit."""
     layer = param_counts(cfg.model)["layer"] // plan.shape.tp
-    ranges = layer_ranges(list(plan.layers_per_stage))
-    unit_bytes = int(cfg.mesh.fsdp_unit_mb * 2**20)
     peak = 0
     for s in stages:
-        n_blocks = ranges[s][1] - ranges[s][0]
-        units = fsdp_units([layer * 4] * n_blocks, unit_bytes)  # fp32 master bytes decide the grouping
-        in_units = sum(len(u) for u in units)
-        root = stage_params(cfg, plan, s) // plan.shape.tp - in_units * layer
+        units = stage_fsdp_units(cfg, plan, s)
+        root = stage_params(cfg, plan, s) // plan.shape.tp - sum(len(u) for u in units) * layer
         peak = max(peak, root + max((len(u) for u in units), default=0) * layer)
     return peak
 
@@ -130,6 +138,8 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
+    # As workers.parallelize_stage decides: FSDP whenever there is something to shard or bf16 to cast.
+    uses_fsdp = shape.dp > 1 or cfg.train.dtype != "float32"
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,
@@ -138,7 +148,8 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         "microbatches_per_replica": plan.microbatches,
         "bubble_estimate": theoretical_bubble(shape.pp, plan.microbatches, plan.virtual_stages),
         "stages": [
-            {"stage": s, "pp_rank": s % shape.pp, "layers": [a, b - 1], "params": stage_params(cfg, plan, s)}
+            {"stage": s, "pp_rank": s % shape.pp, "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
+             "fsdp_units": stage_fsdp_units(cfg, plan, s) if uses_fsdp else None}
             for s, (a, b) in enumerate(ranges)
         ],
         "ranks": [

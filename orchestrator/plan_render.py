@@ -7,6 +7,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _units(units: list[list[int]] | None, lo: int, hi: int) -> str:
+    """'0-1 | 2-3 | root' style: which blocks share an all-gather; the rest ride with the stage's root."""
+    if units is None:
+        return "none (no FSDP: dp=1, fp32)"
+    in_root = (hi - lo + 1) - sum(len(u) for u in units)
+    parts = [f"{u[0]}-{u[-1]}" if len(u) > 1 else f"{u[0]}" for u in units]
+    root = f"root (+ {in_root} blocks)" if in_root else "root"
+    return " | ".join([*parts, root])
+
+
 def render(info: dict) -> str:
     m = info["mesh"]
     lines = [
@@ -16,11 +26,12 @@ def render(info: dict) -> str:
         f"{info['microbatches_per_replica']} microbatches per replica, "
         f"bubble estimate {info['bubble_estimate']:.1%}",
         "",
-        "stage  pp_rank  layers        params",
+        "stage  pp_rank  layers        params  fsdp units (mesh.fsdp_unit_mb)",
     ]
     for s in info["stages"]:
         lo, hi = s["layers"]
-        lines.append(f"{s['stage']:>5}  {s['pp_rank']:>7}  {lo:>3}..{hi:<3}     {s['params']:>12,}")
+        lines.append(f"{s['stage']:>5}  {s['pp_rank']:>7}  {lo:>3}..{hi:<3}     {s['params']:>12,}  "
+                     f"{_units(s['fsdp_units'], lo, hi)}")
     lines += ["", "rank  dp  pp  tp"]
     lines += [f"{r['rank']:>4}  {r['dp']:>2}  {r['pp']:>2}  {r['tp']:>2}" for r in info["ranks"]]
     lines += ["", "memory per rank (estimate)   params      grads       optimizer   activations  total"]

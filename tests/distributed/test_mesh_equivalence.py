@@ -23,7 +23,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers.world import MeshRun, MeshRunError, Reference, reference, run_mesh, shutdown_pool
+from orchestrator.plan import describe, make_plan
+from tests.helpers.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")
 SCHEDULE_BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
@@ -114,6 +115,9 @@ def test_fsdp_unit_size_changes_collectives_not_math(shape, zero, unit_mb, units
     overrides = (*SMALL, f"mesh.zero={zero}", f"mesh.fsdp_unit_mb={unit_mb}")
     run = run_mesh(dp, pp, tp, overrides, STEPS, instrument=count_fsdp_units)
     assert all(counts == [units] for counts in run.extras.values()), run.extras
+    # `elastimesh plan` shows the same units (its block units + the root) for every stage.
+    cfg = mesh_config(dp, pp, tp, overrides)
+    assert [len(s["fsdp_units"]) + 1 for s in describe(cfg, make_plan(cfg))["stages"]] == [units] * pp
     assert_matches_reference(run, reference(SMALL, STEPS))
 
 

@@ -118,6 +118,18 @@ def test_zero3_estimate_counts_the_gathered_fsdp_units():
     assert params_bytes(25) == sharded + counts["total"] * 4
 
 
+def test_plan_shows_the_fsdp_units_the_actors_build():
+    base = ["mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "model.n_layers=4"]
+    stages = describe(*_plan([*base, "mesh.fsdp_unit_mb=0"]))["stages"]
+    assert [s["fsdp_units"] for s in stages] == [[[0], [1]], [[2], [3]]]
+    assert [s["fsdp_units"] for s in describe(*_plan(base))["stages"]] == [[], []]  # all in the roots
+    one_block = param_counts(load_config(None, base).model)["layer"] * 4 / 2**20
+    paired = describe(*_plan([*base, "mesh.pp=1", f"mesh.fsdp_unit_mb={2 * one_block}"]))["stages"]
+    assert paired[0]["fsdp_units"] == [[0, 1], [2, 3]]
+    # No FSDP at all (dp=1, fp32): nothing to show.
+    assert describe(*_plan(["mesh.dp=1", "mesh.tp=1"]))["stages"][0]["fsdp_units"] is None
+
+
 def _plan(overrides):
     cfg = load_config(None, overrides)
     return cfg, make_plan(cfg)
