@@ -146,7 +146,7 @@ def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
 
     Every unit is one all-gather (forward, and again in backward under ZeRO-3) and one reduce-scatter
     per step, and on gloo each costs far more in fixed latency than in bytes for small blocks
-    (bench/ray_train_compare.py: 4 one-MB blocks sharded separately ran ~1.7x slower than as one
+    (bench/ray_train_compare.py: 4 one-MB blocks sharded separately ran 1.5-1.8x slower than as one
     unit). So consecutive blocks share a unit until it reaches the size, the way FSDP1's size-based
     auto-wrap policy and DDP's ``bucket_cap_mb`` group small tensors. A trailing remainder below the
     size joins the previous unit; if all blocks together are below it, the result is empty and the

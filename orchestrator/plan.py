@@ -81,9 +81,10 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     Model state: fp32 master params + fp32 grads + two fp32 Adam moments, divided by tp (TP shards the
     weights) and by dp under ZeRO (FSDP shards all of it; ZeRO-2 keeps the bf16/fp32 compute copy of
     the parameters gathered; ZeRO-3 gathers the root unit (embedding, head and the blocks that
-    ``mesh.fsdp_unit_mb`` left in it) plus one block unit at a time). Activations: per layer and microbatch, roughly 16·s·b·d values (inputs of
-    norms, q/k/v, attention output, the 4x MLP) in the compute dtype, sequence/tensor-sharded by tp,
-    plus logits on the last stage, times the schedule's peak microbatches in flight on that stage.
+    ``mesh.fsdp_unit_mb`` left in it) plus one block unit at a time). Activations: per layer and
+    microbatch, roughly 16·s·b·d values (inputs of norms, q/k/v, attention output, the 4x MLP) in the
+    compute dtype, sequence/tensor-sharded by tp, plus logits on the last stage, times the schedule's
+    peak microbatches in flight on that stage.
     """
     m, t, train = cfg.model, plan.shape.tp, cfg.train
     dp = plan.shape.dp
