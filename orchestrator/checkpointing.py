@@ -41,7 +41,8 @@ from checkpoints.catalog import (
 )
 from checkpoints.errors import CheckpointError
 from checkpoints.manifest import CheckpointManifest
-from orchestrator.config import JobConfig, config_to_dict, model_diff, model_fingerprint
+from orchestrator.config import JobConfig, config_to_dict
+from orchestrator.config_fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
 from orchestrator.mesh import layer_ranges
 

@@ -2,9 +2,10 @@
 
 This module owns the config *schema* (one frozen dataclass per TOML section, every key
 defaulted so that the defaults are a tiny dp=2, tp=2 CPU job), turning a TOML file plus
-`--set SECTION.KEY=VALUE` overrides into a `JobConfig`, and the canonical dict / fingerprint
-used by checkpoint manifests. The semantic rules live in `config_validate.py`; every problem
-surfaces as one `ConfigError` naming the key and the fix.
+`--set SECTION.KEY=VALUE` overrides into a `JobConfig`, and the canonical dict checkpoint manifests
+store. The semantic rules live in `config_validate.py`, the model fingerprint that decides whether
+a checkpoint can be resumed in `config_fingerprint.py`; every problem surfaces as one `ConfigError`
+naming the key and the fix.
 
 Pure stdlib (no ray, no torch): frozen dataclasses pickle cleanly to actors, and each component
 should receive only its own section.
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import math
 import re
 import tomllib
@@ -372,32 +371,3 @@ def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
             if value is not None:
                 out[name][key] = list(value) if isinstance(value, tuple) else value
     return out
-
-
-def _fingerprint_view(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {"model": dict(d.get("model", {})), "data.path": d.get("data", {}).get("path")}
-
-
-def model_fingerprint(cfg: JobConfig) -> str:
-    """sha256 hex of the model section plus data.path, used to refuse an alien checkpoint."""
-    view = _fingerprint_view(config_to_dict(cfg))
-    canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def model_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """Keys ("model.d_model", and "data.path") whose values differ between two config dicts.
-
-    Args:
-        a, b: dicts shaped like `config_to_dict` output (e.g. one read from a manifest).
-
-    Returns:
-        Sorted "model.x" keys that differ or exist on one side only, then "data.path" if it
-        differs: exactly the inputs of `model_fingerprint`.
-    """
-    va, vb = _fingerprint_view(a), _fingerprint_view(b)
-    keys = sorted(set(va["model"]) | set(vb["model"]))
-    diff = [f"model.{k}" for k in keys if va["model"].get(k) != vb["model"].get(k)]
-    if va["data.path"] != vb["data.path"]:
-        diff.append("data.path")
-    return diff

@@ -20,10 +20,9 @@ from orchestrator.config import (
     dp_bounds,
     load_config,
     microbatches_per_replica,
-    model_diff,
-    model_fingerprint,
     replace_mesh,
 )
+from orchestrator.config_fingerprint import model_diff, model_fingerprint
 
 
 def _toml_value(value: object) -> str:
