@@ -141,6 +141,16 @@ def layer_ranges(layers_per_stage: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def fsdp_applies(dp: int, dtype: str) -> bool:
+    """Whether a stage is sharded with FSDP2 (ZeRO) at all: the rule the ranks and the plan share.
+
+    With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
+    as fast as plain PyTorch (bench/step_overhead.py). bf16 always goes through FSDP2's
+    MixedPrecisionPolicy (fp32 master weights, bf16 compute, fp32 gradient reduction).
+    """
+    return dp > 1 or dtype != "float32"
+
+
 def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     """Group a stage's blocks (by position) into FSDP units of at least ``min_unit_bytes`` each.
 
@@ -151,12 +161,10 @@ def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     auto-wrap policy and DDP's ``bucket_cap_mb`` group small tensors. A trailing remainder below the
     size joins the previous unit; if all blocks together are below it, the result is empty and the
     blocks stay in the stage's root unit (with the embedding and head). ``min_unit_bytes == 0`` gives
-    one unit per block (TorchTitan's wrapping).
+    one unit per block (TorchTitan's wrapping): every block alone already reaches the size.
     """
     if min_unit_bytes < 0:
         raise ValueError(f"min_unit_bytes must be >= 0, got {min_unit_bytes}")
-    if min_unit_bytes == 0:
-        return [[i] for i in range(len(block_bytes))]
     units: list[list[int]] = []
     current: list[int] = []
     size = 0

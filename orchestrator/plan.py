@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig, microbatches_per_replica
-from orchestrator.mesh import MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
+from orchestrator.mesh import (
+    MeshShape,
+    balanced_split,
+    fsdp_applies,
+    fsdp_units,
+    layer_ranges,
+    stage_param_counts,
+)
 from orchestrator.schedule import (
     Action,
     make_schedule,
@@ -139,8 +146,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    # As workers.parallelize_stage decides: FSDP whenever there is something to shard or bf16 to cast.
-    uses_fsdp = shape.dp > 1 or cfg.train.dtype != "float32"
+    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype)
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,

@@ -99,14 +99,13 @@ def parallelize_stage(
     tp_mesh: DeviceMesh,
     zero: int,
     param_dtype: torch.dtype,
+    shard_over_dp: bool,
     fsdp_unit_bytes: int = 0,
 ) -> nn.Module:
+    """TP/SP when tp > 1, then FSDP2 when ``shard_over_dp`` (``orchestrator.mesh.fsdp_applies``)."""
     if tp_mesh.size() > 1:
         apply_tp(stage, tp_mesh)
-    # With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
-    # as fast as plain PyTorch (bench/step_overhead.py). bf16 always goes through FSDP2's
-    # MixedPrecisionPolicy (fp32 master weights, bf16 compute, fp32 gradient reduction).
-    if dp_mesh.size() > 1 or param_dtype != torch.float32:
+    if shard_over_dp:
         apply_fsdp(stage, dp_mesh, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes)
     return stage
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from orchestrator.mesh import layer_ranges
+from orchestrator.mesh import fsdp_applies, layer_ranges
 from orchestrator.messages import RuntimeSpec, StepResult
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
@@ -54,6 +54,7 @@ class RankRuntime:
                 tp_mesh=groups.tp_mesh,
                 zero=spec.zero,
                 param_dtype=self.param_dtype,
+                shard_over_dp=fsdp_applies(shape.dp, train.dtype),
                 fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
             )
             self.stages[index] = Stage(

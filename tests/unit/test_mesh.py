@@ -9,6 +9,7 @@ from orchestrator.mesh import (
     MeshAxis,
     MeshShape,
     balanced_split,
+    fsdp_applies,
     fsdp_units,
     layer_ranges,
     stage_param_counts,
@@ -56,6 +57,11 @@ def test_balanced_split_is_optimal_and_covers_all_layers():
     assert balanced_split([1] * 4, 4) == [1, 1, 1, 1]
     with pytest.raises(ValueError):
         balanced_split([1, 1], 3)
+
+
+def test_fsdp_applies_unless_one_fp32_replica():
+    assert not fsdp_applies(1, "float32")
+    assert fsdp_applies(2, "float32") and fsdp_applies(1, "bfloat16") and fsdp_applies(4, "bfloat16")
 
 
 def test_fsdp_units_group_small_blocks_and_keep_big_ones_apart():
