@@ -5,9 +5,10 @@ Calls run in a small thread pool (``max_concurrency``), so while one thread is i
 to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched into the
 returned ``StepResult``; the driver decides what happens next.
 
-Faults can be injected on purpose (``arm_fault``) at four points — inside a training step, at the
-start of joining a generation, at the start of loading a checkpoint, and inside the background
-checkpoint write — so tests can prove recovery from each.
+Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
+step, right after the rank's first forward of a step (deterministically mid-step: its peers are then
+blocked in that step's collectives), at the start of joining a generation, at the start of loading a
+checkpoint, and inside the background checkpoint write — so tests can prove recovery from each.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
-FAULT_POINTS = ("step", "join", "load", "ckpt_write")
+FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 
 class RankActor:
@@ -109,6 +110,7 @@ class RankActor:
         try:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
+            self._arm_forward_fault(step)
             return self.runtime.train_step(step, actions)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
             self.error = f"{type(exc).__name__}: {exc}"
@@ -136,9 +138,11 @@ class RankActor:
 
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step") -> None:
         """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching
-        ``where`` at ``at``: "step" (train step ``at``), "join" / "load" (joining generation ``at`` /
-        loading a checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s
-        shard; ``delay_s`` is ignored there). Bad arguments raise, so a test never arms nothing."""
+        ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
+        forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
+        checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
+        ``delay_s`` is ignored at "forward" and "ckpt_write". Bad arguments raise, so a test never
+        arms nothing."""
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
@@ -181,6 +185,22 @@ class RankActor:
             return None
         del self._faults[where]
         return fault
+
+    def _arm_forward_fault(self, step: int) -> None:
+        """A one-shot forward hook on this rank's first stage signals the process when that forward
+        returns. Unlike a timer ("step" with a delay) it cannot miss the step when the step is fast."""
+        fault = self._take_fault("forward", step)
+        if fault is None:
+            return
+        sig = FAULT_SIGNALS[fault[1]]
+        module = self.runtime.stages[min(self.runtime.stages)].module
+
+        def signal_after_forward(*_):
+            handle.remove()  # one-shot: a SIGSTOPped rank that is continued runs on unhooked
+            logger.warning("fault injection: %s after the first forward of step %d", fault[1], step)
+            os.kill(os.getpid(), sig)
+
+        handle = module.register_forward_hook(signal_after_forward)
 
     def _maybe_fire_fault(self, where: str, at: int) -> None:
         fault = self._take_fault(where, at)
