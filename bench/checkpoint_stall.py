@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks = run_world(model, repeats, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    figures = summarize(ranks, model, repeats)
+    figures = summarize(ranks)
     result = {
         "benchmark": "checkpoint_stall",
         "goal": "median steady-state async stall <= 2% of the median synchronous save of the same state",

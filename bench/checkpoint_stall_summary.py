@@ -51,7 +51,8 @@ def _async_summary(ranks: list[dict], mode: str, sync_median: float) -> dict:
     }
 
 
-def summarize(ranks: list[dict], model: dict[str, int], repeats: int) -> dict:
+def summarize(ranks: list[dict]) -> dict:
+    """The figures of the run from every rank's raw timings (slowest rank per repeat, then medians)."""
     sync = _slowest(ranks, "sync_s")
     modes = {mode: _async_summary(ranks, mode, _median(sync)) for mode in ("async_staged", "async_background")}
     state_bytes = sum(r["local_state_bytes"] for r in ranks)
