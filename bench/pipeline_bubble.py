@@ -72,7 +72,8 @@ def _parse(name: str) -> Action:
 
 
 def replay(schedule, pp: int, cost) -> tuple[float, float]:
-    """Makespan and bubble of ``schedule`` under the simulator's model, with per-(stage, op) costs."""
+    """Makespan and bubble of ``schedule`` under the simulator's model (free communication), where
+    ``cost(action)`` is the seconds an F or B action takes."""
     clock, busy, mailbox, pos = [0.0] * pp, [0.0] * pp, {}, [0] * pp
     progressed = True
     while progressed:
@@ -90,7 +91,7 @@ def replay(schedule, pp: int, cost) -> tuple[float, float]:
                 elif a.op == Op.SEND_B:
                     mailbox[("B", a.stage, a.microbatch)] = clock[r]
                 else:
-                    c = cost[(a.stage, a.op)]
+                    c = cost(a)
                     clock[r] += c
                     busy[r] += c
                 pos[r] += 1
@@ -108,19 +109,24 @@ def bubble_stats(run) -> dict:
     cpu_share, windows = [], []
     parts = {"compute": [], "recv_wait": [], "send_post": [], "other": []}  # fractions of the window
     costs: dict[tuple[int, Op], list[float]] = {}
+    replay_per_step, handoffs, late_recvs = [], [], []
     for i in steps:
         win = [run.extras[r][i] for r in range(pp)]
         start, end = min(w[0] for w in win), max(w[1] for w in win)
         window = end - start
         windows.append(window)
         busy_total = 0.0
+        durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
+        spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
         for r in range(pp):
             result = run.results[r][i]
             busy = recv = send = 0.0
             for t in result.timings:
                 a = _parse(t.action)
+                spans[a] = (win[r][0] + t.start_s, win[r][0] + t.end_s)
                 if a.op in (Op.FORWARD, Op.BACKWARD):
                     busy += t.end_s - t.start_s
+                    durations[a] = t.end_s - t.start_s
                     costs.setdefault((a.stage, a.op), []).append(t.end_s - t.start_s)
                 elif a.op in (Op.RECV_F, Op.RECV_B):
                     recv += t.end_s - t.start_s
@@ -135,11 +141,15 @@ def bubble_stats(run) -> dict:
             per_rank_step[r].append(1.0 - busy / result.step_time_s)
         per_step.append(1.0 - busy_total / (pp * window))
         cpu_share.append(sum(w[2] for w in win) / (pp * window))
+        replay_per_step.append(replay(run.actions, pp, durations.__getitem__)[1])
+        waiting, late = _handoff_latencies(spans)
+        handoffs += waiting
+        late_recvs += late
     mean_cost = {k: statistics.mean(v) for k, v in costs.items()}
     f_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.FORWARD)
     b_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.BACKWARD)
     sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean)
-    _, replayed = replay(run.actions, pp, mean_cost)
+    _, replayed = replay(run.actions, pp, lambda a: mean_cost[(a.stage, a.op)])
     return {
         "measured": statistics.mean(per_step),
         "measured_median_over_steps": statistics.median(per_step),
@@ -148,6 +158,16 @@ def bubble_stats(run) -> dict:
         "measured_vs_full_step_per_rank": [statistics.mean(x) for x in per_rank_step],
         "simulated_mean_costs": sim.bubble_fraction,
         "replay_measured_stage_costs": replayed,
+        # The schedule replayed with every F/B action's own measured duration, communication free:
+        # what stage imbalance and the run-to-run jitter of action times alone make of the bubble.
+        # measured - this = what hand-offs and the executor between actions add.
+        "replay_measured_action_durations": statistics.mean(replay_per_step),
+        "replay_measured_action_durations_per_step": replay_per_step,
+        "handoff_latency_ms": _quantiles_ms(handoffs),
+        "recv_of_an_already_sent_tensor_ms": _quantiles_ms(late_recvs),
+        "action_time_cv_per_stage_op": {
+            f"{s}{op.value}": statistics.pstdev(v) / statistics.mean(v) for (s, op), v in sorted(costs.items())
+        },
         "mean_F_s": f_mean,
         "mean_B_s": b_mean,
         "F_s_per_stage": [mean_cost[(s, Op.FORWARD)] for s in range(pp * run.virtual_stages)],
@@ -162,6 +182,31 @@ def bubble_stats(run) -> dict:
         # ranks' starts/ends, Python between actions and waiting for the step's last sends.
         "window_breakdown": {k: statistics.mean(v) for k, v in parts.items()},
     }
+
+
+def _handoff_latencies(spans: dict[Action, tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """(send posted -> receive done, where the receiver was already waiting; receive call -> done,
+    where the send was posted before the receive was called)."""
+    waiting, late = [], []
+    for a, (send_start, _) in spans.items():
+        if a.op not in (Op.SEND_F, Op.SEND_B):
+            continue
+        recv = Action(a.stage + 1, Op.RECV_F, a.microbatch) if a.op == Op.SEND_F else Action(
+            a.stage - 1, Op.RECV_B, a.microbatch)
+        recv_start, recv_end = spans[recv]
+        if recv_start < send_start:
+            waiting.append(recv_end - send_start)
+        else:
+            late.append(recv_end - recv_start)
+    return waiting, late
+
+
+def _quantiles_ms(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    values = sorted(values)
+    return {"n": len(values), "median": 1e3 * statistics.median(values),
+            "p90": 1e3 * values[int(0.9 * (len(values) - 1))], "max": 1e3 * values[-1]}  # fmt: skip
 
 
 def load_average() -> list[float]:
@@ -187,7 +232,9 @@ def bubble_sweep(pps, ms, steps) -> list[dict]:
                 "load_average": load_average(),
             })  # fmt: skip
             print(f"  pp={pp} m={m:2d}: bubble measured {stats['measured']:.3f} theory {theory:.3f} "
-                  f"replay {stats['replay_measured_stage_costs']:.3f} cpu {stats['cpu_busy_share']:.2f} "
+                  f"replay {stats['replay_measured_stage_costs']:.3f} (per action "
+                  f"{stats['replay_measured_action_durations']:.3f}) cpu {stats['cpu_busy_share']:.2f} "
+                  f"hand-off {stats['handoff_latency_ms'].get('median', float('nan')):.2f} ms "
                   f"F {stats['mean_F_s'] * 1e3:.1f} ms B {stats['mean_B_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
     return rows
 
@@ -216,6 +263,10 @@ def interleaved_vs_1f1b(steps: int, rounds: int, m: int) -> dict:
             "bubble_measured": statistics.mean(bubbles),
             "bubble_measured_median": statistics.median(bubbles),
             "bubble_theory": theoretical_bubble(pp, m, variants[name]["virtual_stages"]),
+            "bubble_replay_measured_action_durations": statistics.mean(
+                r["replay_measured_action_durations"] for r in runs),
+            "recv_of_an_already_sent_tensor_ms_median": statistics.median(
+                r["recv_of_an_already_sent_tensor_ms"].get("median", 0.0) for r in runs),
             "mean_F_s": statistics.mean(r["mean_F_s"] for r in runs),
             "mean_B_s": statistics.mean(r["mean_B_s"] for r in runs),
         }
@@ -322,17 +373,18 @@ def notes(report: dict) -> list[str]:
         "theory (pp-1)/(m+pp-1) describes; measured_vs_full_step_per_rank also counts the optimizer step, "
         "gradient clipping (a pp all-reduce) and data loading as idle, so it is larger.",
         f"pp=4 runs 4 single-threaded ranks on {cpus} cores: in the steady state every rank is runnable, "
-        "so each F/B takes ~2x longer in wall time (time spent descheduled counts as busy), while the "
-        "fill/drain phases run with fewer ranks competing. The wall-time bubble therefore does not measure "
-        "the schedule alone; cpu_busy_share (process CPU seconds / (pp x window)) is capped at "
-        f"{min(1.0, cpus / 4):.2f} for pp=4 here. replay_measured_stage_costs replays the schedule with the "
-        "measured per-stage F/B means and free communication: the bubble the schedule alone would give "
-        "with those costs. window_breakdown shows where the rest went: recv_wait is time blocked on "
-        "the peer. With more runnable processes than cores, every hand-off between ranks also waits for "
-        "the receiver to be scheduled again (several ms at load averages of 5-25), and 1F1B's steady "
-        "state has no slack, so this latency adds to the bubble on every microbatch: that is why "
-        "measured - theory grows with m here, while the replay (schedule + measured stage costs, free "
-        "communication) stays within ~2 points of theory.",
+        "so each F/B takes ~2x longer in wall time (time spent descheduled counts as busy) and its length "
+        "varies a lot from one action to the next (action_time_cv_per_stage_op), while the fill/drain "
+        "phases run with fewer ranks competing. cpu_busy_share (process CPU seconds / (pp x window)) is "
+        f"capped at {min(1.0, cpus / 4):.2f} for pp=4 here. Three replays split measured - theory: "
+        "replay_measured_stage_costs (the schedule with each stage's mean F/B, communication free: stage "
+        "imbalance), replay_measured_action_durations (each step replayed with every action's own "
+        "measured duration: imbalance plus the jitter of action times, which 1F1B's slack-free steady "
+        "state turns into idle time), and measured - replay_measured_action_durations = what the "
+        "hand-offs and the executor between actions add. handoff_latency_ms is send posted -> receive "
+        "done where the receiver already waited; recv_of_an_already_sent_tensor_ms is the receive call "
+        "itself where the send came first (gloo moves the data only once the receive is posted, so "
+        "the executor posts up to 4 receives ahead on gloo; see workers/pipeline.py).",
         "simulated_mean_costs runs orchestrator.schedule_sim with the measured mean F and B: with one cost "
         "for every stage it equals the theory, which checks the schedule, not the machine.",
         "interleaved_vs_1f1b_by_m: same model (4 layers), 1F1B with 2 layers per stage vs interleaved with 1 "

@@ -4,12 +4,23 @@ The list is executed literally, in order. Sends are posted asynchronously and wa
 of the step; receives block. The driver's schedule is proven deadlock-free under exactly that model
 (orchestrator/schedule.py's simulator). What crosses a stage boundary is the local tensor each
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
-dp/tp coordinates in the neighbouring pipeline position.
+dp/tp coordinates in the neighbouring pipeline position. Point-to-point messages between two ranks
+match in posting order (one tag), which the schedule guarantees: per rank pair, receives come in
+the order of the sends (a unit test checks every schedule).
+
+On gloo, a few receives are posted ahead of the action that needs them (``recv_lookahead``). Gloo's
+send is a rendezvous: a send whose receive is not posted yet only announces itself, and the data
+moves when the receiver asks for it, which needs the *sender's* gloo thread to get a core while the
+sender computes. On a busy CPU host that cost ms per late receive (bench/pipeline_bubble.py:
+"recv_of_an_already_sent_tensor_ms"). A receive posted early lets the sender write the data at
+once. NCCL is left at zero: its send and receive to one peer share a stream, so an early receive
+would hold back a send the peer is waiting for.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +78,7 @@ class Executor:
         boundary_dtype: torch.dtype,
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
+        recv_lookahead: int = 0,
     ) -> None:
         self.stages = stages
         self.num_stages = num_stages
@@ -76,14 +88,15 @@ class Executor:
         self.boundary_dtype = boundary_dtype
         self.device = device
         self.pp_group = pp_group
+        self.recv_lookahead = recv_lookahead
 
     def _peer(self, stage: int) -> int:
         return self.peer_of_pp_index(stage % self.pp)
 
-    def _recv(self, from_stage: int) -> torch.Tensor:
+    def _post_recv(self, action: Action) -> tuple[Action, torch.Tensor, dist.Work]:
+        from_stage = action.stage - 1 if action.op == Op.RECV_F else action.stage + 1
         buf = torch.empty(self.boundary_shape, dtype=self.boundary_dtype, device=self.device)
-        dist.recv(buf, src=self._peer(from_stage), group=self.pp_group)
-        return buf
+        return action, buf, dist.irecv(buf, src=self._peer(from_stage), group=self.pp_group)
 
     def run(self, actions: list[Action], data: StepData) -> tuple[float, list[ActionTiming], float]:
         """Run the step's actions; returns (reported loss share, timings, compute seconds)."""
@@ -92,6 +105,24 @@ class Executor:
             backwards = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD]
             stage.last_backward_mb = backwards[-1] if backwards else -1
         pending: list[dist.Work] = []
+        to_post = deque(a for a in actions if a.op in (Op.RECV_F, Op.RECV_B))
+        posted: deque[tuple[Action, torch.Tensor, dist.Work]] = deque()
+
+        # Receives of this step in list order; up to recv_lookahead are posted before they are needed.
+        def top_up(limit: int) -> None:
+            while to_post and len(posted) < limit:
+                posted.append(self._post_recv(to_post.popleft()))
+
+        def recv(action: Action) -> torch.Tensor:
+            top_up(1)
+            expected, buf, work = posted.popleft()
+            assert expected == action, (expected, action)  # both follow the list order
+            work.wait()
+            top_up(self.recv_lookahead)
+            return buf
+
+        top_up(self.recv_lookahead)
+
         timings: list[ActionTiming] = []
         loss_share = torch.zeros((), dtype=torch.float64)
         compute = 0.0
@@ -102,7 +133,7 @@ class Executor:
             mb = action.microbatch
             op = action.op
             if op == Op.RECV_F:
-                stage.inputs[mb] = self._recv(action.stage - 1).requires_grad_()
+                stage.inputs[mb] = recv(action).requires_grad_()
             elif op == Op.FORWARD:
                 x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
                 out = stage.module(x)
@@ -115,7 +146,7 @@ class Executor:
                 out = stage.outputs[mb].detach().to(self.boundary_dtype).contiguous()
                 pending.append(dist.isend(out, dst=self._peer(action.stage + 1), group=self.pp_group))
             elif op == Op.RECV_B:
-                stage.grad_outputs[mb] = self._recv(action.stage + 1)
+                stage.grad_outputs[mb] = recv(action)
             elif op == Op.BACKWARD:
                 self._backward(stage, mb)
             elif op == Op.SEND_B:

@@ -74,6 +74,9 @@ class RankRuntime:
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
+            # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
+            # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
+            recv_lookahead=4 if groups.device.type == "cpu" else 0,
         )
         self._writer = None
         self._save_future = None

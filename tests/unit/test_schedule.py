@@ -102,6 +102,25 @@ def test_simulator_completes_and_every_send_is_received(name, pp, m, v):
     assert result.makespan == max(iv.end for rank_busy in result.busy for iv in rank_busy)
 
 
+@pytest.mark.parametrize(("name", "pp", "m", "v"), CASES, ids=IDS)
+def test_per_rank_pair_receives_come_in_the_order_of_the_sends(name, pp, m, v):
+    """gloo and NCCL match point-to-point messages between two ranks in posting order (the executor
+    uses one tag), so the k-th receive on b from a must be the k-th send from a to b."""
+    schedule = make_schedule(name, pp, m, v)
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                dst = stage_to_rank(a.stage + (1 if a.op == Op.SEND_F else -1), pp)
+                sent[(rank, dst)].append((a.op, a.stage, a.microbatch))
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                src_stage = a.stage - 1 if a.op == Op.RECV_F else a.stage + 1
+                op = Op.SEND_F if a.op == Op.RECV_F else Op.SEND_B
+                received[(stage_to_rank(src_stage, pp), rank)].append((op, src_stage, a.microbatch))
+    assert sent == received
+
+
 @pytest.mark.parametrize("pp", PPS)
 @pytest.mark.parametrize("m", MICROBATCHES)
 def test_one_f_one_b_is_warmup_then_steady_then_cooldown(pp, m):
