@@ -39,174 +39,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from orchestrator.schedule import Action, Op, peak_in_flight, theoretical_bubble  # noqa: E402
-from orchestrator.schedule_sim import simulate  # noqa: E402
+from orchestrator.schedule import peak_in_flight, theoretical_bubble  # noqa: E402
 from tests.helpers.world import run_mesh, shutdown_pool  # noqa: E402
 
-from pipeline_probes import memory_probe, timing_probe  # noqa: E402  (bench/ is on sys.path)
+from pipeline_analysis import WARMUP_STEPS, bubble_stats  # noqa: E402  (bench/ is on sys.path)
+from pipeline_probes import memory_probe, timing_probe  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "pipeline_bubble.json"
 # d_model 256, seq 256, 2 sequences per microbatch: one 2-layer stage costs ~35 ms F / ~75 ms B on one
 # idle core, against <1 ms to send the 512 KB boundary activation, so compute dominates communication.
 MICRO = 2  # sequences per microbatch
 MODEL = ("model.d_model=256", "model.n_heads=4", "model.seq_len=256", f"train.micro_batch_size={MICRO}")
-WARMUP_STEPS = 2
 GOAL_POINTS = 0.05
 # Interleaved vs 1F1B at pp=2 for these microbatch counts: the fewer microbatches, the bigger the bubble
 # interleaving removes (theory 1.11x at m=4, 1.06x at m=8).
 IV_MS = (4, 8)
-
-
-# --- analysis --------------------------------------------------------------------------------------
-
-
-def _parse(name: str) -> Action:
-    """ActionTiming.action text ("2F0", "1SEND_F3") back to an Action."""
-    i = 0
-    while name[i].isdigit():
-        i += 1
-    j = len(name)
-    while name[j - 1].isdigit():
-        j -= 1
-    return Action(int(name[:i]), Op(name[i:j]), int(name[j:]))
-
-
-def replay(schedule, pp: int, cost) -> tuple[float, float]:
-    """Makespan and bubble of ``schedule`` under the simulator's model (free communication), where
-    ``cost(action)`` is the seconds an F or B action takes."""
-    clock, busy, mailbox, pos = [0.0] * pp, [0.0] * pp, {}, [0] * pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(schedule[r]):
-                a = schedule[r][pos[r]]
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    key = ("F", a.stage - 1, a.microbatch) if a.op == Op.RECV_F else ("B", a.stage + 1, a.microbatch)
-                    if key not in mailbox:
-                        break
-                    clock[r] = max(clock[r], mailbox.pop(key))
-                elif a.op == Op.SEND_F:
-                    mailbox[("F", a.stage, a.microbatch)] = clock[r]
-                elif a.op == Op.SEND_B:
-                    mailbox[("B", a.stage, a.microbatch)] = clock[r]
-                else:
-                    c = cost(a)
-                    clock[r] += c
-                    busy[r] += c
-                pos[r] += 1
-                progressed = True
-    assert all(pos[r] == len(schedule[r]) for r in range(pp)), "replay deadlocked"
-    makespan = max(clock)
-    return makespan, 1.0 - sum(busy) / (pp * makespan)
-
-
-def bubble_stats(run) -> dict:
-    """Measured bubble of a run (pp ranks, dp = tp = 1) over the steps after the warm-up."""
-    pp = run.shape.pp
-    steps = range(WARMUP_STEPS, len(run.results[0]))
-    per_step, per_rank_window, per_rank_step = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
-    cpu_share, windows = [], []
-    parts = {"compute": [], "recv_wait": [], "send_post": [], "other": []}  # fractions of the window
-    costs: dict[tuple[int, Op], list[float]] = {}
-    replay_per_step, handoffs, late_recvs = [], [], []
-    for i in steps:
-        win = [run.extras[r][i] for r in range(pp)]
-        start, end = min(w[0] for w in win), max(w[1] for w in win)
-        window = end - start
-        windows.append(window)
-        busy_total = 0.0
-        durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
-        spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
-        for r in range(pp):
-            result = run.results[r][i]
-            busy = recv = send = 0.0
-            for t in result.timings:
-                a = _parse(t.action)
-                spans[a] = (win[r][0] + t.start_s, win[r][0] + t.end_s)
-                if a.op in (Op.FORWARD, Op.BACKWARD):
-                    busy += t.end_s - t.start_s
-                    durations[a] = t.end_s - t.start_s
-                    costs.setdefault((a.stage, a.op), []).append(t.end_s - t.start_s)
-                elif a.op in (Op.RECV_F, Op.RECV_B):
-                    recv += t.end_s - t.start_s
-                else:
-                    send += t.end_s - t.start_s
-            busy_total += busy
-            parts["compute"].append(busy / window)
-            parts["recv_wait"].append(recv / window)
-            parts["send_post"].append(send / window)
-            parts["other"].append(1.0 - (busy + recv + send) / window)
-            per_rank_window[r].append(1.0 - busy / window)
-            per_rank_step[r].append(1.0 - busy / result.step_time_s)
-        per_step.append(1.0 - busy_total / (pp * window))
-        cpu_share.append(sum(w[2] for w in win) / (pp * window))
-        replay_per_step.append(replay(run.actions, pp, durations.__getitem__)[1])
-        waiting, late = _handoff_latencies(spans)
-        handoffs += waiting
-        late_recvs += late
-    mean_cost = {k: statistics.mean(v) for k, v in costs.items()}
-    f_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.FORWARD)
-    b_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.BACKWARD)
-    sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean)
-    _, replayed = replay(run.actions, pp, lambda a: mean_cost[(a.stage, a.op)])
-    return {
-        "measured": statistics.mean(per_step),
-        "measured_median_over_steps": statistics.median(per_step),
-        "measured_per_step": per_step,
-        "measured_per_rank": [statistics.mean(x) for x in per_rank_window],
-        "measured_vs_full_step_per_rank": [statistics.mean(x) for x in per_rank_step],
-        "simulated_mean_costs": sim.bubble_fraction,
-        "replay_measured_stage_costs": replayed,
-        # The schedule replayed with every F/B action's own measured duration, communication free:
-        # what stage imbalance and the run-to-run jitter of action times alone make of the bubble.
-        # measured - this = what hand-offs and the executor between actions add.
-        "replay_measured_action_durations": statistics.mean(replay_per_step),
-        "replay_measured_action_durations_per_step": replay_per_step,
-        "handoff_latency_ms": _quantiles_ms(handoffs),
-        "recv_of_an_already_sent_tensor_ms": _quantiles_ms(late_recvs),
-        "action_time_cv_per_stage_op": {
-            f"{s}{op.value}": statistics.pstdev(v) / statistics.mean(v) for (s, op), v in sorted(costs.items())
-        },
-        "mean_F_s": f_mean,
-        "mean_B_s": b_mean,
-        "F_s_per_stage": [mean_cost[(s, Op.FORWARD)] for s in range(pp * run.virtual_stages)],
-        "B_s_per_stage": [mean_cost[(s, Op.BACKWARD)] for s in range(pp * run.virtual_stages)],
-        "pipeline_window_s": statistics.mean(windows),
-        "pipeline_window_s_per_step": windows,
-        "step_time_s": statistics.mean(
-            max(run.results[r][i].step_time_s for r in range(pp)) for i in steps
-        ),
-        "cpu_busy_share": statistics.mean(cpu_share),
-        # Where each rank's window went (mean over ranks and steps); "other" is the skew between the
-        # ranks' starts/ends, Python between actions and waiting for the step's last sends.
-        "window_breakdown": {k: statistics.mean(v) for k, v in parts.items()},
-    }
-
-
-def _handoff_latencies(spans: dict[Action, tuple[float, float]]) -> tuple[list[float], list[float]]:
-    """(send posted -> receive done, where the receiver was already waiting; receive call -> done,
-    where the send was posted before the receive was called)."""
-    waiting, late = [], []
-    for a, (send_start, _) in spans.items():
-        if a.op not in (Op.SEND_F, Op.SEND_B):
-            continue
-        recv = Action(a.stage + 1, Op.RECV_F, a.microbatch) if a.op == Op.SEND_F else Action(
-            a.stage - 1, Op.RECV_B, a.microbatch)
-        recv_start, recv_end = spans[recv]
-        if recv_start < send_start:
-            waiting.append(recv_end - send_start)
-        else:
-            late.append(recv_end - recv_start)
-    return waiting, late
-
-
-def _quantiles_ms(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    values = sorted(values)
-    return {"n": len(values), "median": 1e3 * statistics.median(values),
-            "p90": 1e3 * values[int(0.9 * (len(values) - 1))], "max": 1e3 * values[-1]}  # fmt: skip
 
 
 def load_average() -> list[float]:
