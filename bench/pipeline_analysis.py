@@ -1,15 +1,16 @@
 """Analysis for bench/pipeline_bubble.py: the measured bubble of a run and where the rest went.
 
 Pure functions over a ``tests.helpers.world.MeshRun`` made with ``pipeline_probes.timing_probe``:
-the bubble over each step's pipeline window, replays of the schedule (communication free) with the
-measured per-stage means and with every action's own duration, and hand-off latencies.
+the bubble over each step's pipeline window, replays of the schedule (``orchestrator.schedule_sim``,
+communication free) with the measured per-stage means and with every action's own duration, and
+hand-off latencies.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from orchestrator.schedule import Action, Op
+from orchestrator.schedule import Action, Op, message_key
 from orchestrator.schedule_sim import simulate
 
 WARMUP_STEPS = 2  # steps 1-2 are left out of every figure
@@ -24,36 +25,6 @@ def _parse(name: str) -> Action:
     while name[j - 1].isdigit():
         j -= 1
     return Action(int(name[:i]), Op(name[i:j]), int(name[j:]))
-
-
-def replay(schedule, pp: int, cost) -> tuple[float, float]:
-    """Makespan and bubble of ``schedule`` under the simulator's model (free communication), where
-    ``cost(action)`` is the seconds an F or B action takes."""
-    clock, busy, mailbox, pos = [0.0] * pp, [0.0] * pp, {}, [0] * pp
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(schedule[r]):
-                a = schedule[r][pos[r]]
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    key = ("F", a.stage - 1, a.microbatch) if a.op == Op.RECV_F else ("B", a.stage + 1, a.microbatch)
-                    if key not in mailbox:
-                        break
-                    clock[r] = max(clock[r], mailbox.pop(key))
-                elif a.op == Op.SEND_F:
-                    mailbox[("F", a.stage, a.microbatch)] = clock[r]
-                elif a.op == Op.SEND_B:
-                    mailbox[("B", a.stage, a.microbatch)] = clock[r]
-                else:
-                    c = cost(a)
-                    clock[r] += c
-                    busy[r] += c
-                pos[r] += 1
-                progressed = True
-    assert all(pos[r] == len(schedule[r]) for r in range(pp)), "replay deadlocked"
-    makespan = max(clock)
-    return makespan, 1.0 - sum(busy) / (pp * makespan)
 
 
 def bubble_stats(run) -> dict:
@@ -96,7 +67,7 @@ def bubble_stats(run) -> dict:
             per_rank_step[r].append(1.0 - busy / result.step_time_s)
         per_step.append(1.0 - busy_total / (pp * window))
         cpu_share.append(sum(w[2] for w in win) / (pp * window))
-        replay_per_step.append(replay(run.actions, pp, durations.__getitem__)[1])
+        replay_per_step.append(_replay(run, durations.__getitem__))
         waiting, late = _handoff_latencies(spans)
         handoffs += waiting
         late_recvs += late
@@ -104,7 +75,7 @@ def bubble_stats(run) -> dict:
     f_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.FORWARD)
     b_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.BACKWARD)
     sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean)
-    _, replayed = replay(run.actions, pp, lambda a: mean_cost[(a.stage, a.op)])
+    replayed = _replay(run, lambda a: mean_cost[(a.stage, a.op)])
     return {
         "measured": statistics.mean(per_step),
         "measured_median_over_steps": statistics.median(per_step),
@@ -139,16 +110,24 @@ def bubble_stats(run) -> dict:
     }
 
 
+def _replay(run, cost) -> float:
+    """Bubble of the run's schedule under the simulator's model (free communication), where
+    ``cost(action)`` is the seconds an F or B action takes."""
+    return simulate(run.actions, run.shape.pp, run.virtual_stages, cost=cost).bubble_fraction
+
+
 def _handoff_latencies(spans: dict[Action, tuple[float, float]]) -> tuple[list[float], list[float]]:
     """(send posted -> receive done, where the receiver was already waiting; receive call -> done,
     where the send was posted before the receive was called)."""
+    sends, recvs = {}, {}
+    for a, span in spans.items():
+        if a.op in (Op.SEND_F, Op.SEND_B):
+            sends[message_key(a)] = span[0]
+        elif a.op in (Op.RECV_F, Op.RECV_B):
+            recvs[message_key(a)] = span
     waiting, late = [], []
-    for a, (send_start, _) in spans.items():
-        if a.op not in (Op.SEND_F, Op.SEND_B):
-            continue
-        recv = Action(a.stage + 1, Op.RECV_F, a.microbatch) if a.op == Op.SEND_F else Action(
-            a.stage - 1, Op.RECV_B, a.microbatch)
-        recv_start, recv_end = spans[recv]
+    for key, send_start in sends.items():
+        recv_start, recv_end = recvs[key]
         if recv_start < send_start:
             waiting.append(recv_end - send_start)
         else:

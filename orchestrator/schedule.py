@@ -54,6 +54,23 @@ class Action:
 
 Schedule = list[list[Action]]
 
+# (kind, src_stage, dst_stage, microbatch); kind is "F" for activations and "B" for gradients.
+MessageKey = tuple[str, int, int, int]
+
+
+def message_key(action: Action) -> MessageKey:
+    """The message a send posts or a receive takes: both ends of one hand-off give the same key."""
+    stage, mb = action.stage, action.microbatch
+    if action.op == Op.SEND_F:
+        return ("F", stage, stage + 1, mb)
+    if action.op == Op.RECV_F:
+        return ("F", stage - 1, stage, mb)
+    if action.op == Op.SEND_B:
+        return ("B", stage, stage - 1, mb)
+    if action.op == Op.RECV_B:
+        return ("B", stage + 1, stage, mb)
+    raise ValueError(f"{action} is not a communication action")
+
 
 def stage_to_rank(stage: int, pp: int) -> int:
     """The pp rank that holds ``stage`` (interleaved placement: stage modulo pp)."""

@@ -15,13 +15,10 @@ No torch, no ray: pure stdlib.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from orchestrator.schedule import Action, Op
-
-# (kind, src_stage, dst_stage, microbatch); kind is "F" for activations and "B" for gradients.
-MessageKey = tuple[str, int, int, int]
+from orchestrator.schedule import Action, MessageKey, Op, message_key
 
 
 class ScheduleError(ValueError):
@@ -77,6 +74,7 @@ def simulate(
     *,
     f_cost: float = 1.0,
     b_cost: float = 2.0,
+    cost: Callable[[Action], float] | None = None,
 ) -> SimResult:
     """Execute ``schedule`` (index = pp rank) under the async-send / blocking-receive model.
 
@@ -86,6 +84,8 @@ def simulate(
         virtual_stages: model chunks per rank; there are ``pp * virtual_stages`` stages.
         f_cost: time of one F on one stage.
         b_cost: time of one B on one stage (about 2x F for a transformer).
+        cost: instead of ``f_cost``/``b_cost``, the time of each F or B action (>= 0), e.g. the
+            durations measured on a real run, to replay that run with free communication.
 
     Returns:
         The per-rank busy intervals, the makespan and the bubble fraction.
@@ -107,7 +107,10 @@ def simulate(
         for action in actions:
             _check_placement(action, rank, pp, num_stages)
 
-    machine = _Machine(num_stages, f_cost, b_cost, pp)
+    if cost is None:
+        by_op = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost}
+        cost = lambda action: by_op[action.op]  # noqa: E731
+    machine = _Machine(num_stages, cost, pp)
     position = [0] * pp
     progressed = True
     while progressed:
@@ -135,9 +138,9 @@ def simulate(
 class _Machine:
     """Mutable state of one simulation: clocks, mailbox and what has been computed."""
 
-    def __init__(self, num_stages: int, f_cost: float, b_cost: float, pp: int) -> None:
+    def __init__(self, num_stages: int, cost: Callable[[Action], float], pp: int) -> None:
         self.last_stage = num_stages - 1
-        self.cost = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost}
+        self.cost = cost
         self.clock = [0.0] * pp
         self.busy: list[list[BusyInterval]] = [[] for _ in range(pp)]
         self.mailbox: dict[MessageKey, float] = {}  # message -> time it was posted
@@ -149,7 +152,7 @@ class _Machine:
         """Run ``action`` on ``rank``; False: it is a receive whose message has not arrived yet."""
         stage, op, mb = action.stage, action.op, action.microbatch
         if op in (Op.RECV_F, Op.RECV_B):
-            key = _message_key(action)
+            key = message_key(action)
             if key in self.received:
                 raise ScheduleError(f"rank {rank}: {action} receives a message a second time")
             if key not in self.mailbox:
@@ -159,7 +162,7 @@ class _Machine:
         elif op in (Op.SEND_F, Op.SEND_B):
             produced_by = Op.FORWARD if op == Op.SEND_F else Op.BACKWARD
             self._require((stage, produced_by, mb), rank, action, f"its {produced_by} before")
-            key = _message_key(action)
+            key = message_key(action)
             if key in self.sent:
                 raise ScheduleError(f"rank {rank}: {action} sends a message a second time")
             self.sent.add(key)
@@ -168,8 +171,11 @@ class _Machine:
             self._check_inputs(rank, action)
             if (stage, op, mb) in self.computed:
                 raise ScheduleError(f"rank {rank}: {action} runs a second time")
+            duration = self.cost(action)
+            if duration < 0:
+                raise ValueError(f"cost of {action} must be >= 0, got {duration}")
             start = self.clock[rank]
-            self.clock[rank] = start + self.cost[op]
+            self.clock[rank] = start + duration
             self.busy[rank].append(BusyInterval(start, self.clock[rank], action))
             self.computed.add((stage, op, mb))
         return True
@@ -201,20 +207,6 @@ class _Machine:
         if forwarded != backwarded:
             missing = sorted(forwarded - backwarded)
             raise ScheduleError(f"(stage, microbatch) forwarded but never backwarded: {missing}")
-
-
-def _message_key(action: Action) -> MessageKey:
-    """The mailbox slot a send fills or a receive drains."""
-    stage, mb = action.stage, action.microbatch
-    if action.op == Op.SEND_F:
-        return ("F", stage, stage + 1, mb)
-    if action.op == Op.RECV_F:
-        return ("F", stage - 1, stage, mb)
-    if action.op == Op.SEND_B:
-        return ("B", stage, stage - 1, mb)
-    if action.op == Op.RECV_B:
-        return ("B", stage + 1, stage, mb)
-    raise ValueError(f"{action} is not a communication action")
 
 
 def _matching_send(action: Action) -> str:

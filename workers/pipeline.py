@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from orchestrator.messages import ActionTiming
-from orchestrator.schedule import Action, Op
+from orchestrator.schedule import Action, Op, message_key
 from workers.model import lm_loss_sum
 from workers.parallelize import uses_fsdp
 
@@ -94,9 +94,9 @@ class Executor:
         return self.peer_of_pp_index(stage % self.pp)
 
     def _post_recv(self, action: Action) -> tuple[Action, torch.Tensor, dist.Work]:
-        from_stage = action.stage - 1 if action.op == Op.RECV_F else action.stage + 1
+        _, src_stage, _, _ = message_key(action)
         buf = torch.empty(self.boundary_shape, dtype=self.boundary_dtype, device=self.device)
-        return action, buf, dist.irecv(buf, src=self._peer(from_stage), group=self.pp_group)
+        return action, buf, dist.irecv(buf, src=self._peer(src_stage), group=self.pp_group)
 
     def run(self, actions: list[Action], data: StepData) -> tuple[float, list[ActionTiming], float]:
         """Run the step's actions; returns (reported loss share, timings, compute seconds)."""

@@ -1,4 +1,4 @@
-"""The pure analysis behind bench/pipeline_bubble.py: replays and hand-off latencies (no processes)."""
+"""The pure analysis behind bench/pipeline_bubble.py: hand-off latencies (no processes)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from pipeline_analysis import _handoff_latencies, _parse, _quantiles_ms, replay  # noqa: E402
+from pipeline_analysis import _handoff_latencies, _parse, _quantiles_ms  # noqa: E402
 
-from orchestrator.schedule import Action, Op, make_schedule, theoretical_bubble  # noqa: E402
-
-
-@pytest.mark.parametrize("pp,m", [(2, 4), (2, 16), (4, 8)])
-def test_replay_with_equal_costs_is_the_theory(pp, m):
-    schedule = make_schedule("1f1b", pp, m)
-    makespan, bubble = replay(schedule, pp, lambda a: 1.0 if a.op == Op.FORWARD else 2.0)
-    assert bubble == pytest.approx(theoretical_bubble(pp, m))
-    assert makespan == pytest.approx(3.0 * (m + pp - 1))
-
-
-def test_replay_charges_a_slow_action_to_the_whole_pipeline():
-    schedule = make_schedule("1f1b", 2, 8)
-    slow = Action(1, Op.BACKWARD, 3)  # the last stage's B of microbatch 3 takes 4 units instead of 2
-    base, _ = replay(schedule, 2, lambda a: 1.0 if a.op == Op.FORWARD else 2.0)
-    makespan, bubble = replay(schedule, 2, lambda a: 4.0 if a == slow else (1.0 if a.op == Op.FORWARD else 2.0))
-    assert makespan == pytest.approx(base + 2.0)  # no slack in the steady state: all of it is lost
-    assert bubble > theoretical_bubble(2, 8)
+from orchestrator.schedule import Action, Op  # noqa: E402
 
 
 def test_handoff_latencies_split_waiting_and_late_receives():

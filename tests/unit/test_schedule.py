@@ -13,6 +13,7 @@ from orchestrator.schedule import (
     gpipe,
     interleaved_one_f_one_b,
     make_schedule,
+    message_key,
     one_f_one_b,
     peak_in_flight,
     stage_to_rank,
@@ -102,6 +103,26 @@ def test_simulator_completes_and_every_send_is_received(name, pp, m, v):
     assert result.makespan == max(iv.end for rank_busy in result.busy for iv in rank_busy)
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 16), (4, 8)])
+def test_per_action_costs_equal_to_f_and_b_give_the_theory(pp, m):
+    schedule = make_schedule("1f1b", pp, m)
+    result = simulate(schedule, pp, cost=lambda a: 1.0 if a.op == Op.FORWARD else 2.0)
+    assert result.bubble_fraction == pytest.approx(theoretical_bubble(pp, m))
+    assert result.makespan == pytest.approx(3.0 * (m + pp - 1))
+
+
+def test_a_slow_action_costs_the_whole_pipeline():
+    """What bench/pipeline_analysis replays measured durations for: 1F1B's steady state has no slack."""
+    schedule = make_schedule("1f1b", 2, 8)
+    slow = Action(1, Op.BACKWARD, 3)  # the last stage's B of microbatch 3 takes 4 units instead of 2
+    base = simulate(schedule, 2, cost=lambda a: 1.0 if a.op == Op.FORWARD else 2.0).makespan
+    result = simulate(schedule, 2, cost=lambda a: 4.0 if a == slow else (1.0 if a.op == Op.FORWARD else 2.0))
+    assert result.makespan == pytest.approx(base + 2.0)  # all of the extra time is lost
+    assert result.bubble_fraction > theoretical_bubble(2, 8)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        simulate(schedule, 2, cost=lambda a: -1.0)
+
+
 @pytest.mark.parametrize(("name", "pp", "m", "v"), CASES, ids=IDS)
 def test_per_rank_pair_receives_come_in_the_order_of_the_sends(name, pp, m, v):
     """gloo and NCCL match point-to-point messages between two ranks in posting order (the executor
@@ -109,15 +130,13 @@ def test_per_rank_pair_receives_come_in_the_order_of_the_sends(name, pp, m, v):
     schedule = make_schedule(name, pp, m, v)
     sent: dict[tuple[int, int], list] = defaultdict(list)
     received: dict[tuple[int, int], list] = defaultdict(list)
-    for rank, actions in enumerate(schedule):
+    for actions in schedule:
         for a in actions:
-            if a.op in (Op.SEND_F, Op.SEND_B):
-                dst = stage_to_rank(a.stage + (1 if a.op == Op.SEND_F else -1), pp)
-                sent[(rank, dst)].append((a.op, a.stage, a.microbatch))
-            elif a.op in (Op.RECV_F, Op.RECV_B):
-                src_stage = a.stage - 1 if a.op == Op.RECV_F else a.stage + 1
-                op = Op.SEND_F if a.op == Op.RECV_F else Op.SEND_B
-                received[(stage_to_rank(src_stage, pp), rank)].append((op, src_stage, a.microbatch))
+            if a.op in (Op.FORWARD, Op.BACKWARD):
+                continue
+            key = message_key(a)  # (kind, src stage, dst stage, microbatch)
+            pair = (stage_to_rank(key[1], pp), stage_to_rank(key[2], pp))
+            (sent if a.op in (Op.SEND_F, Op.SEND_B) else received)[pair].append(key)
     assert sent == received
 
 
