@@ -116,7 +116,11 @@ class PipelineConfig:
 
 @dataclass(**_SECTION)
 class DataConfig:
-    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory')
+    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory: a '
+                               'path or a URI (file://, s3://, gs://, any fsspec scheme)')
+    mask_document_boundaries: str | bool = key(
+        "auto", "do not count a target whose input is EOS (no predicting a document from the previous "
+                'one); "auto" = on when the shards record an EOS id', choices=(True, False, "auto"))
 
 
 @dataclass(**_SECTION)

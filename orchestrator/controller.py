@@ -81,6 +81,9 @@ class Controller:
         self.store_address = store_address
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
+        from workers.data.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
+
+        self.mask_eos_id = mask_eos_for(cfg.data)
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
         self.generation: Generation | None = None
@@ -364,4 +367,5 @@ class Controller:
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
+            mask_eos_id=self.mask_eos_id,
         )

@@ -21,6 +21,7 @@ from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import validate_source
+from workers.data.masks import boundary_eos
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def stop_on_sigterm():
 
 def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
     source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
+    boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
     started_local = connect(cfg)
     try:
         with stop_on_sigterm():

@@ -26,6 +26,7 @@ class RuntimeSpec:
     use_gpu: bool
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
+    mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from workers import data as data_lib
+from workers.data.masks import counted, mask_targets
 from workers.model import GPT, build_stage, lm_loss_sum
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class ReferenceTrainer:
-    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN) -> None:
+    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, mask_eos_id: int | None = None) -> None:
         self.model_cfg, self.train = model_cfg, train
         self.model: GPT = build_stage(
             model_cfg, range(model_cfg.n_layers), train.seed, train.activation_checkpointing
@@ -24,16 +25,22 @@ class ReferenceTrainer:
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
+        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (workers.data.masks)
 
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
         train, seq_len = self.train, self.model_cfg.seq_len
         ids = data_lib.global_sample_ids(step, train.global_batch_size, train.seed, self.num_samples)
-        global_tokens = train.global_batch_size * seq_len
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        # --- loss normalisation: sum over counted targets / their count over the whole batch ---
+        batches = []
         for start in range(0, len(ids), train.micro_batch_size):
             x, y = data_lib.microbatch_tokens(self.source, ids[start : start + train.micro_batch_size], seq_len)
+            batches.append((x, mask_targets(x, y, self.mask_eos_id)))
+        global_tokens = max(1, sum(counted(y) for _, y in batches))
+        # --- loss normalisation: end ---
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in batches:
             loss = lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
             loss.backward()
             total += float(loss.detach())

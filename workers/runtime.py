@@ -21,6 +21,7 @@ from orchestrator.mesh import fsdp_applies, layer_ranges
 from orchestrator.messages import RuntimeSpec, StepResult
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
+from workers.data.masks import counted, mask_targets
 from workers.groups import ProcessGroups
 from workers.model import build_stage
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -94,11 +95,24 @@ class RankRuntime:
             self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
         )
         inputs, targets = [], []
+        # --- loss normalisation (data.mask_document_boundaries): begin ---
+        eos = self.spec.mask_eos_id
+        local_count = 0
         for mb_ids in ids:
             x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
+            y = mask_targets(x, y, eos)
+            local_count += counted(y)
             inputs.append(torch.from_numpy(x).to(self.groups.device))
             targets.append(torch.from_numpy(y).to(self.groups.device))
         global_tokens = train.global_batch_size * seq_len
+        if eos is not None:
+            # The loss is the sum over counted targets / their global count: every replica's count
+            # (one scalar all-reduce over dp; tp/pp peers of a replica read the same windows).
+            count = torch.tensor([local_count], dtype=torch.float64, device=self.groups.device)
+            if shape.dp > 1:
+                torch.distributed.all_reduce(count, group=self.groups.dp_mesh.get_group())
+            global_tokens = max(1, int(count.item()))
+        # --- loss normalisation: end ---
         return StepData(
             inputs=inputs,
             targets=targets,

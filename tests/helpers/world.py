@@ -131,6 +131,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch.distributed as dist
 
     from orchestrator.messages import RuntimeSpec
+    from workers.data.masks import mask_eos_for
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -144,6 +145,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         data_path=cfg.data.path,
         zero=cfg.mesh.zero,
         fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
+        mask_eos_id=mask_eos_for(cfg.data),
         layers_per_stage=job.layers_per_stage,
         virtual_stages=v,
         collective_timeout_s=job.collective_timeout_s,
@@ -289,6 +291,7 @@ def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
 def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     import torch
 
+    from workers.data.masks import mask_eos_for
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
@@ -297,7 +300,7 @@ def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path)
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, mask_eos_id=mask_eos_for(cfg.data))
         losses = tuple(trainer.run(1, steps))
         params = trainer.params()
     finally:
