@@ -23,6 +23,7 @@ import ray
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig, dp_bounds
 from orchestrator.lr_schedule import lr_at
+from orchestrator.evaluation import Evaluator
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed, WorkerGroupStartupError
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult
@@ -74,6 +75,8 @@ class Controller:
         store_address: tuple[str, int],
         use_gpu: bool,
         data_path: str,
+        eval_path: str = "",
+        eval_mask_eos_id: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.group = worker_group
@@ -84,6 +87,7 @@ class Controller:
         from workers.data.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
 
         self.mask_eos_id = mask_eos_for(cfg.data)
+        self.evaluator = Evaluator(cfg, eval_path, eval_mask_eos_id)  # [eval]: held-out loss between steps
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
         self.generation: Generation | None = None
@@ -149,6 +153,10 @@ class Controller:
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
+            if self.evaluator.due(step):
+                failed = self.evaluator.run(self, step)
+                if failed is not None:
+                    self._on_failure(step, failed, [])
             return
         self._on_failure(step, outcome, results)
 

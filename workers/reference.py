@@ -51,6 +51,19 @@ class ReferenceTrainer:
         self.optimizer.step()
         return total
 
+    def eval_loss(self, path: str, batches: int, mask_eos_id: int | None = None) -> float:
+        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/evaluation.py)."""
+        source = data_lib.open_source(path)
+        end, mbs, seq_len = batches * self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, end, mbs):
+                x, y = data_lib.microbatch_tokens(source, np.arange(start, min(end, start + mbs)), seq_len)
+                y = mask_targets(x, y, mask_eos_id)
+                total += float(lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)))
+                count += counted(y)
+        return total / max(1, count)
+
     def run(self, first_step: int, last_step: int) -> list[float]:
         return [self.step(s) for s in range(first_step, last_step + 1)]
 

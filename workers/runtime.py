@@ -21,7 +21,7 @@ from orchestrator.mesh import fsdp_applies, layer_ranges
 from orchestrator.messages import RuntimeSpec, StepResult
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
-from workers.data.masks import counted, mask_targets
+from workers.batching import eval_forward, step_data
 from workers.groups import ProcessGroups
 from workers.model import build_stage
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -89,36 +89,16 @@ class RankRuntime:
     # -- training ---------------------------------------------------------------------------------
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        seq_len = self.spec.model.seq_len
         ids = data_lib.replica_microbatches(
             step, train.global_batch_size, train.micro_batch_size,
             self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
         )
-        inputs, targets = [], []
-        # --- loss normalisation (data.mask_document_boundaries): begin ---
-        eos = self.spec.mask_eos_id
-        local_count = 0
-        for mb_ids in ids:
-            x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
-            y = mask_targets(x, y, eos)
-            local_count += counted(y)
-            inputs.append(torch.from_numpy(x).to(self.groups.device))
-            targets.append(torch.from_numpy(y).to(self.groups.device))
-        global_tokens = train.global_batch_size * seq_len
-        if eos is not None:
-            # The loss is the sum over counted targets / their global count: every replica's count
-            # (one scalar all-reduce over dp; tp/pp peers of a replica read the same windows).
-            count = torch.tensor([local_count], dtype=torch.float64, device=self.groups.device)
-            if shape.dp > 1:
-                torch.distributed.all_reduce(count, group=self.groups.dp_mesh.get_group())
-            global_tokens = max(1, int(count.item()))
-        # --- loss normalisation: end ---
-        return StepData(
-            inputs=inputs,
-            targets=targets,
-            grad_scale=shape.dp / global_tokens,
-            report_scale=1.0 / global_tokens,
-        )
+        # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
+        return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
+
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        return eval_forward(self, path, batch, actions, mask_eos_id)
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
