@@ -14,10 +14,12 @@ from contextlib import contextmanager
 
 import ray
 
+from checkpoints.catalog import ensure_writable
+from checkpoints.errors import CheckpointError
 from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
-from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
+from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import DataError, validate_source
@@ -135,6 +137,11 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
     source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
     boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
     eval_source = validate_eval(cfg)
+    if cfg.checkpoint.dir:  # a wrong bucket or path is exit 2 now, before Ray and the actors start
+        try:
+            ensure_writable(cfg.checkpoint.dir)
+        except CheckpointError as exc:
+            raise UserInputError(f"checkpoint.dir: {exc}") from None
     started_local = connect(cfg)
     try:
         with stop_on_sigterm():

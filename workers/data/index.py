@@ -75,7 +75,8 @@ def build_index(loc: Location, *, check_files: bool = False) -> DataIndex:
     """Index ``loc``. ``check_files`` also opens every footer (the driver does, once, before a run)."""
     kind = loc.kind()
     if kind == "missing":
-        raise DataError(f"data.path = {loc.name!r} does not exist; {_FIX_PATH}")
+        where = "" if loc.is_local else " (check the bucket and the path)"
+        raise DataError(f"data.path = {loc.name!r} does not exist{where}; {_FIX_PATH}")
     if kind == "file":
         raise DataError(f"data.path = {loc.name!r} is a file, not a directory of Parquet shards; {_FIX_PATH}")
     listing = loc.files()

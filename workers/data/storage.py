@@ -98,7 +98,7 @@ class Location:
         except PermissionError as exc:
             raise DataError(f"data.path = {self.name!r}: access denied ({one_line(exc)}); "
                             f"{_FIX_REMOTE}") from None
-        except OSError as exc:
+        except Exception as exc:  # SDK errors (botocore's) are not all OSErrors
             raise DataError(f"data.path = {self.name!r} cannot be reached ({one_line(exc)}); "
                             f"{_FIX_REMOTE}") from None
         return "dir" if info.get("type") == "directory" else "file"
@@ -117,7 +117,7 @@ class Location:
         except PermissionError as exc:
             raise DataError(f"data.path = {self.name!r}: access denied ({one_line(exc)}); "
                             f"{_FIX_REMOTE}") from None
-        except OSError as exc:
+        except Exception as exc:
             raise DataError(f"data.path = {self.name!r} cannot be listed ({one_line(exc)}); "
                             f"{_FIX_REMOTE}") from None
         return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
