@@ -169,7 +169,11 @@ def _text_file(f: str, encoding: str) -> str:
 
 
 def _json_lines(f: str, start: int, stop: int, text_key: str, encoding: str) -> Iterator[str]:
-    """Documents of the lines that *start* in ``[start, stop)`` (all lines when stop < 0)."""
+    """Documents of the lines that *start* in ``[start, stop)`` (all lines when stop < 0).
+
+    The range is read in one block and its lines parsed ``JSON_BATCH`` at a time as one JSON array
+    (a third of the per-line cost); a batch that fails is parsed line by line to name the bad line.
+    """
     try:
         fh = open(f, "rb")
     except OSError as e:
@@ -182,24 +186,48 @@ def _json_lines(f: str, start: int, stop: int, text_key: str, encoding: str) -> 
         if start > 0:
             fh.seek(start - 1)
             fh.readline()  # the line holding byte start-1 belongs to the previous unit
-        while True:
-            pos = fh.tell()
-            if 0 <= stop <= pos:
-                return
-            raw = fh.readline()
-            if not raw:
-                return
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode(encoding))
-            except (UnicodeDecodeError, LookupError) as e:
-                raise DataError(f"data prepare: {f}:{_line_no(f, pos)}: cannot decode as {encoding} "
-                                f"({one_line(e)}); pass the real encoding with --encoding", key=KEY) from None
-            except ValueError as e:
-                raise DataError(f"data prepare: {f}:{_line_no(f, pos)}: invalid JSON ({one_line(e)}); fix "
-                                "or remove that line (JSON lines: one object per line)", key=KEY) from None
-            yield _text_of(obj, text_key, f"{f}:{_line_no(f, pos)}" if not _has_text(obj, text_key) else "")
+        first = fh.tell()
+        if 0 <= stop <= first:
+            return
+        block = fh.read(stop - first) if stop >= 0 else fh.read()
+        if block and not block.endswith(b"\n"):
+            block += fh.readline()  # the last line started before stop: it is ours, whole
+    lines = block.split(b"\n")
+    for lo in range(0, len(lines), JSON_BATCH):
+        batch = [(lo + i, line) for i, line in enumerate(lines[lo : lo + JSON_BATCH]) if line.strip()]
+        objs = _parse_batch([line for _, line in batch], encoding)
+        if objs is None:  # something in this batch is bad: find it line by line
+            objs = [_parse_line(f, first, lines, i, encoding) for i, _ in batch]
+        for (i, _), obj in zip(batch, objs):
+            yield _text_of(obj, text_key, "" if _has_text(obj, text_key) else _where(f, first, lines, i))
+
+
+JSON_BATCH = 2048
+
+
+def _parse_batch(lines: list[bytes], encoding: str) -> list | None:
+    try:
+        objs = json.loads((b"[" + b",".join(lines) + b"]").decode(encoding))
+    except (ValueError, UnicodeDecodeError, LookupError):
+        return None
+    # Lines that are not one value each could still join into a valid array: then count differs.
+    return objs if len(objs) == len(lines) else None
+
+
+def _where(f: str, first: int, lines: list[bytes], i: int) -> str:
+    pos = first + sum(len(line) + 1 for line in lines[:i])
+    return f"{f}:{_line_no(f, pos)}"
+
+
+def _parse_line(f: str, first: int, lines: list[bytes], i: int, encoding: str):
+    try:
+        return json.loads(lines[i].decode(encoding))
+    except (UnicodeDecodeError, LookupError) as e:
+        raise DataError(f"data prepare: {_where(f, first, lines, i)}: cannot decode as {encoding} "
+                        f"({one_line(e)}); pass the real encoding with --encoding", key=KEY) from None
+    except ValueError as e:
+        raise DataError(f"data prepare: {_where(f, first, lines, i)}: invalid JSON ({one_line(e)}); fix "
+                        "or remove that line (JSON lines: one object per line)", key=KEY) from None
 
 
 def _has_text(obj, key: str) -> bool:

@@ -19,10 +19,10 @@ so far are removed again.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +32,7 @@ import numpy as np
 
 from workers.data.errors import DataError
 from workers.data.index import FORMAT_VERSION, SIDECAR
-from workers.data.inputs import KEY, Unit, expand_inputs, plan_units, read_documents
+from workers.data.inputs import KEY, UNIT_BYTES, Unit, expand_inputs, plan_units, read_documents
 from workers.data.tokenizer import TokenizerSpec, encode_rows, load_spec
 
 MAX_ROW_TOKENS = 65536  # byte tokenizer only: keeps a row (and a Parquet page) small for huge files
@@ -63,14 +63,17 @@ def tokenize_unit(unit: Unit, job: Job) -> UnitResult:
     result = UnitResult(text_bytes=unit.size)
     builder = _ShardBuilder(job.shard_tokens, result)
     for texts in _batches(read_documents(unit, job.text_key, job.text_column, job.encoding)):
-        rows = encode_rows(job.tokenizer, texts)
-        if job.tokenizer.kind == "bytes":
-            rows = [r[i : i + MAX_ROW_TOKENS] for r in rows for i in range(0, len(r), MAX_ROW_TOKENS)]
+        values, lengths = encode_rows(job.tokenizer, texts)
+        if job.tokenizer.kind == "bytes" and len(lengths) and lengths.max() > MAX_ROW_TOKENS:
+            lengths = np.asarray([piece for n in lengths.tolist() for piece in _pieces(n)], np.int64)
         result.documents += len(texts)
-        for row in rows:
-            builder.add(row)
+        builder.add(values, lengths)
     builder.finish()
     return result
+
+
+def _pieces(n: int) -> list[int]:
+    return [MAX_ROW_TOKENS] * (n // MAX_ROW_TOKENS) + ([n % MAX_ROW_TOKENS] if n % MAX_ROW_TOKENS else [])
 
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -89,28 +92,43 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
 
 
 class _ShardBuilder:
-    """Rows -> row groups of ~ROW_GROUP_TOKENS -> in-memory Parquet files of <= shard_tokens tokens."""
+    """Rows -> row groups of <= ROW_GROUP_TOKENS -> in-memory Parquet files of <= shard_tokens tokens
+    (a single longer row gets a row group, or a shard, of its own)."""
 
     def __init__(self, shard_tokens: int, result: UnitResult) -> None:
         self.shard_tokens = shard_tokens
         self.result = result
-        self.rows: list = []
+        self.values: list[np.ndarray] = []  # pending rows of the open row group (flat) and their lengths
+        self.lengths: list[np.ndarray] = []
         self.row_tokens = 0
         self.groups: list = []  # finished row groups of the open shard (pyarrow tables)
         self.group_tokens: list[int] = []
         self.open_tokens = 0  # tokens in the open shard (closed row groups + pending rows)
 
-    def add(self, row) -> None:
-        n = len(row)
-        if self.open_tokens and self.open_tokens + n > self.shard_tokens:
-            self._close_group()
-            self._close_shard()
-        elif self.row_tokens and self.row_tokens + n > ROW_GROUP_TOKENS:
-            self._close_group()
-        self.rows.append(row)
-        self.row_tokens += n
-        self.open_tokens += n
-        self.result.tokens += n
+    def add(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        """Append rows given flat (``values``, ``lengths``), closing row groups and shards as they fill."""
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        i, n = 0, len(lengths)
+        while i < n:
+            room = min(ROW_GROUP_TOKENS - self.row_tokens, self.shard_tokens - self.open_tokens)
+            j = int(np.searchsorted(offsets, offsets[i] + room, side="right")) - 1  # rows i..j-1 fit
+            if j <= i:
+                if self.open_tokens and self.open_tokens + lengths[i] > self.shard_tokens:
+                    self._close_group()
+                    self._close_shard()
+                    continue
+                if self.row_tokens and self.row_tokens + lengths[i] > ROW_GROUP_TOKENS:
+                    self._close_group()
+                    continue
+                j = i + 1  # one row larger than a row group (or a shard): it goes alone
+            taken = int(offsets[j] - offsets[i])
+            self.values.append(values[offsets[i] : offsets[j]])
+            self.lengths.append(lengths[i:j])
+            self.row_tokens += taken
+            self.open_tokens += taken
+            self.result.tokens += taken
+            i = j
 
     def finish(self) -> None:
         self._close_group()
@@ -119,20 +137,16 @@ class _ShardBuilder:
     def _close_group(self) -> None:
         import pyarrow as pa
 
-        if not self.rows:
+        if not self.lengths:
             return
-        lengths = np.fromiter((len(r) for r in self.rows), np.int64, count=len(self.rows))
-        total = int(lengths.sum())
-        if isinstance(self.rows[0], np.ndarray):
-            values = np.concatenate(self.rows).astype(np.int32, copy=False)
-        else:
-            values = np.fromiter(itertools.chain.from_iterable(self.rows), np.int32, count=total)
+        lengths = np.concatenate(self.lengths)
+        values = np.concatenate(self.values).astype(np.int32, copy=False)
         offsets = np.zeros(len(lengths) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
         self.groups.append(pa.table({"tokens": lists}))
-        self.group_tokens.append(total)
-        self.rows, self.row_tokens = [], 0
+        self.group_tokens.append(int(offsets[-1]))
+        self.values, self.lengths, self.row_tokens = [], [], 0
 
     def _close_shard(self) -> None:
         import pyarrow as pa
@@ -173,7 +187,10 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     files = expand_inputs(list(inputs))
     spec = load_spec(tokenizer)
     job = Job(spec, text_key, text_column, encoding, shard_tokens)
-    units = plan_units(files, text_column, **({"unit_bytes": unit_bytes} if unit_bytes else {}))
+    if unit_bytes is None:  # ~4 units per worker for balance, each within [1 MB, UNIT_BYTES]
+        total = sum(os.path.getsize(f) for f in files)
+        unit_bytes = int(min(UNIT_BYTES, max(2**20, total / (4 * _workers()))))
+    units = plan_units(files, text_column, unit_bytes)
     if not units or all(u.size == 0 for u in units):
         raise DataError("data prepare: every input file is empty; pass files with text", key=KEY)
     use_ray = len(units) > 1 if parallel is None else parallel
@@ -204,6 +221,14 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
 
     clear_cache()  # a cached open of this directory (e.g. a failed one) must not hide the new shards
     return meta
+
+
+def _workers() -> int:
+    """CPUs the tasks will get: the connected Ray cluster's, else this machine's."""
+    ray = sys.modules.get("ray")  # never import Ray just to ask: small prepares run without it
+    if ray is not None and ray.is_initialized():
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return os.cpu_count() or 1
 
 
 def _run(units: list[Unit], job: Job, out: Path, written: list[Path], use_ray: bool, progress: bool) -> dict:

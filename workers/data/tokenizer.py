@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -135,11 +136,27 @@ def loaded(path: str):
     return _load(path)
 
 
-def encode_rows(spec: TokenizerSpec, texts: list[str]) -> list[np.ndarray] | list[list[int]]:
-    """Each text's row of token ids (BOS/EOS added per the spec)."""
+def encode_rows(spec: TokenizerSpec, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The texts' rows, flat: (int32 token ids of every row in order, int64 row lengths).
+
+    Built with numpy over the whole batch (one pass to flatten, BOS/EOS placed by index), not row by
+    row in Python: this is the per-token overhead on top of the tokenizer (bench/data_prepare.py).
+    """
     if spec.kind == "bytes":
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-    encodings = loaded(spec.path).encode_batch_fast(texts, add_special_tokens=False)
-    head = [spec.bos_id] if spec.bos_id is not None else []
-    tail = [spec.eos_id]
-    return [head + e.ids + tail for e in encodings]
+        parts = [t.encode("utf-8") for t in texts]
+        lengths = np.fromiter(map(len, parts), np.int64, count=len(parts))
+        return np.frombuffer(b"".join(parts), np.uint8).astype(np.int32), lengths
+    ids = [e.ids for e in loaded(spec.path).encode_batch_fast(texts, add_special_tokens=False)]
+    n = np.fromiter(map(len, ids), np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(n.sum()))
+    lengths = n + 1 + (spec.bos_id is not None)
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, np.int32)
+    keep = np.ones(len(out), bool)
+    out[ends - 1] = spec.eos_id
+    keep[ends - 1] = False
+    if spec.bos_id is not None:
+        out[ends - lengths] = spec.bos_id
+        keep[ends - lengths] = False
+    out[keep] = flat
+    return out, lengths
