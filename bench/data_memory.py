@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                    "row_groups": int(len(src.index.rg_tokens)), "generate_s": make_s,
                    "driver_validate_s": validate_s},
         "sides": sides,
-        "config": {"model": MODEL, "train": TRAIN, "steps": steps, "cache_mb": 16},
+        "config": {"model": MODEL, "train": TRAIN, "steps": steps, "cache_mb": 4},
         "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
                         "machine": platform.machine()},
     }

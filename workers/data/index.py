@@ -242,7 +242,9 @@ def read_row_group(pf, rg: int, where: str) -> np.ndarray:
         raise DataError(f"{where} has null token ids; rewrite it without nulls")
     if not values:
         return np.zeros(0, np.int32)
-    arr = np.concatenate([v.to_numpy(zero_copy_only=False) for v in values])
+    # One chunk (the usual case): a zero-copy view of Arrow's buffer, no second copy of the tokens.
+    parts = [v.to_numpy(zero_copy_only=False) for v in values]
+    arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
         raise DataError(f"{where} has token ids outside [0, 2^31); fix the tokenizer output")
     return arr.astype(np.int32, copy=False)

@@ -29,8 +29,8 @@ from workers.data.storage import REMOTE_TIMEOUT_S, Location, bounded, local_path
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).resolve().parents[1] / "corpus" / "builtin.txt"
 BYTE_VOCAB = 256
-CACHE_BYTES = 16 * 2**20  # decoded row groups kept per source; bounds a rank's data memory
-OPEN_FILES = 32  # open Parquet files kept per source (footers parsed once)
+CACHE_BYTES = 4 * 2**20  # decoded row groups kept per source (16 of 64k tokens): sequential reads hit
+OPEN_FILES = 32  # parsed footers (local) / open handles (remote) kept per source
 
 
 class TokenSource:
@@ -127,15 +127,22 @@ class TokenSource:
             return values
 
     def _parquet(self, file_no: int):
-        pf = self._files.get(file_no)
-        if pf is None:
+        """A reader for one row-group read. Footers are parsed once per file (kept for OPEN_FILES
+        files). Local files get a fresh memory map per read, dropped right after it: a map kept open
+        would keep every page it ever touched resident, so a long run over few big shards would
+        grow to the size of the corpus. Remote files keep their (unmapped) handle."""
+        entry = self._files.get(file_no)
+        if entry is None:
             pf = self._location.open_parquet(self.index.files[file_no])
-            self._files[file_no] = pf
+            entry = pf.metadata if self._location.is_local else pf
+            self._files[file_no] = entry
             while len(self._files) > OPEN_FILES:
                 self._files.popitem(last=False)
         else:
             self._files.move_to_end(file_no)
-        return pf
+        if self._location.is_local:
+            return self._location.open_parquet(self.index.files[file_no], metadata=entry)
+        return entry
 
 
 def open_source(path: str) -> TokenSource:

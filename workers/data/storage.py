@@ -129,12 +129,13 @@ class Location:
                 return f.read()
         return self.fs.cat_file(self.join(name))
 
-    def open_parquet(self, name: str):
-        """A ``pyarrow.parquet.ParquetFile`` reading lazily (footer now, row groups on demand)."""
+    def open_parquet(self, name: str, metadata=None):
+        """A ``pyarrow.parquet.ParquetFile`` reading lazily (footer now, unless ``metadata`` is the
+        parsed footer already; row groups on demand)."""
         import pyarrow.parquet as pq
 
         if self.is_local:
-            return pq.ParquetFile(self.join(name), memory_map=True)
+            return pq.ParquetFile(self.join(name), memory_map=True, metadata=metadata)
         # Parquet reads are a footer then row-group ranges: fsspec's read-ahead would fetch bytes
         # that are thrown away, so read exactly what pyarrow asks for.
         return pq.ParquetFile(self.fs.open(self.join(name), "rb", cache_type="none"))
