@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +83,29 @@ def list_checkpoints(root: str, storage: CheckpointStorage | None = None) -> lis
     return sorted(infos, key=lambda i: i.step)
 
 
-def latest_valid(root: str, storage: CheckpointStorage | None = None) -> CheckpointInfo | None:
-    """The newest valid checkpoint under ``root``, or None. Logs a warning for each newer invalid one."""
+def latest_valid(
+    root: str,
+    storage: CheckpointStorage | None = None,
+    *,
+    among: Container[int] | None = None,
+    on_skip: Callable[[CheckpointInfo], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest valid checkpoint under ``root``, or None: the one place that decides what to resume.
+
+    Args:
+        among: consider only these steps (e.g. the ones this run committed); None: every step.
+        on_skip: called with each newer invalid checkpoint that was passed over; by default each is
+            logged as a warning.
+    """
     for info in reversed(list_checkpoints(root, storage)):
+        if among is not None and info.step not in among:
+            continue
         if info.valid:
             return info
-        logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        if on_skip is None:
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        else:
+            on_skip(info)
     return None
 
 
