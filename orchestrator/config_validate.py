@@ -3,7 +3,7 @@
 This module owns the rules that say whether a `JobConfig` describes a job that can run: value
 ranges, enums, and the divisibility constraints between the model, the batch and the mesh.
 Every rule raises `ConfigError` naming the offending key and how to fix it, because the CLI
-prints that one line and exits 2 (ARCHITECTURE.md, CLI contract).
+prints that one line and exits 2 (README.md, "Use": exit codes).
 
 The checks that depend on the mesh shape live in `check_mesh`, separately from the rest,
 because the elastic controller re-runs them for every candidate mesh when dp changes. The
