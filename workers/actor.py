@@ -57,7 +57,7 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 class RankActor:
     def __init__(self, actor_id: int) -> None:
-        # Ranks share few cores; one intra-op thread each avoids oversubscription (cpu-gloo-facts).
+        # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s [actor={actor_id}] %(name)s: %(message)s"
