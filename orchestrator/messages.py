@@ -43,7 +43,7 @@ class JoinSpec:
     at addr:port (``RankActor.join_generation``; the rank answers with a ``RankInfo``).
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
-    earlier run sharing the store — must never be seen again (cpu-gloo-facts gotcha 5).
+    earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
     """
 
     generation: int

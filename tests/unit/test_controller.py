@@ -31,14 +31,13 @@ Every transition, and the test that covers it:
   (below elastic.min_dp): ``test_below_min_dp_stops``; (broke with nobody lost):
   ``test_rebuild_that_breaks_with_nobody_lost_stops``
 
-And ``test_controller_imports_no_ray``: the loop needs nothing of Ray but the worker group.
+(That importing the controller loads neither Ray nor torch is checked in a fresh interpreter:
+tests/process/test_fresh_interpreters.py.)
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -371,8 +370,3 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 3, 2.0)
     assert not r.events("rebuild")
 
-
-def test_controller_imports_no_ray():
-    code = ("import sys, orchestrator.controller, tests.helpers.fake_group; "
-            "assert 'ray' not in sys.modules and 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
