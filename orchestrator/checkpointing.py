@@ -18,6 +18,12 @@ batch size: the data cursor counts samples of a (seed, epoch) order, and step k 
 [(k-1)*G, k*G), so a different G would skip or repeat samples. Both are checked when the controller
 is constructed, before any process group is formed, and are bad input (exit 2) naming the keys.
 
+Ownership: a run has an id, kept across resumes of that run (a resume adopts the id of the checkpoint
+it starts from). Every step directory it makes says so (``.owner``, the manifest's ``run_id``), and it
+purges, replaces and — after a failure — resumes only its own (or the one it started from). A new
+run (``checkpoint.resume = false``) in a directory that holds another run's checkpoints is refused
+(exit 2), so it can neither delete them nor silently fall back to them later.
+
 With ``checkpoint.dir`` unset, planned resizes still need to move state between meshes: they use a
 private temporary directory on the driver's machine (fine for one node; multi-node runs need a shared
 ``checkpoint.dir``, which ``elastimesh train`` warns about).
@@ -32,15 +38,18 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoints.catalog import (
     BackgroundPurger,
     CheckpointInfo,
+    check_checkpoint,
     commit,
     ensure_writable,
     latest_valid,
+    list_checkpoints,
     prepare_step,
 )
 from checkpoints.errors import CheckpointError
@@ -87,7 +96,8 @@ class CheckpointCoordinator:
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
         self.last_committed = 0
-        self._committed_here: set[int] = set()  # steps this run committed (resume=false trusts only these)
+        self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
+        self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
         if self.user_dir:
@@ -95,7 +105,8 @@ class CheckpointCoordinator:
                 ensure_writable(self.root)
             except CheckpointError as exc:
                 raise UserInputError(f"checkpoint.dir: {exc}") from None
-            # Refuse an alien checkpoint now, before the actors spend seconds forming groups.
+            # Refuse a foreign directory or an alien checkpoint now, before groups are formed.
+            self._claim_root()
             self.resume_point()
 
     # -- saving -----------------------------------------------------------------------------------
@@ -134,7 +145,7 @@ class CheckpointCoordinator:
     def _start_save(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)  # at most one save in flight
         try:
-            path = prepare_step(self.root, step)
+            path = prepare_step(self.root, step, run_id=self.run_id)
         except CheckpointError as exc:
             self._storage_failed(step, self.root, exc.message)
         actors = list(gen.members.values())
@@ -190,20 +201,20 @@ class CheckpointCoordinator:
             stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
             model_config=config_to_dict(self.cfg)["model"],
             files=files,
+            run_id=self.run_id,
         )
         try:
             commit(self.root, manifest)
         except CheckpointError as exc:
             self._storage_failed(pending.step, pending.path, exc.message)
         self.last_committed = pending.step
-        self._committed_here.add(pending.step)
         write_s = max(a.write_s for a in acks)
         # The acks' stall includes any wait for background staging before the next optimizer step.
         stall_s = max([pending.stall_s] + [a.stall_s for a in acks])
         self.metrics.event("checkpoint", step=pending.step, stall_s=stall_s,
                            write_s=write_s, path=pending.path)
         if self.user_dir:
-            self.purger.request(self.root, self.cfg.checkpoint.keep)
+            self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
 
     def _storage_failed(self, step: int, path: str, reason: str) -> None:
         """Stop the run: a checkpoint could not be written although every rank is alive.
@@ -221,18 +232,33 @@ class CheckpointCoordinator:
         )
 
     # -- loading ----------------------------------------------------------------------------------
+    def _claim_root(self) -> None:
+        """Decide whose run this is before anything is written (see the module docstring)."""
+        if not self.cfg.checkpoint.resume:
+            others = [i for i in list_checkpoints(self.root) if i.committed or i.owner]
+            if others:
+                runs = sorted({i.owner or "an earlier run" for i in others})
+                raise UserInputError(
+                    f"checkpoint.dir {self.root} already holds checkpoints of {', '.join(runs)} (steps "
+                    f"{others[0].step}..{others[-1].step}) and checkpoint.resume=false starts a new run, which "
+                    "must not write beside them: point checkpoint.dir at an empty directory, or set "
+                    "checkpoint.resume=true to continue that run")
+            return
+        self._start = latest_valid(self.root, on_skip=self._report_skip)
+        if self._start is not None and self._start.manifest.run_id:
+            self.run_id = self._start.manifest.run_id
+
     def resume_point(self) -> CheckpointInfo | None:
         """The newest valid checkpoint to (re)start from, or None. Checks it belongs to this model.
 
-        Damaged newer checkpoints are skipped, each reported once (a warning and a
-        ``checkpoint_skipped`` event). With ``checkpoint.resume = false`` only checkpoints this run
-        committed count (silently), so a rebuild never jumps into an older run's state that happens
-        to share the directory.
+        Only this run's checkpoints count, plus the one it resumed from (written before runs had ids,
+        it may carry none), so a rebuild never jumps into another run's state that shares the
+        directory. Damaged newer ones are skipped, each reported once (a warning and a
+        ``checkpoint_skipped`` event).
         """
-        if self.cfg.checkpoint.resume or not self.user_dir:
-            info = latest_valid(self.root, on_skip=self._report_skip)
-        else:
-            info = latest_valid(self.root, among=self._committed_here, on_skip=lambda info: None)
+        info = latest_valid(self.root, run_id=self.run_id, on_skip=self._report_skip)
+        if info is None and self._start is not None and check_checkpoint(self._start.path)[0]:
+            info = self._start
         if info is None:
             return None
         if info.manifest.model_fingerprint != self.fingerprint:
