@@ -65,6 +65,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     rope_theta: float = 10000.0
+    # Model families (workers/models/family.py). "" = "llama" with from_hf, else the built-in "gpt";
+    # or "package.module:Name" for a user's family.
+    family: str = ""
+    from_hf: str = ""  # a Hugging Face model directory: the shape comes from its config.json
 
     @property
     def ffn_dim(self) -> int:
@@ -113,6 +117,7 @@ class CheckpointConfig:
     async_write: bool = True  # TOML key `async` (a Python keyword): write in the background
     keep: int = 3  # keep the last K committed checkpoints
     resume: bool = True  # resume from the latest committed checkpoint in `dir`
+    init_from: str = ""  # Hugging Face safetensors directory loaded at step 0 when `dir` has nothing to resume
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -271,8 +276,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
             kwargs[f.name] = _COERCE[str(f.type)](f"{name}.{key}", value)
         sections[name] = cls(**kwargs)
     cfg = JobConfig(**sections)
+    _check_from_hf_conflicts(raw.get("model", {}))
     validate_job(cfg)
     return cfg
+
+
+# [model] keys that describe the architecture: with model.from_hf, config.json decides them.
+HF_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
+
+
+def _check_from_hf_conflicts(model_raw: Mapping[str, object]) -> None:
+    if not model_raw.get("from_hf"):
+        return
+    clash = [k for k in HF_SIZE_KEYS if k in model_raw]
+    if clash:
+        raise ConfigError(f"model.{clash[0]}", f"model.{clash[0]} and model.from_hf are both set: the shape comes "
+                                                f"from {model_raw['from_hf']}/config.json; remove model.{clash[0]}")
 
 
 def _read_toml(path: str) -> dict[str, Any]:

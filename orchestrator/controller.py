@@ -27,7 +27,7 @@ from orchestrator.errors import RebuildTimeoutError, TrainingFailed, WorkerGroup
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, bubble_fraction
-from orchestrator.plan import MeshPlan, make_plan
+from orchestrator.plan import MeshPlan, make_plan, model_fields
 from orchestrator.policies import ResizeDecision, choose_dp, fit_dp, grow_target
 from orchestrator.recovery import reason_line, settle
 from orchestrator.worker_group import CallOutcome, WorkerGroup
@@ -364,4 +364,5 @@ class Controller:
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
+            **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
         )

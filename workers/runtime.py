@@ -22,7 +22,8 @@ from orchestrator.messages import RuntimeSpec, StepResult
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import ProcessGroups
-from workers.model import build_stage
+from workers.models.build import build_local_stage
+from workers.models.family import runtime_family
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
@@ -43,19 +44,18 @@ class RankRuntime:
         ranges = layer_ranges(list(spec.layers_per_stage))
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.family, self.shape = runtime_family(spec)
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
-            module = build_stage(
-                model_cfg, range(first, end), train.seed, train.activation_checkpointing
-            ).to(groups.device)
-            module = parallelize_stage(
-                module,
-                dp_mesh=groups.dp_mesh,
-                tp_mesh=groups.tp_mesh,
-                zero=spec.zero,
-                param_dtype=self.param_dtype,
-                shard_over_dp=fsdp_applies(shape.dp, train.dtype),
-                fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+            # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
+            module = build_local_stage(
+                self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
+                activation_checkpointing=train.activation_checkpointing,
+                parallelize=lambda m: parallelize_stage(
+                    m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype),
+                    fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                ),
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
@@ -70,13 +70,14 @@ class RankRuntime:
             num_stages=self.num_stages,
             pp=shape.pp,
             peer_of_pp_index=groups.pp_peer,
-            boundary_shape=(train.micro_batch_size, seq_local, model_cfg.d_model),
+            boundary_shape=(train.micro_batch_size, seq_local, self.shape.d_model),
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
             # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
             recv_lookahead=4 if groups.device.type == "cpu" else 0,
+            loss_fn=self.family.loss_sum,
         )
         self._writer = None
         self._save_future = None
