@@ -37,12 +37,14 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
 
 
 def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
+    skip_in_norm: frozenset[int] | set[int] = frozenset(),
 ) -> float:
     """Clip by the global grad norm over every parameter of the model, wherever it is sharded.
 
     DTensor norms reduce over dp/tp by themselves; pipeline stages hold disjoint parameters, so their
-    squared norms are summed over the pp group (as TorchTitan's ``clip_grad_norm_`` does).
+    squared norms are summed over the pp group (as TorchTitan's ``clip_grad_norm_`` does). A second
+    copy of a tied parameter (``id`` in ``skip_in_norm``) is clipped but not counted again.
     """
     # DTensor norms cannot be stacked across meshes: a family may leave some parameters out of TP
     # (dp-only DTensors next to (dp, tp) ones), so norms are taken per mesh and combined.
@@ -52,7 +54,7 @@ def clip_grad_norm(
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values() or [[]]:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if id(p) not in skip_in_norm], 2.0, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = norms[0] if len(norms) == 1 else torch.stack([n.pow(2) for n in norms]).sum().sqrt()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

@@ -17,15 +17,19 @@ from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class ReferenceTrainer:
-    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN) -> None:
+    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, init_from: str = "") -> None:
         self.model_cfg, self.train = model_cfg, train
         resolved = resolve_model(model_cfg)
         self.family, self.shape = resolved.family, resolved.shape
         # The same build as a rank's (meta device, then init from (seed, name)), without any sharding.
         self.model = build_local_stage(
             self.family, self.shape, range(self.shape.n_layers), device=torch.device("cpu"), seed=train.seed,
-            activation_checkpointing=train.activation_checkpointing,
+            activation_checkpointing=train.activation_checkpointing, init=not init_from,
         )
+        if init_from:  # Hugging Face weights instead of the (seed, name) init
+            from workers.models.hf_io import load_hf
+
+            load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
