@@ -1,4 +1,4 @@
-"""`elastimesh` / `python -m orchestrator`: train, plan, ckpt list|inspect, data prepare.
+"""`elastimesh` / `python -m orchestrator`: train, plan, config, ckpt list|inspect, data prepare.
 
 Exit codes (shared/ARCHITECTURE.md): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
         else:
             p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
+    conf = sub.add_parser("config", help="print the resolved job config as TOML, or (--doc) every key")
+    conf.add_argument("config", nargs="?", help="job TOML file")
+    conf.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
+                      "allowed values, meaning) as README shows it")
     ckpt = sub.add_parser("ckpt", help="list or inspect checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
@@ -78,6 +83,15 @@ def _dispatch(args) -> int:
         info = describe(cfg, make_plan(cfg))
         sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
         return 0
+    if args.command == "config":
+        from orchestrator.config import config_doc, config_to_dict
+        from orchestrator.config_schema import dump_toml
+
+        if args.doc:
+            sys.stdout.write(config_doc())
+        else:
+            sys.stdout.write(dump_toml(config_to_dict(load_config(args.config, args.overrides))))
+        return 0
     if args.command == "train":
         from orchestrator.launch import run_job
 
@@ -90,7 +104,7 @@ def _dispatch(args) -> int:
         from checkpoints.catalog import describe, format_table, list_checkpoints
 
         if args.ckpt_command == "list":
-            sys.stdout.write(format_table(list_checkpoints(args.dir)) + "\n")
+            sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
         return 0

@@ -1,11 +1,16 @@
 """Typed job configuration: the TOML sections, loading with `--set` overrides, and helpers.
 
-This module owns the config *schema* (one frozen dataclass per TOML section, every key
-defaulted so that the defaults are a tiny dp=2, tp=2 CPU job), turning a TOML file plus
-`--set SECTION.KEY=VALUE` overrides into a `JobConfig`, and the canonical dict checkpoint manifests
-store. The semantic rules live in `config_validate.py`, the model fingerprint that decides whether
-a checkpoint can be resumed in `config_fingerprint.py`; every problem surfaces as one `ConfigError`
-naming the key and the fix.
+This module owns the config *schema*: one frozen dataclass per TOML section, and every key declared
+exactly once with `key(default, doc, <rules>)` (type = annotation; defaults make a tiny dp=2, tp=2
+CPU job). Coercion, the key's own range/enum errors, unknown-key suggestions and the README key
+table (`elastimesh config --doc`) are all derived from those declarations (`config_schema.py`).
+This module also turns a TOML file plus `--set SECTION.KEY=VALUE` overrides into a `JobConfig`, and
+gives the canonical dict checkpoint manifests store. Rules between keys live in
+`config_validate.py`, the model fingerprint that decides whether a checkpoint can be resumed in
+`config_fingerprint.py`; every problem surfaces as one `ConfigError` naming the key and the fix.
+
+To add a key: declare it in its section below; nothing else is needed for it to be loaded,
+validated, suggested and documented (then regenerate README's table: `elastimesh config --doc`).
 
 Pure stdlib (no ray, no torch): frozen dataclasses pickle cleanly to actors, and each component
 should receive only its own section.
@@ -15,60 +20,68 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.config_schema import ConfigError, coerce, doc_table, is_string_key, iter_keys, key
 from orchestrator.config_validate import (
-    ConfigError,
+    DTYPES,
+    SCHEDULES,
+    ZERO_STAGES,
     check_mesh,
     dp_bounds,
     microbatches_per_replica,
     validate_job,
 )
 
+# The model fingerprint and diff live in orchestrator.config_fingerprint (which imports this module).
 __all__ = [
     "ALL_KEYS", "CheckpointConfig", "ConfigError", "DataConfig", "ElasticConfig", "JobConfig",
     "MeshConfig", "MetricsConfig", "ModelConfig", "PipelineConfig", "ResourcesConfig", "SECTIONS",
-    "TrainConfig", "check_mesh", "config_to_dict", "dp_bounds", "load_config",
-    "microbatches_per_replica", "model_diff", "model_fingerprint", "replace_mesh",
+    "TrainConfig", "check_mesh", "config_doc", "config_to_dict", "dp_bounds",
+    "load_config", "microbatches_per_replica", "replace_mesh",
 ]  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+_SECTION = dict(frozen=True, kw_only=True, slots=True)
+
+
+@dataclass(**_SECTION)
 class MeshConfig:
-    dp: int = 2  # data-parallel replicas: the axis that shrinks and grows
-    pp: int = 1  # pipeline stages
-    tp: int = 2  # tensor-parallel shards (with sequence parallelism)
-    zero: int = 3  # 3: params+grads+optimizer sharded over dp; 2: params gathered for the step
-    # Consecutive blocks share one FSDP unit (one all-gather / reduce-scatter) until it holds this many
-    # MB of fp32 parameters per tp shard; 0 = one unit per block. See orchestrator.mesh.fsdp_units.
-    fsdp_unit_mb: float = 25.0
+    dp: int = key(2, "data-parallel replicas: the axis that shrinks and grows", ge=1)
+    pp: int = key(1, "pipeline stages", ge=1)
+    tp: int = key(2, "tensor-parallel shards (with sequence parallelism)", ge=1)
+    zero: int = key(3, "3: params, grads and optimizer state sharded over dp; 2: params gathered "
+                       "for the step", choices=ZERO_STAGES)
+    # See orchestrator.mesh.fsdp_units for the grouping.
+    fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
+                                    "reduce-scatter) up to this many MB of fp32 parameters per tp "
+                                    "shard; 0 = one unit per block", ge=0)
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class ModelConfig:
-    n_layers: int = 4
-    d_model: int = 64
-    n_heads: int = 4
-    vocab_size: int = 256  # >= 256 for the built-in corpus (byte tokens)
-    seq_len: int = 64
-    ffn_hidden: int = 0  # 0 means 4 * d_model
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    rope_theta: float = 10000.0
-    # Model families (workers/models/family.py). "" = "llama" with from_hf, else the built-in "gpt";
-    # or "package.module:Name" for a user's family.
-    family: str = ""
-    from_hf: str = ""  # a Hugging Face model directory: the shape comes from its config.json
+    n_layers: int = key(4, "transformer blocks", ge=1)
+    d_model: int = key(64, "hidden size", ge=1)
+    n_heads: int = key(4, "attention heads", ge=1)
+    vocab_size: int = key(256, "vocabulary size; >= 256 for the built-in corpus (byte tokens)", ge=1)
+    seq_len: int = key(64, "tokens per training sequence", ge=1)
+    ffn_hidden: int = key(0, "feed-forward hidden size; 0 = 4 * d_model", ge=0)
+    norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
+    init_std: float = key(0.02, "standard deviation of the initial weights", gt=0)
+    rope_theta: float = key(10000.0, "rotary embedding base", gt=0)
+    family: str = key("", 'model family: "gpt" (built-in), "llama", or "package.module:Name" (a user\'s '
+                          'ModelFamily); empty = "llama" with from_hf, else "gpt"')
+    from_hf: str = key("", "Hugging Face model directory whose config.json gives the architecture (then no "
+                           "size key may be set)")
 
     @property
     def ffn_dim(self) -> int:
@@ -79,71 +92,72 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class TrainConfig:
-    steps: int = 20
-    global_batch_size: int = 8  # sequences per optimizer step, whatever the mesh
-    micro_batch_size: int = 2  # sequences per microbatch per DP replica
-    lr: float = 3e-3  # peak learning rate after warmup
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 2
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # global grad-norm clip; 0 = off
-    seed: int = 0  # fixes init and the global sample order
-    dtype: str = "float32"  # "float32" or "bfloat16"
-    activation_checkpointing: bool = False
+    steps: int = key(20, "optimizer steps to train", ge=1)
+    global_batch_size: int = key(8, "sequences per optimizer step, whatever the mesh", ge=1)
+    micro_batch_size: int = key(2, "sequences per microbatch per DP replica", ge=1)
+    lr: float = key(3e-3, "peak learning rate after warmup", gt=0)
+    min_lr_ratio: float = key(0.1, "cosine decay ends at lr * min_lr_ratio", ge=0, le=1)
+    warmup_steps: int = key(2, "linear warmup steps", ge=0)
+    weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
+    beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = key(1.0, "global grad-norm clip; 0 = off", ge=0)
+    seed: int = key(0, "fixes the initial weights and the global sample order")
+    dtype: str = key("float32", "parameter and compute dtype", choices=DTYPES)
+    activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class PipelineConfig:
-    schedule: str = "1f1b"  # "1f1b", "gpipe" or "interleaved_1f1b"
-    virtual_stages: int = 1  # model chunks per pp rank; >= 2 only for interleaved_1f1b
-    # Layers per stage in stage order (pp * virtual_stages entries), overriding the balanced
-    # split. TOML has no null, so an empty list also means "balanced".
-    layers: tuple[int, ...] | None = None
+    schedule: str = key("1f1b", "pipeline schedule", choices=SCHEDULES)
+    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 only for interleaved_1f1b", ge=1)
+    # TOML has no null, so an empty list also means "balanced".
+    layers: tuple[int, ...] | None = key(None, "layers per stage in stage order (pp * virtual_stages "
+                                               "entries); empty = balanced by parameter count")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class DataConfig:
-    path: str = "builtin"  # "builtin" (shipped corpus, byte tokens) or a Parquet shard directory
+    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory')
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class CheckpointConfig:
-    dir: str = ""  # empty = checkpoints off
-    every: int = 0  # save every N steps; 0 = off
-    async_write: bool = True  # TOML key `async` (a Python keyword): write in the background
-    keep: int = 3  # keep the last K committed checkpoints
-    resume: bool = True  # resume from the latest committed checkpoint in `dir`
-    init_from: str = ""  # Hugging Face safetensors directory loaded at step 0 when `dir` has nothing to resume
+    dir: str = key("", "where checkpoints go (a path or a URI); empty = checkpoints off")
+    every: int = key(0, "save every N steps; 0 = off", ge=0)
+    async_write: bool = key(True, "write in the background while training goes on", toml="async")
+    keep: int = key(3, "keep the last K committed checkpoints", ge=1)
+    resume: bool = key(True, "resume from the newest committed checkpoint in dir")
+    init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class ElasticConfig:
-    min_dp: int = 1  # fail rather than shrink below this many replicas
-    max_dp: int = 0  # grow no higher than this; 0 means mesh.dp
-    collective_timeout_s: float = 60.0  # process-group timeout: bounds a blocked collective
-    step_timeout_s: float = 120.0  # a step slower than this counts as a hang
-    max_restarts: int = 3  # rebuilds allowed before the job fails
-    rebuild_timeout_s: float = 120.0
-    grow_check_s: float = 5.0  # how often to look for capacity to grow back
+    min_dp: int = key(1, "fail rather than shrink below this many replicas", ge=1)
+    max_dp: int = key(0, "grow no higher than this; 0 = mesh.dp", ge=0)
+    collective_timeout_s: float = key(60.0, "process-group timeout: bounds a blocked collective", gt=0)
+    step_timeout_s: float = key(120.0, "a step slower than this counts as a hang", gt=0)
+    max_restarts: int = key(3, "rebuilds after failures allowed before the job fails", ge=0)
+    rebuild_timeout_s: float = key(120.0, "bound on forming a generation (join + checkpoint load)", gt=0)
+    grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class MetricsConfig:
-    path: str = "metrics.jsonl"
-    tensorboard_dir: str = ""  # empty = no TensorBoard
-    timeline: str = ""  # empty = no timeline export
-    log_every: int = 1
+    path: str = key("metrics.jsonl", "JSONL metrics file")
+    tensorboard_dir: str = key("", "TensorBoard log directory; empty = none")
+    timeline: str = key("", "Chrome-trace timeline file of the latest step; empty = none")
+    log_every: int = key(1, "log a step record every N steps", ge=1)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(**_SECTION)
 class ResourcesConfig:
-    use_gpu: str | bool = "auto"  # true, false or "auto" (GPUs when the cluster has them)
-    cpus_per_worker: float = 1.0
-    placement_timeout_s: float = 60.0
+    use_gpu: str | bool = key("auto", '"auto" uses GPUs when the cluster has them',
+                              choices=(True, False, "auto"))
+    cpus_per_worker: float = key(1.0, "CPUs reserved per rank actor", gt=0)
+    placement_timeout_s: float = key(60.0, "bound on placing the rank actors", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -164,83 +178,17 @@ SECTIONS: dict[str, type] = {
     f.name: f.default_factory for f in dataclasses.fields(JobConfig)  # type: ignore[misc]
 }
 
-# Field names that differ from their TOML key, per section: Python keywords cannot be fields.
-_TOML_ALIASES: dict[str, dict[str, str]] = {"checkpoint": {"async_write": "async"}}
-
-
-def _toml_key(section: str, field_name: str) -> str:
-    return _TOML_ALIASES.get(section, {}).get(field_name, field_name)
-
-
 # section -> {toml key -> dataclass field}
-_FIELDS: dict[str, dict[str, dataclasses.Field[Any]]] = {
-    name: {_toml_key(name, f.name): f for f in dataclasses.fields(cls)}
-    for name, cls in SECTIONS.items()
-}
+_FIELDS: dict[str, dict[str, dataclasses.Field[Any]]] = {name: {} for name in SECTIONS}
+for _section, _name, _field in iter_keys(SECTIONS):
+    _FIELDS[_section][_name] = _field
 
 ALL_KEYS: list[str] = [f"{section}.{key}" for section, keys in _FIELDS.items() for key in keys]
 
 
-# --- type coercion: one checker per annotation spelling used above ------------------------
-
-
-def _type_error(key: str, expected: str, value: object) -> ConfigError:
-    return ConfigError(key, f"{key}: expected {expected}, got {value!r} ({type(value).__name__})")
-
-
-def _as_int(key: str, v: object) -> int:
-    # bool is a subclass of int; `dp = true` is a mistake, not 1.
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    raise _type_error(key, "an integer", v)
-
-
-def _as_float(key: str, v: object) -> float:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        # Store ints as floats so the fingerprint of `rope_theta = 10000` equals `10000.0`.
-        try:
-            f = float(v)
-        except OverflowError:
-            f = math.inf
-        # Timeouts of `inf` would disable failure detection; `nan` defeats every range check.
-        if not math.isfinite(f):
-            raise ConfigError(key, f"{key}: expected a finite number, got {v!r}")
-        return f
-    raise _type_error(key, "a number", v)
-
-
-def _as_str(key: str, v: object) -> str:
-    if isinstance(v, str):
-        return v
-    raise _type_error(key, "a string", v)
-
-
-def _as_bool(key: str, v: object) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise _type_error(key, "true or false", v)
-
-
-def _as_str_or_bool(key: str, v: object) -> str | bool:
-    if isinstance(v, (str, bool)):
-        return v
-    raise _type_error(key, 'true, false or "auto"', v)
-
-
-def _as_int_tuple(key: str, v: object) -> tuple[int, ...] | None:
-    if isinstance(v, (list, tuple)) and all(type(x) is int for x in v):  # bool is not int here
-        return tuple(v) or None
-    raise _type_error(key, "a list of integers", v)
-
-
-_COERCE: dict[str, Callable[[str, object], Any]] = {
-    "int": _as_int,
-    "float": _as_float,
-    "str": _as_str,
-    "bool": _as_bool,
-    "str | bool": _as_str_or_bool,
-    "tuple[int, ...] | None": _as_int_tuple,
-}
+def config_doc() -> str:
+    """The Markdown table of every config key (README's "Config keys" section is this, verbatim)."""
+    return doc_table(SECTIONS)
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -273,7 +221,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
         kwargs = {}
         for key, value in raw.get(name, {}).items():
             f = _FIELDS[name][key]
-            kwargs[f.name] = _COERCE[str(f.type)](f"{name}.{key}", value)
+            kwargs[f.name] = coerce(f"{name}.{key}", f, value)
         sections[name] = cls(**kwargs)
     cfg = JobConfig(**sections)
     _check_from_hf_conflicts(raw.get("model", {}))
@@ -345,7 +293,7 @@ def _parse_override(text: str) -> tuple[str, str, object]:
         value: object = tomllib.loads("v = " + value_text)["v"]
     except tomllib.TOMLDecodeError:
         value = value_text  # a bare word such as /data/shards or auto
-    if str(f.type) == "str" and not isinstance(value, str):
+    if is_string_key(f) and not isinstance(value, str):
         value = value_text  # `--set data.path=2024` means the string, not the integer
     return section, key, value
 

@@ -1,9 +1,10 @@
-"""Semantic validation of a loaded job configuration, and the error type it raises.
+"""The rules *between* config keys: whether a `JobConfig` describes a job that can run.
 
-This module owns the rules that say whether a `JobConfig` describes a job that can run: value
-ranges, enums, and the divisibility constraints between the model, the batch and the mesh.
-Every rule raises `ConfigError` naming the offending key and how to fix it, because the CLI
-prints that one line and exits 2 (ARCHITECTURE.md, CLI contract).
+A key's own range or enum is declared with the key (`orchestrator.config`, through
+`config_schema.key`) and checked from there; this module holds what no single key can say: the
+divisibility constraints between the model, the batch and the mesh, the pipeline layout, and the
+elastic bounds. Every rule raises `ConfigError` naming the offending key and how to fix it, because
+the CLI prints that one line and exits 2 (README, exit codes).
 
 The checks that depend on the mesh shape live in `check_mesh`, separately from the rest,
 because the elastic controller re-runs them for every candidate mesh when dp changes. The
@@ -15,7 +16,10 @@ Pure stdlib: importable by the driver, the workers and the checkpoint tools alik
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
+
+from orchestrator.config_schema import ConfigError, check_values
 
 if TYPE_CHECKING:  # only for annotations; config.py imports this module at runtime
     from orchestrator.config import JobConfig, TrainConfig
@@ -27,52 +31,9 @@ BUILTIN_DATA = "builtin"
 BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
 
 
-class ConfigError(ValueError):
-    """A configuration problem, reported as one line that names the key and the fix.
-
-    Attributes:
-        key: the config key at fault ("model.n_heads"); for file-level problems the file path,
-            for a malformed override the `--set` text.
-        message: the one-line, user-facing message (also `str(error)`).
-    """
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.message = message
-
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
-        # The default reduce replays only `args` (the message), which would lose `key` when
-        # the error crosses a Ray actor boundary.
-        return (type(self), (self.key, self.message))
-
-
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(key, message)
-
-
-def _at_least(value: float, minimum: float, key: str) -> None:
-    _require(value >= minimum, key, f"{key} must be >= {minimum}, got {value!r}")
-
-
-def _positive(value: float, key: str) -> None:
-    _require(value > 0, key, f"{key} must be > 0, got {value!r}")
-
-
-def _one_of(value: object, allowed: tuple[object, ...], key: str) -> None:
-    # `True == 1` in Python, so compare types too: zero=True must not pass as zero=1.
-    ok = any(type(value) is type(a) and value == a for a in allowed)
-    shown = ", ".join(_toml_literal(a) for a in allowed)
-    _require(ok, key, f"{key}={_toml_literal(value)} is not allowed: use one of {shown}")
-
-
-def _toml_literal(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
 
 
 def microbatches_per_replica(train: TrainConfig, dp: int) -> int:
@@ -193,57 +154,12 @@ def _next_multiple(value: int, divisor: int) -> int:
 
 def validate_job(cfg: JobConfig) -> None:
     """Check every rule for a complete job; the first violation raises `ConfigError`."""
-    _check_ranges(cfg)
+    # Every key's own rules first (declared with the key in orchestrator.config), so the rules
+    # between keys below never divide by zero.
+    check_values(cfg, {f.name: type(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
     _check_relations(cfg)
     check_mesh(cfg, cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     _check_elastic_bounds(cfg)
-
-
-def _check_ranges(cfg: JobConfig) -> None:
-    # Single-field rules first, so the cross-field rules below never divide by zero.
-    ones = {
-        "mesh.dp": cfg.mesh.dp, "mesh.pp": cfg.mesh.pp, "mesh.tp": cfg.mesh.tp,
-        "model.n_layers": cfg.model.n_layers, "model.d_model": cfg.model.d_model,
-        "model.n_heads": cfg.model.n_heads, "model.vocab_size": cfg.model.vocab_size,
-        "model.seq_len": cfg.model.seq_len, "train.steps": cfg.train.steps,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
-        "pipeline.virtual_stages": cfg.pipeline.virtual_stages,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "elastic.min_dp": cfg.elastic.min_dp, "metrics.log_every": cfg.metrics.log_every,
-    }  # fmt: skip
-    for key, value in ones.items():
-        _at_least(value, 1, key)
-    zeros = {
-        "model.ffn_hidden": cfg.model.ffn_hidden, "train.warmup_steps": cfg.train.warmup_steps,
-        "train.weight_decay": cfg.train.weight_decay, "train.grad_clip": cfg.train.grad_clip,
-        "checkpoint.every": cfg.checkpoint.every, "elastic.max_dp": cfg.elastic.max_dp,
-        "elastic.max_restarts": cfg.elastic.max_restarts, "mesh.fsdp_unit_mb": cfg.mesh.fsdp_unit_mb,
-    }  # fmt: skip
-    for key, value in zeros.items():
-        _at_least(value, 0, key)
-    positives = {
-        "train.lr": cfg.train.lr, "model.norm_eps": cfg.model.norm_eps,
-        "model.init_std": cfg.model.init_std, "model.rope_theta": cfg.model.rope_theta,
-        "elastic.collective_timeout_s": cfg.elastic.collective_timeout_s,
-        "elastic.step_timeout_s": cfg.elastic.step_timeout_s,
-        "elastic.rebuild_timeout_s": cfg.elastic.rebuild_timeout_s,
-        "elastic.grow_check_s": cfg.elastic.grow_check_s,
-        "resources.cpus_per_worker": cfg.resources.cpus_per_worker,
-        "resources.placement_timeout_s": cfg.resources.placement_timeout_s,
-    }  # fmt: skip
-    for key, value in positives.items():
-        _positive(value, key)
-    for key, value in (("train.beta1", cfg.train.beta1), ("train.beta2", cfg.train.beta2)):
-        _require(0 <= value < 1, key, f"{key} must be in [0, 1), got {value!r}")
-    ratio = cfg.train.min_lr_ratio
-    msg = f"train.min_lr_ratio must be in [0, 1], got {ratio!r}"
-    _require(0 <= ratio <= 1, "train.min_lr_ratio", msg)
-
-    _one_of(cfg.mesh.zero, ZERO_STAGES, "mesh.zero")
-    _one_of(cfg.train.dtype, DTYPES, "train.dtype")
-    _one_of(cfg.pipeline.schedule, SCHEDULES, "pipeline.schedule")
-    _one_of(cfg.resources.use_gpu, (True, False, "auto"), "resources.use_gpu")
 
 
 def _check_relations(cfg: JobConfig) -> None:
