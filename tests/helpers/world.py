@@ -283,10 +283,11 @@ class Reference:
 def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
     """The single-process ``ReferenceTrainer`` on steps 1..``steps``, cached per (overrides, steps).
 
-    Only the ``model.``, ``train.`` and ``data.`` overrides matter (and are the cache key): the mesh and
-    the schedule must not change the math, which is what the mesh tests check.
+    Only the ``model.``, ``train.``, ``data.`` and ``checkpoint.init_from`` overrides matter (and are the
+    cache key): the mesh and the schedule must not change the math, which is what the mesh tests check.
     """
-    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data"))
+    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data")
+                 or o.startswith("checkpoint.init_from"))
     return _reference(keep, steps)
 
 
@@ -302,7 +303,7 @@ def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path)
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from)
         losses = tuple(trainer.run(1, steps))
         params = trainer.params()
     finally:
