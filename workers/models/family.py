@@ -192,3 +192,27 @@ def runtime_family(spec: Any) -> tuple[Any, Any]:
         resolved = resolve_model(spec.model)
         return resolved.family, resolved.shape
     return load_family(ref), shape
+
+
+def check_init_from(cfg: Any) -> Any:
+    """Validate ``checkpoint.init_from`` against the model before anything loads it (driver side).
+
+    Returns:
+        ``hf.WeightsInfo`` (files, tensors, bytes), or None when ``init_from`` is unset.
+
+    Raises:
+        ConfigError: naming ``checkpoint.init_from`` and the file or tensor at fault.
+    """
+    directory = cfg.checkpoint.init_from
+    if not directory:
+        return None
+    from workers.models.hf import check_weights
+
+    resolved = resolve_model(cfg.model)
+    expected = resolved.family.hf_tensors(resolved.shape)
+    if not expected:
+        raise ConfigError("checkpoint.init_from", f"checkpoint.init_from: model.family {resolved.family.name!r} has "
+                                                  "no Hugging Face name map: set model.from_hf (the llama family) "
+                                                  "or unset checkpoint.init_from")
+    ignorable = getattr(resolved.family, "hf_ignorable", lambda shape: frozenset())(resolved.shape)
+    return check_weights(directory, expected, ignorable=ignorable)
