@@ -181,6 +181,8 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         ],
         "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
         "total_params": param_counts(cfg.model)["total"],
+        "model_family": resolve_model(cfg.model).ref,
+        "model_source": cfg.model.from_hf,
     }
 
 

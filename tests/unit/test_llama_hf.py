@@ -113,3 +113,17 @@ def test_export_config_round_trips(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     loaded = AutoConfig.from_pretrained(str(out))
     assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.num_key_value_heads == 2
+
+
+def test_plan_shows_the_real_parameter_count(tmp_path):
+    from orchestrator.plan import describe, make_plan
+
+    hf = save_tiny_llama(str(tmp_path), tie=True, layers=4)
+    cfg = load_config(None, [f"model.from_hf={tmp_path}", "model.seq_len=32", "mesh.pp=2", "mesh.dp=1",
+                             "mesh.tp=2"])
+    info = describe(cfg, make_plan(cfg))
+    assert info["total_params"] == sum(p.numel() for p in hf.parameters())
+    assert info["model_family"] == "llama" and info["model_source"] == str(tmp_path)
+    # Both ends of the pipeline hold the tied embedding: the stages count one copy each.
+    embed = 256 * 64
+    assert sum(s["params"] for s in info["stages"]) == info["total_params"] + embed

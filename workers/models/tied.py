@@ -54,6 +54,10 @@ class TiedGrads:
             grad = param.grad
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # Without FSDP nothing normalises the layout: a TP head's gradient may come back
+                # replicated while the embedding's is vocab-sharded. Both sides must sum alike.
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
     def is_copy(self, param: nn.Parameter) -> bool:
