@@ -217,7 +217,7 @@ class LlamaFamily(FamilyBase):
             raise KeyError(f"llama family: no parameter for Hugging Face tensor {hf_name!r}")
         return ours
 
-    def hf_config(self, s: LlamaShape, dtype: str = "float32") -> dict[str, Any]:
+    def hf_config(self, s: LlamaShape) -> dict[str, Any]:
         config = json.loads(s.source_config) if s.source_config else {}
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": s.rope_theta}
         if s.rope_llama3:
@@ -230,7 +230,7 @@ class LlamaFamily(FamilyBase):
             "vocab_size": s.vocab_size, "hidden_size": s.d_model, "intermediate_size": s.ffn_dim,
             "num_hidden_layers": s.n_layers, "num_attention_heads": s.n_heads, "num_key_value_heads": s.n_kv_heads,
             "head_dim": s.head_dim, "hidden_act": "silu", "rms_norm_eps": s.norm_eps, "rope_parameters": rope,
-            "tie_word_embeddings": s.tie_embeddings, "dtype": dtype,
+            "tie_word_embeddings": s.tie_embeddings, "dtype": "float32",
         })  # fmt: skip
         config.setdefault("max_position_embeddings", max(s.seq_len, 2048))
         if s.architecture != "Qwen2ForCausalLM":
