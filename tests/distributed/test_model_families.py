@@ -75,3 +75,11 @@ def test_llama_from_hf_matches_one_process(hf_dir, shape) -> None:
         assert len(copies) == dp * tp
         for copy in copies:
             np.testing.assert_array_equal(copy, run.params["tok_embeddings.weight"])
+
+
+@pytest.mark.timeout(300)
+def test_llama_random_init_at_2x2x2_matches_one_process(hf_dir) -> None:
+    """Shape from config.json, weights drawn shard by shard (init_slice): still the one-process weights."""
+    overrides = (f"model.from_hf={hf_dir}", *HF_BATCH)
+    run = run_mesh(2, 2, 2, overrides, STEPS)
+    assert_matches_reference(run, reference(overrides, STEPS))

@@ -127,3 +127,16 @@ def test_plan_shows_the_real_parameter_count(tmp_path):
     # Both ends of the pipeline hold the tied embedding: the stages count one copy each.
     embed = 256 * 64
     assert sum(s["params"] for s in info["stages"]) == info["total_params"] + embed
+
+
+def test_init_slice_is_the_slice_of_the_full_init():
+    from workers.models.llama import INIT_ROWS, LlamaFamily
+
+    family = LlamaFamily()
+    shape = family.shape(load_config(None, ["model.family=llama", "model.vocab_size=700"]).model)
+    size = (700, 64)
+    full = family.init_tensor(shape, "tok_embeddings.weight", size, 0)
+    for rows, cols in [((0, 700), (0, 64)), ((250, 520), (0, 32)), ((INIT_ROWS, INIT_ROWS + 1), (32, 64)),
+                       ((699, 700), (0, 64)), ((5, 5), (0, 64))]:
+        slices = (slice(*rows), slice(*cols))
+        assert torch.equal(family.init_slice(shape, "tok_embeddings.weight", size, 0, slices), full[slices])

@@ -3,10 +3,12 @@
 ``build_local_stage`` builds the family's stage with no storage (``torch.device("meta")``), lets the
 caller apply TP and FSDP2 (parameters become DTensors whose local shards are still meta), then
 ``to_empty`` allocates just this rank's shards, and ``init_local`` fills each from the family's
-``init_tensor`` (a function of (seed, parameter name) only) — or the caller loads Hugging Face weights
+``init_tensor`` (a function of (seed, parameter name) only; a family with ``init_slice`` draws just
+the shard) — or the caller loads Hugging Face weights
 into them instead (``workers/models/hf_io.py``). So a rank's peak memory while building is its shards
-plus one full parameter being initialised, not the whole stage, and every mesh still holds exactly
-the weights one process builds (the single-process reference goes through the same two functions).
+plus one full parameter being initialised (or one block of rows with ``init_slice``), not the whole
+stage, and every mesh still holds exactly the weights one process builds (the single-process
+reference goes through the same two functions).
 """
 
 from __future__ import annotations
@@ -59,12 +61,16 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
 @torch.no_grad()
 def init_local(module: nn.Module, family: Any, shape: Any, seed: int) -> None:
     """Fill every parameter's local shard from ``family.init_tensor`` of its full global value."""
+    init_slice = getattr(family, "init_slice", None)
     for name, param in module.named_parameters():
-        full = family.init_tensor(shape, name, tuple(param.shape), seed)
         slices = local_slices(param)
         if slices is None:
-            param.copy_(full)
+            param.copy_(family.init_tensor(shape, name, tuple(param.shape), seed))
+            continue
+        local = param.to_local()
+        if init_slice is not None:  # the family can draw just this shard (equal to the full tensor's slice)
+            value = init_slice(shape, name, tuple(param.shape), seed, slices)
         else:
-            local = param.to_local()
-            local.copy_(full[slices].to(local.dtype))
-        del full
+            value = family.init_tensor(shape, name, tuple(param.shape), seed)[slices]
+        local.copy_(value.to(local.dtype))
+        del value

@@ -13,7 +13,8 @@ names a model's modules (``workers/parallelize.py``, ``runtime.py``, ``pipeline.
   is called under ``torch.device("meta")`` and must create parameters only (compute tables such as
   RoPE lazily, not as buffers); ``init_tensor`` then gives each parameter's full value as a function
   of (seed, name) alone, so every mesh builds exactly the weights one process builds
-  (``workers/models/build.py`` materialises only the local shard of it).
+  (``workers/models/build.py`` materialises only the local shard of it; an optional
+  ``init_slice(shape, name, size, seed, slices)`` lets a family draw just that shard).
 - ``tp_plan`` (tensor/sequence parallel styles by module path), ``blocks`` (the modules FSDP may
   shard as units), ``loss_sum`` (summed token loss of the last stage's output).
 - the Hugging Face map: ``hf_tensors`` (HF name -> global shape), ``to_hf`` / ``from_hf`` (renaming

@@ -27,6 +27,7 @@ from workers.models.gpt import GPTFamily
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+INIT_ROWS = 256  # random init is drawn in blocks of this many rows (see LlamaFamily.init_slice)
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
@@ -163,16 +164,33 @@ class LlamaFamily(FamilyBase):
         return LlamaStage(shape, layers, activation_checkpointing=activation_checkpointing)
 
     def init_tensor(self, shape: LlamaShape, name: str, size: tuple[int, ...], seed: int) -> Any:
+        return self.init_slice(shape, name, size, seed, tuple(slice(0, n) for n in size))
+
+    def init_slice(self, shape: LlamaShape, name: str, size: tuple[int, ...], seed: int,
+                   slices: tuple[slice, ...]) -> Any:
+        """``init_tensor(...)[slices]`` without making the full tensor: weights are drawn in blocks of
+        ``INIT_ROWS`` rows, each from its own (seed, name, block) generator, so a rank draws only the
+        blocks its shard overlaps (its peak is its shard plus two blocks, not the whole embedding)."""
         import torch
 
         from workers.model import param_seed
 
+        local = tuple(sl.stop - sl.start for sl in slices)
         if name.endswith("norm.weight"):
-            return torch.ones(size)
+            return torch.ones(local)
         if name.endswith(".bias"):
-            return torch.zeros(size)
-        gen = torch.Generator().manual_seed(param_seed(seed, name))
-        return torch.randn(size, generator=gen) * shape.init_std
+            return torch.zeros(local)
+        start, stop = slices[0].start, slices[0].stop
+        if stop <= start:
+            return torch.empty(local)
+        first, last = start // INIT_ROWS, (stop - 1) // INIT_ROWS
+        blocks = []
+        for b in range(first, last + 1):
+            rows = min(INIT_ROWS, size[0] - b * INIT_ROWS)
+            gen = torch.Generator().manual_seed(param_seed(seed, f"{name}#{b}"))
+            blocks.append(torch.randn((rows, *size[1:]), generator=gen)[(slice(None), *slices[1:])])
+        offset = first * INIT_ROWS
+        return torch.cat(blocks)[start - offset:stop - offset].mul_(shape.init_std)
 
     def tp_plan(self, stage: Any) -> dict[str, Any]:
         return GPTFamily().tp_plan(stage)  # the same module names; q/k/v split by (KV) heads
