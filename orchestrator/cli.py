@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
     ckpt_sub.add_parser("inspect", help="one checkpoint: step, mesh, size, time, valid?").add_argument("path")
+    export = sub.add_parser("export", help="write a committed checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a step-N checkpoint directory (or a checkpoint.dir: its newest)")
+    export.add_argument("--out", required=True, help="new directory for the safetensors, config.json, ...")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    export.add_argument("--max-shard-gb", type=float, default=4.0, help="split the weights into files of this size")
     data = sub.add_parser("data", help="prepare Parquet token shards")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     prep = data_sub.add_parser("prepare", help="byte-tokenize text files into Parquet shards")
@@ -108,6 +113,13 @@ def _dispatch(args) -> int:
             sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
+        return 0
+    if args.command == "export":
+        from workers.models.export import export_checkpoint
+
+        info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30))
+        sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
+                         f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
         return 0
     if args.command == "data":
         from workers.data import prepare

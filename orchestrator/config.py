@@ -78,6 +78,10 @@ class ModelConfig:
     norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
     init_std: float = key(0.02, "standard deviation of the initial weights", gt=0)
     rope_theta: float = key(10000.0, "rotary embedding base", gt=0)
+    family: str = key("", 'model family: "gpt" (built-in), "llama", or "package.module:Name" (a user\'s '
+                          'ModelFamily); empty = "llama" with from_hf, else "gpt"')
+    from_hf: str = key("", "Hugging Face model directory whose config.json gives the architecture (then no "
+                           "size key may be set)")
 
     @property
     def ffn_dim(self) -> int:
@@ -126,6 +130,7 @@ class CheckpointConfig:
     async_write: bool = key(True, "write in the background while training goes on", toml="async")
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")
+    init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
 
 
 @dataclass(**_SECTION)
@@ -219,8 +224,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
             kwargs[f.name] = coerce(f"{name}.{key}", f, value)
         sections[name] = cls(**kwargs)
     cfg = JobConfig(**sections)
+    _check_from_hf_conflicts(raw.get("model", {}))
     validate_job(cfg)
     return cfg
+
+
+# [model] keys that describe the architecture: with model.from_hf, config.json decides them.
+HF_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
+
+
+def _check_from_hf_conflicts(model_raw: Mapping[str, object]) -> None:
+    if not model_raw.get("from_hf"):
+        return
+    clash = [k for k in HF_SIZE_KEYS if k in model_raw]
+    if clash:
+        raise ConfigError(f"model.{clash[0]}", f"model.{clash[0]} and model.from_hf are both set: the shape comes "
+                                                f"from {model_raw['from_hf']}/config.json; remove model.{clash[0]}")
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -75,37 +75,28 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
         )
     model, train, pipe = cfg.model, cfg.train, cfg.pipeline
 
-    # Tensor parallelism splits attention heads, the vocabulary (embedding / loss_parallel),
-    # the FFN hidden dimension, and - with sequence parallelism - the sequence.
-    for key, size in (
-        ("model.n_heads", model.n_heads),
-        ("model.vocab_size", model.vocab_size),
-        ("model.seq_len", model.seq_len),
-    ):
-        name = key.split(".")[1]
-        _require(
-            size % tp == 0,
-            key,
-            f"{key}={size} is not divisible by mesh.tp={tp}: choose {name} as a multiple of tp "
-            f"(e.g. {_next_multiple(size, tp)}) or a tp that divides {size}",
-        )
-    if model.ffn_hidden:
-        _require(
-            model.ffn_hidden % tp == 0,
-            "model.ffn_hidden",
-            f"model.ffn_hidden={model.ffn_hidden} is not divisible by mesh.tp={tp}: choose a "
-            f"multiple of tp (e.g. {_next_multiple(model.ffn_hidden, tp)}) or 0 for 4*d_model",
-        )
+    # Tensor parallelism splits what the model family says (heads, vocabulary, FFN...) and, with
+    # sequence parallelism, the sequence.
+    resolved = resolve_model(model)
+    resolved.family.check_mesh(resolved.shape, tp)
+    _require(
+        model.seq_len % tp == 0,
+        "model.seq_len",
+        f"model.seq_len={model.seq_len} is not divisible by mesh.tp={tp}: choose seq_len as a multiple of "
+        f"tp (e.g. {_next_multiple(model.seq_len, tp)}) or a tp that divides {model.seq_len}",
+    )
+    n_layers = resolved.shape.n_layers
+    layers_key = f"model.n_layers={n_layers}" if not model.from_hf else f"the {n_layers} layers of model.from_hf"
 
     n_stages = pp * pipe.virtual_stages
-    if n_stages > model.n_layers:
+    if n_stages > n_layers:
         what = f"mesh.pp={pp}"
         if pipe.virtual_stages > 1:
             what += f" x pipeline.virtual_stages={pipe.virtual_stages} = {n_stages} stages"
         raise ConfigError(
             "mesh.pp",
-            f"{what} exceeds model.n_layers={model.n_layers}: every pipeline stage needs at "
-            f"least one layer; lower mesh.pp or raise model.n_layers",
+            f"{what} exceeds {layers_key}: every pipeline stage needs at least one layer; lower "
+            f"mesh.pp" + ("" if model.from_hf else " or raise model.n_layers"),
         )
     if pipe.layers is not None:
         _require(
@@ -150,6 +141,13 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
         )
 
 
+def resolve_model(model):
+    """The model family and shape of a [model] section (workers/models/family.py; pure, cached)."""
+    from workers.models.family import resolve_model as resolve
+
+    return resolve(model)
+
+
 def _next_multiple(value: int, divisor: int) -> int:
     return max(divisor, -(-value // divisor) * divisor)
 
@@ -180,11 +178,12 @@ def _check_relations(cfg: JobConfig) -> None:
         f"model.d_model / model.n_heads = {model.head_dim} is odd: rotary embeddings need an even "
         f"head_dim; choose d_model = n_heads x an even number (e.g. {even})",
     )
+    vocab = resolve_model(model).shape.vocab_size
     if cfg.data.path == BUILTIN_DATA:
         _require(
-            model.vocab_size >= BUILTIN_VOCAB,
+            vocab >= BUILTIN_VOCAB,
             "model.vocab_size",
-            f"model.vocab_size={model.vocab_size} is too small for data.path=\"builtin\" (byte "
+            f"model.vocab_size={vocab} is too small for data.path=\"builtin\" (byte "
             f"tokens need {BUILTIN_VOCAB}): set model.vocab_size >= {BUILTIN_VOCAB}",
         )
     if pipe.schedule == "interleaved_1f1b":
@@ -208,10 +207,10 @@ def _check_relations(cfg: JobConfig) -> None:
                 n >= 1, "pipeline.layers", f"pipeline.layers[{i}]={n}: every stage needs >= 1 layer"
             )
         _require(
-            sum(pipe.layers) == model.n_layers,
+            sum(pipe.layers) == resolve_model(model).shape.n_layers,
             "pipeline.layers",
             f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
-            f"model.n_layers={model.n_layers}: make the per-stage counts add up to n_layers",
+            f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
         )
 
 

@@ -45,7 +45,7 @@ from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
-from orchestrator.plan import MeshPlan, make_plan
+from orchestrator.plan import MeshPlan, make_plan, model_fields
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.recovery import settle
 
@@ -320,6 +320,7 @@ class Controller:
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
+            **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
         )
 
 

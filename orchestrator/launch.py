@@ -131,7 +131,11 @@ def stop_on_sigterm():
 
 
 def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
-    source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
+    from workers.models.family import check_init_from, resolve_model
+
+    vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
+    source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)
+    check_init_from(cfg)  # the HF weights, before any actor starts
     check_outputs(cfg.metrics)  # before Ray and the actors start
     started_local = connect(cfg)
     try:

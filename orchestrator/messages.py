@@ -35,6 +35,11 @@ class RuntimeSpec:
     use_gpu: bool
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
+    # The model family and the shape the driver resolved (workers/models/family.py); "" / None: the
+    # ranks resolve them from `model` themselves.
+    family: str = ""
+    shape: Any = None
+    init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ from torch import nn
 
 from orchestrator.messages import ActionTiming
 from orchestrator.schedule import Action, Op, message_key
-from workers.model import lm_loss_sum
 from workers.parallelize import uses_fsdp
 
 
@@ -79,6 +78,7 @@ class Executor:
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
         recv_lookahead: int = 0,
+        loss_fn=None,
     ) -> None:
         self.stages = stages
         self.num_stages = num_stages
@@ -89,6 +89,7 @@ class Executor:
         self.device = device
         self.pp_group = pp_group
         self.recv_lookahead = recv_lookahead
+        self.loss_fn = loss_fn  # the family's loss_sum(logits, targets): summed token loss
 
     def _peer(self, stage: int) -> int:
         return self.peer_of_pp_index(stage % self.pp)
@@ -138,7 +139,7 @@ class Executor:
                 x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
                 out = stage.module(x)
                 if stage.is_last:
-                    loss_sum = lm_loss_sum(out, data.targets[mb])
+                    loss_sum = self.loss_fn(out, data.targets[mb])
                     loss_share += loss_sum.detach().double() * data.report_scale
                     out = loss_sum * data.grad_scale
                 stage.outputs[mb] = out

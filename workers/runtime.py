@@ -10,6 +10,7 @@ Usable without Ray (the single-rank benchmark and the spawned-process tests buil
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -22,7 +23,10 @@ from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import RankGroups
-from workers.model import build_stage
+from workers.models.build import build_local_stage
+from workers.models.family import runtime_family
+from workers.models.hf_io import load_hf
+from workers.models.tied import TiedGrads
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
@@ -43,19 +47,18 @@ class RankRuntime:
         ranges = layer_ranges(list(spec.layers_per_stage))
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.family, self.shape = runtime_family(spec)
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
-            module = build_stage(
-                model_cfg, range(first, end), train.seed, train.activation_checkpointing
-            ).to(groups.device)
-            module = parallelize_stage(
-                module,
-                dp_mesh=groups.dp_mesh,
-                tp_mesh=groups.tp_mesh,
-                zero=spec.zero,
-                param_dtype=self.param_dtype,
-                shard_over_dp=fsdp_applies(shape.dp, train.dtype),
-                fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+            # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
+            module = build_local_stage(
+                self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
+                activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                parallelize=lambda m: parallelize_stage(
+                    m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype),
+                    fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                ),
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
@@ -64,19 +67,27 @@ class RankRuntime:
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
+        # -- model-family specifics (workers/models): tied copies across stages, initial HF weights
+        modules = {i: st.module for i, st in self.stages.items()}
+        self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, groups,
+                              spec.collective_timeout_s)
+        if spec.init_from:
+            # Straight into the local shards, collectively; the driver validated the directory.
+            load_hf(self.model_parts(), self.family, spec.init_from, process_group=groups.ckpt_group)
         seq_local = model_cfg.seq_len // shape.tp if shape.tp > 1 else model_cfg.seq_len
         self.executor = Executor(
             self.stages,
             num_stages=self.num_stages,
             pp=shape.pp,
             peer_of_pp_index=groups.pp_peer,
-            boundary_shape=(train.micro_batch_size, seq_local, model_cfg.d_model),
+            boundary_shape=(train.micro_batch_size, seq_local, self.shape.d_model),
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
             # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
             recv_lookahead=4 if groups.device.type == "cpu" else 0,
+            loss_fn=self.family.loss_sum,
         )
         self._writer = None
         self._save_future = None
@@ -113,8 +124,9 @@ class RankRuntime:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         loss, timings, compute = self.executor.run(actions, data)
+        self.tied.sync()
         if self.spec.train.grad_clip > 0:
-            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
+            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
         set_lr(self.optimizers, lr_at(step, self.spec.train))
         self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
         for opt in self.optimizers:
@@ -144,7 +156,7 @@ class RankRuntime:
         for stage in self.stages.values():
             for name, param in stage.module.named_parameters():
                 full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-                if keep:
+                if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
                     out[name] = full.float().cpu().numpy().copy()
         return out
 
@@ -168,9 +180,20 @@ class RankRuntime:
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
                                           rng=False)
+        state["extra"]["model"] = self._model_record()
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
         return self._save_call_s
+
+    def _model_record(self) -> str:
+        """What ``elastimesh export`` needs besides the tensors (JSON, the same on every rank): the
+        family and, for a family with a Hugging Face map, the config.json of the trained shape."""
+        record = {"family": self.spec.family or "gpt"}
+        try:
+            record["hf_config"] = self.family.hf_config(self.shape)
+        except NotImplementedError:
+            pass
+        return json.dumps(record, sort_keys=True)
 
     def wait_checkpoint(self) -> WriteAck:
         """Block until the shard is durable (called on a second actor thread); the ack.
