@@ -163,14 +163,50 @@ def ensure_writable(root: str, storage: CheckpointStorage | None = None) -> None
     """
     storage = storage or storage_for(root)
     probe = storage.join(root, f".write-probe-{time.time_ns()}")
-    try:
+
+    def write_probe() -> None:
         storage.makedirs(root)
         storage.write_text_atomic(probe, "ok\n")
         storage.remove_tree(probe)
+
+    try:
+        if storage.is_local:
+            write_probe()
+        else:
+            _bounded(write_probe, REMOTE_PROBE_TIMEOUT_S)
+    except TimeoutError:
+        raise CheckpointError(
+            f"checkpoint directory did not answer within {REMOTE_PROBE_TIMEOUT_S:g} s; check the bucket "
+            "name, the endpoint (AWS_ENDPOINT_URL for S3-compatible stores) and the credentials", root) from None
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint directory is not writable ({type(e).__name__}: {e}); set checkpoint.dir "
-            "to a writable path or fix its permissions", root) from e
+            f"checkpoint directory is not writable ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+            "set checkpoint.dir to a writable path or bucket, or fix its permissions", root) from e
+
+
+REMOTE_PROBE_TIMEOUT_S = 25.0  # an SDK retrying an unreachable endpoint would take minutes
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """Run ``fn`` in a daemon thread; TimeoutError if it neither returns nor raises in time."""
+    import threading
+
+    box: list = []
+
+    def run() -> None:
+        try:
+            fn()
+            box.append(None)
+        except BaseException as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        raise TimeoutError
+    if box[0] is not None:
+        raise box[0]
 
 
 def commit(root: str, manifest: CheckpointManifest, storage: CheckpointStorage | None = None) -> str:

@@ -42,6 +42,7 @@ from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
 from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
+from orchestrator.evaluation import Evaluator
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
@@ -101,6 +102,8 @@ class Controller:
         use_gpu: bool,
         data_path: str,
         clock: Callable[[], float] = time.monotonic,
+        eval_path: str = "",
+        eval_mask_eos_id: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.group = worker_group
@@ -109,6 +112,10 @@ class Controller:
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
         self.clock = clock
+        from workers.data.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
+
+        self.mask_eos_id = mask_eos_for(cfg.data)
+        self.evaluator = Evaluator(cfg, eval_path, eval_mask_eos_id)  # [eval]: held-out loss between steps
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
         self.generation: GenerationRecord | None = None
@@ -184,6 +191,10 @@ class Controller:
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
+            if self.evaluator.due(step):
+                failed = self.evaluator.run(self, step)
+                if failed is not None:
+                    self._fail(Phase.STEP, failed)
             return
         self._fail(Phase.STEP, outcome, results)
 
@@ -321,6 +332,7 @@ class Controller:
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
             **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
+            mask_eos_id=self.mask_eos_id,
         )
 
 

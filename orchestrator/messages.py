@@ -40,6 +40,7 @@ class RuntimeSpec:
     family: str = ""
     shape: Any = None
     init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
+    mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,13 @@ class MetricsLog:
         else:
             logger.info(message)
 
+    def eval(self, step: int, loss: float, perplexity: float, **fields: Any) -> None:
+        """The held-out evaluation after step ``step``: an "eval" event, and eval/* in TensorBoard."""
+        self.event("eval", step=step, loss=loss, perplexity=perplexity, **fields)
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", loss, step)
+            self._tb.add_scalar("eval/perplexity", perplexity, step)
+
     def timeline(self, step: int, results: list[StepResult]) -> None:
         if self.cfg.timeline:
             write_timeline(self.cfg.timeline, step, results)

@@ -149,6 +149,12 @@ class RankActor:
         finally:
             self.busy = False
 
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
+        if self.runtime is None:
+            raise RuntimeError("eval_step before join_generation")
+        return self.runtime.eval_step(path, batch, actions, mask_eos_id)
+
     @_train
     def full_state(self) -> dict:
         return self.runtime.full_state()

@@ -27,6 +27,7 @@ from workers.models.build import build_local_stage
 from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
+from workers.batching import eval_forward, step_data
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
@@ -99,23 +100,16 @@ class RankRuntime:
     # -- training ---------------------------------------------------------------------------------
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        seq_len = self.spec.model.seq_len
         ids = data_lib.replica_microbatches(
             step, train.global_batch_size, train.micro_batch_size,
             self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
         )
-        inputs, targets = [], []
-        for mb_ids in ids:
-            x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
-            inputs.append(torch.from_numpy(x).to(self.groups.device))
-            targets.append(torch.from_numpy(y).to(self.groups.device))
-        global_tokens = train.global_batch_size * seq_len
-        return StepData(
-            inputs=inputs,
-            targets=targets,
-            grad_scale=shape.dp / global_tokens,
-            report_scale=1.0 / global_tokens,
-        )
+        # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
+        return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
+
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        return eval_forward(self, path, batch, actions, mask_eos_id)
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
