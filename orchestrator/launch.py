@@ -21,6 +21,7 @@ from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import validate_source
+from workers.profiling import profile_spec
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +131,20 @@ def stop_on_sigterm():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
+def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
+    """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
+    (a Tune trial's, see orchestrator/sweep_trial.py); ``step_listeners`` get every step record."""
     source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
     started_local = connect(cfg)
     try:
         with stop_on_sigterm():
-            return _run(cfg, source, progress, started_local)
+            return _run(cfg, source, progress, started_local, reserved, list(step_listeners))
     finally:
         if started_local:
             ray.shutdown()
 
 
-def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSummary:
+def _run(cfg: JobConfig, source, progress: bool, started_local: bool, reserved, listeners) -> RunSummary:
     metrics = None
     group = None
     capacity = CapacityRequest()
@@ -160,13 +163,17 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSumm
         store_address = ray.get(store.address.remote(), timeout=60)
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
-            placement_timeout_s=cfg.resources.placement_timeout_s,
+            placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
+            actor_kwargs={"profile": profile_spec(cfg.metrics, cfg.train.steps)},
         )
-        if not started_local:  # an embedded Ray has no autoscaler to ask
+        # An embedded Ray has no autoscaler to ask; a reserved group's owner asked for it (Tune's
+        # pending placement group is the demand), and one request per cluster would clobber the others.
+        if not started_local and reserved is None:
             capacity.ask(wanted_bundles(cfg, group.bundle()),
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
+        metrics.step_listeners.extend(listeners)
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store_address, use_gpu=use_gpu,
             data_path=source.name,

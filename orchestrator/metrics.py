@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.messages import StepResult
@@ -74,6 +75,7 @@ class RayMetrics:
 class MetricsLog:
     def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True) -> None:
         self.cfg = cfg
+        self.step_listeners: list[Callable[[dict], None]] = []  # e.g. a Tune trial reporting each step
         self._file = None
         if cfg.path:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.path)), exist_ok=True)
@@ -112,6 +114,8 @@ class MetricsLog:
                     self._tb.add_scalar(f"train/{key}", rec[key], rec["step"])
         if self._ray is not None:
             self._ray.on_step(rec)
+        for listener in self.step_listeners:
+            listener(rec)
         line = (
             f"step {rec['step']:>5}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
             f"{rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s']:.2f}s  "
