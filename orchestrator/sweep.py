@@ -54,6 +54,12 @@ class Sweep:
         self.base = config_to_dict(self.cfg)
 
     @property
+    def max_world(self) -> int:
+        """Ranks of the largest trial the search can draw."""
+        return math.prod(int(self.spaces[f"mesh.{axis}"].largest()) if f"mesh.{axis}" in self.spaces
+                         else getattr(self.cfg.mesh, axis) for axis in ("dp", "pp", "tp"))
+
+    @property
     def max_steps(self) -> int:
         space = self.spaces.get("train.steps")
         return int(space.largest()) if space else self.cfg.train.steps
@@ -196,12 +202,25 @@ def run_sweep(sweep: Sweep) -> list[dict]:
 
     started_local = connect(sweep.cfg)
     try:
+        if started_local:  # no autoscaler will add room: a trial that cannot fit would wait forever
+            _check_fits(sweep, ray.cluster_resources().get("CPU", 0.0))
         tuner = build_tuner(sweep, resolve_gpu(sweep.cfg))
         tuner.fit()
     finally:
         if started_local:
             ray.shutdown()
     return trial_rows(sweep)
+
+
+def _check_fits(sweep: Sweep, cpus: float) -> None:
+    from orchestrator.errors import WorkerGroupStartupError
+
+    need = sweep.max_world * sweep.cfg.resources.cpus_per_worker
+    if need > cpus:
+        raise WorkerGroupStartupError(
+            f"the largest trial has {sweep.max_world} ranks x resources.cpus_per_worker="
+            f"{sweep.cfg.resources.cpus_per_worker:g} = {need:g} CPUs but the local Ray has {cpus:g}: "
+            "lower resources.cpus_per_worker or the mesh values searched, or set RAY_ADDRESS to a cluster")
 
 
 # --- results ----------------------------------------------------------------------------------------

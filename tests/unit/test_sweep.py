@@ -221,3 +221,15 @@ def test_apply_puts_dotted_values_into_a_copy():
     doc = {"train": {"lr": 1.0}}
     out = apply(doc, {"train.lr": np.float32(0.5), "pipeline.layers": (1, 3)})
     assert out == {"train": {"lr": 0.5}, "pipeline": {"layers": [1, 3]}} and doc == {"train": {"lr": 1.0}}
+
+
+def test_largest_trial_must_fit_an_embedded_ray():
+    from orchestrator.errors import WorkerGroupStartupError
+    from orchestrator.sweep import _check_fits
+
+    sweep = prepare(None, ["mesh.dp=choice(1,2,4)", "mesh.tp=choice(1,2)"], samples=2,
+                    directory="/nonexistent/sweep")  # dp=4, tp=2: 8 ranks at most
+    assert sweep.max_world == 8
+    _check_fits(sweep, 8.0)
+    with pytest.raises(WorkerGroupStartupError, match="the largest trial has 8 ranks"):
+        _check_fits(sweep, 7.0)
