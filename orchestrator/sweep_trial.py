@@ -13,8 +13,11 @@ math, and Tune's history stays one value per step.
 
 Stopping: when ASHA (or Ctrl-C) stops a trial, Tune's function runner makes the pending `report`
 raise SystemExit in the trial's thread; that unwinds `run_job`, whose `finally` kills the rank actors
-and the store. The actors are also owned by the trainable's process, so Ray ends them if that process
-goes first; the placement group is Tune's, which removes it.
+(`WorkerGroup.shutdown`) and drops the store. Tune does not wait for that thread: once `stop()` has
+returned it removes the trial's placement group, and Ray then ends every actor placed in it -- the
+ranks and the trainable (the store, not placed in it, is owned by the trainable and ends with it).
+Either way nothing outlives the trial (tests/ray/test_sweep.py checks the actor and placement group
+tables); measured here, the `finally` ran first (the ranks died by `ray.kill`).
 
 Per trial, in the trial directory: `job.toml` (the exact config; `elastimesh train` accepts it),
 `metrics.jsonl`, and `tensorboard/`, `timeline.json`, `profiles/` when the job asks for them. A
