@@ -17,6 +17,7 @@ Commit protocol: ranks write ``step-N/`` (DCP shards + ``.metadata``), each acks
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -103,6 +104,24 @@ def list_checkpoints(root: str, storage: CheckpointStorage | None = None, *,
         infos.append(CheckpointInfo(step, path, valid, reason, manifest, size,
                                     manifest.created_at if manifest else None, owner))
     return sorted(infos, key=lambda i: i.step)
+
+
+def require_root(root: str, storage: CheckpointStorage | None = None) -> None:
+    """For ``elastimesh ckpt list``: ``root`` must be an existing directory.
+
+    (``list_checkpoints`` treats an absent root as empty, which is right for a first run's resume but
+    would make a mistyped path look like a directory without checkpoints.)
+
+    Raises:
+        CheckpointError: ``root`` does not exist, or is a local file.
+    """
+    storage = storage or storage_for(root)
+    exists, local = storage.exists(root), local_path(root)
+    if exists and (local is None or os.path.isdir(local)):
+        return
+    what = "not a directory" if exists else "no such checkpoint directory"
+    raise CheckpointError(f"{what}: give the directory a run's checkpoint.dir points at (its "
+                          "checkpoints are the step-NNNNNNNN directories in it)", root)
 
 
 def latest_valid(root: str, storage: CheckpointStorage | None = None, *,
@@ -286,7 +305,8 @@ def describe(path: str, storage: CheckpointStorage | None = None) -> dict[str, A
     """
     storage, path = storage or storage_for(path), path.rstrip("/") or path
     if not storage.exists(path):
-        raise CheckpointError("no such checkpoint directory", path)
+        raise CheckpointError("no such checkpoint directory: give one of the step directories that "
+                              "`elastimesh ckpt list DIR` shows", path)
     valid, reason, manifest = check_checkpoint(path, storage, read_dcp_metadata=False)
     out: dict[str, Any] = {"path": path, "step": parse_step(_basename(path)), "valid": valid,
                            "reason": reason, "size_bytes": storage.size_of_tree(path)}

@@ -33,7 +33,7 @@ class GenerationSpec:
     """Join generation ``generation`` as ``world_rank`` of ``shape`` through the store at addr:port.
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
-    earlier run sharing the store — must never be seen again (cpu-gloo-facts gotcha 5).
+    earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
     """
 
     generation: int

@@ -1,6 +1,6 @@
 """Metrics sinks: the JSONL contract, a progress display, TensorBoard, Ray metrics, step timelines.
 
-JSONL records follow shared/ARCHITECTURE.md exactly (one object per line, flushed as written); we add
+JSONL records follow README.md ("Metrics") exactly (one object per line, flushed as written); we add
 ``bubble`` (measured pipeline bubble fraction) to step records. The Chrome-trace/Perfetto timeline
 (``metrics.timeline``) shows one row per rank with every pipeline action of the latest step.
 """
@@ -10,13 +10,57 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator.errors import UserInputError
 from orchestrator.messages import StepResult
 
 logger = logging.getLogger(__name__)
+
+
+def check_outputs(cfg) -> None:
+    """Prove every metrics output writable before any actor starts (bad input: one line, exit 2).
+
+    ``MetricsLog`` opens the files only once the actors are up, and the timeline is first written
+    after the first step: without this, a bad path ends a run that already spent its start-up, with
+    a traceback. Creates missing parent directories (``MetricsLog`` would) and nothing else.
+    """
+    if cfg.path:
+        _check_file("metrics.path", cfg.path, 'a file in a writable directory, or metrics.path="" for no JSONL')
+    if cfg.timeline:
+        _check_file("metrics.timeline", cfg.timeline, "a file in a writable directory, or unset it")
+    if cfg.tensorboard_dir:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise UserInputError(
+                "metrics.tensorboard_dir needs tensorboardX: pip install 'elastimesh[tensorboard]', "
+                "or unset metrics.tensorboard_dir") from None
+        if "://" not in cfg.tensorboard_dir:  # remote URIs are tensorboardX's business
+            _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
+                       "set metrics.tensorboard_dir to a writable directory, or unset it")
+
+
+def _check_file(key: str, path: str, fix: str) -> None:
+    if os.path.isdir(path):
+        raise UserInputError(f"{key}={path} is a directory; set {key} to {fix}")
+    _check_dir(key, os.path.dirname(os.path.abspath(path)), f"set {key} to {fix}", shown=path)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UserInputError(f"{key}={path} is not writable; set {key} to {fix}")
+
+
+def _check_dir(key: str, directory: str, fix: str, shown: str | None = None) -> None:
+    """Create ``directory`` and write (then remove) a probe file in it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise UserInputError(f"{key}={shown or directory}: cannot write in {directory} ({why}); {fix}") from None
 
 
 def bubble_fraction(results: list[StepResult]) -> float:

@@ -6,7 +6,7 @@ must happen before the next generation can form, and fast (seconds, not ``collec
 1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
    actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
    wedged process fails to answer — those count as hung;
-2. SIGKILL dead and hung processes (``ray.kill`` on a stopped process takes ~5 s, cpu-gloo-facts 4);
+2. SIGKILL dead and hung processes (``ray.kill`` on a stopped process takes ~5 s: docs/design.md, F3);
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
    ``RankActor.kick``) and wait for their calls to return; one that still does not is killed too.
 

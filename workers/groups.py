@@ -60,7 +60,7 @@ def _axis_names(tag: str) -> dict[MeshAxis, str]:
     for the old mesh matches the new one and hands back a spec bound to the *old* mesh object, so
     this rank computes shard offsets from its old coordinate: DCP saves then fail ("invalid fill" in
     the global plan) or, worse, loads and optimizer states land at wrong offsets with no error
-    (cpu-gloo-facts gotcha 6; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
+    (docs/design.md, Generations and F5; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
     (see ``clear_dtensor_caches``); names unique per process make every old entry unreachable.
     """
     count = next(_meshes_built)
@@ -144,7 +144,7 @@ def build_process_groups(
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
         # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
-        # reused prefix would meet the previous generation's keys (gotcha 5).
+        # reused prefix would meet the previous generation's keys (docs/design.md, F4).
         store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
         dist.init_process_group(
             backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
@@ -158,7 +158,7 @@ def build_process_groups(
                 if world_rank in members:
                     mine = group
             groups.append(mine)
-        # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
+        # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
         ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
     except BaseException:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or

@@ -159,7 +159,7 @@ class RankRuntime:
 
         t0 = time.perf_counter()
         if self._writer is None:
-            # Dedicated group: async DCP on a training group aborts gloo (cpu-gloo-facts gotcha 9).
+            # Dedicated group: async DCP on a training group aborts gloo (docs/design.md, F9).
             # Staging in the background overlaps the copy with the next forward/backward, which only
             # read the parameters; train_step waits for it before the optimizer writes them.
             self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,

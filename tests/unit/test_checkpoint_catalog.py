@@ -23,6 +23,7 @@ from checkpoints.catalog import (
     list_checkpoints,
     prepare_step,
     purge,
+    require_root,
 )
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, ManifestError
 from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
@@ -261,6 +262,22 @@ def test_root_beneath_a_file_is_a_clear_error(tmp_path):
         prepare_step(root, 10)
     ensure_writable(str(tmp_path / "fine" / "ckpt"))  # creates it
     assert os.listdir(tmp_path / "fine" / "ckpt") == []
+
+
+def test_require_root_wants_an_existing_directory(tmp_path):
+    """`ckpt list` of a mistyped path is an error, although a resume treats an absent root as empty."""
+    missing = str(tmp_path / "nope")
+    assert list_checkpoints(missing) == []
+    with pytest.raises(CheckpointError, match="no such checkpoint directory: give .*checkpoint.dir") as info:
+        require_root(missing)
+    assert info.value.path == missing
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        require_root(str(blocker))
+    require_root(str(tmp_path))
+    with pytest.raises(CheckpointError, match="ckpt list DIR"):
+        describe(missing)
 
 
 def test_prepare_step_clears_a_leftover(tmp_path, caplog):
