@@ -42,6 +42,10 @@ def check_outputs(cfg) -> None:
         if "://" not in cfg.tensorboard_dir:  # remote URIs are tensorboardX's business
             _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
                        "set metrics.tensorboard_dir to a writable directory, or unset it")
+    if cfg.profile_steps:  # the ranks write the traces; on one machine this is their directory too
+        from workers.profiling import profile_dir
+
+        _check_dir("metrics.profile_dir", profile_dir(cfg), "set metrics.profile_dir to a writable directory")
 
 
 def _check_file(key: str, path: str, fix: str) -> None:

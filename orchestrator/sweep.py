@@ -91,7 +91,18 @@ def prepare(config_path: str | None, search: list[str], *, samples: int, schedul
                   os.path.abspath(directory or os.path.join("sweeps", stem)))
     check_spaces(sweep.base, spaces)
     _check_resume(sweep)
+    _check_writable(sweep.directory)
     return sweep
+
+
+def _check_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise ConfigError("--dir", f"--dir {directory}: cannot write there ({exc.strerror or type(exc).__name__}): "
+                                   "give a writable directory for the sweep") from None  # fmt: skip
 
 
 def _require_optuna() -> None:

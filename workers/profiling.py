@@ -6,11 +6,11 @@ so Perfetto (ui.perfetto.dev) and chrome://tracing open them, and TensorBoard's 
 (`torch-tb-profiler`) shows the directory as one run with one worker per file. Inside, the step is
 the range `ProfilerStep#K`, the name that plugin's step view looks for.
 
-Why one file per step rather than one per A..B window: a RankActor runs each step on whichever thread
-of its call pool is free, and a profiler records (and must be stopped on) the thread that started
-it; and a rebuild may come between two steps of the window, after which the rank may have another
-world rank in another generation (both are in the name, so nothing is overwritten). A step is
-profiled again if it is re-run after a rebuild: that file names the new generation.
+Why one file per step rather than one per A..B window: a rebuild may come between two steps of the
+window, after which the rank may have another world rank in another generation; a trace per step
+needs no profiler state across calls (nothing to flush when a generation ends or the actor dies) and
+names the rank and generation that step really ran as. A step re-run after a rebuild is profiled
+again, under the new generation's name, so nothing is overwritten.
 
 The driver builds the `ProfileSpec` (stdlib only here; torch is imported when a step is profiled).
 """
@@ -45,8 +45,13 @@ def profile_spec(metrics, steps: int) -> ProfileSpec | None:
     window = profile_range(metrics.profile_steps, steps)
     if window is None:
         return None
+    return ProfileSpec(window[0], window[1], profile_dir(metrics))
+
+
+def profile_dir(metrics) -> str:
+    """`metrics.profile_dir`, or `profiles/` beside `metrics.path`; absolute."""
     out_dir = metrics.profile_dir or os.path.join(os.path.dirname(metrics.path or "x"), "profiles")
-    return ProfileSpec(window[0], window[1], os.path.abspath(out_dir))
+    return os.path.abspath(out_dir)
 
 
 def worker_name(rank: int, generation: int, step: int) -> str:

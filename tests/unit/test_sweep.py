@@ -190,6 +190,7 @@ def test_profile_spec_defaults_beside_the_metrics_file(tmp_path):
     (["tune", "--search", "train.lr=uniform(1e-3,1e-2)", "--samples", "0"], "--samples 0"),
     (["tune"], "at least one --search"),
     (["tune", "--search", "mesh.dp=choice(2,3)"], "with mesh.dp=3"),
+    (["tune", "--search", "train.lr=choice(1e-3)", "--dir", "/proc/nope/sweep"], "--dir /proc/nope/sweep: cannot write"),
     (["train", "--set", "metrics.profile_steps=5:30"], "outside the run"),
     (["config", "--set", "metrics.profile_steps=2-3"], "not a step range"),
 ])
@@ -223,13 +224,27 @@ def test_apply_puts_dotted_values_into_a_copy():
     assert out == {"train": {"lr": 0.5}, "pipeline": {"layers": [1, 3]}} and doc == {"train": {"lr": 1.0}}
 
 
-def test_largest_trial_must_fit_an_embedded_ray():
+def test_largest_trial_must_fit_an_embedded_ray(tmp_path):
     from orchestrator.errors import WorkerGroupStartupError
     from orchestrator.sweep import _check_fits
 
     sweep = prepare(None, ["mesh.dp=choice(1,2,4)", "mesh.tp=choice(1,2)"], samples=2,
-                    directory="/nonexistent/sweep")  # dp=4, tp=2: 8 ranks at most
+                    directory=str(tmp_path))  # dp=4, tp=2: 8 ranks at most
     assert sweep.max_world == 8
     _check_fits(sweep, 8.0)
     with pytest.raises(WorkerGroupStartupError, match="the largest trial has 8 ranks"):
         _check_fits(sweep, 7.0)
+
+
+def test_an_unwritable_profile_dir_is_bad_input(tmp_path):
+    from orchestrator.errors import UserInputError
+    from orchestrator.metrics import check_outputs
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = load_config(None, [f"metrics.path={tmp_path}/m.jsonl", "metrics.profile_steps=1:1",
+                             f"metrics.profile_dir={blocker}/traces"])
+    with pytest.raises(UserInputError, match=r"metrics.profile_dir=.*cannot write"):
+        check_outputs(cfg.metrics)
+    check_outputs(load_config(None, [f"metrics.path={tmp_path}/m.jsonl", "metrics.profile_steps=1:1"]).metrics)
+    assert (tmp_path / "profiles").is_dir()
