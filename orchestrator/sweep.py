@@ -174,8 +174,9 @@ def trial_dirname(trial) -> str:
     return f"trial_{trial.trial_id}"
 
 
-def build_tuner(sweep: Sweep, use_gpu: bool):
-    """A new Tuner, or the interrupted one restored from ``sweep.directory``."""
+def build_tuner(sweep: Sweep, use_gpu: bool, callbacks=()):
+    """A new Tuner, or the interrupted one restored from ``sweep.directory`` (which keeps the
+    ``callbacks``, ray.tune.Callback objects, it was first made with)."""
     from ray import tune
 
     base = apply(sweep.base, {"resources.use_gpu": use_gpu})  # trials and their reservation agree
@@ -201,11 +202,11 @@ def build_tuner(sweep: Sweep, use_gpu: bool):
         ),
         # A trial's ranks recover inside the job; a trial that fails anyway failed for good.
         run_config=tune.RunConfig(name=EXPERIMENT, storage_path=sweep.directory, verbose=1,
-                                  failure_config=tune.FailureConfig(max_failures=0)),
+                                  failure_config=tune.FailureConfig(max_failures=0), callbacks=list(callbacks)),
     )
 
 
-def run_sweep(sweep: Sweep) -> list[dict]:
+def run_sweep(sweep: Sweep, callbacks=()) -> list[dict]:
     """Run (or resume) the sweep on RAY_ADDRESS's cluster or an embedded local Ray; the trial rows."""
     import ray
 
@@ -215,7 +216,7 @@ def run_sweep(sweep: Sweep) -> list[dict]:
     try:
         if started_local:  # no autoscaler will add room: a trial that cannot fit would wait forever
             _check_fits(sweep, ray.cluster_resources().get("CPU", 0.0))
-        tuner = build_tuner(sweep, resolve_gpu(sweep.cfg))
+        tuner = build_tuner(sweep, resolve_gpu(sweep.cfg), callbacks)
         tuner.fit()
     finally:
         if started_local:
@@ -313,8 +314,9 @@ def _show(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def tune_command(args) -> int:
-    """`elastimesh tune`: 0 with a best config, 1 when no trial completed, 130 when interrupted."""
+def tune_command(args, callbacks=()) -> int:
+    """`elastimesh tune`: 0 with a best config, 1 when no trial completed, 130 when interrupted.
+    ``callbacks``: ray.tune.Callback objects for the driver's loop (tests inject faults with them)."""
     import sys
 
     from rich.console import Console
@@ -322,7 +324,7 @@ def tune_command(args) -> int:
     sweep = prepare(args.config, args.search, samples=args.samples, scheduler=args.scheduler,
                     search_alg=args.search_alg, max_concurrent=args.max_concurrent, seed=args.seed,
                     grace_steps=args.grace_steps, directory=args.dir, overrides=args.overrides)
-    rows = run_sweep(sweep)
+    rows = run_sweep(sweep, callbacks)
     best = best_row(rows)
     Console().print(render_table(sweep, rows, best))
     if any(r["outcome"] == "not finished" for r in rows):

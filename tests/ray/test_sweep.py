@@ -13,14 +13,15 @@ import glob
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from orchestrator import cli
 from orchestrator.config import load_config
-from orchestrator.sweep import EXPERIMENT, prepare, trial_rows
+from orchestrator.sweep import EXPERIMENT, prepare, trial_rows, tune_command
+
+Callback = pytest.importorskip("ray.tune").Callback
 
 pytestmark = pytest.mark.ray
 
@@ -83,23 +84,21 @@ def _trial_metrics(sweep_dir, index: int) -> str:
     return found[0] if found else ""
 
 
-class OnTrialStart(threading.Thread):
-    """Once trial ``index`` has formed its first generation (its "start" event), do ``action()``."""
+class AtResult(Callback):
+    """A Tune callback on the sweep's driver: once trial ``index`` reports step ``step``, ``action()``.
 
-    def __init__(self, sweep_dir, index: int, action) -> None:
-        super().__init__(daemon=True)
-        self.sweep_dir, self.index, self.action = sweep_dir, index, action
-        self.done = threading.Event()
-        self.stop = threading.Event()
+    Tune's function runner reports synchronously: the trial waits inside that report until the driver
+    has handled the result, so the action lands between two steps, however fast the steps are. A marker
+    file makes it one-shot across a resume (Tune keeps the callbacks it was first given)."""
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            path = _trial_metrics(self.sweep_dir, self.index)
-            if path and _events(path, "start"):
-                self.action()
-                self.done.set()
-                return
-            time.sleep(0.05)
+    def __init__(self, marker, index: int, step: int, action) -> None:
+        self.marker, self.index, self.step, self.action = str(marker), index, step, action
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if trial.trial_id.endswith(f"_{self.index:05d}") and result.get("step") == self.step \
+                and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            self.action()
 
 
 def _kill_one_rank() -> None:
@@ -107,8 +106,13 @@ def _kill_one_rank() -> None:
     os.kill(_alive("RankActor")[0], signal.SIGKILL)
 
 
-def _tune(job, sweep_dir, *extra) -> int:
-    return cli.main(["tune", str(job), *SEARCH, "--dir", str(sweep_dir), *extra])
+def _interrupt() -> None:
+    os.kill(os.getpid(), signal.SIGUSR1)  # what Ctrl-C does to Tune (SIGUSR1 leaves pytest alone)
+
+
+def _tune(job, sweep_dir, *extra, callbacks=()) -> int:
+    args = cli.build_parser().parse_args(["tune", str(job), *SEARCH, "--dir", str(sweep_dir), *extra])
+    return tune_command(args, callbacks)
 
 
 def _rows(job, sweep_dir, samples: int) -> dict[int, dict]:
@@ -121,13 +125,9 @@ def _rows(job, sweep_dir, samples: int) -> dict[int, dict]:
 def test_sweep_stops_bad_trials_recovers_a_killed_rank_and_resumes(ray_local, tmp_path, capsys):
     job, sweep_dir = tmp_path / "job.toml", tmp_path / "sw"
     job.write_text(JOB)
-    killer = OnTrialStart(sweep_dir, 0, _kill_one_rank)
-    killer.start()
-    try:
-        assert _tune(job, sweep_dir, "--samples", "2") == 0
-    finally:
-        killer.stop.set()
-    assert killer.done.is_set(), "the rank of trial 0 was never killed"
+    marker = tmp_path / "killed"
+    assert _tune(job, sweep_dir, "--samples", "2", callbacks=[AtResult(marker, 0, 2, _kill_one_rank)]) == 0
+    assert marker.exists(), "the rank of trial 0 was never killed"
     out = capsys.readouterr().out
 
     rows = _rows(job, sweep_dir, 2)
@@ -136,7 +136,7 @@ def test_sweep_stops_bad_trials_recovers_a_killed_rank_and_resumes(ray_local, tm
     # Trial 0 lost a rank and recovered in place: one failure, one rebuild to dp=1, and it completed.
     assert good["status"] == "TERMINATED" and good["outcome"] == "completed" and good["step"] == 4
     m0 = _trial_metrics(sweep_dir, 0)
-    assert len(_events(m0, "failure")) == 1
+    assert [e["step"] for e in _events(m0, "failure")] == [3]  # killed between steps 2 and 3
     assert [e["dp"] for e in _events(m0, "rebuild")] == [1]
     # Trial 1 was stopped by ASHA at its first rung (step 2), worse than trial 0 there.
     assert bad["outcome"] == "stopped early at step 2" and bad["loss"] > good["loss"]
@@ -160,17 +160,13 @@ def test_sweep_stops_bad_trials_recovers_a_killed_rank_and_resumes(ray_local, tm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_four_trial_sweep_interrupted_then_resumed(ray_local, tmp_path, capsys):
-    """4 trials x 2 actors; Ctrl-C (SIGUSR1, Tune's other stop signal) once trial 2 has started; the
-    rerun finishes trials 2 and 3 and does not run trials 0 and 1 again."""
+    """4 trials x 2 actors; interrupted as by Ctrl-C once trial 2 has reported step 1; the rerun
+    finishes trials 2 and 3 and does not run trials 0 and 1 again."""
     job, sweep_dir = tmp_path / "job.toml", tmp_path / "sw"
     job.write_text(JOB)
-    interrupt = OnTrialStart(sweep_dir, 2, lambda: os.kill(os.getpid(), signal.SIGUSR1))
-    interrupt.start()
-    try:
-        assert _tune(job, sweep_dir, "--samples", "4") == 130  # interrupted: the rerun resumes it
-    finally:
-        interrupt.stop.set()
-    assert interrupt.done.is_set()
+    marker = tmp_path / "interrupted"
+    assert _tune(job, sweep_dir, "--samples", "4", callbacks=[AtResult(marker, 2, 1, _interrupt)]) == 130
+    assert marker.exists()
     rows = _rows(job, sweep_dir, 4)
     assert rows[0]["outcome"] == "completed" and rows[1]["outcome"] == "stopped early at step 2"
     assert rows[2]["outcome"] == "not finished"
