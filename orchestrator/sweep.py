@@ -77,7 +77,8 @@ def prepare(config_path: str | None, search: list[str], *, samples: int, schedul
     """Check every argument before anything starts (ConfigError: one line, exit 2)."""
     cfg = load_config(config_path, overrides)
     if samples < 1:
-        raise ConfigError("--samples", f"--samples {samples}: a sweep needs at least one trial (--samples 1 or more)")
+        raise ConfigError("--samples", f"--samples {samples}: a sweep needs at least one trial "
+                                       "(--samples 1 or more)")  # fmt: skip
     if max_concurrent < 0 or grace_steps < 0:
         raise ConfigError("--max-concurrent", "--max-concurrent and --grace-steps must be >= 0 (0 = the default)")
     if not search:
@@ -101,8 +102,9 @@ def _check_writable(directory: str) -> None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as exc:
-        raise ConfigError("--dir", f"--dir {directory}: cannot write there ({exc.strerror or type(exc).__name__}): "
-                                   "give a writable directory for the sweep") from None  # fmt: skip
+        why = exc.strerror or type(exc).__name__
+        raise ConfigError("--dir", f"--dir {directory}: cannot write there ({why}): give a writable "
+                                   "directory for the sweep") from None  # fmt: skip
 
 
 def _require_optuna() -> None:
@@ -110,7 +112,8 @@ def _require_optuna() -> None:
         import optuna  # noqa: F401
     except ImportError:
         raise ConfigError("--search-alg", "--search-alg optuna needs the optuna package: pip install "
-                                          "'elastimesh[tune]' (or optuna), or use the default random search") from None  # fmt: skip
+                                          "'elastimesh[tune]' (or optuna), or use the default random "
+                                          "search") from None  # fmt: skip
 
 
 def check_spaces(base: dict, spaces: dict[str, Space]) -> None:

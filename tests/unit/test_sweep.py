@@ -190,7 +190,8 @@ def test_profile_spec_defaults_beside_the_metrics_file(tmp_path):
     (["tune", "--search", "train.lr=uniform(1e-3,1e-2)", "--samples", "0"], "--samples 0"),
     (["tune"], "at least one --search"),
     (["tune", "--search", "mesh.dp=choice(2,3)"], "with mesh.dp=3"),
-    (["tune", "--search", "train.lr=choice(1e-3)", "--dir", "/proc/nope/sweep"], "--dir /proc/nope/sweep: cannot write"),
+    (["tune", "--search", "train.lr=choice(1e-3)", "--dir", "/proc/nope/sweep"],
+     "--dir /proc/nope/sweep: cannot write"),
     (["train", "--set", "metrics.profile_steps=5:30"], "outside the run"),
     (["config", "--set", "metrics.profile_steps=2-3"], "not a step range"),
 ])
