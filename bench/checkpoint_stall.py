@@ -191,8 +191,8 @@ def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
         timing = r.runtime._save_future.result()
         out["call_s"].append(call)
         out["fence_s"].append(writer.fence_wait_s)
-        out["stall_s"].append(ack["stall_s"])  # = the call + the wait for staging in the next step
-        out["write_s"].append(ack["write_s"])
+        out["stall_s"].append(ack.stall_s)  # = the call + the wait for staging in the next step
+        out["write_s"].append(ack.write_s)
         out["staging_s"].append(timing.staging_s)
         out["waited_s"].append(timing.waited_s)
         out["stager_cache"].append(r.stager_cache())

@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,18 +125,33 @@ def require_root(root: str, storage: CheckpointStorage | None = None) -> None:
                           "checkpoints are the step-NNNNNNNN directories in it)", root)
 
 
-def latest_valid(root: str, storage: CheckpointStorage | None = None, *,
-                 run_id: str | None = None) -> CheckpointInfo | None:
-    """The newest valid checkpoint under ``root`` (of run ``run_id`` only, when given), or None.
+def latest_valid(
+    root: str,
+    storage: CheckpointStorage | None = None,
+    *,
+    run_id: str | None = None,
+    among: Container[int] | None = None,
+    on_skip: Callable[[CheckpointInfo], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest valid checkpoint under ``root``, or None: the one place that decides what to resume.
 
-    Logs a warning for each newer invalid one of that run.
+    Args:
+        run_id: consider only that run's checkpoints; None: every run's.
+        among: consider only these steps (e.g. the ones this run committed); None: every step.
+        on_skip: called with each newer invalid checkpoint (of those considered) that was passed
+            over; by default each is logged as a warning.
     """
     for info in reversed(list_checkpoints(root, storage)):
         if run_id is not None and info.owner != run_id:
             continue
+        if among is not None and info.step not in among:
+            continue
         if info.valid:
             return info
-        logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        if on_skip is None:
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        else:
+            on_skip(info)
     return None
 
 

@@ -1,7 +1,8 @@
 """Metrics sinks: the JSONL contract, a progress display, TensorBoard, Ray metrics, step timelines.
 
 JSONL records follow README.md ("Metrics") exactly (one object per line, flushed as written); we add
-``bubble`` (measured pipeline bubble fraction) to step records. The Chrome-trace/Perfetto timeline
+``bubble`` (measured pipeline bubble fraction) to step records, which ``step_record`` makes from the
+ranks' ``StepResult``s. The Chrome-trace/Perfetto timeline
 (``metrics.timeline``) shows one row per rank with every pipeline action of the latest step.
 """
 
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import UserInputError
+from orchestrator.lr_schedule import lr_at
+from orchestrator.mesh import MeshShape
 from orchestrator.messages import StepResult
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,21 @@ def bubble_fraction(results: list[StepResult]) -> float:
     if wall <= 0:
         return 0.0
     return max(0.0, 1.0 - sum(r.compute_s for r in results) / (len(results) * wall))
+
+
+def step_record(step: int, results: list[StepResult], *, train, seq_len: int, shape: MeshShape,
+                generation: int) -> dict[str, Any]:
+    """The JSONL record of one completed step: the global-batch loss (each replica reports its share),
+    the slowest rank's wall time, throughput, the learning rate, the mesh and the bubble."""
+    loss = sum(r.loss for r in results if r.loss is not None)
+    wall = max(r.step_time_s for r in results)
+    tokens = train.global_batch_size * seq_len
+    return {
+        "step": step, "loss": loss, "lr": lr_at(step, train), "tokens": tokens,
+        "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
+        "bubble": bubble_fraction(results),
+    }
 
 
 def write_timeline(path: str, step: int, results: list[StepResult]) -> None:

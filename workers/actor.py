@@ -25,7 +25,7 @@ import traceback
 import ray
 import torch
 
-from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult, WorkerStatus
+from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
 from workers.profiling import profiled_step
 
@@ -77,7 +77,7 @@ class RankActor:
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
-        self._joining: tuple[GenerationSpec, frozenset[int]] | None = None
+        self._joining: tuple[JoinSpec, frozenset[int]] | None = None
 
     def ping(self) -> tuple[int, str]:
         return os.getpid(), ray.util.get_node_ip_address()
@@ -91,8 +91,9 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     @_train
-    def join_generation(self, gen: GenerationSpec, spec: RuntimeSpec) -> RankInfo:
-        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``."""
+    def join_generation(self, gen: JoinSpec, spec: RuntimeSpec) -> RankInfo:
+        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
+        ``RankGroups`` and ``RankRuntime`` for it are built here."""
         from workers import sockets
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
@@ -156,13 +157,13 @@ class RankActor:
         return self.runtime.full_state()
 
     @_train
-    def save_checkpoint(self, path: str, step: int) -> dict:
+    def save_checkpoint(self, path: str, step: int) -> SaveAck:
         fault = self._take_fault("ckpt_write", step)
         if fault is not None:
             _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
-        return {"stall_s": self.runtime.save_checkpoint(path, step)}
+        return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> WriteAck:
         return self.runtime.wait_checkpoint()
 
     @_train

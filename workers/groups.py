@@ -1,7 +1,10 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
-As these change size at runtime, nothing may cache a rank, a world size or a group outside the
-``ProcessGroups`` object of the current generation: the runtime gets a new one on every rebuild.
+Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
+generation is ``orchestrator.controller.GenerationRecord``; the instruction to join it is a
+``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
+group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
+every rebuild.
 
 Every group is created here with an explicit timeout (``elastic.collective_timeout_s``):
 ``init_device_mesh`` would create its sub-groups with the backend default (30 min on gloo), so we make
@@ -84,8 +87,9 @@ def _restart_group_names() -> None:
 
 
 @dataclass
-class ProcessGroups:
-    """A rank's groups for one generation. ``destroy()`` ends the generation; nothing outlives it."""
+class RankGroups:
+    """Worker side: one rank's process groups and DeviceMesh for one generation (built from a
+    ``JoinSpec`` by ``build_process_groups``). ``destroy()`` ends the generation; nothing outlives it."""
 
     generation: int
     shape: MeshShape
@@ -134,7 +138,7 @@ def build_process_groups(
     timeout_s: float,
     device: torch.device,
     store_prefix: str | None = None,
-) -> ProcessGroups:
+) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
     _restart_group_names()
@@ -175,7 +179,7 @@ def build_process_groups(
         groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
     )
     ports = sorted(sockets.listening_ports() - listeners_before)
-    return ProcessGroups(
+    return RankGroups(
         generation=generation,
         shape=shape,
         world_rank=world_rank,

@@ -139,6 +139,22 @@ def test_missing_root_lists_nothing(tmp_path):
     assert list_checkpoints(str(tmp_path / "nope")) == [] and latest_valid(str(tmp_path / "nope")) is None
 
 
+def test_latest_valid_among_steps_and_reporting_skips(tmp_path, caplog):
+    """The resume decision's options (CheckpointCoordinator.resume_point): only the steps a run
+    committed, and skipped damaged ones handed to the caller instead of logged."""
+    root = str(tmp_path)
+    for step in (10, 20, 30):
+        _checkpoint(root, step)
+    _write_shards(root, 40)  # never committed
+    skipped = []
+    with caplog.at_level(logging.WARNING, logger="checkpoints.catalog"):
+        assert latest_valid(root, on_skip=skipped.append).step == 30
+        assert latest_valid(root, among={10, 20, 40}, on_skip=skipped.append).step == 20
+        assert latest_valid(root, among=set()) is None
+    assert [i.step for i in skipped] == [40, 40]
+    assert not [r for r in caplog.records if r.name == "checkpoints.catalog" and "skipping" in r.getMessage()]
+
+
 def test_purge_keeps_newest_and_cleans_partials(tmp_path):
     root = str(tmp_path)
     for step in (10, 20, 30, 40):
