@@ -1,4 +1,4 @@
-"""`elastimesh` / `python -m orchestrator`: train, plan, config, ckpt list|inspect, data prepare.
+"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, ckpt list|inspect, data prepare.
 
 Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
                       "allowed values, meaning) as README shows it")
+    _add_tune(sub)
     ckpt = sub.add_parser("ckpt", help="list or inspect checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
@@ -62,6 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--shard-tokens", type=int, default=8_000_000, help="tokens per shard at most")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _add_tune(sub) -> None:
+    from orchestrator.sweep import SCHEDULERS, SEARCH_ALGS
+
+    p = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune, one elastic job per trial")
+    p.add_argument("config", nargs="?", help="job TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--search", action="append", default=[], metavar="KEY=SPACE",
+                   help="choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b) (upper bound excluded)")
+    p.add_argument("--samples", type=int, default=1, help="trials to run")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="fifo", help="asha: stop bad trials early")
+    p.add_argument("--grace-steps", type=int, default=0, help="ASHA's first rung (default: steps / 4)")
+    p.add_argument("--search-alg", choices=SEARCH_ALGS, default="random",
+                   help="optuna: TPE (needs the optional `tune` extra)")
+    p.add_argument("--max-concurrent", type=int, default=0, help="trials at once (default: what fits)")
+    p.add_argument("--dir", help="the sweep's directory; rerun to resume (default: sweeps/<config name>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +131,10 @@ def _dispatch(args) -> int:
         logger.info("done: step %d, %d generation(s), %d restart(s)", summary.final_step,
                     summary.generations, summary.restarts)
         return 0
+    if args.command == "tune":
+        from orchestrator.sweep import tune_command
+
+        return tune_command(args)
     if args.command == "ckpt":
         from checkpoints.catalog import describe, format_table, list_checkpoints, require_root
 

@@ -162,6 +162,10 @@ class MetricsConfig:
     tensorboard_dir: str = key("", "TensorBoard log directory; empty = none")
     timeline: str = key("", "Chrome-trace timeline file of the latest step; empty = none")
     log_every: int = key(1, "log a step record every N steps", ge=1)
+    # Checked against train.steps in config_validate.profile_range; traces: workers/profiling.py.
+    profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
+                                 "on every rank, one file per rank and step; empty = off")
+    profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
 
 
 @dataclass(**_SECTION)

@@ -160,6 +160,7 @@ def validate_job(cfg: JobConfig) -> None:
     _check_relations(cfg)
     check_mesh(cfg, cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     _check_elastic_bounds(cfg)
+    profile_range(cfg.metrics.profile_steps, cfg.train.steps)
 
 
 def _check_relations(cfg: JobConfig) -> None:
@@ -228,3 +229,27 @@ def _check_elastic_bounds(cfg: JobConfig) -> None:
         f"elastic.max_dp={el.max_dp} < mesh.dp={dp}: raise elastic.max_dp to at least {dp}, "
         f"or set 0 to mean mesh.dp",
     )
+
+
+def profile_range(text: str, steps: int) -> tuple[int, int] | None:
+    """`metrics.profile_steps` "A:B" as (A, B), or None when empty; steps A..B must lie in the run."""
+    if not text.strip():
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        a, b = int(first), int(last or "x")
+    except ValueError:
+        a = b = None
+    _require(
+        bool(sep) and a is not None,
+        "metrics.profile_steps",
+        f"metrics.profile_steps={text!r} is not a step range: write \"A:B\" with whole numbers, "
+        f"e.g. \"2:3\" profiles steps 2 and 3 (empty = off)",
+    )
+    _require(
+        1 <= a <= b <= steps,
+        "metrics.profile_steps",
+        f"metrics.profile_steps=\"{a}:{b}\" is outside the run: need 1 <= A <= B <= "
+        f"train.steps={steps}",
+    )
+    return a, b

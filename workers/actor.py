@@ -27,6 +27,7 @@ import torch
 
 from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
+from workers.profiling import profiled_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,14 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 
 class RankActor:
-    def __init__(self, actor_id: int) -> None:
+    def __init__(self, actor_id: int, profile=None) -> None:
         # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s [actor={actor_id}] %(name)s: %(message)s"
         )
         self.actor_id = actor_id
+        self.profile = profile  # workers.profiling.ProfileSpec: which steps to trace (metrics.profile_steps)
         self.runtime = None
         self.generation = -1
         self.world_rank = -1
@@ -141,7 +143,8 @@ class RankActor:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
             self._arm_forward_fault(step)
-            return self.runtime.train_step(step, actions)
+            with profiled_step(self.profile, step, self.world_rank, self.generation):
+                return self.runtime.train_step(step, actions)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("step %d failed: %s\n%s", step, self.error, traceback.format_exc(limit=4))
