@@ -27,6 +27,7 @@ from orchestrator.errors import RebuildTimeoutError, TrainingFailed, WorkerGroup
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, bubble_fraction
+from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, choose_dp, fit_dp, grow_target
 from orchestrator.recovery import reason_line, settle
@@ -314,8 +315,8 @@ class Controller:
         number = (previous.number + 1) if previous else 1
         plan = make_plan(self.cfg, dp)
         live = self.group.live_ids
-        # Keep ranks of one replica together on a node: order by node, then age.
-        ordered = sorted(live, key=lambda a: (self.group.node_ips.get(a, ""), a))
+        # TP groups inside a node, then PP, then DP across nodes (orchestrator/placement.py).
+        ordered = place_ranks(live, self.group.node_ips, plan.shape).order
         members = {rank: ordered[rank] for rank in range(plan.shape.world)}
         spares = ordered[plan.shape.world:]
         spec = self._runtime_spec(plan)

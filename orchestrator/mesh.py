@@ -3,9 +3,9 @@
 Nothing here starts a process or imports torch/ray, so every rule is unit-tested directly.
 
 Rank order puts TP innermost, then PP, then DP (rank = (dp * pp_size + pp) * tp_size + tp), the same
-order as ``init_device_mesh(("dp", "pp", "tp"))``. Placement-group bundles are filled in rank order
-with the PACK strategy, so the ranks of one TP group are adjacent and land on one node, where TP's
-per-layer collectives are cheapest.
+order as ``init_device_mesh(("dp", "pp", "tp"))``, so the ranks of one TP group are adjacent;
+``orchestrator.placement`` gives each TP group actors of one node, where TP's per-layer collectives
+are cheapest.
 """
 
 from __future__ import annotations
