@@ -2,7 +2,7 @@
 
 Calls run in a small thread pool (``max_concurrency``), so while one thread is inside a training step
 — possibly blocked in a collective whose peer died — the driver can still poll the actor and tell it
-to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched into the
+to free it (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error inside a step is latched into the
 returned ``StepResult``; the driver decides what happens next.
 
 Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
@@ -48,6 +48,7 @@ class RankActor:
         self.busy = False
         self.error: str | None = None
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
+        self._backend = "gloo"  # of the current (or joining) generation's training groups
         self._lock = threading.Lock()
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
@@ -64,14 +65,17 @@ class RankActor:
     def join_generation(self, gen: GenerationSpec, spec: RuntimeSpec) -> RankInfo:
         """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``."""
         from workers import sockets
+        from workers.device import backend_for, select_device
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
         with self._lock:
             t0 = time.perf_counter()
             self._leave()
-            use_gpu = spec.use_gpu and torch.cuda.is_available()
-            device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+            # A GPU job on a rank without CUDA fails here, in one line (no silent gloo fallback).
+            device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
+                                   where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
+            self._backend = backend_for(device)
             self._joining = (gen, frozenset(sockets.listening_ports()))
             try:
                 self._maybe_fire_fault("join", gen.generation)
@@ -163,19 +167,27 @@ class RankActor:
     def kick(self, peers: list[tuple[str, int]]) -> int:
         """Make a collective blocked on a dead peer fail now (runs on a second actor thread).
 
+        gloo: this generation's gloo connections are shut down (``workers.sockets``). NCCL: the
+        communicators are aborted (``workers.groups.abort_nccl``) and only the checkpoint group's
+        gloo connections are shut down; NCCL's own sockets are never touched.
         Mid-join the new generation's listeners are not known to the driver yet, and a rank may be
         blocked in the rendezvous itself (waiting in the store for a peer that died before
-        registering), so then the connections of listeners opened since the join began and the
-        connection to the store are shut down too; the join then raises and leaves nothing behind.
+        registering), so then the connection to the store is shut down too, and on gloo the
+        connections of listeners opened since the join began (on NCCL those may be NCCL's
+        bootstrap: left alone); the join then raises and leaves nothing behind.
         """
+        from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
 
+        if self._backend == "nccl" and abort_nccl():
+            logger.warning("kick: NCCL communicators aborted")
         local = {port for _, port in self.gloo_listeners}
         remote = set(map(tuple, peers))
         joining = self._joining
         if joining is not None:
             gen, before = joining
-            local |= listening_ports() - before
+            if self._backend == "gloo":
+                local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
         return shutdown_gloo_sockets(local, remote)
 
