@@ -365,4 +365,5 @@ class Controller:
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
+            schedule=self.cfg.pipeline.schedule,
         )

@@ -26,6 +26,7 @@ class RuntimeSpec:
     use_gpu: bool
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
+    schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,9 +74,10 @@ class RankRuntime:
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
-            # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
+            # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
-            recv_lookahead=4 if groups.device.type == "cpu" else 0,
+            recv_lookahead=4 if groups.backend == "gloo" else 0,
+            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
         )
         self._writer = None
         self._save_future = None
@@ -86,6 +87,13 @@ class RankRuntime:
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
 
     # -- training ---------------------------------------------------------------------------------
+    def _nccl_plan(self, actions: list[Action]) -> list:
+        """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
+        from orchestrator.p2p_rounds import rank_batches
+
+        return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
+                            self.groups.coords.pp, tuple(actions))
+
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
         seq_len = self.spec.model.seq_len
