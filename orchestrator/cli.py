@@ -104,7 +104,7 @@ def _dispatch(args) -> int:
         from checkpoints.catalog import describe, format_table, list_checkpoints
 
         if args.ckpt_command == "list":
-            sys.stdout.write(format_table(list_checkpoints(args.dir)) + "\n")
+            sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
         return 0

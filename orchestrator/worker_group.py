@@ -80,7 +80,7 @@ class WorkerGroup:
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
-        from workers.actor import RankActor  # imported lazily: the class is shipped to the actors
+        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
         slots = self._bundles.usable()[:count]
@@ -92,7 +92,10 @@ class WorkerGroup:
                 raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
             self._pgs.append(pg)
             slots += [(pg, index) for index in range(fresh)]
-        remote_cls = ray.remote(RankActor)
+        # One long-lived thread runs all of a rank's training work (the "train" group); the default
+        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint).
+        # See workers/actor.py TRAIN_GROUP for why.
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
         ids = []
         for pg, index in slots:
             actor_id = self._next_id
@@ -101,7 +104,7 @@ class WorkerGroup:
             self.actors[actor_id] = remote_cls.options(
                 num_cpus=self.resources.cpus,
                 num_gpus=self.resources.gpus,
-                max_concurrency=4,
+                max_concurrency=3,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 ),

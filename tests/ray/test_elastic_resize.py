@@ -59,6 +59,10 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         survivors = {a: pid for a, pid in first.items() if a != 1}
         assert {a: group.pids[a] for a in survivors} == survivors  # same processes throughout
         assert len(group.pids) == 4  # 3 survivors + the replacement
+        # All training work of an actor ran on one thread, across four generations (full speed from
+        # step 2: per-thread caches are warm; workers/actor.py TRAIN_GROUP).
+        threads = group.call(list(group.actors), "train_threads", timeout_s=30)
+        assert threads.ok and set(threads.results.values()) == {1}
         assert [e["dp"] for e in events(tmp_path / "m.jsonl", "rebuild")] == [2, 4, 2]
         assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller), overrides, STEPS)
     finally:

@@ -265,7 +265,7 @@ def test_root_beneath_a_file_is_a_clear_error(tmp_path):
 
 def test_prepare_step_clears_a_leftover(tmp_path, caplog):
     root = str(tmp_path)
-    _checkpoint(root, 10)
+    _write_shards(root, 10)  # an interrupted save: shards, no manifest (a committed one is never removed)
     with caplog.at_level(logging.WARNING, logger="checkpoints.catalog"):
         path = prepare_step(root, 10)
     assert os.listdir(path) == [] and "leftover" in caplog.text
