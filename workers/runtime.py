@@ -208,8 +208,9 @@ class RankRuntime:
 
     def destroy(self) -> None:
         if self._writer is not None:
-            # A write still running belongs to a generation being torn down: never committed.
-            self._writer.abandon()
+            # A write still running belongs to a generation being torn down: never committed. Its
+            # staging buffers are released when it ends (at once if none runs).
+            self._writer.abandon(release=True)
             self._writer = None
         self._ckpt_state = None
         self.stages.clear()
