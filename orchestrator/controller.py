@@ -178,6 +178,7 @@ class Controller:
             "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": self.generation.number,
             "bubble": bubble_fraction(results),
+            **_loss_scale_fields(results),
         })
         self.metrics.timeline(step, results)
         if self._pending_rebuild_event is not None:
@@ -366,4 +367,13 @@ class Controller:
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
             schedule=self.cfg.pipeline.schedule,
+            cpu_offload=self.cfg.mesh.cpu_offload,
         )
+
+
+def _loss_scale_fields(results: list[StepResult]) -> dict:
+    """fp16 runs: the step's loss scale and whether its update was skipped (every rank agrees)."""
+    scales = [r.loss_scale for r in results if r.loss_scale is not None]
+    if not scales:
+        return {}
+    return {"loss_scale": scales[0], "skipped": any(r.skipped for r in results)}

@@ -27,6 +27,7 @@ class RuntimeSpec:
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
     schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
+    cpu_offload: bool = False  # mesh.cpu_offload
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,8 @@ class StepResult:
     step_time_s: float = 0.0
     compute_s: float = 0.0
     timings: tuple[ActionTiming, ...] = field(default_factory=tuple)
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward used
+    skipped: bool = False  # fp16: a gradient overflowed on some rank, so every rank skipped the update
 
 
 @dataclass(frozen=True, slots=True)

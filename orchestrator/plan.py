@@ -26,7 +26,7 @@ from orchestrator.schedule import (
     theoretical_bubble,
 )
 
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def param_counts(model) -> dict[str, int]:
@@ -146,7 +146,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype)
+    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload)
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,

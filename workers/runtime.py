@@ -22,6 +22,7 @@ from orchestrator.messages import RuntimeSpec, StepResult
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import ProcessGroups
+from workers.loss_scale import DynamicLossScale
 from workers.model import build_stage
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -29,7 +30,7 @@ from workers.pipeline import Executor, Stage, StepData
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RankRuntime:
@@ -54,8 +55,10 @@ class RankRuntime:
                 tp_mesh=groups.tp_mesh,
                 zero=spec.zero,
                 param_dtype=self.param_dtype,
-                shard_over_dp=fsdp_applies(shape.dp, train.dtype),
+                shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
                 fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                compile=train.compile,
+                cpu_offload=spec.cpu_offload,
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
@@ -77,8 +80,10 @@ class RankRuntime:
             # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
             recv_lookahead=4 if groups.backend == "gloo" else 0,
-            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
+            nccl_plan=self._nccl_plan if "nccl" in groups.backend else None,
         )
+        # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
+        self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
@@ -120,13 +125,24 @@ class RankRuntime:
         data = self._step_data(step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        scaler = self.loss_scale
+        if scaler is not None:
+            self.executor.loss_scale = scale_used = scaler.scale
         loss, timings, compute = self.executor.run(actions, data)
-        if self.spec.train.grad_clip > 0:
-            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
-        set_lr(self.optimizers, lr_at(step, self.spec.train))
-        self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-        for opt in self.optimizers:
-            opt.step()
+        finite = True
+        if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            scaler.update(finite)
+        if finite:
+            if self.spec.train.grad_clip > 0:
+                clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
+            set_lr(self.optimizers, lr_at(step, self.spec.train))
+            self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
+            for opt in self.optimizers:
+                opt.step()
+        else:
+            logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
+                           "scale now %g", step, scaler.scale)
         coords = self.groups.coords
         reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
         return StepResult(
@@ -137,6 +153,8 @@ class RankRuntime:
             step_time_s=time.perf_counter() - t0,
             compute_s=compute,
             timings=tuple(timings),
+            loss_scale=scale_used if scaler is not None else None,
+            skipped=not finite,
         )
 
     # -- inspection -------------------------------------------------------------------------------
@@ -175,7 +193,7 @@ class RankRuntime:
         if self._ckpt_state is None:  # kept for the generation: later saves take the fast path
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
-                                          rng=False)
+                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
         return self._save_call_s
@@ -204,6 +222,8 @@ class RankRuntime:
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
         )
+        if self.loss_scale is not None and point.loss_scale:
+            self.loss_scale.load_state_dict(point.loss_scale)
         return point.step
 
     def destroy(self) -> None:

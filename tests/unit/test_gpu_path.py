@@ -57,3 +57,33 @@ def test_a_cuda_rank_allows_tf32_for_fp32_matmuls():
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
+
+
+def test_compiled_blocks_keep_names_and_train_like_eager():
+    """``train.compile``'s per-block compile, traced with dynamo + AOT autograd ("aot_eager": the
+    graphs inductor would get, without its minutes of C++ compiling on 2 cores; inductor itself is
+    the slow distributed test): same parameter names, same losses and weights over 3 AdamW steps."""
+    import copy
+
+    from workers.model import lm_loss_sum
+    from workers.parallelize import apply_compile
+
+    cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.n_layers=2"])
+    eager = build_stage(cfg.model, range(2), seed=0, activation_checkpointing=True)
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled, backend="aot_eager")
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    opts = [build_optimizer(m, cfg.train) for m in (eager, compiled)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = (torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen) for _ in range(2))
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            opt.zero_grad()
+            loss = lm_loss_sum(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
