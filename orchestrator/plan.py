@@ -109,7 +109,8 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     layers_here = sum(ranges[s][1] - ranges[s][0] for s in stages)
     activations = per_layer * layers_here * inflight // max(1, len(stages))
     if plan.num_stages - 1 in stages:
-        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2  # fp32 logits + grad
+        # fp32 logits + their grad, vocab-sharded over tp (loss_parallel)
+        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2 // t
     return {
         "params": sharded * 4 + gathered,
         "grads": sharded * 4,

@@ -16,6 +16,8 @@ FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer st
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -41,8 +44,9 @@ def apply_tp(stage: GPT, tp_mesh: DeviceMesh) -> None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if stage.output is not None:
         plan["norm"] = SequenceParallel()
-        # Full logits on every tp rank: the loss is then the plain single-process loss.
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # Logits stay sharded over the vocabulary (a DTensor): the loss is computed under
+        # loss_parallel (``loss_context``), so no rank holds full-vocabulary fp32 logits.
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     if plan:
         parallelize_module(stage, tp_mesh, plan)
     for block in stage.layers.values():
@@ -128,6 +132,12 @@ def parallelize_stage(
         apply_fsdp(stage, dp_mesh, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes,
                    cpu_offload=cpu_offload)
     return stage
+
+
+def loss_context(logits_or_loss: torch.Tensor):
+    """Where the last stage's loss and its backward run: ``loss_parallel`` for vocab-sharded TP
+    logits (cross-entropy reduced across tp ranks without gathering the vocabulary), else nothing."""
+    return loss_parallel() if isinstance(logits_or_loss, DTensor) else contextlib.nullcontext()
 
 
 def uses_fsdp(stage: nn.Module) -> bool:

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from orchestrator.messages import ActionTiming
 from orchestrator.p2p_rounds import Batch
 from orchestrator.schedule import Action, Op
 from workers.model import lm_loss_sum
 from workers.p2p import StepPosting, Transport
-from workers.parallelize import uses_fsdp
+from workers.parallelize import loss_context, uses_fsdp
 
 
 @dataclass
@@ -157,8 +158,12 @@ class Executor:
                 x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
                 out = stage.module(x)
                 if stage.is_last:
-                    loss_sum = lm_loss_sum(out, data.targets[mb])
-                    loss_share += loss_sum.detach().double() * data.report_scale
+                    with loss_context(out):  # TP: vocab-sharded logits (workers.parallelize)
+                        loss_sum = lm_loss_sum(out, data.targets[mb])
+                    value = loss_sum.detach()
+                    if isinstance(value, DTensor):  # replicated over tp
+                        value = value.to_local()
+                    loss_share += value.double() * data.report_scale
                     out = loss_sum * (data.grad_scale * self.loss_scale)
                 stage.outputs[mb] = out
             elif op == Op.RECV_B:
@@ -190,7 +195,8 @@ class Executor:
             stage.module.set_reshard_after_backward(last)
         out = stage.outputs.pop(mb)
         if stage.is_last:
-            out.backward()
+            with loss_context(out):
+                out.backward()
         else:
             torch.autograd.backward(out, stage.grad_outputs.pop(mb))
         if not stage.is_first:

@@ -8,6 +8,8 @@
   loss scale halves on every rank, and the halved scale is saved in the checkpoint and used again
   after a resume in a new generation.
 * ``train.compile``: a compiled run equals the eager reference (slow: inductor on 2 shared cores).
+* TP's ``loss_parallel``: the last stage's logits stay sharded over the vocabulary (each tp rank
+  holds V / tp columns) and the loss still equals the reference's.
 """
 
 from __future__ import annotations
@@ -106,6 +108,31 @@ def test_fp16_overflow_skips_the_step_everywhere_and_the_halved_scale_survives_a
     for rank, results in resumed.results.items():
         assert results[0].loss_scale == 2.0**15 and not results[0].skipped
         assert resumed.extras[rank] == {"scale": 2.0**15, "growth_tracker": 2}
+
+
+def _logits_layout(runtime):
+    """Record the shape of the logits the last stage hands to the loss, on every tp rank."""
+    from torch.distributed.tensor import DTensor
+
+    seen = []
+    last = runtime.stages[max(runtime.stages)]
+    if last.is_last:
+        def hook(module, args, out):
+            local = out.to_local() if isinstance(out, DTensor) else out
+            seen.append((type(out).__name__, tuple(local.shape), str(getattr(out, "placements", ""))))
+        last.module.output.register_forward_hook(hook)
+    return lambda: seen[:1]
+
+
+@pytest.mark.timeout(240)
+def test_tp_loss_is_vocab_parallel_and_matches_reference():
+    run = run_mesh(1, 1, 2, SMALL, steps=3, instrument=_logits_layout)
+    ref = reference(SMALL, 3)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
+    for rank in (0, 1):
+        (kind, shape, placements), = run.extras[rank]
+        assert kind == "DTensor" and "Shard(dim=2)" in placements
+        assert shape == (1, 32, 256 // 2)  # micro batch, seq, half of the vocabulary
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels: minutes on 2 shared cores
