@@ -103,7 +103,7 @@ class RankActor:
             # A GPU job on a rank without CUDA fails here, in one line (no silent gloo fallback).
             device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
                                    where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
-            self._backend = backend_for(device, spec.cpu_offload)
+            self._backend = backend_for(device)
             self._joining = (gen, frozenset(sockets.listening_ports()))
             try:
                 self._maybe_fire_fault("join", gen.generation)
@@ -116,7 +116,6 @@ class RankActor:
                     world_rank=gen.world_rank,
                     timeout_s=spec.collective_timeout_s,
                     device=device,
-                    cpu_collectives=spec.cpu_offload,
                 )
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -213,7 +212,7 @@ class RankActor:
         from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
 
-        if "nccl" in self._backend and abort_nccl():
+        if self._backend == "nccl" and abort_nccl():
             logger.warning("kick: NCCL communicators aborted")
         local = {port for _, port in self.gloo_listeners}
         remote = set(map(tuple, peers))

@@ -37,16 +37,9 @@ class DeviceError(RuntimeError):
     """A rank cannot compute on the device its job asks for (one line, for the driver's report)."""
 
 
-def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
-    """The process-group backend for ``device``: NCCL on CUDA, gloo on the CPU.
-
-    ``cpu_collectives`` (``mesh.cpu_offload``): the training groups also reduce host tensors (the
-    grad norm of offloaded gradients, full parameters for the driver), so on CUDA they get a gloo
-    backend for CPU tensors next to NCCL, as TorchTitan does for CPU offload.
-    """
-    if device.type != "cuda":
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for ``device``: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:

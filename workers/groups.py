@@ -104,7 +104,7 @@ class ProcessGroups:
     ckpt_group: dist.ProcessGroup
     axis_names: dict[MeshAxis, str]  # generation-unique mesh axis names (see _axis_names)
     gloo_ports: list[int] = field(default_factory=list)
-    backend: str = "gloo"  # of the training groups (workers.device.backend_for); checkpoints: gloo
+    backend: str = "gloo"  # of the training groups; checkpoints always use gloo
     destroyed: bool = False
 
     @property
@@ -150,20 +150,13 @@ def build_process_groups(
     timeout_s: float,
     device: torch.device,
     store_prefix: str | None = None,
-    cpu_collectives: bool = False,
 ) -> ProcessGroups:
-    """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
-
-    ``cpu_collectives`` (``mesh.cpu_offload``): on CUDA the training groups get gloo for host
-    tensors as well (``workers.device.backend_for``). NCCL is then initialised lazily (no
-    ``device_id``): its bootstrap must not open sockets while the gloo listeners are recorded.
-    """
+    """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
     _restart_group_names()
     timeout = timedelta(seconds=timeout_s)
-    backend = backend_for(device, cpu_collectives)
-    nccl = "nccl" in backend
-    eager = backend == "nccl"  # NCCL alone: its communicators are made at once on the rank's GPU
+    backend = backend_for(device)
+    nccl = backend == "nccl"
     if nccl:
         apply_nccl_env()
     listeners_before = sockets.listening_ports()
@@ -174,7 +167,7 @@ def build_process_groups(
         store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
         dist.init_process_group(
             backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
-            device_id=device if eager else None,
+            device_id=device if nccl else None,  # eager NCCL init on this rank's GPU
         )
         groups: list[dist.ProcessGroup] = []
         for axis in AXES:
@@ -186,8 +179,8 @@ def build_process_groups(
                     mine = group
             groups.append(mine)
         # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
-        # With eager NCCL only this group's listeners are surely gloo's: only they are recorded.
-        if eager:
+        # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
+        if nccl:
             listeners_before = sockets.listening_ports()
         ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
         ports = sorted(sockets.listening_ports() - listeners_before)
@@ -231,7 +224,7 @@ def abort_nccl() -> bool:
     """
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_initialized() or "nccl" not in dist.get_backend():
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
         return False
     c10d._abort_process_group()
     return True

@@ -53,7 +53,9 @@ def clip_grad_norm(
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
     if isinstance(total, DTensor):
-        total = total.full_tensor()
+        # Offloaded gradients (mesh.cpu_offload) give a host tensor: reduce it on the mesh's device,
+        # where the group's backend (NCCL on GPU) can.
+        total = total.to(total.device_mesh.device_type).full_tensor()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         squared = total.pow(2)
         dist.all_reduce(squared, group=pp_group)

@@ -11,7 +11,9 @@ pipeline stage sends to the next one is the *local* sequence shard of shape [b, 
 ``train.compile`` compiles each block after TP and before FSDP (TorchTitan's order), in place
 (``Module.compile``), so parameter names, and with them checkpoints, do not change; FSDP2's hooks
 run outside the compiled code (dynamo skips them). ``mesh.cpu_offload`` gives every FSDP unit
-FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step stay on the host.
+FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step stay on the host
+(the few reductions of host tensors, the grad norm and full parameters, move them to the mesh's
+device first, so the training groups need no CPU backend beside NCCL).
 """
 
 from __future__ import annotations

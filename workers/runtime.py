@@ -80,7 +80,7 @@ class RankRuntime:
             # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
             recv_lookahead=4 if groups.backend == "gloo" else 0,
-            nccl_plan=self._nccl_plan if "nccl" in groups.backend else None,
+            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
         )
         # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
         self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
@@ -169,7 +169,9 @@ class RankRuntime:
         keep = self.groups.coords.dp == 0 and self.groups.coords.tp == 0
         for stage in self.stages.values():
             for name, param in stage.module.named_parameters():
-                full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+                # Offloaded shards live on the host: gather them on the mesh's device (NCCL).
+                full = (param.to(param.device_mesh.device_type).full_tensor() if isinstance(param, DTensor)
+                        else param).detach()
                 if keep:
                     out[name] = full.float().cpu().numpy().copy()
         return out
