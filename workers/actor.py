@@ -104,6 +104,11 @@ class RankActor:
             device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
                                    where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
             self._backend = backend_for(device)
+            if device.type == "cuda":
+                # The host's share of a GPU rank (the offloaded optimizer step, data, staging) gets
+                # the CPUs Ray reserved for it, not the one thread CPU ranks share cores with.
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+                torch.set_num_threads(max(1, int(cpus)))
             self._joining = (gen, frozenset(sockets.listening_ports()))
             try:
                 self._maybe_fire_fault("join", gen.generation)
