@@ -224,7 +224,7 @@ def part_checkpoint_stall(dry: bool, saves: int, workdir: str) -> dict:
             runtime.save_checkpoint(path, rank.step)
             rank.train()  # overlaps the write; waits for staging before its optimizer step
             ack = runtime.wait_checkpoint()
-            stalls.append(ack["stall_s"])
+            stalls.append(ack.stall_s)
             _rm(path)
     finally:
         rank.close()

@@ -1,7 +1,10 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
-As these change size at runtime, nothing may cache a rank, a world size or a group outside the
-``ProcessGroups`` object of the current generation: the runtime gets a new one on every rebuild.
+Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
+generation is ``orchestrator.controller.GenerationRecord``; the instruction to join it is a
+``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
+group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
+every rebuild.
 
 Every group is created here with an explicit timeout (``elastic.collective_timeout_s``):
 ``init_device_mesh`` would create its sub-groups with the backend default (30 min on gloo), so we make
@@ -68,7 +71,7 @@ def _axis_names(tag: str) -> dict[MeshAxis, str]:
     for the old mesh matches the new one and hands back a spec bound to the *old* mesh object, so
     this rank computes shard offsets from its old coordinate: DCP saves then fail ("invalid fill" in
     the global plan) or, worse, loads and optimizer states land at wrong offsets with no error
-    (cpu-gloo-facts gotcha 6; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
+    (docs/design.md, Generations and F5; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
     (see ``clear_dtensor_caches``); names unique per process make every old entry unreachable.
     """
     count = next(_meshes_built)
@@ -92,8 +95,9 @@ def _restart_group_names() -> None:
 
 
 @dataclass
-class ProcessGroups:
-    """A rank's groups for one generation. ``destroy()`` ends the generation; nothing outlives it."""
+class RankGroups:
+    """Worker side: one rank's process groups and DeviceMesh for one generation (built from a
+    ``JoinSpec`` by ``build_process_groups``). ``destroy()`` ends the generation; nothing outlives it."""
 
     generation: int
     shape: MeshShape
@@ -150,7 +154,7 @@ def build_process_groups(
     timeout_s: float,
     device: torch.device,
     store_prefix: str | None = None,
-) -> ProcessGroups:
+) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
     _restart_group_names()
@@ -163,7 +167,7 @@ def build_process_groups(
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
         # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
-        # reused prefix would meet the previous generation's keys (gotcha 5).
+        # reused prefix would meet the previous generation's keys (docs/design.md, F4).
         store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
         dist.init_process_group(
             backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
@@ -178,7 +182,7 @@ def build_process_groups(
                 if world_rank in members:
                     mine = group
             groups.append(mine)
-        # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
+        # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
         # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
         if nccl:
             listeners_before = sockets.listening_ports()
@@ -198,7 +202,7 @@ def build_process_groups(
     mesh = DeviceMesh.from_group(
         groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
     )
-    return ProcessGroups(
+    return RankGroups(
         generation=generation,
         shape=shape,
         world_rank=world_rank,
@@ -219,7 +223,7 @@ def abort_nccl() -> bool:
     them) end with an error at once instead of at the timeout. ``_abort_process_group`` (private,
     documented as experimental; an upgrade that drops it must fail here loudly) aborts all groups
     inside one ncclGroupStart/End, so one communicator's abort cannot wait on another's
-    (pytorch#119797), and it deinitialises torch.distributed, so ``ProcessGroups.destroy`` then has
+    (pytorch#119797), and it deinitialises torch.distributed, so ``RankGroups.destroy`` then has
     nothing left to do. Runs while the training thread may be inside the generation's ops: they raise.
     """
     from torch.distributed import distributed_c10d as c10d
