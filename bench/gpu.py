@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import sys
@@ -82,25 +81,16 @@ class OneRank:
     _generation = 0
 
     def __init__(self, overrides: list[str], device: torch.device, steps: int) -> None:
-        from orchestrator.config import load_config, microbatches_per_replica
-        from orchestrator.mesh import MeshShape
-        from orchestrator.messages import RuntimeSpec
-        from orchestrator.schedule import make_schedule
-        from workers.groups import build_process_groups
-        from workers.runtime import RankRuntime
+        from common import rank_runtime
+        from orchestrator.config import load_config
 
-        cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1", f"train.steps={steps}"])
+        self.cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1", f"train.steps={steps}"])
         OneRank._generation += 1
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        groups = build_process_groups(store_addr="127.0.0.1", store_port=self.store.port,
-                                      generation=OneRank._generation, shape=MeshShape(1, 1, 1), world_rank=0,
-                                      timeout_s=300, device=device, store_prefix=f"gpu-bench-{OneRank._generation}")
-        spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=3,
-                           layers_per_stage=(cfg.model.n_layers,), virtual_stages=1, collective_timeout_s=300,
-                           use_gpu=device.type == "cuda", schedule="1f1b")
-        self.cfg, self.device = cfg, device
-        self.runtime = RankRuntime(spec, groups)
-        self.actions = make_schedule("1f1b", 1, microbatches_per_replica(cfg.train, 1), 1)[0]
+        self.runtime, self.actions = rank_runtime(self.cfg, store_port=self.store.port, generation=OneRank._generation,
+                                                  timeout_s=300, store_prefix=f"gpu-bench-{OneRank._generation}",
+                                                  device=device)
+        self.device = device
         self.step = 0
 
     def train(self) -> tuple[float, float]:
@@ -257,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if not in PEAK_BF16")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
+    from common import write_result  # bench/ is on sys.path
+
     dry, parts = args.dry_run, set(args.parts.split(","))
     if not dry and not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here; use --dry-run for the CPU smoke run", file=sys.stderr)
@@ -282,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             result["nccl_mesh"] = part_nccl_mesh(dry, run=not dry or args.ray, workdir=workdir)
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     goals = {k: v.get("goal_met") for k, v in result.items() if isinstance(v, dict) and "goal_met" in v}
     print(f"gpu bench ({'dry run' if dry else torch.cuda.get_device_name()}): goals {goals} -> {out}")
     return 0

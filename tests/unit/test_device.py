@@ -56,7 +56,7 @@ def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(m
     """Mid-join, listeners opened since the join began are gloo's on a gloo job but may be NCCL's
     bootstrap on an NCCL job: only the gloo job shuts them down; NCCL gets its communicators aborted."""
     from orchestrator.mesh import MeshShape
-    from orchestrator.messages import GenerationSpec
+    from orchestrator.messages import JoinSpec
     from workers import actor as actor_mod
     from workers import groups, sockets
 
@@ -69,7 +69,7 @@ def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(m
                         lambda local, remote: calls.setdefault("shutdown", (set(local), set(remote))) and 0)
     rank._backend = backend
     rank.gloo_listeners = (("10.0.0.1", 5000),)  # the checkpoint group's gloo listener on NCCL
-    gen = GenerationSpec(2, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen2")
+    gen = JoinSpec(2, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen2")
     rank._joining = (gen, frozenset({1000, 2000}))
     rank.kick([("10.0.0.2", 6000)])
     local, remote = calls["shutdown"]
