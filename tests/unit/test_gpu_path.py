@@ -87,3 +87,43 @@ def test_compiled_blocks_keep_names_and_train_like_eager():
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fp16_step_records_carry_the_loss_scale_and_the_skip():
+    from orchestrator.mesh import MeshShape
+    from orchestrator.messages import StepResult
+    from orchestrator.metrics import step_record
+
+    cfg = load_config(None, ["train.dtype=float16"])
+    skipped = [StepResult(step=3, world_rank=r, ok=True, loss=1.0 if r == 0 else None, step_time_s=0.1,
+                          loss_scale=32768.0, skipped=True) for r in range(2)]
+    record = step_record(3, skipped, train=cfg.train, seq_len=64, shape=MeshShape(2, 1, 1), generation=1)
+    assert record["loss_scale"] == 32768.0 and record["skipped"] is True
+    plain = [StepResult(step=3, world_rank=0, ok=True, loss=1.0, step_time_s=0.1)]
+    record = step_record(3, plain, train=cfg.train, seq_len=64, shape=MeshShape(1, 1, 1), generation=1)
+    assert "loss_scale" not in record and "skipped" not in record
+
+
+def test_loss_scale_follows_gradscalers_rule():
+    from workers.loss_scale import DynamicLossScale
+
+    scale = DynamicLossScale(growth_interval=3)
+    for finite in (True, True):
+        scale.update(finite)
+    assert (scale.scale, scale.growth_tracker) == (2.0**16, 2)
+    scale.update(False)
+    assert (scale.scale, scale.growth_tracker) == (2.0**15, 0)
+    for _ in range(3):
+        scale.update(True)
+    assert (scale.scale, scale.growth_tracker) == (2.0**16, 0)
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((3,), 4.0)
+    scale.scale = 2.0
+    assert scale.unscale_(params, torch.device("cpu"), None) is True
+    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in params)
+    params[1].grad[0] = float("nan")
+    assert scale.unscale_(params, torch.device("cpu"), None) is False
+    restored = DynamicLossScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored.state_dict() == {"scale": 2.0, "growth_tracker": 0}
