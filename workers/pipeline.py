@@ -4,9 +4,9 @@ The list is executed literally, in order. Sends are posted asynchronously and wa
 of the step; receives block. The driver's schedule is proven deadlock-free under exactly that model
 (orchestrator/schedule.py's simulator). What crosses a stage boundary is the local tensor each
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
-dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: receives
-a few actions ahead; NCCL: each run of consecutive communication actions as one batch) is
-``workers.p2p``'s business.
+dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: one op at
+a time, receives a few actions ahead; NCCL: lockstep batches planned from every rank's list, since
+NCCL's sends are not asynchronous in the simulator's sense) is ``workers.p2p``'s business.
 
 Per-action timings (bubble, straggler scores) are host ``perf_counter`` stamps on the CPU. On CUDA
 the host only enqueues kernels, so host stamps would time launches; there they are CUDA events on
