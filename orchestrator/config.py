@@ -61,6 +61,8 @@ class MeshConfig:
     fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
                                     "reduce-scatter) up to this many MB of fp32 parameters per tp "
                                     "shard; 0 = one unit per block", ge=0)
+    cpu_offload: bool = key(False, "ZeRO-Offload: sharded parameters, gradients and the optimizer "
+                                   "step on the host (FSDP2 CPUOffloadPolicy); needs zero=3")
 
     @property
     def world(self) -> int:
@@ -105,8 +107,10 @@ class TrainConfig:
     beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = key(1.0, "global grad-norm clip; 0 = off", ge=0)
     seed: int = key(0, "fixes the initial weights and the global sample order")
-    dtype: str = key("float32", "parameter and compute dtype", choices=DTYPES)
+    dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
+                                "scaling, for GPUs without bf16", choices=DTYPES)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
+    compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
 
 
 @dataclass(**_SECTION)

@@ -24,7 +24,7 @@ from orchestrator.config_schema import ConfigError, check_values
 if TYPE_CHECKING:  # only for annotations; config.py imports this module at runtime
     from orchestrator.config import JobConfig, TrainConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 ZERO_STAGES = (2, 3)
 BUILTIN_DATA = "builtin"
@@ -202,6 +202,12 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.schedule='interleaved_1f1b' (got {pipe.schedule!r}): set virtual_stages=1 "
             f"or switch the schedule",
         )
+    _require(
+        not cfg.mesh.cpu_offload or cfg.mesh.zero == 3,
+        "mesh.cpu_offload",
+        "mesh.cpu_offload=true needs mesh.zero=3: ZeRO-2 keeps the parameters gathered on the "
+        "device through the step; set mesh.zero=3 or mesh.cpu_offload=false",
+    )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(

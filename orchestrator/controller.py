@@ -46,6 +46,7 @@ from orchestrator.evaluation import Evaluator
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
+from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan, model_fields
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.recovery import settle
@@ -289,7 +290,7 @@ class Controller:
         previous = self.generation
         number = (previous.number + 1) if previous else 1
         plan = make_plan(self.cfg, decision.dp)
-        members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape.world)
+        members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape)
         spec = self._runtime_spec(plan)
         host, port = self.store_address
         args = {
@@ -333,6 +334,8 @@ class Controller:
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
             **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
             mask_eos_id=self.mask_eos_id,
+            schedule=self.cfg.pipeline.schedule,
+            cpu_offload=self.cfg.mesh.cpu_offload,
         )
 
 
@@ -343,11 +346,11 @@ def _carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
     return decision
 
 
-def _assign(live: list[int], node_ips: dict[int, str], world: int) -> tuple[dict[int, int], list[int]]:
-    """World rank -> actor id for the first ``world`` live actors, and the spares. Ranks of one replica
-    stay together on a node: actors are ordered by node, then age."""
-    ordered = sorted(live, key=lambda a: (node_ips.get(a, ""), a))
-    return {rank: ordered[rank] for rank in range(world)}, ordered[world:]
+def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:
+    """World rank -> actor id for ``shape.world`` of the live actors, and the spares: TP groups inside
+    a node, then PP, then DP across nodes (orchestrator/placement.py)."""
+    ordered = place_ranks(live, node_ips, shape).order
+    return {rank: ordered[rank] for rank in range(shape.world)}, ordered[shape.world:]
 
 
 def _step_broken(o: CallOutcome) -> bool:

@@ -92,7 +92,16 @@ def step_record(step: int, results: list[StepResult], *, train, seq_len: int, sh
         "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
         "bubble": bubble_fraction(results),
+        **_loss_scale_fields(results),
     }
+
+
+def _loss_scale_fields(results: list[StepResult]) -> dict[str, Any]:
+    """fp16 runs: the step's loss scale and whether its update was skipped (every rank agrees)."""
+    scales = [r.loss_scale for r in results if r.loss_scale is not None]
+    if not scales:
+        return {}
+    return {"loss_scale": scales[0], "skipped": any(r.skipped for r in results)}
 
 
 def write_timeline(path: str, step: int, results: list[StepResult]) -> None:

@@ -27,7 +27,7 @@ from orchestrator.schedule import (
     theoretical_bubble,
 )
 
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def param_counts(model) -> dict[str, int]:
@@ -126,7 +126,8 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     layers_here = sum(ranges[s][1] - ranges[s][0] for s in stages)
     activations = per_layer * layers_here * inflight // max(1, len(stages))
     if plan.num_stages - 1 in stages:
-        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2  # fp32 logits + grad
+        # fp32 logits + their grad, vocab-sharded over tp (loss_parallel)
+        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2 // t
     return {
         "params": sharded * 4 + gathered,
         "grads": sharded * 4,
@@ -163,7 +164,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype)
+    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload)
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,

@@ -36,6 +36,13 @@ logger = logging.getLogger(__name__)
 LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
+    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+
+
 @dataclass(frozen=True, slots=True)
 class ActorResources:
     cpus: float
@@ -231,7 +238,7 @@ class WorkerGroup:
                 except RayActorError as exc:
                     outcome.dead[actor_id] = type(exc).__name__
                 except Exception as exc:  # the method raised: latched for the controller
-                    outcome.failed[actor_id] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    outcome.failed[actor_id] = error_line(exc)
             if stop_early is not None and stop_early(outcome):
                 break
         outcome.pending = [refs[r] for r in remaining]

@@ -91,6 +91,9 @@ class Attention(nn.Module):
         cos, sin = self.rope(s, x.device)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        # is_causal=True and no mask tensor: in bf16/fp16 on CUDA that lets SDPA pick the flash (or
+        # memory-efficient) kernel; a mask would force the math path, which materialises the s x s
+        # scores (tests/unit/test_gpu_path.py runs this with only the flash backend allowed).
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

@@ -8,16 +8,25 @@ and on the stage root over the dp axis (giving 2-D (dp, tp) DTensors when both a
 
 Sequence parallelism keeps the residual stream sharded on the sequence dim between blocks, so what a
 pipeline stage sends to the next one is the *local* sequence shard of shape [b, seq/tp, d].
+
+``train.compile`` compiles each block after TP and before FSDP (TorchTitan's order), in place
+(``Module.compile``), so parameter names, and with them checkpoints, do not change; FSDP2's hooks
+run outside the compiled code (dynamo skips them). ``mesh.cpu_offload`` gives every FSDP unit
+FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step stay on the host
+(the few reductions of host tensors, the grad norm and full parameters, move them to the mesh's
+device first, so the training groups need no CPU backend beside NCCL).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from orchestrator.mesh import fsdp_units
 
@@ -36,8 +45,15 @@ def _local_bytes(module: nn.Module) -> int:
     )
 
 
+def apply_compile(stage: nn.Module, family, backend: str = "inductor") -> None:
+    """torch.compile every block of the stage (the family's ``blocks``) in place (names unchanged)."""
+    for block in family.blocks(stage):
+        block.compile(backend=backend)
+
+
 def apply_fsdp(
-    stage: nn.Module, dp_mesh: DeviceMesh, family, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0
+    stage: nn.Module, dp_mesh: DeviceMesh, family, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0,
+    cpu_offload: bool = False,
 ) -> None:
     """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step).
 
@@ -46,15 +62,17 @@ def apply_fsdp(
     dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory only where there is a device to copy to and from.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = zero == 3
     blocks = list(family.blocks(stage))
     for unit in fsdp_units([_local_bytes(b) for b in blocks], fsdp_unit_bytes):
         members = [blocks[i] for i in unit]
         # fully_shard on a list makes one parameter group (one collective) for all its modules.
         fully_shard(members if len(members) > 1 else members[0], mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=reshard)
+                    reshard_after_forward=reshard, offload_policy=offload)
     # The root holds embedding/norm/head; it is used last in forward, so never reshard it there.
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
 
 
 def parallelize_stage(
@@ -67,13 +85,25 @@ def parallelize_stage(
     param_dtype: torch.dtype,
     shard_over_dp: bool,
     fsdp_unit_bytes: int = 0,
+    compile: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
-    """TP/SP when tp > 1, then FSDP2 when ``shard_over_dp`` (``orchestrator.mesh.fsdp_applies``)."""
+    """TP/SP when tp > 1, compile when asked, then FSDP2 when ``shard_over_dp``
+    (``orchestrator.mesh.fsdp_applies``, which is true whenever ``cpu_offload`` is)."""
     if tp_mesh.size() > 1:
         apply_tp(stage, tp_mesh, family)
+    if compile:
+        apply_compile(stage, family)
     if shard_over_dp:
-        apply_fsdp(stage, dp_mesh, family, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes)
+        apply_fsdp(stage, dp_mesh, family, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes,
+                   cpu_offload=cpu_offload)
     return stage
+
+
+def loss_context(logits_or_loss: torch.Tensor):
+    """Where the last stage's loss and its backward run: ``loss_parallel`` for vocab-sharded TP
+    logits (cross-entropy reduced across tp ranks without gathering the vocabulary), else nothing."""
+    return loss_parallel() if isinstance(logits_or_loss, DTensor) else contextlib.nullcontext()
 
 
 def uses_fsdp(stage: nn.Module) -> bool:

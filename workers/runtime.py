@@ -28,13 +28,14 @@ from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
+from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RankRuntime:
@@ -57,8 +58,9 @@ class RankRuntime:
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
-                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype),
+                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                    compile=train.compile, cpu_offload=spec.cpu_offload,
                 ),
             )
             self.stages[index] = Stage(
@@ -85,11 +87,14 @@ class RankRuntime:
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
-            # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
+            # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
-            recv_lookahead=4 if groups.device.type == "cpu" else 0,
+            recv_lookahead=4 if groups.backend == "gloo" else 0,
+            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
             loss_fn=self.family.loss_sum,
         )
+        # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
+        self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
@@ -98,6 +103,13 @@ class RankRuntime:
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
 
     # -- training ---------------------------------------------------------------------------------
+    def _nccl_plan(self, actions: list[Action]) -> list:
+        """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
+        from orchestrator.p2p_rounds import rank_batches
+
+        return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
+                            self.groups.coords.pp, tuple(actions))
+
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
         ids = data_lib.replica_microbatches(
@@ -117,14 +129,25 @@ class RankRuntime:
         data = self._step_data(step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        scaler = self.loss_scale
+        if scaler is not None:
+            self.executor.loss_scale = scale_used = scaler.scale
         loss, timings, compute = self.executor.run(actions, data)
         self.tied.sync()
-        if self.spec.train.grad_clip > 0:
-            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
-        set_lr(self.optimizers, lr_at(step, self.spec.train))
-        self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-        for opt in self.optimizers:
-            opt.step()
+        finite = True
+        if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            scaler.update(finite)
+        if finite:
+            if self.spec.train.grad_clip > 0:
+                clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
+            set_lr(self.optimizers, lr_at(step, self.spec.train))
+            self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
+            for opt in self.optimizers:
+                opt.step()
+        else:
+            logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
+                           "scale now %g", step, scaler.scale)
         coords = self.groups.coords
         reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
         return StepResult(
@@ -135,6 +158,8 @@ class RankRuntime:
             step_time_s=time.perf_counter() - t0,
             compute_s=compute,
             timings=tuple(timings),
+            loss_scale=scale_used if scaler is not None else None,
+            skipped=not finite,
         )
 
     # -- inspection -------------------------------------------------------------------------------
@@ -149,7 +174,9 @@ class RankRuntime:
         keep = self.groups.coords.dp == 0 and self.groups.coords.tp == 0
         for stage in self.stages.values():
             for name, param in stage.module.named_parameters():
-                full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+                # Offloaded shards live on the host: gather them on the mesh's device (NCCL).
+                full = (param.to(param.device_mesh.device_type).full_tensor() if isinstance(param, DTensor)
+                        else param).detach()
                 if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
                     out[name] = full.float().cpu().numpy().copy()
         return out
@@ -173,7 +200,7 @@ class RankRuntime:
         if self._ckpt_state is None:  # kept for the generation: later saves take the fast path
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
-                                          rng=False)
+                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
         state["extra"]["model"] = self._model_record()
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
@@ -213,12 +240,15 @@ class RankRuntime:
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
         )
+        if self.loss_scale is not None and point.loss_scale:
+            self.loss_scale.load_state_dict(point.loss_scale)
         return point.step
 
     def destroy(self) -> None:
         if self._writer is not None:
-            # A write still running belongs to a generation being torn down: never committed.
-            self._writer.abandon()
+            # A write still running belongs to a generation being torn down: never committed. Its
+            # staging buffers are released when it ends (at once if none runs).
+            self._writer.abandon(release=True)
             self._writer = None
         self._ckpt_state = None
         self.stages.clear()

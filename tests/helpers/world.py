@@ -150,6 +150,8 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         zero=cfg.mesh.zero,
         fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
         mask_eos_id=mask_eos_for(cfg.data),
+        schedule=cfg.pipeline.schedule,
+        cpu_offload=cfg.mesh.cpu_offload,
         layers_per_stage=job.layers_per_stage,
         virtual_stages=v,
         collective_timeout_s=job.collective_timeout_s,

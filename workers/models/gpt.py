@@ -84,7 +84,9 @@ def megatron_plan(stage: Any) -> dict[str, Any]:
     if getattr(stage, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
     if getattr(stage, "output", None) is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # Logits stay sharded over the vocabulary (a DTensor): the loss runs under loss_parallel
+        # (workers.parallelize.loss_context), so no rank holds full-vocabulary fp32 logits.
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     for index in stage.layers:
         p = f"layers.{index}."
         plan.update({
