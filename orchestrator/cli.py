@@ -136,7 +136,8 @@ def _dispatch(args) -> int:
 
         return tune_command(args)
     if args.command == "ckpt":
-        from checkpoints.catalog import describe, format_table, list_checkpoints, require_root
+        from checkpoints.catalog import list_checkpoints
+        from checkpoints.inspect_view import describe, format_table, require_root
 
         if args.ckpt_command == "list":
             require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
