@@ -8,6 +8,9 @@
   checkpointed, exported and loaded with ``from_pretrained`` (no missing or unexpected keys): its loss
   on step 4's training windows equals elastimesh's step-4 loss (<= 1e-5 relative).
 - ``export`` of a directory that is not a committed checkpoint is refused (exit 2, one line).
+
+The shared rank pool is left running for the next module (it stops at exit or when a later module
+stops it), so the distributed suite starts the 8 ranks once less.
 """
 
 from __future__ import annotations
@@ -19,18 +22,12 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from tests.helpers.world import mesh_config, run_mesh, shutdown_pool
+from tests.helpers.world import mesh_config, run_mesh
 from tests.unit.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 BATCH = ("train.global_batch_size=6", "train.micro_batch_size=1", "model.seq_len=32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _worker_pool():
-    yield
-    shutdown_pool()
 
 
 class SaveAfter:
