@@ -1,6 +1,6 @@
 """`elastimesh` / `python -m orchestrator`: train, plan, config, ckpt list|inspect, data prepare.
 
-Exit codes (shared/ARCHITECTURE.md): 0 done; 2 bad input — one line on stderr naming the key or file
+Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
 """
 
@@ -50,10 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-gb", type=float, default=4.0, help="split the weights into files of this size")
     data = sub.add_parser("data", help="prepare Parquet token shards")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
-    prep = data_sub.add_parser("prepare", help="byte-tokenize text files into Parquet shards")
-    prep.add_argument("texts", nargs="+")
-    prep.add_argument("--out", required=True)
-    prep.add_argument("--shard-tokens", type=int, default=1_000_000)
+    prep = data_sub.add_parser("prepare", help="tokenize text (.txt, .jsonl/.json, .parquet, dirs, globs) "
+                               "into Parquet token shards, one document per row")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT")
+    prep.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    prep.add_argument("--tokenizer", default=None, metavar="TOK", help="a Hugging Face tokenizer.json or a "
+                      "directory holding it (+ tokenizer_config.json); default: bytes (vocab 256)")
+    prep.add_argument("--text-key", default="text", help="JSON lines: the field holding the text")
+    prep.add_argument("--text-column", default="text", help="Parquet input: the column holding the text")
+    prep.add_argument("--encoding", default="utf-8", help="encoding of .txt / JSON input files")
+    prep.add_argument("--shard-tokens", type=int, default=8_000_000, help="tokens per shard at most")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -106,9 +113,10 @@ def _dispatch(args) -> int:
                     summary.generations, summary.restarts)
         return 0
     if args.command == "ckpt":
-        from checkpoints.catalog import describe, format_table, list_checkpoints
+        from checkpoints.catalog import describe, format_table, list_checkpoints, require_root
 
         if args.ckpt_command == "list":
+            require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
             sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
@@ -123,7 +131,10 @@ def _dispatch(args) -> int:
     if args.command == "data":
         from workers.data import prepare
 
-        info = prepare(args.texts, args.out, shard_tokens=args.shard_tokens)
-        sys.stdout.write(f"wrote {info['num_tokens']} tokens in {len(info['files'])} shard(s) to {args.out}\n")
+        info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
+                       text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
+                       progress=not args.no_progress and sys.stderr.isatty())
+        sys.stdout.write(f"wrote {info['documents']} documents, {info['num_tokens']} tokens in "
+                         f"{len(info['files'])} shard(s) to {args.out}\n")
         return 0
     raise AssertionError(args.command)

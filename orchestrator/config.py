@@ -40,7 +40,7 @@ from orchestrator.config_validate import (
 
 # The model fingerprint and diff live in orchestrator.config_fingerprint (which imports this module).
 __all__ = [
-    "ALL_KEYS", "CheckpointConfig", "ConfigError", "DataConfig", "ElasticConfig", "JobConfig",
+    "ALL_KEYS", "CheckpointConfig", "ConfigError", "DataConfig", "ElasticConfig", "EvalConfig", "JobConfig",
     "MeshConfig", "MetricsConfig", "ModelConfig", "PipelineConfig", "ResourcesConfig", "SECTIONS",
     "TrainConfig", "check_mesh", "config_doc", "config_to_dict", "dp_bounds",
     "load_config", "microbatches_per_replica", "replace_mesh",
@@ -120,7 +120,19 @@ class PipelineConfig:
 
 @dataclass(**_SECTION)
 class DataConfig:
-    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory')
+    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory: a '
+                               'path or a URI (file://, s3://, gs://, any fsspec scheme)')
+    mask_document_boundaries: str | bool = key(
+        "auto", "do not count a target whose input is EOS (no predicting a document from the previous "
+                'one); "auto" = on when the shards record an EOS id', choices=(True, False, "auto"))
+
+
+@dataclass(**_SECTION)
+class EvalConfig:
+    path: str = key("", "held-out data (a shard directory or URI, like data.path); empty = no evaluation")
+    every: int = key(0, "evaluate after every N steps and after the last; 0 = after the last step only", ge=0)
+    batches: int = key(4, "held-out batches of train.global_batch_size windows: samples [0, batches * "
+                          "global_batch_size) of eval.path in order, the same on any mesh", ge=1)
 
 
 @dataclass(**_SECTION)
@@ -167,6 +179,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

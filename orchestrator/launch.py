@@ -14,13 +14,16 @@ from contextlib import contextmanager
 
 import ray
 
+from checkpoints.catalog import ensure_writable
+from checkpoints.errors import CheckpointError
 from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
-from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
-from orchestrator.metrics import MetricsLog
+from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
+from orchestrator.metrics import MetricsLog, check_outputs
 from orchestrator.worker_group import ActorResources, WorkerGroup
-from workers.data import validate_source
+from workers.data import DataError, validate_source
+from workers.data.masks import boundary_eos
 
 logger = logging.getLogger(__name__)
 
@@ -135,17 +138,41 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
 
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
     source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)
+    boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
+    eval_source = validate_eval(cfg, vocab)
     check_init_from(cfg)  # the HF weights, before any actor starts
+    check_outputs(cfg.metrics)  # before Ray and the actors start
+    if cfg.checkpoint.dir:  # a wrong bucket or path is exit 2 now, before Ray and the actors start
+        try:
+            ensure_writable(cfg.checkpoint.dir)
+        except CheckpointError as exc:
+            raise UserInputError(f"checkpoint.dir: {exc}") from None
     started_local = connect(cfg)
     try:
         with stop_on_sigterm():
-            return _run(cfg, source, progress, started_local)
+            return _run(cfg, source, eval_source, progress, started_local)
     finally:
         if started_local:
             ray.shutdown()
 
 
-def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSummary:
+def validate_eval(cfg: JobConfig, vocab: int):
+    """The [eval] source, checked like data.path (enough samples for eval.batches), or None."""
+    if not cfg.eval.path:
+        return None
+    try:
+        src = validate_source(cfg.eval.path, cfg.model.seq_len, vocab,
+                              cfg.train.global_batch_size * cfg.eval.batches)
+        boundary_eos(cfg.data.mask_document_boundaries, src)
+    except DataError as exc:
+        # The data checks name data.path; here the file at fault is the eval one.
+        key = "eval.path" if exc.key == "data.path" else exc.key
+        raise DataError(str(exc).replace("data.path", "eval.path").replace(
+            "fewer than one global batch", "fewer than eval.batches global batches"), key=key) from None
+    return src
+
+
+def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: bool) -> RunSummary:
     metrics = None
     group = None
     capacity = CapacityRequest()
@@ -174,6 +201,8 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSumm
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store_address, use_gpu=use_gpu,
             data_path=source.name,
+            eval_path=eval_source.name if eval_source is not None else "",
+            eval_mask_eos_id=boundary_eos(cfg.data.mask_document_boundaries, eval_source) if eval_source else None,
         )
         return controller.run()
     finally:

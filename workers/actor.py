@@ -25,7 +25,7 @@ import traceback
 import ray
 import torch
 
-from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult, WorkerStatus
+from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 class RankActor:
     def __init__(self, actor_id: int) -> None:
-        # Ranks share few cores; one intra-op thread each avoids oversubscription (cpu-gloo-facts).
+        # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s [actor={actor_id}] %(name)s: %(message)s"
@@ -75,7 +75,7 @@ class RankActor:
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
-        self._joining: tuple[GenerationSpec, frozenset[int]] | None = None
+        self._joining: tuple[JoinSpec, frozenset[int]] | None = None
 
     def ping(self) -> tuple[int, str]:
         return os.getpid(), ray.util.get_node_ip_address()
@@ -89,8 +89,9 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     @_train
-    def join_generation(self, gen: GenerationSpec, spec: RuntimeSpec) -> RankInfo:
-        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``."""
+    def join_generation(self, gen: JoinSpec, spec: RuntimeSpec) -> RankInfo:
+        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
+        ``RankGroups`` and ``RankRuntime`` for it are built here."""
         from workers import sockets
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
@@ -148,18 +149,24 @@ class RankActor:
         finally:
             self.busy = False
 
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
+        if self.runtime is None:
+            raise RuntimeError("eval_step before join_generation")
+        return self.runtime.eval_step(path, batch, actions, mask_eos_id)
+
     @_train
     def full_state(self) -> dict:
         return self.runtime.full_state()
 
     @_train
-    def save_checkpoint(self, path: str, step: int) -> dict:
+    def save_checkpoint(self, path: str, step: int) -> SaveAck:
         fault = self._take_fault("ckpt_write", step)
         if fault is not None:
             _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
-        return {"stall_s": self.runtime.save_checkpoint(path, step)}
+        return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> WriteAck:
         return self.runtime.wait_checkpoint()
 
     @_train

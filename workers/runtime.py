@@ -1,6 +1,6 @@
 """RankRuntime: everything one rank trains with during one generation.
 
-It owns the generation's ``ProcessGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
+It owns the generation's ``RankGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
 their optimizers and the data source. A rebuild throws the whole object away and makes a new one
 from the next generation's groups; state crosses generations only through a checkpoint (or the
 in-memory snapshot used by tests), never through cached groups or meshes.
@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from orchestrator.mesh import fsdp_applies, layer_ranges
-from orchestrator.messages import RuntimeSpec, StepResult
+from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
-from workers.groups import ProcessGroups
+from workers.groups import RankGroups
 from workers.models.build import build_local_stage
 from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
+from workers.batching import eval_forward, step_data
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
@@ -37,7 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class RankRuntime:
-    def __init__(self, spec: RuntimeSpec, groups: ProcessGroups) -> None:
+    def __init__(self, spec: RuntimeSpec, groups: RankGroups) -> None:
         self.spec = spec
         self.groups = groups
         model_cfg, train = spec.model, spec.train
@@ -99,23 +100,16 @@ class RankRuntime:
     # -- training ---------------------------------------------------------------------------------
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        seq_len = self.spec.model.seq_len
         ids = data_lib.replica_microbatches(
             step, train.global_batch_size, train.micro_batch_size,
             self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
         )
-        inputs, targets = [], []
-        for mb_ids in ids:
-            x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
-            inputs.append(torch.from_numpy(x).to(self.groups.device))
-            targets.append(torch.from_numpy(y).to(self.groups.device))
-        global_tokens = train.global_batch_size * seq_len
-        return StepData(
-            inputs=inputs,
-            targets=targets,
-            grad_scale=shape.dp / global_tokens,
-            report_scale=1.0 / global_tokens,
-        )
+        # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
+        return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
+
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        return eval_forward(self, path, batch, actions, mask_eos_id)
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
@@ -171,7 +165,7 @@ class RankRuntime:
 
         t0 = time.perf_counter()
         if self._writer is None:
-            # Dedicated group: async DCP on a training group aborts gloo (cpu-gloo-facts gotcha 9).
+            # Dedicated group: async DCP on a training group aborts gloo (docs/design.md, F9).
             # Staging in the background overlaps the copy with the next forward/backward, which only
             # read the parameters; train_step waits for it before the optimizer writes them.
             self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,
@@ -195,7 +189,7 @@ class RankRuntime:
             pass
         return json.dumps(record, sort_keys=True)
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> WriteAck:
         """Block until the shard is durable (called on a second actor thread); the ack.
 
         ``stall_s`` is what training paid: the save call plus any wait for staging before the next
@@ -203,8 +197,8 @@ class RankRuntime:
         """
         timing = self._save_future.result()
         stall = self._save_call_s + self._writer.fence_wait_s
-        return {"write_s": timing.write_s, "files": dict(timing.files), "stall_s": stall,
-                "staging_s": timing.staging_s}
+        return WriteAck(write_s=timing.write_s, files=dict(timing.files), stall_s=stall,
+                        staging_s=timing.staging_s)
 
     def _wait_checkpoint_staging(self) -> None:
         if self._writer is not None:

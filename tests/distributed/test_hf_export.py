@@ -23,7 +23,7 @@ from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
 from tests.helpers.world import mesh_config, run_mesh
-from tests.unit.test_cli_bad_input import assert_bad_input, run_cli
+from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

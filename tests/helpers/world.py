@@ -135,6 +135,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
 
     from orchestrator.messages import RuntimeSpec
     from orchestrator.plan import model_fields
+    from workers.data.masks import mask_eos_for
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -148,6 +149,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         data_path=cfg.data.path,
         zero=cfg.mesh.zero,
         fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
+        mask_eos_id=mask_eos_for(cfg.data),
         layers_per_stage=job.layers_per_stage,
         virtual_stages=v,
         collective_timeout_s=job.collective_timeout_s,
@@ -295,6 +297,7 @@ def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
 def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     import torch
 
+    from workers.data.masks import mask_eos_for
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
@@ -303,7 +306,8 @@ def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from)
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
+                                   mask_eos_id=mask_eos_for(cfg.data))
         losses = tuple(trainer.run(1, steps))
         params = trainer.params()
     finally:

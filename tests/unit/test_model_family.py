@@ -6,7 +6,6 @@ import pytest
 
 from orchestrator.config import ConfigError, load_config
 from orchestrator.plan import param_counts
-from tests.unit.test_cli_bad_input import assert_bad_input, run_cli
 from workers.models.family import load_family, resolve_model
 
 
@@ -28,11 +27,6 @@ def test_bad_family_is_one_config_error(ref, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [f'model.family="{ref}"'])
     assert info.value.key == "model.family" and needle in str(info.value), str(info.value)
-
-
-def test_bad_family_through_the_cli_exits_2():
-    assert_bad_input(run_cli("plan", "--set", "model.family=no_such_package.fam:Family"),
-                     "model.family", "cannot import")
 
 
 def test_user_family_from_examples_plans():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_cli_bad_input import assert_bad_input, run_cli
+from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
@@ -112,3 +112,8 @@ def test_stray_safetensors_file(tiny, tmp_path):
 
 def test_init_from_needs_a_family_with_an_hf_map(tiny):
     assert_bad_input(train(f"checkpoint.init_from={tiny}"), "checkpoint.init_from", "no Hugging Face name map")
+
+
+def test_bad_family_through_the_cli_exits_2():
+    assert_bad_input(run_cli("plan", "--set", "model.family=no_such_package.fam:Family"),
+                     "model.family", "cannot import")
