@@ -189,7 +189,8 @@ class BuildAndLoad:
 
 def transformers_load(model_dir: str) -> dict:
     code = ("import time, torch; from transformers import AutoModelForCausalLM\n"
-            "def s(f):\n    return int([l for l in open('/proc/self/status') if l.startswith(f+':')][0].split()[1])*1024\n"
+            "def s(f):\n"
+            "    return int([l for l in open('/proc/self/status') if l.startswith(f + ':')][0].split()[1]) * 1024\n"
             "r0 = s('VmRSS'); t = time.perf_counter()\n"
             f"m = AutoModelForCausalLM.from_pretrained({model_dir!r}, dtype=torch.float32)\n"
             "dt = time.perf_counter() - t\n"

@@ -8,6 +8,9 @@
   checkpointed, exported and loaded with ``from_pretrained`` (no missing or unexpected keys): its loss
   on step 4's training windows equals elastimesh's step-4 loss (<= 1e-5 relative).
 - ``export`` of a directory that is not a committed checkpoint is refused (exit 2, one line).
+
+The shared rank pool is left running for the next module (it stops at exit or when a later module
+stops it), so the distributed suite starts the 8 ranks once less.
 """
 
 from __future__ import annotations
@@ -19,18 +22,12 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from tests.helpers.world import mesh_config, run_mesh, shutdown_pool
+from tests.helpers.world import mesh_config, run_mesh
 from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 BATCH = ("train.global_batch_size=6", "train.micro_batch_size=1", "model.seq_len=32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _worker_pool():
-    yield
-    shutdown_pool()
 
 
 class SaveAfter:
@@ -136,3 +133,36 @@ def test_export_refuses_what_is_not_a_committed_checkpoint(tmp_path):
                      "not a committed checkpoint")
     assert_bad_input(run_cli("export", str(tmp_path), "--out", str(tmp_path / "out")), "not a committed checkpoint")
     assert not (tmp_path / "out").exists()
+
+
+class LoadFirst:
+    """An ``instrument``: load the checkpoint at ``path`` before the first step (a resume)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, runtime):
+        runtime.load_checkpoint(self.path)
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
+    """Tied embedding on two stages at (2,2,2), saved at step 2, resumed at (3,1,1) where it is one
+    parameter: steps 3-4 and the final weights equal one process's uninterrupted run."""
+    import numpy as np
+
+    from tests.helpers.hf_models import save_tiny_llama
+    from tests.helpers.world import reference
+
+    src = str(tmp_path / "src")
+    save_tiny_llama(src, tie=True, bias=True, layers=2)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *BATCH)
+    root = str(tmp_path / "ckpt")
+    first = run_mesh(2, 2, 2, overrides, 2, instrument=SaveAfter(root, 2), collect_params=False)
+    step_dir = commit_run(root, first, overrides, 2)
+    resumed = run_mesh(3, 1, 1, overrides, 2, first_step=3, instrument=LoadFirst(step_dir))
+    ref = reference(overrides, 4)
+    np.testing.assert_allclose(first.losses + resumed.losses, ref.losses, rtol=1e-5, atol=0)
+    for name, expected in ref.params.items():
+        np.testing.assert_allclose(resumed.params[name], expected, rtol=0, atol=1e-5, err_msg=name)

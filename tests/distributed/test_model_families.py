@@ -62,7 +62,8 @@ def tied_copy(runtime):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape", [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)], ids=lambda s: "dp{}-pp{}-tp{}".format(*s))
+@pytest.mark.parametrize("shape", [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)],
+                         ids=lambda s: "dp{}-pp{}-tp{}".format(*s))
 def test_llama_from_hf_matches_one_process(hf_dir, shape) -> None:
     import numpy as np
 

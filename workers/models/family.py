@@ -147,8 +147,8 @@ def load_family(ref: str) -> ModelFamily:
         try:
             obj = obj()
         except Exception as exc:
-            raise ConfigError("model.family", f"model.family = {ref!r}: {attr}() failed "
-                                              f"({type(exc).__name__}: {exc}); it must build with no arguments") from None
+            raise ConfigError("model.family", f"model.family = {ref!r}: {attr}() failed ({type(exc).__name__}: "
+                                              f"{exc}); it must build with no arguments") from None
     missing = [m for m in REQUIRED if not hasattr(obj, m) or (m != "name" and not callable(getattr(obj, m)))]
     if missing:
         raise ConfigError("model.family", f"model.family = {ref!r} does not satisfy the ModelFamily protocol: "
