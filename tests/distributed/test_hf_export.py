@@ -54,7 +54,7 @@ def commit_run(root: str, run, overrides, step: int) -> str:
     cfg = mesh_config(run.shape.dp, run.shape.pp, run.shape.tp, overrides)
     files: dict[str, int] = {}
     for acks in run.extras.values():
-        files.update(acks[0]["files"])
+        files.update(acks[0].files)
     from orchestrator.config import config_to_dict
 
     return commit(root, CheckpointManifest(
