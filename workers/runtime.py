@@ -208,8 +208,9 @@ class RankRuntime:
 
     def _model_record(self) -> str:
         """What ``elastimesh export`` needs besides the tensors (JSON, the same on every rank): the
-        family and, for a family with a Hugging Face map, the config.json of the trained shape."""
-        record = {"family": self.spec.family or "gpt"}
+        family, for a family with a Hugging Face map the config.json of the trained shape, and where
+        the data is (its tokenizer files are exported with the weights)."""
+        record = {"family": self.spec.family or "gpt", "data_path": self.spec.data_path}
         try:
             record["hf_config"] = self.family.hf_config(self.shape)
         except NotImplementedError:

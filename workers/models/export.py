@@ -51,6 +51,12 @@ def find_checkpoint(path: str) -> tuple[str, Any]:
 
 def model_of(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any]]:
     """(family, shape, config.json dict) recorded in the checkpoint."""
+    family, shape, config, _ = _recorded(step_dir, manifest)
+    return family, shape, config
+
+
+def _recorded(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """(family, shape, config.json dict, the whole record) from the checkpoint's ``extra.model``."""
     from checkpoints.reader import load
     from workers.models.family import load_family
 
@@ -65,7 +71,30 @@ def model_of(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any]]:
     stub = SimpleNamespace(seq_len=int(manifest.model_config.get("seq_len", 2048)),
                            init_std=float(manifest.model_config.get("init_std", 0.02)))
     shape = family.shape_from_hf(config, stub, f"{step_dir} (recorded config)")
-    return family, shape, config
+    return family, shape, config, record
+
+
+def copy_tokenizer_files(data_path: str, out: str) -> list[str]:
+    """Copy the tokenizer files ``data prepare`` put beside the shards (workers/data/tokenizer.py) into
+    ``out``, so the exported directory loads with its tokenizer; returns the names copied. Byte-token
+    data (the built-in corpus, shards without a tokenizer) has none: nothing is copied."""
+    import fsspec
+
+    from workers.data.tokenizer import CONFIG_FILES, TOKENIZER_FILE
+
+    if not data_path or data_path == "builtin":
+        return []
+    fs, root = fsspec.core.url_to_fs(data_path)
+    if not fs.exists(f"{root.rstrip('/')}/{TOKENIZER_FILE}"):
+        return []
+    copied = []
+    for name in (TOKENIZER_FILE, *CONFIG_FILES):
+        src = f"{root.rstrip('/')}/{name}"
+        if fs.exists(src):
+            with fs.open(src, "rb") as fh, open(os.path.join(out, name), "wb") as dst:
+                shutil.copyfileobj(fh, dst)
+            copied.append(name)
+    return copied
 
 
 def plan_files(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -106,7 +135,7 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
         raise ConfigError("--out", f"--out {out} exists and is not empty: choose a new directory (nothing was "
                                    "overwritten)")
     step_dir, manifest = find_checkpoint(path)
-    family, shape, _ = model_of(step_dir, manifest)
+    family, shape, _, record = _recorded(step_dir, manifest)
     saved = {k[len("model."):]: md for k, md in read_metadata(step_dir).state_dict_metadata.items()
              if k.startswith("model.")}
     expected = family.hf_tensors(shape)
@@ -141,6 +170,7 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
         config["dtype"] = dtype
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
+        tokenizer = copy_tokenizer_files(record.get("data_path", ""), tmp)  # when the data came from one
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.replace(tmp, out)
@@ -148,7 +178,7 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"step": manifest.step, "checkpoint": step_dir, "out": out, "files": names, "tensors": len(weight_map),
-            "bytes": sum(sizes.values()), "dtype": dtype}
+            "bytes": sum(sizes.values()), "dtype": dtype, "tokenizer_files": tokenizer}
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:
