@@ -2,7 +2,13 @@
 
 Driver side: no torch at import time (the driver never imports ``torch.distributed``). Validation
 uses the manifest's ``files`` map (sizes the writing ranks reported) to spot missing or truncated
-shards with a few ``stat`` calls; only without it does it read DCP's ``.metadata`` (lazy torch import).
+shards with a few ``stat`` calls. Only for training, and only without that map, does it read DCP's
+``.metadata`` (lazy torch import): that file is a pickle, so the CLI (``read_dcp_metadata=False``)
+never opens it — a crafted directory must not run code in ``elastimesh ckpt list``.
+
+Ownership: each step directory names the run that made it (``.owner``, then the manifest's
+``run_id``). Given a ``run_id``, resuming after a failure, purging and replacing a step consider only
+that run's directories, and no function here ever deletes a committed checkpoint of another run.
 
 Commit protocol: ranks write ``step-N/`` (DCP shards + ``.metadata``), each acks; then
 :func:`commit` checks the acks and the files and writes ``manifest.json`` last and atomically.
@@ -14,11 +20,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoints.errors import CheckpointError, ManifestError
-from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
+from checkpoints.layout import DCP_METADATA, MANIFEST, OWNER, expected_file_sizes, parse_step, step_dir_name
 from checkpoints.manifest import CheckpointManifest
 from checkpoints.storage import CheckpointStorage, local_path, storage_for
 
@@ -37,15 +44,21 @@ class CheckpointInfo:
     manifest: CheckpointManifest | None
     size_bytes: int
     created_at: float | None
+    owner: str = ""
+    """The run that made it: the manifest's ``run_id``, else the ``.owner`` marker; "" when unknown."""
 
     @property
     def committed(self) -> bool:  # a manifest was written, even if the files were damaged since
         return self.manifest is not None
 
 
-def check_checkpoint(path: str, storage: CheckpointStorage | None = None
+def check_checkpoint(path: str, storage: CheckpointStorage | None = None, *, read_dcp_metadata: bool = True,
                      ) -> tuple[bool, str, CheckpointManifest | None]:
-    """Validate one step directory. Returns ``(valid, reason, manifest_or_None)``; never raises for damage."""
+    """Validate one step directory. Returns ``(valid, reason, manifest_or_None)``; never raises for damage.
+
+    ``read_dcp_metadata=False`` (the CLI) judges from the JSON manifest and file sizes only: a manifest
+    without a ``files`` map is then valid with a note that the shard sizes were not checked.
+    """
     storage = storage or storage_for(path)
     manifest_path = storage.join(path, MANIFEST)
     if not storage.exists(manifest_path):
@@ -56,15 +69,25 @@ def check_checkpoint(path: str, storage: CheckpointStorage | None = None
         return False, f"bad manifest.json: {e.message}", None
     except (OSError, UnicodeDecodeError) as e:
         return False, f"unreadable manifest.json: {e}", None
-    dir_step = parse_step(_basename(path))
+    dir_step = parse_step(dir_basename(path))
     if dir_step is not None and dir_step != manifest.step:
         return False, f"manifest.json says step {manifest.step} but the directory is step {dir_step}", manifest
+    if not manifest.files and not read_dcp_metadata:
+        problem = _check_acks(manifest)
+        if problem is None and not storage.exists(storage.join(path, DCP_METADATA)):
+            problem = f"missing DCP {DCP_METADATA} (the shard write did not finish)"
+        note = "shard sizes not checked: manifest.json has no file map (DCP's pickled .metadata is not read here)"
+        return (problem is None), (problem or note), manifest
     problem = _check_files(path, storage, manifest.files) or _check_acks(manifest)
     return (problem is None), (problem or ""), manifest
 
 
-def list_checkpoints(root: str, storage: CheckpointStorage | None = None) -> list[CheckpointInfo]:
-    """Every ``step-N`` directory under ``root``, oldest first, each validated. [] if root is absent."""
+def list_checkpoints(root: str, storage: CheckpointStorage | None = None, *,
+                     read_dcp_metadata: bool = True) -> list[CheckpointInfo]:
+    """Every ``step-N`` directory under ``root``, oldest first, each validated. [] if root is absent.
+
+    ``read_dcp_metadata``: see :func:`check_checkpoint` (False for the CLI).
+    """
     storage = storage or storage_for(root)
     infos = []
     for name in storage.listdir(root):
@@ -72,22 +95,44 @@ def list_checkpoints(root: str, storage: CheckpointStorage | None = None) -> lis
         if step is None:
             continue
         path = storage.join(root, name)
-        valid, reason, manifest = check_checkpoint(path, storage)
+        valid, reason, manifest = check_checkpoint(path, storage, read_dcp_metadata=read_dcp_metadata)
         try:
             size = storage.size_of_tree(path)
         except OSError:  # vanished under us (purged concurrently)
             size = 0
+        owner = manifest.run_id if manifest is not None and manifest.run_id else _read_owner(path, storage)
         infos.append(CheckpointInfo(step, path, valid, reason, manifest, size,
-                                    manifest.created_at if manifest else None))
+                                    manifest.created_at if manifest else None, owner))
     return sorted(infos, key=lambda i: i.step)
 
 
-def latest_valid(root: str, storage: CheckpointStorage | None = None) -> CheckpointInfo | None:
-    """The newest valid checkpoint under ``root``, or None. Logs a warning for each newer invalid one."""
+def latest_valid(
+    root: str,
+    storage: CheckpointStorage | None = None,
+    *,
+    run_id: str | None = None,
+    among: Container[int] | None = None,
+    on_skip: Callable[[CheckpointInfo], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest valid checkpoint under ``root``, or None: the one place that decides what to resume.
+
+    Args:
+        run_id: consider only that run's checkpoints; None: every run's.
+        among: consider only these steps (e.g. the ones this run committed); None: every step.
+        on_skip: called with each newer invalid checkpoint (of those considered) that was passed
+            over; by default each is logged as a warning.
+    """
     for info in reversed(list_checkpoints(root, storage)):
+        if run_id is not None and info.owner != run_id:
+            continue
+        if among is not None and info.step not in among:
+            continue
         if info.valid:
             return info
-        logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        if on_skip is None:
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        else:
+            on_skip(info)
     return None
 
 
@@ -173,28 +218,50 @@ def commit(root: str, manifest: CheckpointManifest, storage: CheckpointStorage |
     return path
 
 
-def prepare_step(root: str, step: int, storage: CheckpointStorage | None = None) -> str:
-    """Driver, before the ranks save step N: remove a leftover ``step-N`` (an earlier, interrupted
-    try), which would otherwise mix stale shards or a stale manifest with the new ones. Returns the path.
+def prepare_step(root: str, step: int, storage: CheckpointStorage | None = None, *, run_id: str = "") -> str:
+    """Driver, before the ranks save step N: make ``step-N`` and mark it as run ``run_id``'s.
+
+    A leftover ``step-N`` of this run (an interrupted try) or of no known run is removed first, since
+    it would mix stale shards or a stale manifest with the new ones. A committed checkpoint, or a
+    directory of another run (its save may be in progress), is never removed: that means two runs
+    write to one ``checkpoint.dir``, which is refused.
+
+    Returns:
+        The step directory.
+
+    Raises:
+        CheckpointError: the directory is another run's or a committed checkpoint, or cannot be made.
     """
     storage = storage or storage_for(root)
     path = storage.join(root, step_dir_name(step))
+    if storage.exists(path):
+        valid, _, manifest = check_checkpoint(path, storage)
+        owner = manifest.run_id if manifest is not None and manifest.run_id else _read_owner(path, storage)
+        if valid or (owner and owner != run_id):
+            whose = f"run {owner}" if owner else "an earlier run"
+            raise CheckpointError(
+                f"step {step} already holds {'a committed checkpoint' if valid else 'a save'} of {whose}: "
+                "two runs are writing to this checkpoint.dir; give each run its own directory", path)
     try:
         if storage.exists(path):
             logger.warning("removing leftover %s before saving step %d again", path, step)
             storage.remove_tree(path)
         storage.makedirs(path)
+        if run_id:
+            storage.write_text_atomic(storage.join(path, OWNER), run_id + "\n")
     except Exception as e:
         raise CheckpointError(f"cannot prepare the step directory ({type(e).__name__}: {e}); check that "
                               "checkpoint.dir is writable", path) from e
     return path
 
 
-def purge(root: str, keep: int, storage: CheckpointStorage | None = None) -> list[str]:
+def purge(root: str, keep: int, storage: CheckpointStorage | None = None, *,
+          run_id: str | None = None) -> list[str]:
     """Delete all but the newest ``keep`` valid checkpoints, and leftovers older than the newest valid.
 
     Directories newer than the newest valid checkpoint are never touched: one may be a save in
     flight. ``keep <= 0`` keeps everything. A failed delete is logged and skipped (retried next time).
+    With ``run_id``, only that run's directories are counted and deleted: another run's never are.
 
     Returns:
         The directories removed.
@@ -203,6 +270,8 @@ def purge(root: str, keep: int, storage: CheckpointStorage | None = None) -> lis
         return []
     storage = storage or storage_for(root)
     infos = list_checkpoints(root, storage)
+    if run_id is not None:
+        infos = [i for i in infos if i.owner == run_id]
     valid_steps = [i.step for i in infos if i.valid]
     if not valid_steps:
         return []
@@ -229,13 +298,13 @@ class BackgroundPurger:
 
     def __init__(self, storage: CheckpointStorage | None = None) -> None:
         self._storage = storage
-        self._queue: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, int, str | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ckpt-purge", daemon=True)
         self._thread.start()
 
-    def request(self, root: str, keep: int) -> None:
-        """Queue a purge of ``root`` keeping the newest ``keep`` checkpoints; returns at once."""
-        self._queue.put((root, keep))
+    def request(self, root: str, keep: int, run_id: str | None = None) -> None:
+        """Queue a purge of ``root`` keeping the newest ``keep`` checkpoints (of ``run_id``); returns at once."""
+        self._queue.put((root, keep, run_id))
 
     def wait_idle(self) -> None:  # block until every queued purge has run
         self._queue.join()
@@ -251,41 +320,12 @@ class BackgroundPurger:
             try:
                 if item is None:
                     return
-                root, keep = item
-                purge(root, keep, self._storage)
+                root, keep, run_id = item
+                purge(root, keep, self._storage, run_id=run_id)
             except Exception as e:
                 logger.warning("checkpoint purge of %s failed (%s: %s); continuing", item, type(e).__name__, e)
             finally:
                 self._queue.task_done()
-
-
-def describe(path: str, storage: CheckpointStorage | None = None) -> dict[str, Any]:
-    """Facts about one step directory for ``elastimesh ckpt inspect``; JSON-serialisable.
-
-    Raises:
-        CheckpointError: ``path`` does not exist.
-    """
-    storage, path = storage or storage_for(path), path.rstrip("/") or path
-    if not storage.exists(path):
-        raise CheckpointError("no such checkpoint directory", path)
-    valid, reason, manifest = check_checkpoint(path, storage)
-    out: dict[str, Any] = {"path": path, "step": parse_step(_basename(path)), "valid": valid,
-                           "reason": reason, "size_bytes": storage.size_of_tree(path)}
-    if manifest is not None:
-        out.update(manifest.to_dict(), created=_when(manifest.created_at))
-    return out
-
-
-def format_table(infos: list[CheckpointInfo]) -> str:
-    """A plain-text table of checkpoints for ``elastimesh ckpt list`` (one line per step dir)."""
-    rows = [("STEP", "VALID", "MESH", "SIZE", "CREATED", "PATH / REASON")]
-    for i in infos:
-        mesh = i.manifest.mesh_str if i.manifest else "-"
-        created = _when(i.created_at) if i.created_at is not None else "-"
-        note = i.path if i.valid else f"{i.path}  ({i.reason})"
-        rows.append((str(i.step), "yes" if i.valid else "NO", mesh, _human(i.size_bytes), created, note))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
-    return "\n".join("  ".join(r[c].ljust(widths[c]) for c in range(5)) + "  " + r[5] for r in rows)
 
 
 def _check_acks(manifest: CheckpointManifest) -> str | None:
@@ -320,17 +360,12 @@ def _sizes_from_dcp_metadata(path: str) -> dict[str, int]:
     return expected_file_sizes(read_metadata(local_path(path) or path))
 
 
-def _basename(path: str) -> str:
+def _read_owner(path: str, storage: CheckpointStorage) -> str:
+    try:
+        return storage.read_text(storage.join(path, OWNER)).strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def dir_basename(path: str) -> str:
     return path.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

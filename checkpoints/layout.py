@@ -3,7 +3,8 @@
 A root holds one directory per saved step, ``step-00000120/``, containing the DCP shard files
 (``__<rank>_<n>.distcp``), the DCP ``.metadata`` (written last by DCP's coordinator) and, written by
 the driver only after every rank acknowledged its shard, ``manifest.json``. Only a directory with a
-valid manifest is a checkpoint.
+valid manifest is a checkpoint. Every step directory also names the run that made it (``.owner``,
+and ``run_id`` in the manifest): a run purges, replaces or resumes only its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 """The commit marker and description of one checkpoint, written last by the driver."""
+
+OWNER = ".owner"
+"""The run id of the run that made this step directory, written by ``catalog.prepare_step`` before any
+shard: a save in progress (no manifest yet) still says whose it is, so another run never deletes it."""
 
 DCP_METADATA = ".metadata"
 """DCP's global metadata file (tensor layout and shard offsets), written last by DCP's coordinator."""

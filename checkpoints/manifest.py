@@ -52,6 +52,9 @@ class CheckpointManifest:
     missing or truncated shard without reading DCP's (pickled, torch-typed) ``.metadata``."""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    run_id: str = ""
+    """The run that committed it (kept across resumes of that run). A run purges, replaces and resumes
+    after a failure only its own checkpoints; empty in manifests written before runs had ids."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -133,8 +136,8 @@ def _validate(m: CheckpointManifest) -> None:
         _fail(f"mesh degrees must be ints >= 1, got {m.mesh!r}")
     if math.prod(m.mesh[a] for a in _AXES) != m.world_size:
         _fail(f"world_size {m.world_size} != dp*pp*tp of mesh {m.mesh!r}")
-    if not isinstance(m.model_fingerprint, str) or not isinstance(m.schedule, str):
-        _fail("model_fingerprint and schedule must be strings")
+    if not all(isinstance(v, str) for v in (m.model_fingerprint, m.schedule, m.run_id)):
+        _fail("model_fingerprint, schedule and run_id must be strings")
     if not isinstance(m.data_identity, str):
         _fail("data_identity must be a string")
     if not isinstance(m.model_config, dict):

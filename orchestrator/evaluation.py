@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.worker_group import CallOutcome
+from orchestrator.messages import CallOutcome
 
 
 class Evaluator:

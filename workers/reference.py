@@ -11,17 +11,27 @@ import numpy as np
 import torch
 
 from workers import data as data_lib
+from workers.models.build import build_local_stage
+from workers.models.family import resolve_model
 from workers.data.masks import counted, mask_targets
-from workers.model import GPT, build_stage, lm_loss_sum
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class ReferenceTrainer:
-    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, mask_eos_id: int | None = None) -> None:
+    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, init_from: str = "",
+                 mask_eos_id: int | None = None) -> None:
         self.model_cfg, self.train = model_cfg, train
-        self.model: GPT = build_stage(
-            model_cfg, range(model_cfg.n_layers), train.seed, train.activation_checkpointing
+        resolved = resolve_model(model_cfg)
+        self.family, self.shape = resolved.family, resolved.shape
+        # The same build as a rank's (meta device, then init from (seed, name)), without any sharding.
+        self.model = build_local_stage(
+            self.family, self.shape, range(self.shape.n_layers), device=torch.device("cpu"), seed=train.seed,
+            activation_checkpointing=train.activation_checkpointing, init=not init_from,
         )
+        if init_from:  # Hugging Face weights instead of the (seed, name) init
+            from workers.models.hf_io import load_hf
+
+            load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
@@ -41,7 +51,7 @@ class ReferenceTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in batches:
-            loss = lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
+            loss = self.family.loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
             loss.backward()
             total += float(loss.detach())
         params = list(self.model.parameters())
@@ -60,7 +70,7 @@ class ReferenceTrainer:
             for start in range(0, end, mbs):
                 x, y = data_lib.microbatch_tokens(source, np.arange(start, min(end, start + mbs)), seq_len)
                 y = mask_targets(x, y, mask_eos_id)
-                total += float(lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)))
+                total += float(self.family.loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)))
                 count += counted(y)
         return total / max(1, count)
 

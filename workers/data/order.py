@@ -4,7 +4,7 @@ Epoch ``e`` visits samples in ``default_rng([seed, e]).permutation(n)``; the epo
 one infinite sequence and optimizer step ``k`` (from 1) takes positions ``[(k-1)*G, k*G)``. The step's
 ids are cut into DP replicas by contiguous slices and each slice into microbatches, so the union over
 any mesh is the same set of samples: a resize mid-run changes who computes what, never what
-(ARCHITECTURE.md, "Global batch semantics"). Depends on ``n`` only, never on the tokens, so the lazy
+(docs/design.md, "Global batch semantics"). Depends on ``n`` only, never on the tokens, so the lazy
 reader changes nothing here.
 """
 
