@@ -4,14 +4,14 @@
   the proxy in front of S3 answers 503 SlowDown to the first manifest writes (a transient error: the
   run goes on), then a second run resumes from s3 resharded into another mesh; every loss equals the
   single-process reference on the local copy of the shards.
-* A wrong or refused bucket (data or checkpoints) is exit 2 with one line, well within 30 s.
+* A wrong or refused bucket (data or checkpoints) is exit 2 with one line naming it (a store that does
+  not answer at all is cut off at 25 s: tests/unit/test_data_lazy.py, no wall clock here).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -96,24 +96,22 @@ def test_train_checkpoint_resume_reshard_on_s3(s3, corpus, ray_local, store_addr
     np.testing.assert_allclose([losses[s] for s in range(1, 7)], trainer.run(1, 6), rtol=1e-5)
 
 
-def _cli_train(*overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+def _cli_train(*overrides: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "orchestrator", "train", "--no-progress"]
     for o in overrides:
         args += ["--set", o]
-    t0 = time.monotonic()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    return proc, time.monotonic() - t0
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("which", ["data", "checkpoint"])
-def test_wrong_or_refused_bucket_is_one_line_within_30s(s3, corpus, which):
+def test_wrong_or_refused_bucket_is_one_line(s3, corpus, which):
     moto, _ = s3
     deny = FaultProxy(moto.port, None, r"/locked", fail=10**9, status=403, code="AccessDenied")
     try:
         cases = {
             "wrong": "s3://no-such-bucket/x",
-            "refused": f"s3://locked/x",
+            "refused": "s3://locked/x",
         }
         for name, uri in cases.items():
             if which == "data":
@@ -125,14 +123,13 @@ def test_wrong_or_refused_bucket_is_one_line_within_30s(s3, corpus, which):
             env_endpoint = os.environ["AWS_ENDPOINT_URL"]
             os.environ["AWS_ENDPOINT_URL"] = deny.url if name == "refused" else env_endpoint
             try:
-                proc, wall = _cli_train(*overrides)
+                proc = _cli_train(*overrides)
             finally:
                 os.environ["AWS_ENDPOINT_URL"] = env_endpoint
             lines = [ln for ln in proc.stderr.splitlines() if "elastimesh: error:" in ln]
             assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
             key = "data.path" if which == "data" else "checkpoint.dir"
             assert key in lines[0] and uri.split("/")[2] in lines[0], lines[0]
-            assert wall < 30, f"{name} {which}: {wall:.1f}s"
             if name == "wrong" and which == "checkpoint":
                 assert not moto.filesystem().exists("no-such-bucket")  # no bucket created by a typo
     finally:

@@ -164,3 +164,24 @@ def test_sidecar_without_row_group_counts_still_opens(tmp_path):
     src = open_source(str(tmp_path / "v1"))
     assert src.vocab_size == 256 and src.eos_id is None
     np.testing.assert_array_equal(src.read_all(), np.arange(1, 8))
+
+
+def test_a_store_that_never_answers_is_cut_off(monkeypatch):
+    """A remote data.path or checkpoint.dir whose SDK keeps retrying is one line after the bound
+    (25 s in use; shortened here), not a hang."""
+    import time
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from checkpoints import catalog
+    from checkpoints.errors import CheckpointError
+    from workers.data import source
+
+    monkeypatch.setattr(MemoryFileSystem, "info", lambda *a, **k: time.sleep(30))
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", lambda *a, **k: time.sleep(30))
+    monkeypatch.setattr(source, "REMOTE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(catalog, "REMOTE_PROBE_TIMEOUT_S", 0.2)
+    with pytest.raises(DataError, match="did not answer within 0.2 s; check the bucket"):
+        source._open("memory://slow-corpus", check_files=False)
+    with pytest.raises(CheckpointError, match="did not answer within 0.2 s"):
+        catalog.ensure_writable("memory://slow-run")

@@ -1,13 +1,10 @@
 """A checkpoint remembers its data by content: a moved corpus resumes, other data is one line (exit 2)
-pointing at a new run from the weights; a tokenizer larger than the model is exit 2 before any actor."""
+pointing at a new run from the weights (tests/process/test_data_cli.py: a tokenizer larger than the
+model is exit 2 before any actor)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +17,6 @@ from orchestrator.config_fingerprint import model_fingerprint
 from orchestrator.errors import UserInputError
 from workers.data import open_source, prepare
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Events:
@@ -61,19 +57,3 @@ def test_resume_follows_data_content_not_path(tmp_path):
     msg = str(ei.value)
     assert ei.value.exit_code == 2 and "\n" not in msg
     assert "other data" in msg and "checkpoint.init_from" in msg and "new checkpoint.dir" in msg
-
-
-def test_tokenizer_vocab_larger_than_model_is_exit_2_before_any_actor(tmp_path):
-    from tests.unit.test_data_prepare import make_tokenizer
-
-    tok = make_tokenizer(tmp_path / "tok")
-    (tmp_path / "a.txt").write_text("some words for the corpus " * 200)
-    prepare([str(tmp_path / "a.txt")], str(tmp_path / "shards"), tokenizer=str(tmp_path / "tok"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="127.0.0.1:1")  # no cluster may be touched
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", "--set", f"data.path={tmp_path / 'shards'}",
-                           "--set", "model.vocab_size=256", "--set", "mesh.tp=1"],
-                          capture_output=True, text=True, timeout=100, cwd=ROOT, env=env)
-    lines = [ln for ln in proc.stderr.splitlines() if "elastimesh: error:" in ln]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "model.vocab_size" in lines[0] and f">= {tok.get_vocab_size()}" in lines[0]
-    assert "RAY_ADDRESS" not in lines[0]  # refused before even connecting to Ray
