@@ -22,10 +22,8 @@ Figure: ``ratio`` = prepare tokens/s / tokenizers tokens/s (medians); goal >= 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -34,11 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import common  # bench/common.py: also puts the repository root on sys.path
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "data_prepare.json"
 BATCH_CHARS = 1 << 20
 
 
@@ -96,12 +91,10 @@ def ours(corpus: Path, tok_dir: Path, out: Path) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = common.parser(__doc__, "data_prepare", "2 MB, vocab 2000, one round: a smoke run, not a measurement")
     parser.add_argument("--mb", type=float, default=None)
     parser.add_argument("--vocab", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     mb = args.mb or (2.0 if args.quick else 64.0)
     vocab = args.vocab or (2000 if args.quick else 32000)
@@ -147,12 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "config": {"text_mb": mb, "documents": len(docs), "vocab": vocab, "rounds": rounds, "make_s": make_s,
                    "prepare_tasks": "one per CPU, RAYON_NUM_THREADS=1", "baseline_threads": "tokenizers default (all cores)"},
-        "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                        "machine": platform.machine()},
+        "machine": common.machine(load_average=common.load_average()),
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_result(out, result)
     print(f"data_prepare: {rate['prepare']:,.0f} tokens/s vs tokenizers {rate['tokenizers']:,.0f} tokens/s "
           f"= {ratio:.2f}x (goal >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}); with Ray's start "
           f"({ray_start_s:.1f}s) {end_to_end:.2f}x -> {out}")
