@@ -29,18 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import common  # bench/common.py: also puts the repository root on sys.path
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "data_memory.json"
+ROOT = common.ROOT
 VOCAB = 32000
 EOS = 0
 MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=512", f"model.vocab_size={VOCAB}"]
@@ -72,15 +69,11 @@ def make_corpus(out: Path, gb: float, seed: int = 0) -> dict:
         result.shards.clear()
 
     while result.tokens < target:
-        lengths = rng.integers(50, 4000, 256)
+        lengths = rng.integers(50, 4000, 256).astype(np.int64)
         ids = rng.integers(1, VOCAB, int(lengths.sum()), dtype=np.int32)
-        start = 0
-        for n in lengths:
-            row = ids[start : start + n].copy()
-            row[-1] = EOS
-            start += n
-            builder.add(row)
-            docs += 1
+        ids[np.cumsum(lengths) - 1] = EOS  # every document ends with EOS
+        builder.add(ids, lengths)
+        docs += len(lengths)
         drain()
     builder.finish()
     drain()
@@ -147,12 +140,10 @@ def run_child(data_path: str, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser = common.parser(__doc__, "data_memory", "20 MB corpus, 4 steps: a smoke run, not a measurement")
     parser.add_argument("--gb", type=float, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--corpus", default=None, help="directory for the synthetic corpus (reused if complete)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or (4 if args.quick else 40)
@@ -201,12 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                    "driver_validate_s": validate_s},
         "sides": sides,
         "config": {"model": MODEL, "train": TRAIN, "steps": steps, "cache_mb": 4},
-        "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
-                        "machine": platform.machine()},
+        "environment": common.environment(),
+        "machine": common.machine(load_average=common.load_average()),
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_result(out, result)
     print(f"data_memory: {result['corpus']['token_gb']:.2f} GB of tokens; RSS growth over the run "
           f"{big['growth_over_run_mb']:.1f} MB (builtin {builtin['growth_over_run_mb']:.1f} MB); start "
           f"{big['start_s']:.2f}s vs builtin {builtin['start_s']:.2f}s ({start_ratio:.2f}x); goal "
