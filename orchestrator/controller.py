@@ -30,6 +30,7 @@ from orchestrator.metrics import MetricsLog, bubble_fraction
 from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, choose_dp, fit_dp, grow_target
 from orchestrator.recovery import reason_line, settle
+from orchestrator.store_provider import FixedStore, StoreSource
 from orchestrator.worker_group import CallOutcome, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,15 @@ class Controller:
         worker_group: WorkerGroup,
         *,
         metrics: MetricsLog,
-        store_address: tuple[str, int],
+        store_address: tuple[str, int] | StoreSource,
         use_gpu: bool,
         data_path: str,
     ) -> None:
         self.cfg = cfg
         self.group = worker_group
         self.metrics = metrics
-        self.store_address = store_address
+        # Asked at every rebuild: the provider re-hosts a store that died (orchestrator/store_provider.py).
+        self.store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
         self.state = State.INITIALIZING
@@ -231,8 +233,8 @@ class Controller:
         why = f"rebuild of generation {gen.number} failed while {stage}: {reason_line(found.reasons)}"
         self.metrics.event("failure", step=self.next_step,
                            ranks=sorted(rank_of[a] for a in found.lost if a in rank_of), reason=why)
-        if not found.lost:
-            raise TrainingFailed(why)
+        if not found.lost and self.store.healthy():
+            raise TrainingFailed(why)  # (a dead store is re-hosted by the next rebuild's address())
         self._count_restart(
             RebuildTimeoutError, f"could not form generation {gen.number} within elastic.max_restarts="
             f"{self.cfg.elastic.max_restarts} tries ({why})")
@@ -319,7 +321,7 @@ class Controller:
         members = {rank: ordered[rank] for rank in range(plan.shape.world)}
         spares = ordered[plan.shape.world:]
         spec = self._runtime_spec(plan)
-        host, port = self.store_address
+        host, port = self.store.address()
         args = {
             actor: (GenerationSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
             for rank, actor in members.items()

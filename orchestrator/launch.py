@@ -1,6 +1,7 @@
 """Bring a job up on Ray and run it: connect (or start an embedded local Ray), check the cluster can hold
-the mesh, ask the autoscaler for the largest mesh the job may grow to, start the store host and the
-RankActors, hand them to the Controller, and tear down -- also when stopped by SIGTERM (`ray job stop`).
+the mesh, ask the autoscaler for the largest mesh the job may grow to, host the rendezvous store
+(``StoreProvider``), start the RankActors, hand them to the Controller, and tear down -- also when
+stopped by SIGTERM (`ray job stop`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
 from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog
+from orchestrator.store_provider import StoreProvider
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import validate_source
 
@@ -144,20 +146,15 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
 def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSummary:
     metrics = None
     group = None
+    store = None
     capacity = CapacityRequest()
     try:
         use_gpu = resolve_gpu(cfg)
         if not started_local and not cfg.checkpoint.dir and len(ray.nodes()) > 1:
             logger.warning("checkpoint.dir is unset on a multi-node cluster: elastic recovery restarts "
                            "from step 1; set it to shared storage (e.g. s3://bucket/run)")
-        from workers.store import StoreHost
-
-        store = StoreHost.options(
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True
-            )
-        ).remote()
-        store_address = ray.get(store.address.remote(), timeout=60)
+        store = StoreProvider()
+        store.address()  # host it now: a cluster that cannot host it fails before the ranks start
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s,
@@ -168,7 +165,7 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSumm
         group.add(cfg.mesh.world)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
         controller = Controller(
-            cfg, group, metrics=metrics, store_address=store_address, use_gpu=use_gpu,
+            cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
             data_path=source.name,
         )
         return controller.run()
@@ -178,3 +175,5 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSumm
             metrics.close()
         if group is not None:
             group.shutdown()
+        if store is not None:
+            store.close()

@@ -112,6 +112,27 @@ class RayCluster:
                 raise RuntimeError("the dashboard's job API never answered")
             time.sleep(2)
 
+    def add_node(self, num_cpus: int, *, env: dict | None = None, timeout_s: float = 180.0) -> subprocess.Popen:
+        """Start one more node (`ray start --address ... --block`) with its own temp dir and ports; it
+        is stopped like a real node by SIGTERM to the returned process (``stop_node``) or at shutdown."""
+        index = len(self.procs)
+        agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
+        log = self.root / f"node{index}.log"
+        cmd = ["ray", "start", f"--address={self.gcs_address}", "--block",
+               f"--temp-dir={self.root / f'ray{index}'}",
+               f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+               f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+               "--min-worker-port=0", "--max-worker-port=0",
+               f"--num-cpus={num_cpus}", "--num-gpus=0", "--disable-usage-stats"]
+        self._spawn(cmd, {**self.env, **(env or {})}, log)
+        proc = self.procs[-1]
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start (node {index}) failed or timed out:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        return proc
+
     # -- the CLI ----------------------------------------------------------------------------------
     def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(["ray", *args], env=self.env, capture_output=True, text=True,
@@ -154,6 +175,13 @@ class RayCluster:
 
     def job_logs(self, submission_id: str) -> str:
         return self.ray("job", "logs", "--address", self.dashboard, submission_id, timeout=60).stdout
+
+    def driver(self, train_args: list[str], log: Path) -> subprocess.Popen:
+        """`elastimesh train ...` as a driver started by hand on the head (RAY_ADDRESS set), not a job."""
+        env = {**self.env, "RAY_ADDRESS": self.gcs_address, "PYTHONPATH": str(REPO)}
+        with open(log, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--no-progress", *train_args],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
     def python(self, code: str, timeout: float = 120) -> str:
         """Run `code` in a driver connected to this cluster; returns its stdout."""
