@@ -35,55 +35,27 @@ Writes ``bench/results/checkpoint_stall.json`` unless ``--out`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# bench/ is on sys.path; importing common puts the repository root there too.
+from checkpoint_stall_summary import GOAL, summarize
+from common import bench_config, environment, load_average, parser, rank_runtime, spawn_ranks, write_result
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "checkpoint_stall.json"
 WORLD = 2
-
-from checkpoint_stall_summary import GOAL, summarize  # noqa: E402  (bench/ is on sys.path)
-
-
-def _overrides(model: dict[str, int], dp: int, tp: int = 1) -> list[str]:
-    out = [f"mesh.dp={dp}", "mesh.pp=1", f"mesh.tp={tp}", "mesh.zero=3", "train.steps=1000"]
-    out += ["train.global_batch_size=4", "train.micro_batch_size=2"]
-    return out + [f"model.{k}={v}" for k, v in model.items()]
 
 
 class _Rank:
     """One rank's runtime for one generation, and the helpers the measurements share."""
 
     def __init__(self, rank: int, port: int, model: dict[str, int], dp: int, tp: int, generation: int) -> None:
-        import torch
-
-        from orchestrator.config import load_config
-        from orchestrator.mesh import MeshShape
-        from orchestrator.messages import RuntimeSpec
-        from orchestrator.schedule import make_schedule
-        from workers.groups import build_process_groups
-        from workers.runtime import RankRuntime
-
-        cfg = load_config(None, _overrides(model, dp, tp))
-        self.spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=3,
-                                layers_per_stage=(cfg.model.n_layers,), virtual_stages=1,
-                                collective_timeout_s=600, use_gpu=False, async_checkpoint=True)
-        self.groups = build_process_groups(store_addr="127.0.0.1", store_port=port, generation=generation,
-                                           shape=MeshShape(dp, 1, tp), world_rank=rank, timeout_s=600,
-                                           device=torch.device("cpu"), store_prefix=f"bench-gen{generation}")
-        self.runtime = RankRuntime(self.spec, self.groups)
-        microbatches = cfg.train.global_batch_size // (dp * cfg.train.micro_batch_size)
-        self.actions = make_schedule("1f1b", 1, microbatches, 1)[0]
+        cfg = bench_config(model, dp=dp, tp=tp, steps=1000, global_batch=4, micro_batch=2)
+        self.runtime, self.actions = rank_runtime(cfg, store_port=port, world_rank=rank, generation=generation,
+                                                  timeout_s=600, store_prefix=f"bench-gen{generation}")
+        self.groups = self.runtime.groups
         self.rank = rank
         self.step = 0
 
@@ -146,68 +118,59 @@ def _rm(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _child(rank: int, port: int, model: dict[str, int], repeats: int, workdir: str, queue) -> None:
-    import torch
+def _child(rank: int, port: int, model: dict[str, int], repeats: int, workdir: str) -> dict:
+    out: dict = {}
+    r = _Rank(rank, port, model, dp=WORLD, tp=1, generation=1)
+    r.train()  # AdamW state exists from here on
+    out["local_state_bytes"] = r.state_bytes()
 
-    torch.set_num_threads(1)
-    out: dict = {"rank": rank}
-    try:
-        r = _Rank(rank, port, model, dp=WORLD, tp=1, generation=1)
-        r.train()  # AdamW state exists from here on
-        out["local_state_bytes"] = r.state_bytes()
-
-        # Synchronous saves: the whole save is stall.
-        r.use_writer("sync")
-        out["sync_s"] = []
-        for i in range(repeats):
-            path = os.path.join(workdir, f"sync-{i}")
-            r.barrier()
-            t0 = time.perf_counter()
-            r.runtime.save_checkpoint(path, r.step)
-            out["sync_s"].append(time.perf_counter() - t0)
-            r.barrier()
-            if rank == 0:
-                _rm(path)
-        for mode in ("async_staged", "async_background"):
-            out[mode] = _async_saves(r, mode, repeats, workdir)
-
-        # Loads. The source: the current state, saved at dp=2.
-        source = os.path.join(workdir, "sync-src-dp2")
-        r.use_writer("sync")
-        r.runtime.save_checkpoint(source, r.step)
+    # Synchronous saves: the whole save is stall.
+    r.use_writer("sync")
+    out["sync_s"] = []
+    for i in range(repeats):
+        path = os.path.join(workdir, f"sync-{i}")
         r.barrier()
-        saved_checksum = r.param_checksum()
-        out["saved_checksum"] = saved_checksum
-        out["loads"] = {"dp2": _time_loads(r, source, repeats)}  # same mesh: no resharding
-        r.destroy()
+        t0 = time.perf_counter()
+        r.runtime.save_checkpoint(path, r.step)
+        out["sync_s"].append(time.perf_counter() - t0)
+        r.barrier()
+        if rank == 0:
+            _rm(path)
+    for mode in ("async_staged", "async_background"):
+        out[mode] = _async_saves(r, mode, repeats, workdir)
 
-        # (dp=1, tp=2) in the same processes, a new generation: resharded load vs a tp=2 checkpoint.
-        r = _Rank(rank, port, model, dp=1, tp=2, generation=2)
+    # Loads. The source: the current state, saved at dp=2.
+    source = os.path.join(workdir, "sync-src-dp2")
+    r.use_writer("sync")
+    r.runtime.save_checkpoint(source, r.step)
+    r.barrier()
+    saved_checksum = r.param_checksum()
+    out["saved_checksum"] = saved_checksum
+    out["loads"] = {"dp2": _time_loads(r, source, repeats)}  # same mesh: no resharding
+    r.destroy()
+
+    # (dp=1, tp=2) in the same processes, a new generation: resharded load vs a tp=2 checkpoint.
+    r = _Rank(rank, port, model, dp=1, tp=2, generation=2)
+    resharded = _time_loads(r, source, repeats)
+    resharded["checksum"] = r.param_checksum()
+    own = os.path.join(workdir, "sync-tp2")
+    r.use_writer("sync")
+    r.runtime.save_checkpoint(own, r.step)
+    r.barrier()
+    out["loads"]["tp2"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
+    r.destroy()
+
+    # One process (dp=1, world 1): rank 0 alone.
+    if rank == 0:
+        r = _Rank(0, port, model, dp=1, tp=1, generation=3)
         resharded = _time_loads(r, source, repeats)
         resharded["checksum"] = r.param_checksum()
-        own = os.path.join(workdir, "sync-tp2")
+        own = os.path.join(workdir, "sync-dp1")
         r.use_writer("sync")
         r.runtime.save_checkpoint(own, r.step)
-        r.barrier()
-        out["loads"]["tp2"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
+        out["loads"]["dp1"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
         r.destroy()
-
-        # One process (dp=1, world 1): rank 0 alone.
-        if rank == 0:
-            r = _Rank(0, port, model, dp=1, tp=1, generation=3)
-            resharded = _time_loads(r, source, repeats)
-            resharded["checksum"] = r.param_checksum()
-            own = os.path.join(workdir, "sync-dp1")
-            r.use_writer("sync")
-            r.runtime.save_checkpoint(own, r.step)
-            out["loads"]["dp1"] = {"resharded_from_dp2": resharded, "same_mesh": _time_loads(r, own, repeats)}
-            r.destroy()
-        queue.put(out)
-    except BaseException as exc:  # report, so the parent fails fast instead of timing out
-        import traceback
-
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-        raise
+    return out
 
 
 def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
@@ -216,19 +179,20 @@ def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
     r.use_writer(mode)
     writer = r.runtime._writer
     out: dict = {k: [] for k in ("call_s", "fence_s", "stall_s", "write_s", "staging_s", "waited_s",
-                                 "step_idle_s", "step_during_write_s", "stager_cache")}
+                                 "step_idle_s", "step_during_write_s", "stager_cache", "in_flight_at_save")}
     for i in range(repeats + 1):  # save 0 allocates the staging buffers
         out["step_idle_s"].append(r.train())
         path = os.path.join(workdir, f"{mode}-{i}")
         r.barrier()
+        out["in_flight_at_save"].append(writer.in_flight)  # the previous write must be done by now
         call = r.runtime.save_checkpoint(path, r.step)
         out["step_during_write_s"].append(r.train())  # waits for staging before its optimizer step
         ack = r.runtime.wait_checkpoint()
         timing = r.runtime._save_future.result()
         out["call_s"].append(call)
         out["fence_s"].append(writer.fence_wait_s)
-        out["stall_s"].append(ack["stall_s"])  # = the call + the wait for staging in the next step
-        out["write_s"].append(ack["write_s"])
+        out["stall_s"].append(ack.stall_s)  # = the call + the wait for staging in the next step
+        out["write_s"].append(ack.write_s)
         out["staging_s"].append(timing.staging_s)
         out["waited_s"].append(timing.waited_s)
         out["stager_cache"].append(r.stager_cache())
@@ -251,50 +215,18 @@ def _time_loads(r: _Rank, path: str, repeats: int) -> dict:
 
 
 def run_world(model: dict[str, int], repeats: int, workdir: str, timeout_s: float = 1800.0) -> list[dict]:
-    import queue as queue_lib
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, store.port, model, repeats, workdir, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: list[dict] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < WORLD:
-            try:
-                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue_lib.Empty:
-                raise TimeoutError(f"only {len(results)} of {WORLD} ranks reported") from None
-            if "error" in item:
-                raise RuntimeError(f"rank {item['rank']} failed:\n{item['error']}")
-            results.append(item)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    del store
-    return sorted(results, key=lambda x: x["rank"])
+    return spawn_ranks(WORLD, _child, (model, repeats, workdir), timeout_s=timeout_s, what="checkpoint_stall")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="measured saves/loads of each kind (default 5)")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
-    parser.add_argument("--quick", action="store_true", help="the default tiny model, 2 repeats (smoke run)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
+    ap = parser(__doc__, "checkpoint_stall", "the default tiny model, 2 repeats (smoke run)")
+    ap.add_argument("--repeats", type=int, default=5, help="measured saves/loads of each kind (default 5)")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    args = ap.parse_args(argv)
     if args.repeats < 2:
-        parser.error("--repeats must be >= 2")
+        ap.error("--repeats must be >= 2")
     repeats = 2 if args.quick else args.repeats
     model = {} if args.quick else {"n_layers": args.layers, "d_model": args.d_model, "n_heads": 8}
     workdir = tempfile.mkdtemp(prefix="ckpt-stall-", dir=args.dir)
@@ -317,11 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                    "torch_num_threads": 1},
         **figures,
         "elapsed_s": time.perf_counter() - t0,
-        "environment": {"torch": __import__("torch").__version__, "python": platform.python_version(),
-                        "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "environment": {**environment(), "load_avg_1m": (load_average() or [None])[0]},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     loads = ", ".join(f"{k}: {v.get('resharded_from_dp2_median_s', v['same_mesh_median_s']):.3f}s"
                       + (f" vs {v['same_mesh_median_s']:.3f}s" if "resharded_from_dp2_median_s" in v else "")
                       for k, v in figures["loads"].items())

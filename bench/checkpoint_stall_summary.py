@@ -40,6 +40,8 @@ def _async_summary(ranks: list[dict], mode: str, sync_median: float) -> dict:
         "staging_median_s": _median(slowest("staging_s")[1:]),
         "write_median_s": _median(slowest("write_s")),
         "waited_for_previous_max_s": max(slowest("waited_s")),
+        # Each save is timed alone: the previous one's write was waited for before it started.
+        "saves_started_with_none_in_flight": not any(any(r[mode]["in_flight_at_save"]) for r in ranks),
         # Same staging buffers (address, size) after every save: allocated once, then reused.
         "staging_buffers_reused": all(c and all(x == c[0] for x in c) for c in caches),
         "staging_buffer_bytes_per_rank": [sum(n for _, n in c[-1]) for c in caches],

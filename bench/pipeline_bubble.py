@@ -26,26 +26,16 @@ and prints a short summary. Runs real local gloo meshes (``tests.helpers.world.r
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# bench/ is on sys.path; importing common puts the repository root there too.
+from common import load_average, machine, parser, write_result
+from orchestrator.schedule import peak_in_flight, theoretical_bubble
+from pipeline_analysis import WARMUP_STEPS, bubble_stats
+from pipeline_probes import memory_probe, timing_probe
+from tests.helpers.world import run_mesh, shutdown_pool
 
-from orchestrator.schedule import peak_in_flight, theoretical_bubble  # noqa: E402
-from tests.helpers.world import run_mesh, shutdown_pool  # noqa: E402
-
-from pipeline_analysis import WARMUP_STEPS, bubble_stats  # noqa: E402  (bench/ is on sys.path)
-from pipeline_probes import memory_probe, timing_probe  # noqa: E402
-
-OUT = ROOT / "bench" / "results" / "pipeline_bubble.json"
 # d_model 256, seq 256, 2 sequences per microbatch: one 2-layer stage costs ~35 ms F / ~75 ms B on one
 # idle core, against <1 ms to send the 512 KB boundary activation, so compute dominates communication.
 MICRO = 2  # sequences per microbatch
@@ -54,10 +44,6 @@ GOAL_POINTS = 0.05
 # Interleaved vs 1F1B at pp=2 for these microbatch counts: the fewer microbatches, the bigger the bubble
 # interleaving removes (theory 1.11x at m=4, 1.06x at m=8).
 IV_MS = (4, 8)
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # --- the three experiments -------------------------------------------------------------------------
@@ -160,10 +146,7 @@ def activation_memory(steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and microbatch counts (~2 min)")
-    parser.add_argument("--out", default=str(OUT))
-    args = parser.parse_args()
+    args = parser(__doc__, "pipeline_bubble", "fewer steps and microbatch counts (~2 min)").parse_args()
 
     import torch
 
@@ -171,8 +154,7 @@ def main() -> None:
     steps = 5 if args.quick else 8
     ms = (4, 8) if args.quick else (4, 8, 16)
     report: dict = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_start": load_average()},  # fmt: skip
+        "machine": machine(torch=torch.__version__, load_average_start=load_average()),
         "config": {"model": list(MODEL), "layers_per_stage": 2, "dp": 1, "tp": 1, "steps": steps,
                    "warmup_steps_skipped": WARMUP_STEPS, "quick": args.quick},  # fmt: skip
     }
@@ -197,9 +179,8 @@ def main() -> None:
     report["machine"]["load_average_end"] = load_average()
     report["wall_s"] = time.monotonic() - t0
     report["notes"] = notes(report)
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = args.out
+    write_result(path, report)
     mem = report["activation_memory"]
     for m, iv in report["interleaved_vs_1f1b_by_m"].items():
         print(f"interleaved speedup m={m}: {iv['speedup_step']:.3f}x (step), {iv['speedup_pipeline_window']:.3f}x "

@@ -27,23 +27,18 @@ Writes ``bench/results/ray_train_compare.json`` unless ``--out`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# bench/ is on sys.path; importing common puts the repository root there too.
+from common import ROOT, load_average, local_ray, machine, parser, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "ray_train_compare.json"
 GOAL_RATIO = 1.05
 DP = 2
 # elastimesh variants (name -> extra overrides). zero3 = the defaults (the headline); zero2 keeps params
@@ -125,7 +120,6 @@ def _train_loop(config: dict) -> None:
 
 
 def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -135,9 +129,8 @@ def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
     logdir = os.path.join(workdir, "raytrain_logs")
     os.makedirs(logdir, exist_ok=True)
     t0 = time.time()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    t_init = time.time()
-    try:
+    with local_ray():
+        t_init = time.time()
         trainer = TorchTrainer(
             _train_loop,
             train_loop_config={"overrides": overrides + [f"train.steps={steps}"], "steps": steps,
@@ -147,8 +140,6 @@ def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
         )
         trainer.fit()
         t_fit = time.time()
-    finally:
-        ray.shutdown()
     t_end = time.time()
     logs = [json.load(open(os.path.join(logdir, f"rank{r}.json"))) for r in range(DP)]
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
@@ -177,11 +168,9 @@ def _best(runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "ray_train_compare", "tiny model, few steps: a smoke run")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 20, quick 6)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per side, interleaved (default 3, quick 1)")
-    ap.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke run")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -199,10 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     ratio = ratios["zero3"]
     common = sorted(set(em["losses"]) & set(rt["losses"]))
     max_rel = max((abs(em["losses"][s] - rt["losses"][s]) / abs(rt["losses"][s]) for s in common), default=None)
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
     result = {
         "benchmark": "ray_train_compare",
         "goal": f"elastimesh tokens/s / Ray Train tokens/s >= {GOAL_RATIO} (dp={DP}, local Ray, CPU gloo)",
@@ -218,12 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "loss_max_rel_diff": max_rel,
         "goal_met": ratio >= GOAL_RATIO,
         "goal_met_by_variant": {name: r >= GOAL_RATIO for name, r in ratios.items()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
+        "machine": machine(loadavg_at_end=load_average()),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, result)
     by_variant = ", ".join(f"{n} {sides[n]['tokens_per_s_median']:,.0f} tok/s ({r:.2f}x)" for n, r in ratios.items())
     print(f"ray_train_compare: elastimesh {by_variant} vs Ray Train {rt['tokens_per_s_median']:,.0f} tok/s "
           f"(goal >= {GOAL_RATIO} at the default zero=3: {'met' if result['goal_met'] else 'NOT met'}); "

@@ -28,23 +28,18 @@ Writes ``bench/results/recovery.json`` unless ``--out`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# bench/ is on sys.path; importing common puts the repository root there too.
+from common import ROOT, load_average, local_ray, machine, parser, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "recovery.json"
 GOAL_RATIO = 0.25
 DP, FAIL_STEP, VICTIM, DELAY_S, CKPT_EVERY = 4, 5, 1, 0.2, 2
 
@@ -74,8 +69,7 @@ def run_elastimesh(steps: int, workdir: str) -> dict:
         f"checkpoint.dir={os.path.join(workdir, 'em_ckpt')}", f"metrics.path={mpath}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     t0 = time.time()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray():
         host = StoreHost.remote()
         store_address = ray.get(host.address.remote(), timeout=60)
         group = make_group(cfg.mesh.world)
@@ -104,8 +98,6 @@ def run_elastimesh(steps: int, workdir: str) -> dict:
             controller.metrics.close()
         finally:
             group.shutdown()
-    finally:
-        ray.shutdown()
     records = [json.loads(line) for line in open(mpath)]
     failure = next(r for r in records if r.get("event") == "failure")
     rebuild = next(r for r in records if r.get("event") == "rebuild")
@@ -188,23 +180,21 @@ def run_ray_train(steps: int, workdir: str) -> dict:
     logdir = os.path.join(workdir, "rt_logs")
     os.makedirs(logdir, exist_ok=True)
     t0 = time.time()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     error = None
-    try:
-        trainer = TorchTrainer(
-            _train_loop,
-            train_loop_config={"overrides": MODEL + [f"train.steps={steps}"], "steps": steps, "logdir": logdir,
-                               "root": str(ROOT), "fail_step": FAIL_STEP, "victim": VICTIM,
-                               "delay_s": DELAY_S, "ckpt_every": CKPT_EVERY},
-            scaling_config=ScalingConfig(num_workers=(2, DP), use_gpu=False),
-            run_config=RunConfig(name="rt_recovery", storage_path=os.path.join(workdir, "rt_storage"),
-                                 failure_config=FailureConfig(max_failures=2)),
-        )
-        trainer.fit()
-    except Exception as exc:  # recorded; the figures below may still be there
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    finally:
-        ray.shutdown()
+    with local_ray():
+        try:
+            trainer = TorchTrainer(
+                _train_loop,
+                train_loop_config={"overrides": MODEL + [f"train.steps={steps}"], "steps": steps, "logdir": logdir,
+                                   "root": str(ROOT), "fail_step": FAIL_STEP, "victim": VICTIM,
+                                   "delay_s": DELAY_S, "ckpt_every": CKPT_EVERY},
+                scaling_config=ScalingConfig(num_workers=(2, DP), use_gpu=False),
+                run_config=RunConfig(name="rt_recovery", storage_path=os.path.join(workdir, "rt_storage"),
+                                     failure_config=FailureConfig(max_failures=2)),
+            )
+            trainer.fit()
+        except Exception as exc:  # recorded; the figures below may still be there
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     t_end = time.time()
     kill_t = float(open(os.path.join(logdir, "killed")).read())
     steps_log = [json.loads(line) for line in open(os.path.join(logdir, "steps.jsonl"))]
@@ -230,10 +220,8 @@ def run_ray_train(steps: int, workdir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "recovery", "same as --steps 6 (the fault is always at step 5)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 8; >= 6)")
-    ap.add_argument("--quick", action="store_true", help="same as --steps 6 (the fault is always at step 5)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 8)
     if steps <= FAIL_STEP:
@@ -243,10 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         rt = run_ray_train(steps, workdir)
     em_t, rt_t = em["kill_to_next_step_done_s"], rt["kill_to_next_step_done_s"]
     ratio = em_t / rt_t if em_t and rt_t else None
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
     result = {
         "benchmark": "recovery",
         "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO}; also report steps re-run",
@@ -258,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_kill_to_next_step": ratio,
         "ratio_event_recovery_vs_ray_train": (em["recovery_s_event"] / rt_t) if rt_t else None,
         "goal_met": ratio is not None and ratio <= GOAL_RATIO,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": load},
+        "machine": machine(loadavg_at_end=load_average()),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, result)
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}s"  # noqa: E731
     print(f"recovery: elastimesh kill->next step {fmt(em_t)} (event recovery_s {fmt(em['recovery_s_event'])}, "
           f"lost {em['work_lost_steps']} steps) vs Ray Train {fmt(rt_t)} (lost {rt['work_lost_steps']} steps) "

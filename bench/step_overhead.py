@@ -21,31 +21,17 @@ Writes ``bench/results/step_overhead.json`` unless ``--out`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from orchestrator.config import load_config  # noqa: E402
-from orchestrator.mesh import MeshShape  # noqa: E402
-from orchestrator.messages import RuntimeSpec  # noqa: E402
-from orchestrator.schedule import make_schedule  # noqa: E402
-from workers.groups import build_process_groups  # noqa: E402
-from workers.reference import ReferenceTrainer  # noqa: E402
-from workers.runtime import RankRuntime  # noqa: E402
-
-DEFAULT_OUT = ROOT / "bench" / "results" / "step_overhead.json"
+# bench/ is on sys.path; importing common puts the repository root there too (for workers.*).
+from common import bench_config, environment, parser, rank_runtime, write_result
+from workers.reference import ReferenceTrainer
 
 # A step of ~0.3 s on one CPU thread: compute dominates any fixed per-step cost.
 FULL_MODEL = {"n_layers": 4, "d_model": 256, "n_heads": 8, "seq_len": 128}
@@ -55,41 +41,10 @@ QUICK_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 64}
 QUICK_TRAIN = {"global_batch_size": 4, "micro_batch_size": 2}
 
 
-def build_config(model: dict, train: dict, steps: int):
-    overrides = ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "mesh.zero=3", "pipeline.schedule=\"1f1b\""]
-    overrides += [f"model.{k}={v}" for k, v in model.items()]
-    overrides += [f"train.{k}={v}" for k, v in train.items()]
-    # The LR schedule depends on train.steps; give it the real length of the run so both sides see
-    # a non-degenerate cosine decay.
-    overrides.append(f"train.steps={steps}")
-    return load_config(None, overrides)
-
-
 def build_runtime(cfg):
     """A world-1 process group + RankRuntime in this process (what a rank actor builds, minus Ray)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    groups = build_process_groups(
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        generation=1,
-        shape=MeshShape(1, 1, 1),
-        world_rank=0,
-        timeout_s=60,
-        device=torch.device("cpu"),
-    )
-    spec = RuntimeSpec(
-        model=cfg.model,
-        train=cfg.train,
-        data_path=cfg.data.path,
-        zero=cfg.mesh.zero,
-        layers_per_stage=(cfg.model.n_layers,),
-        virtual_stages=1,
-        collective_timeout_s=60,
-        use_gpu=False,
-    )
-    runtime = RankRuntime(spec, groups)
-    microbatches = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    actions = make_schedule("1f1b", 1, microbatches, 1)[0]
+    runtime, actions = rank_runtime(cfg, store_port=store.port, timeout_s=60)
     return store, runtime, actions
 
 
@@ -97,7 +52,10 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
     torch.set_num_threads(threads)
     model, train = (QUICK_MODEL, QUICK_TRAIN) if quick else (FULL_MODEL, FULL_TRAIN)
     total_steps = warmup + steps
-    cfg = build_config(model, train, total_steps)
+    # The LR schedule depends on train.steps; give it the real length of the run so both sides see
+    # a non-degenerate cosine decay.
+    cfg = bench_config(model, steps=total_steps, global_batch=train["global_batch_size"],
+                       micro_batch=train["micro_batch_size"])
 
     store, runtime, actions = build_runtime(cfg)
     reference = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path)
@@ -188,31 +146,23 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
             "block_steps": block,
             "torch_num_threads": threads,
         },
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
-        },
+        "environment": {**environment(), "machine": platform.machine()},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add = parser.add_argument
+    ap = parser(__doc__, "step_overhead", "tiny model, few steps: a smoke run, not a measurement")
+    add = ap.add_argument
     add("--steps", type=int, default=None, help="measured steps per side (default 30; 4 with --quick)")
     add("--warmup", type=int, default=3, help="unmeasured steps per side first (default 3)")
     add("--block", type=int, default=2, help="steps per alternating block (default 2)")
     add("--threads", type=int, default=1, help="torch.set_num_threads for both sides (default 1)")
-    add("--quick", action="store_true", help="tiny model, few steps: a smoke run, not a measurement")
-    add("--out", type=Path, default=DEFAULT_OUT, help="JSON output (default bench/results/step_overhead.json)")
-    args = parser.parse_args(argv)
+    args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else (4 if args.quick else 30)
     if steps < 1 or args.warmup < 0 or args.block < 1 or args.threads < 1:
-        parser.error("--steps, --block and --threads must be >= 1; --warmup >= 0")
+        ap.error("--steps, --block and --threads must be >= 1; --warmup >= 0")
     result = run(steps, args.warmup, args.block, args.threads, args.quick)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     med = result["median_step_s"]
     print(
         f"step_overhead: elastimesh {med['elastimesh'] * 1e3:.1f} ms, plain {med['plain'] * 1e3:.1f} ms, "

@@ -5,7 +5,7 @@ each, gloo on the CPU, a parent ``TCPStore`` on port 0), builds each rank's ``Ra
 2 steps, so that gradients and both AdamW moments exist. Each rank then counts the model-state bytes it
 holds, two ways:
 
-* **local** (what the brief asks for): ``p.to_local()`` for every parameter, ``p.grad.to_local()``
+* **local** (what the goal counts): ``p.to_local()`` for every parameter, ``p.grad.to_local()``
   for every gradient, and the local shards of AdamW's ``exp_avg`` / ``exp_avg_sq`` (the scalar ``step``
   is skipped). FSDP2 shards dim 0 in ``ceil(n / dp)`` chunks, so ranks can hold unequal shares.
 * **allocated**: the sizes of the distinct storages behind those same tensors. FSDP2 keeps each
@@ -25,19 +25,12 @@ Writes ``bench/results/zero3_memory.json`` unless ``--out`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# bench/ is on sys.path; importing common puts the repository root there too.
+from common import bench_config, environment, parser, rank_runtime, spawn_ranks, write_result
 
-DEFAULT_OUT = ROOT / "bench" / "results" / "zero3_memory.json"
 STEPS = 2
 GOAL = 1.05
 BREAKDOWN_KEYS = (
@@ -55,12 +48,9 @@ MODELS: dict[str, dict[str, int]] = {
 }
 
 
-def _overrides(model: dict[str, int], dp: int) -> list[str]:
-    out = [f"mesh.dp={dp}", "mesh.pp=1", "mesh.tp=1", "mesh.zero=3", f"train.steps={STEPS}"]
+def _config(model: dict[str, int], dp: int):
     # global batch 8 / micro 2 works for dp in {1, 2, 4}.
-    out += ["train.global_batch_size=8", "train.micro_batch_size=2"]
-    out += [f"model.{k}={v}" for k, v in model.items()]
-    return out
+    return bench_config(model, dp=dp, steps=STEPS, global_batch=8, micro_batch=2)
 
 
 def _storage_key(t) -> tuple[int, int]:
@@ -138,95 +128,24 @@ def count_model_state(runtime) -> dict:
     }
 
 
-def _child(rank: int, dp: int, port: int, model: dict[str, int], queue) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    from orchestrator.config import load_config
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.schedule import make_schedule
-    from workers.groups import build_process_groups
-    from workers.runtime import RankRuntime
-
-    try:
-        cfg = load_config(None, _overrides(model, dp))
-        spec = RuntimeSpec(
-            model=cfg.model,
-            train=cfg.train,
-            data_path=cfg.data.path,
-            zero=3,
-            fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
-            layers_per_stage=(cfg.model.n_layers,),
-            virtual_stages=1,
-            collective_timeout_s=120,
-            use_gpu=False,
-        )
-        groups = build_process_groups(
-            store_addr="127.0.0.1",
-            store_port=port,
-            generation=1,
-            shape=MeshShape(dp, 1, 1),
-            world_rank=rank,
-            timeout_s=120,
-            device=torch.device("cpu"),
-        )
-        runtime = RankRuntime(spec, groups)
-        microbatches = cfg.train.global_batch_size // (dp * cfg.train.micro_batch_size)
-        actions = make_schedule("1f1b", 1, microbatches, 1)[0]
-        losses = [runtime.train_step(step, actions).loss for step in range(1, STEPS + 1)]
-        counts = count_model_state(runtime)
-        counts["rank"] = rank
-        counts["losses"] = losses
-        queue.put(counts)
-        runtime.destroy()
-    except BaseException as exc:  # report, so the parent fails fast instead of timing out
-        import traceback
-
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-        raise
+def _child(rank: int, port: int, dp: int, model: dict[str, int]) -> dict:
+    runtime, actions = rank_runtime(_config(model, dp), store_port=port, world_rank=rank, timeout_s=120)
+    losses = [runtime.train_step(step, actions).loss for step in range(1, STEPS + 1)]
+    counts = count_model_state(runtime)
+    counts["losses"] = losses
+    runtime.destroy()
+    return counts
 
 
 def run_world(dp: int, model: dict[str, int], timeout_s: float = 300.0) -> list[dict]:
-    import queue as queue_lib
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, dp, store.port, model, queue)) for r in range(dp)]
-    for p in procs:
-        p.start()
-    results: list[dict] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < dp:
-            try:
-                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue_lib.Empty:
-                raise TimeoutError(f"dp={dp}: only {len(results)} of {dp} ranks reported") from None
-            if "error" in item:
-                raise RuntimeError(f"dp={dp} rank {item['rank']} failed:\n{item['error']}")
-            results.append(item)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    del store
-    return sorted(results, key=lambda r: r["rank"])
+    return spawn_ranks(dp, _child, (dp, model), timeout_s=timeout_s, what=f"dp={dp}")
 
 
 def analytic_unsharded_bytes(model: dict[str, int]) -> tuple[int, int]:
     """(params, 4 bytes x params x 4): fp32 params + grads + AdamW exp_avg + exp_avg_sq."""
-    from orchestrator.config import load_config
     from workers.model import build_stage
 
-    cfg = load_config(None, _overrides(model, 1))
+    cfg = _config(model, 1)
     module = build_stage(cfg.model, range(cfg.model.n_layers), cfg.train.seed, False)
     n = sum(p.numel() for p in module.parameters())
     return n, 4 * n * 4
@@ -277,17 +196,15 @@ def measure(name: str, model: dict[str, int], dps: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dps", default="1,2,4", help="comma-separated dp sizes (default 1,2,4)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny model, dp 1 and 2 only")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output (default bench/results/zero3_memory.json)")
-    args = parser.parse_args(argv)
+    ap = parser(__doc__, "zero3_memory", "tiny model, dp 1 and 2 only")
+    ap.add_argument("--dps", default="1,2,4", help="comma-separated dp sizes (default 1,2,4)")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
+    args = ap.parse_args(argv)
     dps = [1, 2] if args.quick else [int(x) for x in args.dps.split(",")]
     names = ["tiny"] if args.quick else [x for x in args.models.split(",") if x]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     t0 = time.perf_counter()
     models = {name: measure(name, MODELS[name], dps) for name in names}
     result = {
@@ -301,14 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         "dps": dps,
         "models": models,
         "elapsed_s": time.perf_counter() - t0,
-        "environment": {
-            "torch": __import__("torch").__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-        },
+        "environment": environment(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     for name, m in models.items():
         figs = ", ".join(
             f"dp={dp}: {v['ratio_allocated']:.4f} (local {v['ratio_local']:.4f})"

@@ -17,9 +17,11 @@ Commit protocol: ranks write ``step-N/`` (DCP shards + ``.metadata``), each acks
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,18 +107,51 @@ def list_checkpoints(root: str, storage: CheckpointStorage | None = None, *,
     return sorted(infos, key=lambda i: i.step)
 
 
-def latest_valid(root: str, storage: CheckpointStorage | None = None, *,
-                 run_id: str | None = None) -> CheckpointInfo | None:
-    """The newest valid checkpoint under ``root`` (of run ``run_id`` only, when given), or None.
+def require_root(root: str, storage: CheckpointStorage | None = None) -> None:
+    """For ``elastimesh ckpt list``: ``root`` must be an existing directory.
 
-    Logs a warning for each newer invalid one of that run.
+    (``list_checkpoints`` treats an absent root as empty, which is right for a first run's resume but
+    would make a mistyped path look like a directory without checkpoints.)
+
+    Raises:
+        CheckpointError: ``root`` does not exist, or is a local file.
+    """
+    storage = storage or storage_for(root)
+    exists, local = storage.exists(root), local_path(root)
+    if exists and (local is None or os.path.isdir(local)):
+        return
+    what = "not a directory" if exists else "no such checkpoint directory"
+    raise CheckpointError(f"{what}: give the directory a run's checkpoint.dir points at (its "
+                          "checkpoints are the step-NNNNNNNN directories in it)", root)
+
+
+def latest_valid(
+    root: str,
+    storage: CheckpointStorage | None = None,
+    *,
+    run_id: str | None = None,
+    among: Container[int] | None = None,
+    on_skip: Callable[[CheckpointInfo], None] | None = None,
+) -> CheckpointInfo | None:
+    """The newest valid checkpoint under ``root``, or None: the one place that decides what to resume.
+
+    Args:
+        run_id: consider only that run's checkpoints; None: every run's.
+        among: consider only these steps (e.g. the ones this run committed); None: every step.
+        on_skip: called with each newer invalid checkpoint (of those considered) that was passed
+            over; by default each is logged as a warning.
     """
     for info in reversed(list_checkpoints(root, storage)):
         if run_id is not None and info.owner != run_id:
             continue
+        if among is not None and info.step not in among:
+            continue
         if info.valid:
             return info
-        logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        if on_skip is None:
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+        else:
+            on_skip(info)
     return None
 
 
@@ -286,7 +321,8 @@ def describe(path: str, storage: CheckpointStorage | None = None) -> dict[str, A
     """
     storage, path = storage or storage_for(path), path.rstrip("/") or path
     if not storage.exists(path):
-        raise CheckpointError("no such checkpoint directory", path)
+        raise CheckpointError("no such checkpoint directory: give one of the step directories that "
+                              "`elastimesh ckpt list DIR` shows", path)
     valid, reason, manifest = check_checkpoint(path, storage, read_dcp_metadata=False)
     out: dict[str, Any] = {"path": path, "step": parse_step(_basename(path)), "valid": valid,
                            "reason": reason, "size_bytes": storage.size_of_tree(path)}

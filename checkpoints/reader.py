@@ -10,7 +10,7 @@ checkpoint from another model fails with :class:`CheckpointMismatchError` listin
 of a DCP error from deep inside a collective.
 
 Elastic rebuilds: clear DTensor's sharding caches before rebuilding the model on a re-formed world
-(notes/cpu-gloo-facts.md gotcha 6); otherwise a same-size, permuted world silently loads shards at
+(docs/design.md, Generations; F5); otherwise a same-size, permuted world silently loads shards at
 the wrong offsets. That is the caller's rebuild step, not this module's.
 """
 

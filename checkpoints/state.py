@@ -8,7 +8,7 @@ DCP saves as global-tensor pieces and reshards into whatever mesh loads them.
 
 ``flatten_optimizer_state_dict=True`` is required, not cosmetic: without it every pipeline stage
 saves its ``param_groups`` under the same keys and a PP-layout load fails with ``KeyError: 'betas'``
-(measured; notes/cpu-gloo-facts.md row 7b). Flattened, every optimizer entry is keyed by parameter
+(docs/design.md, F11). Flattened, every optimizer entry is keyed by parameter
 FQN (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so any regrouping of parts loads.
 
 The small ``"extra"`` state (step, data cursor, LR scheduler, RNG) must be identical on every rank:

@@ -22,10 +22,10 @@ Submitting to an idle thread that already exists costs microseconds. Rules this 
   as :class:`CheckpointError`. ``last_error`` keeps the latest failure either way;
 * the asynchronous collectives (DCP's plan exchange) run on a process group of their own. On the
   training group they interleave with training collectives and gloo aborts the process
-  (notes/cpu-gloo-facts.md row 7e, gotcha 9), so that case is refused.
+  (docs/design.md, F9), so that case is refused.
 
 A thread, not a process: DCP's process mode keeps a daemon bound to the world it started with, which
-breaks after an elastic resize (row 7e). On GPU the staging copy runs on the writer thread's current
+breaks after an elastic resize (F9). On GPU the staging copy runs on the writer thread's current
 stream; a dedicated copy stream would overlap it with compute better (not needed on CPU, not done).
 """
 

@@ -18,9 +18,19 @@ batch size: the data cursor counts samples of a (seed, epoch) order, and step k 
 [(k-1)*G, k*G), so a different G would skip or repeat samples. Both are checked when the controller
 is constructed, before any process group is formed, and are bad input (exit 2) naming the keys.
 
+Ownership: a run has an id, kept across resumes of that run (a resume adopts the id of the checkpoint
+it starts from). Every step directory it makes says so (``.owner``, the manifest's ``run_id``), and it
+purges, replaces and — after a failure — resumes only its own (or the one it started from). A new
+run (``checkpoint.resume = false``) in a directory that holds another run's checkpoints is refused
+(exit 2), so it can neither delete them nor silently fall back to them later.
+
 With ``checkpoint.dir`` unset, planned resizes still need to move state between meshes: they use a
 private temporary directory on the driver's machine (fine for one node; multi-node runs need a shared
 ``checkpoint.dir``, which ``elastimesh train`` warns about).
+
+The ranks answer with ``messages.SaveAck`` / ``messages.WriteAck``; the save in flight is a
+``PendingSave``. Every call goes through the worker group (no Ray here), so tests drive this
+coordinator with a fake group.
 """
 
 from __future__ import annotations
@@ -28,14 +38,17 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import time
-
-import ray
+import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from checkpoints.catalog import (
     BackgroundPurger,
+    CheckpointInfo,
+    check_checkpoint,
     commit,
     ensure_writable,
+    latest_valid,
     list_checkpoints,
     prepare_step,
 )
@@ -45,6 +58,7 @@ from orchestrator.config import JobConfig, config_to_dict
 from orchestrator.config_fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
 from orchestrator.mesh import layer_ranges
+from orchestrator.messages import SaveAck, WriteAck
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +72,18 @@ class RestoreFailed(TrainingFailed):
         self.outcome = outcome
 
 
+@dataclass
+class PendingSave:
+    """Driver side: the one save in flight. Every member staged its shard (``SaveAck``s in); the
+    ``wait_checkpoint`` calls in ``refs`` answer with a ``WriteAck`` each once the shard is durable."""
+
+    step: int
+    gen: Any  # the controller's GenerationRecord whose members write it
+    path: str
+    refs: dict  # wait_checkpoint call -> actor id
+    stall_s: float  # the slowest member's save call
+
+
 class CheckpointCoordinator:
     def __init__(self, cfg: JobConfig, metrics) -> None:
         self.cfg = cfg
@@ -68,22 +94,24 @@ class CheckpointCoordinator:
         self.every = cfg.checkpoint.every if self.user_dir else 0
         self.fingerprint = model_fingerprint(cfg)
         self.purger = BackgroundPurger()
-        self._pending: dict | None = None  # the save in flight: step, gen, refs, stall
+        self._pending: PendingSave | None = None
         self.last_committed = 0
-        self._committed_here: set[int] = set()  # steps this run committed (resume=false trusts only these)
+        self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
+        self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
-        self._abandoned: list = []  # ack refs of saves dropped by a failure, read once they resolve
+        self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
         if self.user_dir:
             try:
                 ensure_writable(self.root)
             except CheckpointError as exc:
                 raise UserInputError(f"checkpoint.dir: {exc}") from None
-            # Refuse an alien checkpoint now, before the actors spend seconds forming groups.
+            # Refuse a foreign directory or an alien checkpoint now, before groups are formed.
+            self._claim_root()
             self.resume_point()
 
     # -- saving -----------------------------------------------------------------------------------
     def after_step(self, group, gen, step: int) -> None:
-        self._reap_abandoned()
+        self._reap_abandoned(group)
         self._try_commit(group, block=False)
         if self.every and step % self.every == 0:
             self._start_save(group, gen, step)
@@ -100,83 +128,72 @@ class CheckpointCoordinator:
 
     def finish(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)
-        self._reap_abandoned()
+        self._reap_abandoned(group)
 
     def abandon_pending(self) -> None:
         if self._pending is not None:
-            logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending["step"])
-            self._abandoned.extend(self._pending["refs"])
+            logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending.step)
+            self._abandoned.extend(self._pending.refs)
         self._pending = None
 
-    def _reap_abandoned(self) -> None:
+    def _reap_abandoned(self, group) -> None:
         # Read the acks of abandoned saves once they fail, so Ray does not log each as an
         # "Unhandled error" with a traceback: the failure was already reported as one event.
-        if not self._abandoned:
-            return
-        ready, self._abandoned = ray.wait(self._abandoned, num_returns=len(self._abandoned), timeout=0)
-        for ref in ready:
-            try:
-                ray.get(ref, timeout=1)
-            except Exception:
-                pass
+        if self._abandoned:
+            self._abandoned = group.drain(self._abandoned)
 
     def _start_save(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)  # at most one save in flight
         try:
-            path = prepare_step(self.root, step)
+            path = prepare_step(self.root, step, run_id=self.run_id)
         except CheckpointError as exc:
             self._storage_failed(step, self.root, exc.message)
         actors = list(gen.members.values())
-        t0 = time.monotonic()
         calls = group.submit(actors, "save_checkpoint", (path, step))
         staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
             if staged.failed and not (staged.dead or staged.pending):
                 failed = {r: a for r, a in calls.items() if a in staged.failed}
-                self._storage_failed(step, path, _first_cause(failed, staged.failed))
+                self._storage_failed(step, path, _first_cause(group, failed, staged.failed))
             return
+        acks: list[SaveAck] = list(staged.results.values())
         refs = group.submit(actors, "wait_checkpoint")
-        self._pending = {
-            "step": step, "gen": gen, "path": path, "refs": refs, "t0": t0,
-            "stall_s": max(r["stall_s"] for r in staged.results.values()),
-        }
+        self._pending = PendingSave(step=step, gen=gen, path=path, refs=refs,
+                                    stall_s=max(a.stall_s for a in acks))
 
     def _try_commit(self, group, *, block: bool) -> None:
         pending = self._pending
         if pending is None:
             return
-        refs = list(pending["refs"])
-        if not block:
-            # Poll: commit as soon as every ack is in, without waiting. (collect() with a zero
-            # deadline returns before looking at any ref, so it cannot serve as the poll.)
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(ready) < len(refs):
-                return  # still writing; look again after the next step
-        outcome = group.collect(dict(pending["refs"]), self.cfg.elastic.step_timeout_s)
+        # Poll: commit as soon as every ack is in, without waiting.
+        if not block and not group.all_done(pending.refs):
+            return  # still writing; look again after the next step
+        outcome = group.collect(dict(pending.refs), self.cfg.elastic.step_timeout_s)
         self._pending = None
         if outcome.failed and not (outcome.dead or outcome.pending):
             # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
-            failed = {r: a for r, a in pending["refs"].items() if a in outcome.failed}
-            self._storage_failed(pending["step"], pending["path"], _first_cause(failed, outcome.failed))
+            failed = {r: a for r, a in pending.refs.items() if a in outcome.failed}
+            self._storage_failed(pending.step, pending.path, _first_cause(group, failed, outcome.failed))
         if not outcome.ok:
             # A rank died or hung while writing: never committed; the failure path rebuilds.
-            logger.warning("checkpoint of step %d not committed: %s", pending["step"],
+            logger.warning("checkpoint of step %d not committed: %s", pending.step,
                            outcome.failed or outcome.dead or f"no ack from actors {outcome.pending}")
-            self.metrics.event("checkpoint_failed", step=pending["step"], path=pending["path"],
+            self.metrics.event("checkpoint_failed", step=pending.step, path=pending.path,
                                reason=str(outcome.failed or outcome.dead or outcome.pending)[:300])
             return
-        gen = pending["gen"]
+        gen = pending.gen
+        acks: list[WriteAck] = list(outcome.results.values())
         rank_of = {actor: rank for rank, actor in gen.members.items()}
         files: dict[str, int] = {}
-        for ack in outcome.results.values():
-            files.update(ack["files"])
+        for ack in acks:
+            files.update(ack.files)
         manifest = CheckpointManifest(
-            step=pending["step"],
+            step=pending.step,
             generation=gen.number,
             mesh=gen.shape.as_dict(),
             model_fingerprint=self.fingerprint,
-            data_cursor=pending["step"] * self.cfg.train.global_batch_size,
+            data_cursor=pending.step * self.cfg.train.global_batch_size,
             global_batch_size=self.cfg.train.global_batch_size,
             world_size=gen.shape.world,
             ranks_acked=sorted(rank_of[a] for a in outcome.results),
@@ -184,20 +201,20 @@ class CheckpointCoordinator:
             stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
             model_config=config_to_dict(self.cfg)["model"],
             files=files,
+            run_id=self.run_id,
         )
         try:
             commit(self.root, manifest)
         except CheckpointError as exc:
-            self._storage_failed(pending["step"], pending["path"], exc.message)
-        self.last_committed = pending["step"]
-        self._committed_here.add(pending["step"])
-        write_s = max(a["write_s"] for a in outcome.results.values())
+            self._storage_failed(pending.step, pending.path, exc.message)
+        self.last_committed = pending.step
+        write_s = max(a.write_s for a in acks)
         # The acks' stall includes any wait for background staging before the next optimizer step.
-        stall_s = max([pending["stall_s"]] + [a.get("stall_s", 0.0) for a in outcome.results.values()])
-        self.metrics.event("checkpoint", step=pending["step"], stall_s=stall_s,
-                           write_s=write_s, path=pending["path"])
+        stall_s = max([pending.stall_s] + [a.stall_s for a in acks])
+        self.metrics.event("checkpoint", step=pending.step, stall_s=stall_s,
+                           write_s=write_s, path=pending.path)
         if self.user_dir:
-            self.purger.request(self.root, self.cfg.checkpoint.keep)
+            self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
 
     def _storage_failed(self, step: int, path: str, reason: str) -> None:
         """Stop the run: a checkpoint could not be written although every rank is alive.
@@ -215,17 +232,33 @@ class CheckpointCoordinator:
         )
 
     # -- loading ----------------------------------------------------------------------------------
-    def resume_point(self):
+    def _claim_root(self) -> None:
+        """Decide whose run this is before anything is written (see the module docstring)."""
+        if not self.cfg.checkpoint.resume:
+            others = [i for i in list_checkpoints(self.root) if i.committed or i.owner]
+            if others:
+                runs = sorted({i.owner or "an earlier run" for i in others})
+                raise UserInputError(
+                    f"checkpoint.dir {self.root} already holds checkpoints of {', '.join(runs)} (steps "
+                    f"{others[0].step}..{others[-1].step}) and checkpoint.resume=false starts a new run, which "
+                    "must not write beside them: point checkpoint.dir at an empty directory, or set "
+                    "checkpoint.resume=true to continue that run")
+            return
+        self._start = latest_valid(self.root, on_skip=self._report_skip)
+        if self._start is not None and self._start.manifest.run_id:
+            self.run_id = self._start.manifest.run_id
+
+    def resume_point(self) -> CheckpointInfo | None:
         """The newest valid checkpoint to (re)start from, or None. Checks it belongs to this model.
 
-        With ``checkpoint.resume = false`` only checkpoints this run committed count, so a rebuild
-        never jumps into an older run's state that happens to share the directory.
+        Only this run's checkpoints count, plus the one it resumed from (written before runs had ids,
+        it may carry none), so a rebuild never jumps into another run's state that shares the
+        directory. Damaged newer ones are skipped, each reported once (a warning and a
+        ``checkpoint_skipped`` event).
         """
-        if self.cfg.checkpoint.resume or not self.user_dir:
-            info = self._latest_valid()
-        else:
-            valid = [i for i in list_checkpoints(self.root) if i.valid and i.step in self._committed_here]
-            info = valid[-1] if valid else None
+        info = latest_valid(self.root, run_id=self.run_id, on_skip=self._report_skip)
+        if info is None and self._start is not None and check_checkpoint(self._start.path)[0]:
+            info = self._start
         if info is None:
             return None
         if info.manifest.model_fingerprint != self.fingerprint:
@@ -245,16 +278,12 @@ class CheckpointCoordinator:
             )
         return info
 
-    def _latest_valid(self):
-        """Newest valid checkpoint; each damaged newer one is reported once (log + metrics event)."""
-        for info in reversed(list_checkpoints(self.root)):
-            if info.valid:
-                return info
-            if info.path not in self._reported_skips:
-                self._reported_skips.add(info.path)
-                logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
-                self.metrics.event("checkpoint_skipped", step=info.step, path=info.path, reason=info.reason)
-        return None
+    def _report_skip(self, info: CheckpointInfo) -> None:
+        """A damaged checkpoint newer than the one resumed: reported once (log + metrics event)."""
+        if info.path not in self._reported_skips:
+            self._reported_skips.add(info.path)
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+            self.metrics.event("checkpoint_skipped", step=info.step, path=info.path, reason=info.reason)
 
     def restore(self, group, gen) -> int:
         """Load the newest committed checkpoint into every member; returns its step (0 = none)."""
@@ -277,14 +306,7 @@ class CheckpointCoordinator:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _first_cause(refs: dict, fallback: dict[int, str]) -> str:
-    """The rank-side error of the first failed call, not Ray's wrapper line (``ray::Actor.m() (pid=..)``)."""
-    for ref in refs:
-        try:
-            ray.get(ref, timeout=5)
-        except Exception as exc:
-            cause = getattr(exc, "cause", None) or exc
-            text = getattr(cause, "message", None) or str(cause)
-            return f"{type(cause).__name__}: {text}".splitlines()[0]
-    return next(iter(fallback.values()), "unknown error")
+def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:
+    """The rank-side error of the first failed call (``WorkerGroup.first_cause``), else the outcome's."""
+    return group.first_cause(refs) or next(iter(fallback.values()), "unknown error")
 

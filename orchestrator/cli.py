@@ -1,6 +1,6 @@
 """`elastimesh` / `python -m orchestrator`: train, plan, config, ckpt list|inspect, data prepare.
 
-Exit codes (shared/ARCHITECTURE.md): 0 done; 2 bad input — one line on stderr naming the key or file
+Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
 """
 
@@ -101,9 +101,10 @@ def _dispatch(args) -> int:
                     summary.generations, summary.restarts)
         return 0
     if args.command == "ckpt":
-        from checkpoints.catalog import describe, format_table, list_checkpoints
+        from checkpoints.catalog import describe, format_table, list_checkpoints, require_root
 
         if args.ckpt_command == "list":
+            require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
             sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")

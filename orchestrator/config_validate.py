@@ -4,7 +4,7 @@ A key's own range or enum is declared with the key (`orchestrator.config`, throu
 `config_schema.key`) and checked from there; this module holds what no single key can say: the
 divisibility constraints between the model, the batch and the mesh, the pipeline layout, and the
 elastic bounds. Every rule raises `ConfigError` naming the offending key and how to fix it, because
-the CLI prints that one line and exits 2 (README, exit codes).
+the CLI prints that one line and exits 2 (README.md, "Use": exit codes).
 
 The checks that depend on the mesh shape live in `check_mesh`, separately from the rest,
 because the elastic controller re-runs them for every candidate mesh when dp changes. The

@@ -1,13 +1,31 @@
-"""Controller: the elastic control loop as explicit states (driver side; never imports torch.distributed).
+"""Controller: the elastic control loop as an explicit state machine (driver side; no Ray, no torch).
 
-INITIALIZING -> RUNNING <-> REBUILDING -> FINISHED | ERRORED. ``step()`` makes exactly one transition
-(or runs one training step while RUNNING), so tests can drive it and assert the state after each call.
+``step()`` makes exactly one transition (or trains one step while RUNNING), so tests drive it and
+assert the state after each call — with a fake worker group (``tests/unit/test_controller.py``, whose
+docstring lists the test of each transition) or with real actors (``tests/ray``):
+
+    INITIALIZING -> RUNNING      generation 1 formed (joined; resumed from the newest checkpoint)
+    INITIALIZING -> REBUILDING   forming generation 1 lost a member
+    INITIALIZING -> ERRORED      forming generation 1 broke with nobody lost
+    RUNNING -> RUNNING           a step trained; or a planned resize / grow at the step boundary
+    RUNNING -> FINISHED          ``train.steps`` done, the last checkpoint committed
+    RUNNING -> REBUILDING        a step failed (a rank died, hung, latched an error, or timed out)
+    RUNNING -> ERRORED           the restart budget is spent, or checkpoint storage failed
+    REBUILDING -> RUNNING        a new generation formed from the live actors
+    REBUILDING -> REBUILDING     forming it lost a member (joining or loading): try again
+    REBUILDING -> ERRORED        below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
 survivors (kills dead/hung actors, shuts their blocked gloo sockets: ``orchestrator.recovery``), bumps
 the generation, re-plans the mesh from the live actors, has them re-form groups *in the same
 processes*, and reloads the newest committed checkpoint resharded into the new mesh. A failure while a
-generation forms (joining, loading) is handled the same way and the rebuild is retried.
+generation forms (joining, loading) takes the same path and the rebuild is retried.
+
+Decisions are data: ``orchestrator.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
+or ``Raise``; ``orchestrator.policies.ScalingPolicy`` answers with ``ResizeDecision``, ``NoResize`` or
+``TooFewWorkers``. The controller carries them out. Everything it needs of the cluster goes through
+the worker group (calls, kills, the capacity probe ``free_slots``), and step records are made by
+``orchestrator.metrics.step_record``.
 """
 
 from __future__ import annotations
@@ -15,23 +33,25 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-import ray
+from typing import TYPE_CHECKING
 
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
-from orchestrator.config import JobConfig, dp_bounds
-from orchestrator.lr_schedule import lr_at
-from orchestrator.errors import RebuildTimeoutError, TrainingFailed, WorkerGroupStartupError
+from orchestrator.config import JobConfig
+from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
+from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
 from orchestrator.mesh import MeshShape
-from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult
-from orchestrator.metrics import MetricsLog, bubble_fraction
+from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
+from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.plan import MeshPlan, make_plan
-from orchestrator.policies import ResizeDecision, choose_dp, fit_dp, grow_target
-from orchestrator.recovery import reason_line, settle
+from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
+from orchestrator.recovery import settle
 from orchestrator.store_provider import FixedStore, StoreSource
-from orchestrator.worker_group import CallOutcome, WorkerGroup
+
+if TYPE_CHECKING:  # the Ray-backed group; tests drive the controller with a fake one
+    from orchestrator.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +65,13 @@ class State(StrEnum):
 
 
 @dataclass
-class Generation:
+class GenerationRecord:
+    """Driver side: the driver's record of one generation — the mesh it planned (``plan``), which actor
+    holds each world rank (``members``) and what each member reported on joining (``infos``; none for a
+    member that never finished). Recorded as soon as the join is sent, so that a formation that fails
+    can still be settled. The instruction one rank gets is a ``messages.JoinSpec``; a rank's own groups
+    of the generation are a ``workers.groups.RankGroups``."""
+
     number: int
     plan: MeshPlan
     members: dict[int, int]  # world rank -> actor id
@@ -75,28 +101,34 @@ class Controller:
         store_address: tuple[str, int] | StoreSource,
         use_gpu: bool,
         data_path: str,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.group = worker_group
         self.metrics = metrics
-        # Asked at every rebuild: the provider re-hosts a store that died (orchestrator/store_provider.py).
+        # Asked at every formation: the provider re-hosts a store that died (orchestrator/store_provider.py).
         self.store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
+        self.clock = clock
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
-        self.generation: Generation | None = None
+        self.generation: GenerationRecord | None = None
         self.next_step = 1
-        self.restarts = 0
         self.losses: dict[int, float] = {}
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
-        self._rebuild_reason = "start"
-        self._failure_at: float | None = None  # when the current recovery began
-        self._pending_rebuild_event: dict | None = None
-        self._last_grow_check = time.monotonic()
+        self.scaling = ScalingPolicy(cfg)
+        self.failures = FailurePolicy(cfg.elastic.max_restarts)
+        self._failure_at: float | None = None  # when the current recovery (or planned resize) began
+        self._pending_rebuild_event: dict | None = None  # emitted with the first step it trains
+        self._last_grow_check = clock()
         self.resize_requests: dict[int, int] = {}  # step -> dp: resize at that step boundary (tests, ops)
         self.step_hooks: list = []  # callables(controller, step) run before each step (fault injection)
+
+    @property
+    def restarts(self) -> int:
+        return self.failures.restarts
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -119,9 +151,9 @@ class Controller:
     def step(self) -> State:
         try:
             if self.state == State.INITIALIZING:
-                self._rebuild(self.cfg.mesh.dp, "start")
+                self._form(self.scaling.start())
             elif self.state == State.REBUILDING:
-                self._rebuild_after_failure()
+                self._form(_carry_out(self.scaling.after_failure(len(self.group.live_ids))))
             elif self.state == State.RUNNING:
                 self._running()
         except TrainingFailed as exc:
@@ -139,216 +171,143 @@ class Controller:
         for hook in self.step_hooks:
             hook(self, step)
         if step in self.resize_requests:
-            self._resize(self.resize_requests.pop(step), "requested")
+            self._resize_requested(self.resize_requests.pop(step))
             return
-        if self._maybe_grow(step):
-            return
-        outcome, results = self._train_step(step)
+        if self._grow_due():
+            self._adopt_new_actors()
+            decision = self.scaling.grow(self.generation.shape.dp, len(self.group.live_ids))
+            if isinstance(decision, ResizeDecision):
+                self._begin_resize()
+                self._form(decision)
+                return
+        outcome = self._train_step(step)
+        results = list(outcome.results.values())
         if outcome.ok and all(r.ok for r in results):
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
             return
-        self._on_failure(step, outcome, results)
+        self._fail(Phase.STEP, outcome, results)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _train_step(self, step: int) -> tuple[CallOutcome, list[StepResult]]:
+    def _train_step(self, step: int) -> CallOutcome:
         gen = self.generation
         actions = gen.plan.actions()
         args = {
             actor: (step, actions[gen.shape.coords(rank).pp]) for rank, actor in gen.members.items()
         }
         refs = self.group.submit(list(gen.members.values()), "train_step", args)
-
-        def any_broken(o: CallOutcome) -> bool:
-            # Stop waiting as soon as an actor died or a rank latched an error: survivors are then
-            # blocked in a collective and must be freed now, not after the timeout.
-            return bool(o.dead or o.failed) or any(not r.ok for r in o.results.values())
-
-        outcome = self.group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=any_broken)
-        return outcome, list(outcome.results.values())
+        return self.group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=_step_broken)
 
     def _record(self, step: int, results: list[StepResult]) -> None:
-        shape = self.generation.shape
-        loss = sum(r.loss for r in results if r.loss is not None)
-        wall = max(r.step_time_s for r in results)
-        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
-        self.losses[step] = loss
-        self.metrics.step({
-            "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "tokens": tokens,
-            "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": self.generation.number,
-            "bubble": bubble_fraction(results),
-        })
+        gen = self.generation
+        record = step_record(step, results, train=self.cfg.train, seq_len=self.cfg.model.seq_len,
+                             shape=gen.shape, generation=gen.number)
+        self.losses[step] = record["loss"]
+        self.metrics.step(record)
         self.metrics.timeline(step, results)
         if self._pending_rebuild_event is not None:
+            # The rebuild / grow event goes out with the first step the new generation trained, so
+            # that recovery_s covers everything from the failure (or resize) to training again.
             event = self._pending_rebuild_event
             if self._failure_at is not None:
-                event["recovery_s"] = time.monotonic() - self._failure_at
+                event["recovery_s"] = self.clock() - self._failure_at
             self.metrics.event(event.pop("kind"), **event)
             self._pending_rebuild_event = None
             self._failure_at = None
 
-    # -- failures ---------------------------------------------------------------------------------
-    def _on_failure(self, step: int, outcome: CallOutcome, results: list[StepResult]) -> None:
-        """A step broke: free the survivors (recovery.settle), record it, and go rebuild."""
-        self._failure_at = time.monotonic()
+    # -- failures (one path for every phase) ------------------------------------------------------
+    def _fail(self, phase: Phase, outcome: CallOutcome, results: list[StepResult] = ()) -> None:
+        """Something broke in ``phase``: free the survivors, record the failure, carry out the policy's
+        decision (REBUILDING, or raise the error it carries)."""
         gen = self.generation
-        rank_of = {actor: rank for rank, actor in gen.members.items()}
+        if not phase.forming or self._failure_at is None:
+            self._failure_at = self.clock()  # a failed formation is part of the recovery under way
         found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
-                       wait_s=self.cfg.elastic.collective_timeout_s + 5,
-                       hang_reason="no progress within elastic.step_timeout_s")
-        reasons = dict(found.reasons)
-        for r in results:
-            if not r.ok and r.error:
-                reasons.setdefault(gen.members.get(r.world_rank, -1), r.error)
-        if not reasons:  # everyone alive, answering, error-free: just slower than the bound
-            reasons[-1] = (f"step {step} exceeded elastic.step_timeout_s={self.cfg.elastic.step_timeout_s:g} "
-                           "with every rank alive: raise it if steps are legitimately this slow")
-        # Name the ranks that were lost; only when none was (a latched error) the ones that errored.
-        blamed = found.lost or set(reasons)
-        self.metrics.event("failure", step=step, ranks=sorted(rank_of[a] for a in blamed if a in rank_of),
-                           reason=reason_line(reasons))
-        self.ckpt.abandon_pending()
-        self._count_restart(
-            TrainingFailed, f"giving up after {self.restarts} restarts (elastic.max_restarts="
-            f"{self.cfg.elastic.max_restarts}); last failure at step {step}: raise "
-            "elastic.max_restarts or look at the failure events in the metrics file")
-        self._rebuild_reason = "failure"
+                       wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
+        # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
+        store_lost = phase.forming and not found.lost and not self.store.healthy()
+        failure = diagnose(phase, step=self.next_step, generation=gen.number, members=gen.members,
+                           found=found, results=results, step_timeout_s=self.cfg.elastic.step_timeout_s,
+                           store_lost=store_lost)
+        self.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
+        self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
+        decision = self.failures.decide(failure)
+        if isinstance(decision, Raise):
+            raise decision.error
         self.state = State.REBUILDING
-
-    def _rebuild_failed(self, outcome: CallOutcome, stage: str) -> None:
-        """A member died, hung or failed while generation ``self.generation`` was forming.
-
-        Just another failure: free and drop whom it cost, then rebuild from the live actors. A
-        rebuild that broke although nobody was lost is not elastic business (a bug, bad state): stop.
-        """
-        if self._failure_at is None:
-            self._failure_at = time.monotonic()
-        gen = self.generation
-        rank_of = {actor: rank for rank, actor in gen.members.items()}
-        found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
-                       wait_s=self.cfg.elastic.collective_timeout_s + 5,
-                       hang_reason=f"no answer within elastic.rebuild_timeout_s while {stage}")
-        why = f"rebuild of generation {gen.number} failed while {stage}: {reason_line(found.reasons)}"
-        self.metrics.event("failure", step=self.next_step,
-                           ranks=sorted(rank_of[a] for a in found.lost if a in rank_of), reason=why)
-        if not found.lost and self.store.healthy():
-            raise TrainingFailed(why)  # (a dead store is re-hosted by the next rebuild's address())
-        self._count_restart(
-            RebuildTimeoutError, f"could not form generation {gen.number} within elastic.max_restarts="
-            f"{self.cfg.elastic.max_restarts} tries ({why})")
-        self._rebuild_reason = "failure"
-        self.state = State.REBUILDING
-
-    def _count_restart(self, error: type[TrainingFailed], message: str) -> None:
-        self.restarts += 1
-        if self.restarts > self.cfg.elastic.max_restarts:
-            raise error(message)
 
     def _listeners(self) -> dict[int, tuple[tuple[str, int], ...]]:
         """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
         return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
 
-    # -- generations ------------------------------------------------------------------------------
-    def _rebuild_after_failure(self) -> None:
-        decision = choose_dp(self.cfg, len(self.group.live_ids), "failure")
-        if not isinstance(decision, ResizeDecision):
-            raise TrainingFailed(decision.message)
-        self._rebuild(decision.dp, "failure")
-
-    def _resize(self, dp: int, reason: str) -> None:
-        """Planned resize at a step boundary: commit a checkpoint of the current step, then rebuild."""
-        self._failure_at = time.monotonic()
+    # -- planned resizes --------------------------------------------------------------------------
+    def _begin_resize(self) -> None:
+        """Before a planned resize: commit a checkpoint of the current step (finishing any save in
+        flight first) so the next generation resumes exactly here."""
+        self._failure_at = self.clock()
         self.ckpt.save_now(self.group, self.generation, self.next_step - 1)
-        if reason == "requested":
-            dp = self._fit_request(dp)
-        self._rebuild(dp, reason)
 
-    def _fit_request(self, dp: int) -> int:
+    def _resize_requested(self, dp: int) -> None:
         """A requested dp larger than the live actors allow starts the missing actors first (as a
         replacement would); if they cannot be placed, the largest feasible dp the live ones allow."""
-        missing = dp * self.cfg.mesh.pp * self.cfg.mesh.tp - len(self.group.live_ids)
+        self._begin_resize()
+        missing = self.scaling.missing_for(dp, len(self.group.live_ids))
         if missing > 0:
             try:
                 self.group.add(missing, wait_s=self.cfg.resources.placement_timeout_s)
             except WorkerGroupStartupError as exc:
                 logger.warning("resize to dp=%d: %s", dp, exc)
-        fitted = fit_dp(self.cfg, dp, len(self.group.live_ids))
-        if fitted < 1:
-            raise TrainingFailed(f"resize to dp={dp}: {len(self.group.live_ids)} live workers hold no "
-                                 "whole replica that divides train.global_batch_size: add nodes")
-        return fitted
+        self._form(_carry_out(self.scaling.requested(dp, len(self.group.live_ids))))
 
-    def _maybe_grow(self, step: int) -> bool:
-        if time.monotonic() - self._last_grow_check < self.cfg.elastic.grow_check_s:
+    def _grow_due(self) -> bool:
+        now = self.clock()
+        if now - self._last_grow_check < self.cfg.elastic.grow_check_s:
             return False
-        self._last_grow_check = time.monotonic()
-        self._adopt_new_actors()
-        target = grow_target(self.cfg, self.generation.shape.dp, len(self.group.live_ids))
-        if target is None:
-            return False
-        self._resize(target, "grow")
+        self._last_grow_check = now
         return True
 
     def _adopt_new_actors(self) -> None:
         """Start actors on resources that appeared (autoscaler, replacement node), never blocking."""
-        replica = self.cfg.mesh.pp * self.cfg.mesh.tp
-        _, max_dp = dp_bounds(self.cfg)
-        wanted = max_dp * replica - len(self.group.live_ids)
-        if wanted <= 0:
-            return
-        free = ray.available_resources()
-        bundle = self.group.bundle()
-        fits = min(int(free.get(k, 0.0) // v) for k, v in bundle.items() if v > 0)
-        # A lost node's bundles are re-placed by Ray on the node that replaces it: those resources
-        # are not "available", yet they are ours to start actors in (WorkerGroup.add refills them).
-        fits += len(self.group.placed_vacancies())
-        count = min(wanted, fits)
-        if count >= replica:
+        count = self.scaling.actors_to_adopt(len(self.group.live_ids), self.group.free_slots)
+        if count:
             try:
-                self.group.add(count - count % replica, wait_s=10.0)
+                self.group.add(count, wait_s=10.0)
             except Exception as exc:  # resources vanished again: try at the next check
                 logger.info("grow: could not start actors yet (%s)", exc)
 
-    def _rebuild(self, dp: int, reason: str) -> None:
+    # -- generations ------------------------------------------------------------------------------
+    def _form(self, decision: ResizeDecision) -> None:
+        """Form the next generation at ``decision.dp`` from the live actors and resume it from the
+        newest committed checkpoint; RUNNING when it worked, else the failure path."""
         previous = self.generation
         number = (previous.number + 1) if previous else 1
-        plan = make_plan(self.cfg, dp)
-        live = self.group.live_ids
-        # Keep ranks of one replica together on a node: order by node, then age.
-        ordered = sorted(live, key=lambda a: (self.group.node_ips.get(a, ""), a))
-        members = {rank: ordered[rank] for rank in range(plan.shape.world)}
-        spares = ordered[plan.shape.world:]
+        plan = make_plan(self.cfg, decision.dp)
+        members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape.world)
         spec = self._runtime_spec(plan)
         host, port = self.store.address()
         args = {
-            actor: (GenerationSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
+            actor: (JoinSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
             for rank, actor in members.items()
         }
         if spares:
             self.group.call(spares, "leave_generation", timeout_s=30.0)
         refs = self.group.submit(list(members.values()), "join_generation", args)
-
-        def broken(o: CallOutcome) -> bool:
-            # A member that died or failed to join leaves the others blocked in the rendezvous.
-            return bool(o.dead or o.failed)
-
-        outcome = self.group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=broken)
-        self.generation = Generation(number, plan, members, infos=dict(outcome.results))
+        outcome = self.group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken)
+        self.generation = GenerationRecord(number, plan, members, infos=dict(outcome.results))
         if not outcome.ok:
-            self._rebuild_failed(outcome, "joining")
+            self._fail(Phase.JOINING, outcome)
             return
         try:
             resumed = self.ckpt.restore(self.group, self.generation)
         except RestoreFailed as exc:
-            self._rebuild_failed(exc.outcome, "loading the checkpoint")
+            self._fail(Phase.LOADING, exc.outcome)
             return
         self.next_step = resumed + 1
-        event = {"kind": "rebuild" if reason != "grow" else "grow", "generation": number,
+        event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-                 "resumed_from_step": resumed, "reason": reason, "spares": len(spares)}
-        if reason == "start":
+                 "resumed_from_step": resumed, "reason": decision.reason, "spares": len(spares)}
+        if decision.reason == "start":
             self.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})
         else:
             self._pending_rebuild_event = event
@@ -367,3 +326,28 @@ class Controller:
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
         )
+
+
+def _carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
+    """A scaling decision that must form a mesh: ``TooFewWorkers`` stops the run."""
+    if isinstance(decision, TooFewWorkers):
+        raise TrainingFailed(decision.message)
+    return decision
+
+
+def _assign(live: list[int], node_ips: dict[int, str], world: int) -> tuple[dict[int, int], list[int]]:
+    """World rank -> actor id for the first ``world`` live actors, and the spares. Ranks of one replica
+    stay together on a node: actors are ordered by node, then age."""
+    ordered = sorted(live, key=lambda a: (node_ips.get(a, ""), a))
+    return {rank: ordered[rank] for rank in range(world)}, ordered[world:]
+
+
+def _step_broken(o: CallOutcome) -> bool:
+    # Stop waiting as soon as an actor died or a rank latched an error: survivors are then
+    # blocked in a collective and must be freed now, not after the timeout.
+    return bool(o.dead or o.failed) or any(not r.ok for r in o.results.values())
+
+
+def _join_broken(o: CallOutcome) -> bool:
+    # A member that died or failed to join leaves the others blocked in the rendezvous.
+    return bool(o.dead or o.failed)

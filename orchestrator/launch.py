@@ -19,7 +19,7 @@ from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_t
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
 from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
-from orchestrator.metrics import MetricsLog
+from orchestrator.metrics import MetricsLog, check_outputs
 from orchestrator.store_provider import StoreProvider
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import validate_source
@@ -134,6 +134,7 @@ def stop_on_sigterm():
 
 def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
     source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
+    check_outputs(cfg.metrics)  # before Ray and the actors start
     started_local = connect(cfg)
     try:
         with stop_on_sigterm():

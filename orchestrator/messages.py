@@ -1,7 +1,16 @@
 """The typed, picklable messages the driver and the rank actors exchange (pure data, no torch, no ray).
 
 The driver imports these to read results; the actors import them to build results. Keeping them here
-means neither side needs the other's heavy imports to unpickle a message.
+means neither side needs the other's heavy imports to unpickle a message. ``CallOutcome`` is what one
+fan-out call over several actors brought back: these messages per actor, or why there is none.
+
+Three things are called "generation"; only one of them lives here:
+
+* ``JoinSpec`` (here, driver -> rank): the instruction to join generation N as world rank r.
+* ``orchestrator.controller.GenerationRecord`` (driver side): the driver's record of generation N —
+  its plan, which actor holds each world rank, what each member reported on joining.
+* ``workers.groups.RankGroups`` (worker side): one rank's process groups and DeviceMesh of
+  generation N, destroyed whole when the rank leaves it.
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationSpec:
-    """Join generation ``generation`` as ``world_rank`` of ``shape`` through the store at addr:port.
+class JoinSpec:
+    """Driver -> rank: join generation ``generation`` as ``world_rank`` of ``shape`` through the store
+    at addr:port (``RankActor.join_generation``; the rank answers with a ``RankInfo``).
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
-    earlier run sharing the store — must never be seen again (cpu-gloo-facts gotcha 5).
+    earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
     """
 
     generation: int
@@ -46,7 +56,7 @@ class GenerationSpec:
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
-    """What a rank reports after joining a generation."""
+    """Rank -> driver: what a rank reports after joining a generation (answer to a ``JoinSpec``)."""
 
     world_rank: int
     pid: int
@@ -85,3 +95,41 @@ class WorkerStatus:
     busy: bool
     step: int
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveAck:
+    """Rank -> driver, answer to ``save_checkpoint``: the shard is staged and being written in the
+    background (phase 1 of the two-phase commit, see ``orchestrator.checkpointing``)."""
+
+    stall_s: float  # what the save call cost the training loop
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAck:
+    """Rank -> driver, answer to ``wait_checkpoint``: this rank's shard is durable.
+
+    ``files`` (file name -> size in bytes) goes into the manifest, so that validation can spot a
+    missing or truncated shard without reading DCP's metadata. ``stall_s`` is what training paid in
+    all: the save call plus any wait for staging before the next optimizer step.
+    """
+
+    write_s: float
+    files: dict[str, int]
+    stall_s: float
+    staging_s: float
+
+
+@dataclass
+class CallOutcome:
+    """Driver side: per-actor outcome of one fan-out call (``WorkerGroup.collect``)."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    dead: dict[int, str] = field(default_factory=dict)  # actor died (RayActorError)
+    failed: dict[int, str] = field(default_factory=dict)  # the method raised
+    pending: list[int] = field(default_factory=list)  # no answer before the deadline
+    pending_refs: dict = field(default_factory=dict)  # call ref -> actor_id, for a later collect()
+
+    @property
+    def ok(self) -> bool:
+        return not (self.dead or self.failed or self.pending)

@@ -1,7 +1,8 @@
 """Metrics sinks: the JSONL contract, a progress display, TensorBoard, Ray metrics, step timelines.
 
-JSONL records follow shared/ARCHITECTURE.md exactly (one object per line, flushed as written); we add
-``bubble`` (measured pipeline bubble fraction) to step records. The Chrome-trace/Perfetto timeline
+JSONL records follow README.md ("Metrics") exactly (one object per line, flushed as written); we add
+``bubble`` (measured pipeline bubble fraction) to step records, which ``step_record`` makes from the
+ranks' ``StepResult``s. The Chrome-trace/Perfetto timeline
 (``metrics.timeline``) shows one row per rank with every pipeline action of the latest step.
 """
 
@@ -10,12 +11,58 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from typing import Any
 
+from orchestrator.errors import UserInputError
+from orchestrator.lr_schedule import lr_at
+from orchestrator.mesh import MeshShape
 from orchestrator.messages import StepResult
 
 logger = logging.getLogger(__name__)
+
+
+def check_outputs(cfg) -> None:
+    """Prove every metrics output writable before any actor starts (bad input: one line, exit 2).
+
+    ``MetricsLog`` opens the files only once the actors are up, and the timeline is first written
+    after the first step: without this, a bad path ends a run that already spent its start-up, with
+    a traceback. Creates missing parent directories (``MetricsLog`` would) and nothing else.
+    """
+    if cfg.path:
+        _check_file("metrics.path", cfg.path, 'a file in a writable directory, or metrics.path="" for no JSONL')
+    if cfg.timeline:
+        _check_file("metrics.timeline", cfg.timeline, "a file in a writable directory, or unset it")
+    if cfg.tensorboard_dir:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise UserInputError(
+                "metrics.tensorboard_dir needs tensorboardX: pip install 'elastimesh[tensorboard]', "
+                "or unset metrics.tensorboard_dir") from None
+        if "://" not in cfg.tensorboard_dir:  # remote URIs are tensorboardX's business
+            _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
+                       "set metrics.tensorboard_dir to a writable directory, or unset it")
+
+
+def _check_file(key: str, path: str, fix: str) -> None:
+    if os.path.isdir(path):
+        raise UserInputError(f"{key}={path} is a directory; set {key} to {fix}")
+    _check_dir(key, os.path.dirname(os.path.abspath(path)), f"set {key} to {fix}", shown=path)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UserInputError(f"{key}={path} is not writable; set {key} to {fix}")
+
+
+def _check_dir(key: str, directory: str, fix: str, shown: str | None = None) -> None:
+    """Create ``directory`` and write (then remove) a probe file in it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise UserInputError(f"{key}={shown or directory}: cannot write in {directory} ({why}); {fix}") from None
 
 
 def bubble_fraction(results: list[StepResult]) -> float:
@@ -26,6 +73,21 @@ def bubble_fraction(results: list[StepResult]) -> float:
     if wall <= 0:
         return 0.0
     return max(0.0, 1.0 - sum(r.compute_s for r in results) / (len(results) * wall))
+
+
+def step_record(step: int, results: list[StepResult], *, train, seq_len: int, shape: MeshShape,
+                generation: int) -> dict[str, Any]:
+    """The JSONL record of one completed step: the global-batch loss (each replica reports its share),
+    the slowest rank's wall time, throughput, the learning rate, the mesh and the bubble."""
+    loss = sum(r.loss for r in results if r.loss is not None)
+    wall = max(r.step_time_s for r in results)
+    tokens = train.global_batch_size * seq_len
+    return {
+        "step": step, "loss": loss, "lr": lr_at(step, train), "tokens": tokens,
+        "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
+        "bubble": bubble_fraction(results),
+    }
 
 
 def write_timeline(path: str, step: int, results: list[StepResult]) -> None:

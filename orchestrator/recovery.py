@@ -6,7 +6,8 @@ must happen before the next generation can form, and fast (seconds, not ``collec
 1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
    actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
    wedged process fails to answer — those count as hung;
-2. SIGKILL dead and hung processes (``ray.kill`` on a stopped process takes ~5 s, cpu-gloo-facts 4);
+2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
+   takes ~5 s: docs/design.md, F3);
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
    ``RankActor.kick``) and wait for their calls to return; one that still does not is killed too.
 
@@ -16,13 +17,13 @@ The survivors' processes are never restarted: that is the point of the elastic d
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import ray
+from orchestrator.messages import CallOutcome
 
-from orchestrator.worker_group import CallOutcome, WorkerGroup
+if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fake one
+    from orchestrator.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +37,6 @@ class Casualties:
 
     lost: set[int] = field(default_factory=set)  # killed: dead, hung, or never freed
     reasons: dict[int, str] = field(default_factory=dict)
-
-
-def kill_now(group: WorkerGroup, actor_ids: set[int]) -> None:
-    """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``)."""
-    here = ray.util.get_node_ip_address()
-    for actor_id in actor_ids:
-        pid = group.pids.get(actor_id)
-        if pid and group.node_ips.get(actor_id) == here:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    group.kill(sorted(actor_ids))
 
 
 def settle(
@@ -81,8 +69,9 @@ def settle(
         hung = set(outcome.pending) - set(polled.results)
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
-    kill_now(group, dead)
-    survivors = [a for a in members if a not in dead and a in group.actors]
+    group.kill_now(dead)
+    live = set(group.live_ids)
+    survivors = [a for a in members if a not in dead and a in live]
     if survivors:
         # Only survivors' listeners: a dead rank's port may already belong to another process.
         alive = [ep for a in survivors for ep in listeners.get(a, ())]
@@ -95,7 +84,7 @@ def settle(
         if never:
             logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
             found.reasons.update({a: "did not return after the kick" for a in never})
-        kill_now(group, never)
+        group.kill_now(never)
         dead |= never
     found.lost = dead
     return found

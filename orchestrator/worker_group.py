@@ -5,13 +5,20 @@ The first start makes one placement group with one bundle per rank (PACK, filled
 TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
 placement group for the rest. A dead actor's call raises ``RayActorError``; that is caught only here
 and turned into a ``CallOutcome``.
+
+Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
+capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
+coordinator and ``orchestrator.recovery`` never import Ray and can be driven by a fake group
+(``tests/helpers/fake_group.py`` implements the same methods).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -21,25 +28,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.bundles import BundleLedger
 from orchestrator.errors import WorkerGroupStartupError
+from orchestrator.messages import CallOutcome
 
 logger = logging.getLogger(__name__)
 
 LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
-
-
-@dataclass
-class CallOutcome:
-    """Per-actor outcome of one fan-out call."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    dead: dict[int, str] = field(default_factory=dict)  # actor died (RayActorError)
-    failed: dict[int, str] = field(default_factory=dict)  # the method raised
-    pending: list[int] = field(default_factory=list)  # no answer before the deadline
-    pending_refs: dict = field(default_factory=dict)  # ref -> actor_id, for a later collect()
-
-    @property
-    def ok(self) -> bool:
-        return not (self.dead or self.failed or self.pending)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +66,7 @@ class WorkerGroup:
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
-        from workers.actor import RankActor  # imported lazily: the class is shipped to the actors
+        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
         slots = self._bundles.usable()[:count]
@@ -85,7 +78,10 @@ class WorkerGroup:
                 raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
             self._pgs.append(pg)
             slots += [(pg, index) for index in range(fresh)]
-        remote_cls = ray.remote(RankActor)
+        # One long-lived thread runs all of a rank's training work (the "train" group); the default
+        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint).
+        # See workers/actor.py TRAIN_GROUP for why.
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
         ids = []
         for pg, index in slots:
             actor_id = self._next_id
@@ -94,7 +90,7 @@ class WorkerGroup:
             self.actors[actor_id] = remote_cls.options(
                 num_cpus=self.resources.cpus,
                 num_gpus=self.resources.gpus,
-                max_concurrency=4,
+                max_concurrency=3,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 ),
@@ -151,9 +147,31 @@ class WorkerGroup:
             self.pids.pop(actor_id, None)
             self._bundles.release(actor_id)
 
+    def kill_now(self, actor_ids: set[int] | list[int]) -> None:
+        """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``
+        alone takes ~5 s on a stopped process)."""
+        here = ray.util.get_node_ip_address()
+        for actor_id in actor_ids:
+            pid = self.pids.get(actor_id)
+            if pid and self.node_ips.get(actor_id) == here:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.kill(sorted(actor_ids))
+
     def placed_vacancies(self) -> list[tuple[Any, int]]:
         """Vacant bundles that ``add`` would refill right now (their node is known to be up)."""
         return self._bundles.usable()
+
+    def free_slots(self) -> int:
+        """How many more actors ``add`` could start right now without waiting for placement: bundles
+        that fit in the cluster's free resources, plus placed bundles whose actor is gone (a lost
+        node's bundles are re-placed by Ray on the node that replaces it: those resources are not
+        "available", yet they are ours to start actors in)."""
+        free = ray.available_resources()
+        fits = min(int(free.get(k, 0.0) // v) for k, v in self.bundle().items() if v > 0)
+        return fits + len(self.placed_vacancies())
 
     def shutdown(self) -> None:
         self.kill(list(self.actors))
@@ -212,3 +230,36 @@ class WorkerGroup:
         outcome.pending = [refs[r] for r in remaining]
         outcome.pending_refs = {r: refs[r] for r in remaining}
         return outcome
+
+    def all_done(self, refs) -> bool:
+        """Whether every call in ``refs`` has answered (or failed), without waiting. (``collect`` with
+        a zero deadline returns before looking at any ref, so it cannot serve as this poll.)"""
+        refs = list(refs)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def drain(self, refs: list) -> list:
+        """Read the answers of calls nobody waits for any more, as far as they are in (never blocks),
+        so Ray does not log each failed one as an "Unhandled error" with a traceback. Returns the
+        refs still running: pass them again later."""
+        if not refs:
+            return []
+        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1)
+            except Exception:
+                pass
+        return rest
+
+    def first_cause(self, refs) -> str | None:
+        """The rank-side error of the first failed call in ``refs``, not Ray's wrapper line
+        (``ray::Actor.m() (pid=..)``); None when none of them failed."""
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=5)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc
+                text = getattr(cause, "message", None) or str(cause)
+                return f"{type(cause).__name__}: {text}".splitlines()[0]
+        return None

@@ -1,9 +1,11 @@
 """RankActor: the thin Ray shell around one rank. Knows nothing of placement, policy or other actors.
 
-Calls run in a small thread pool (``max_concurrency``), so while one thread is inside a training step
-— possibly blocked in a collective whose peer died — the driver can still poll the actor and tell it
-to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched into the
-returned ``StepResult``; the driver decides what happens next.
+All training work (joining a generation, steps, saving and loading checkpoints, gathering the state)
+runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency group, one thread. Other calls run on
+the default group's small pool, so while the training thread is inside a step — possibly blocked in
+a collective whose peer died — the driver can still poll the actor, park a ``wait_checkpoint`` and
+tell it to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched
+into the returned ``StepResult``; the driver decides what happens next.
 
 Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
 step, right after the rank's first forward of a step (deterministically mid-step: its peers are then
@@ -23,10 +25,30 @@ import traceback
 import ray
 import torch
 
-from orchestrator.messages import GenerationSpec, RankInfo, RuntimeSpec, StepResult, WorkerStatus
+from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
 
 logger = logging.getLogger(__name__)
+
+# Why one thread: DTensor's sharding-propagation caches (and torch's other per-thread state) are per
+# thread, so on Ray's rotating pool every new thread paid the warm-up again: steps 1-4 of the default
+# job took 1.6-2.8 s, then 0.3-0.5 s. On one thread step 2 is already at full speed.
+TRAIN_GROUP = "train"
+
+
+def _train(method):
+    """Run ``method`` in the training thread (and note that thread, for ``train_threads``)."""
+
+    def on_train_thread(self, *args, **kwargs):
+        self._train_threads.add(threading.get_ident())
+        return method(self, *args, **kwargs)
+
+    # Not functools.wraps: with __wrapped__ set, Ray 2.60 ignored the concurrency group and ran the
+    # method on the default pool (measured: 3 threads over 10 calls instead of 1).
+    on_train_thread.__name__, on_train_thread.__qualname__ = method.__name__, method.__qualname__
+    on_train_thread.__doc__ = method.__doc__
+    return ray.method(concurrency_group=TRAIN_GROUP)(on_train_thread)
+
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
@@ -35,7 +57,7 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 class RankActor:
     def __init__(self, actor_id: int) -> None:
-        # Ranks share few cores; one intra-op thread each avoids oversubscription (cpu-gloo-facts).
+        # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s [actor={actor_id}] %(name)s: %(message)s"
@@ -49,20 +71,27 @@ class RankActor:
         self.error: str | None = None
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
         self._lock = threading.Lock()
+        self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
-        self._joining: tuple[GenerationSpec, frozenset[int]] | None = None
+        self._joining: tuple[JoinSpec, frozenset[int]] | None = None
 
     def ping(self) -> tuple[int, str]:
         return os.getpid(), ray.util.get_node_ip_address()
+
+    def train_threads(self) -> int:
+        """How many distinct threads have run this actor's training work (1 unless misconfigured)."""
+        return len(self._train_threads)
 
     def node_id(self) -> str:
         """The Ray node this actor runs on (several nodes may share one IP, e.g. in tests)."""
         return ray.get_runtime_context().get_node_id()
 
-    def join_generation(self, gen: GenerationSpec, spec: RuntimeSpec) -> RankInfo:
-        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``."""
+    @_train
+    def join_generation(self, gen: JoinSpec, spec: RuntimeSpec) -> RankInfo:
+        """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
+        ``RankGroups`` and ``RankRuntime`` for it are built here."""
         from workers import sockets
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
@@ -104,6 +133,7 @@ class RankActor:
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
 
+    @_train
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         self.busy, self.step = True, step
         self._maybe_fire_fault("step", step)
@@ -119,18 +149,21 @@ class RankActor:
         finally:
             self.busy = False
 
+    @_train
     def full_state(self) -> dict:
         return self.runtime.full_state()
 
-    def save_checkpoint(self, path: str, step: int) -> dict:
+    @_train
+    def save_checkpoint(self, path: str, step: int) -> SaveAck:
         fault = self._take_fault("ckpt_write", step)
         if fault is not None:
             _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
-        return {"stall_s": self.runtime.save_checkpoint(path, step)}
+        return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> WriteAck:
         return self.runtime.wait_checkpoint()
 
+    @_train
     def load_checkpoint(self, path: str) -> int:
         with self._lock:
             self._maybe_fire_fault("load", self.generation)
@@ -150,6 +183,7 @@ class RankActor:
             _dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._faults[where] = (at, kind, delay_s)
 
+    @_train
     def leave_generation(self) -> None:
         with self._lock:
             self._leave()

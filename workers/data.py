@@ -15,8 +15,8 @@ where its text ends, so put a newline or an end-of-text token in the data if the
 boundaries. An optional ``elastimesh-data.json`` sidecar (written last by :func:`prepare`) gives the
 tokenizer's vocab size and the token count, which is checked so a half-copied directory is refused.
 
-Sample order (ARCHITECTURE.md, "Global batch semantics")
-------------------------------------------------------
+Sample order (docs/design.md, "Global batch semantics")
+-------------------------------------------------------
 Sample ``i`` is the non-overlapping window ``tokens[i*L : i*L + L + 1]`` (inputs ``[:-1]``, targets
 ``[1:]``). Epoch ``e`` visits samples in ``default_rng([seed, e]).permutation(n)``; the epochs are chained
 into one infinite sequence and optimizer step ``k`` (from 1) takes positions ``[(k-1)*G, k*G)``. The

@@ -1,7 +1,10 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
-As these change size at runtime, nothing may cache a rank, a world size or a group outside the
-``ProcessGroups`` object of the current generation: the runtime gets a new one on every rebuild.
+Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
+generation is ``orchestrator.controller.GenerationRecord``; the instruction to join it is a
+``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
+group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
+every rebuild.
 
 Every group is created here with an explicit timeout (``elastic.collective_timeout_s``):
 ``init_device_mesh`` would create its sub-groups with the backend default (30 min on gloo), so we make
@@ -60,7 +63,7 @@ def _axis_names(tag: str) -> dict[MeshAxis, str]:
     for the old mesh matches the new one and hands back a spec bound to the *old* mesh object, so
     this rank computes shard offsets from its old coordinate: DCP saves then fail ("invalid fill" in
     the global plan) or, worse, loads and optimizer states land at wrong offsets with no error
-    (cpu-gloo-facts gotcha 6; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
+    (docs/design.md, Generations and F5; tests/ray/test_elastic_resize.py). Clearing the caches is not enough
     (see ``clear_dtensor_caches``); names unique per process make every old entry unreachable.
     """
     count = next(_meshes_built)
@@ -84,8 +87,9 @@ def _restart_group_names() -> None:
 
 
 @dataclass
-class ProcessGroups:
-    """A rank's groups for one generation. ``destroy()`` ends the generation; nothing outlives it."""
+class RankGroups:
+    """Worker side: one rank's process groups and DeviceMesh for one generation (built from a
+    ``JoinSpec`` by ``build_process_groups``). ``destroy()`` ends the generation; nothing outlives it."""
 
     generation: int
     shape: MeshShape
@@ -134,7 +138,7 @@ def build_process_groups(
     timeout_s: float,
     device: torch.device,
     store_prefix: str | None = None,
-) -> ProcessGroups:
+) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
     clear_dtensor_caches()
     _restart_group_names()
@@ -144,7 +148,7 @@ def build_process_groups(
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
         # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
-        # reused prefix would meet the previous generation's keys (gotcha 5).
+        # reused prefix would meet the previous generation's keys (docs/design.md, F4).
         store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
         dist.init_process_group(
             backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
@@ -158,7 +162,7 @@ def build_process_groups(
                 if world_rank in members:
                     mine = group
             groups.append(mine)
-        # Async DCP saves must not share the training groups (gotcha 9): gloo, the whole world.
+        # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
         ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
     except BaseException:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
@@ -175,7 +179,7 @@ def build_process_groups(
         groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
     )
     ports = sorted(sockets.listening_ports() - listeners_before)
-    return ProcessGroups(
+    return RankGroups(
         generation=generation,
         shape=shape,
         world_rank=world_rank,

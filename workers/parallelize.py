@@ -29,7 +29,7 @@ from workers.model import GPT
 
 
 def apply_tp(stage: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP with sequence parallelism on norms (the plan measured in cpu-gloo-facts #4/#6)."""
+    """Megatron-style TP with sequence parallelism on norms (docs/design.md, F8)."""
     plan: dict[str, object] = {}
     if stage.tok_embeddings is not None:
         # Vocab-sharded embedding; its partial sums are reduce-scattered straight into sequence shards.

@@ -1,6 +1,6 @@
 """RankRuntime: everything one rank trains with during one generation.
 
-It owns the generation's ``ProcessGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
+It owns the generation's ``RankGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
 their optimizers and the data source. A rebuild throws the whole object away and makes a new one
 from the next generation's groups; state crosses generations only through a checkpoint (or the
 in-memory snapshot used by tests), never through cached groups or meshes.
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from orchestrator.mesh import fsdp_applies, layer_ranges
-from orchestrator.messages import RuntimeSpec, StepResult
+from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
-from workers.groups import ProcessGroups
+from workers.groups import RankGroups
 from workers.model import build_stage
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class RankRuntime:
-    def __init__(self, spec: RuntimeSpec, groups: ProcessGroups) -> None:
+    def __init__(self, spec: RuntimeSpec, groups: RankGroups) -> None:
         self.spec = spec
         self.groups = groups
         model_cfg, train = spec.model, spec.train
@@ -159,7 +159,7 @@ class RankRuntime:
 
         t0 = time.perf_counter()
         if self._writer is None:
-            # Dedicated group: async DCP on a training group aborts gloo (cpu-gloo-facts gotcha 9).
+            # Dedicated group: async DCP on a training group aborts gloo (docs/design.md, F9).
             # Staging in the background overlaps the copy with the next forward/backward, which only
             # read the parameters; train_step waits for it before the optimizer writes them.
             self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,
@@ -172,7 +172,7 @@ class RankRuntime:
         self._save_call_s = time.perf_counter() - t0
         return self._save_call_s
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> WriteAck:
         """Block until the shard is durable (called on a second actor thread); the ack.
 
         ``stall_s`` is what training paid: the save call plus any wait for staging before the next
@@ -180,8 +180,8 @@ class RankRuntime:
         """
         timing = self._save_future.result()
         stall = self._save_call_s + self._writer.fence_wait_s
-        return {"write_s": timing.write_s, "files": dict(timing.files), "stall_s": stall,
-                "staging_s": timing.staging_s}
+        return WriteAck(write_s=timing.write_s, files=dict(timing.files), stall_s=stall,
+                        staging_s=timing.staging_s)
 
     def _wait_checkpoint_staging(self) -> None:
         if self._writer is not None:

@@ -2,7 +2,7 @@
 
 Why this exists: on gloo, ``abort()``/``shutdown()`` do not unblock an op already running, and with
 FSDP2 holding the group alive ``destroy_process_group()`` does not close the sockets either, so
-survivors would wait the full collective timeout (cpu-gloo-facts gotchas 1-3). Shutting the TCP
+survivors would wait the full collective timeout (docs/design.md, Failure path; F1, F2). Shutting the TCP
 connections down makes the blocked recv fail at once. It is a sharp tool: a first attempt that picked
 sockets by "opened recently" hit a Ray socket and killed the actor. So we only touch connections whose
 local port is one of *this generation's* gloo listening ports, or whose peer is a gloo listener of

@@ -1,5 +1,6 @@
 """Cluster bad input through the real CLI (default run): exit 2, one line naming what to fix, no
-traceback, and always within a bound -- never a hang.
+traceback, and always within a bound -- never a hang (each test's pytest timeout is that bound; the
+error line shows which bounded path ended the run, no wall-clock asserts).
 
   * RAY_ADDRESS with nothing listening: fails at once (a TCP probe before ray.init's retries);
   * RAY_ADDRESS that accepts TCP but never speaks Ray: fails after the 30 s connect bound;
@@ -16,11 +17,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from orchestrator.launch import PROBE_TIMEOUT_S
 from tests.e2e.raycluster import free_ports
 
 pytestmark = pytest.mark.ray  # Ray clients (and, for the GPU case, an embedded Ray) in a subprocess
@@ -28,12 +27,10 @@ pytestmark = pytest.mark.ray  # Ray clients (and, for the GPU case, an embedded 
 CONNECT_BOUND_S = 30.0  # orchestrator.launch.connect's default connect_timeout_s
 
 
-def run_cli(*args: str, env: dict[str, str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    started = time.monotonic()
+def run_cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
                           timeout=timeout, env={**base, **env})
-    return proc, time.monotonic() - started
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:
@@ -47,12 +44,11 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.timeout(120)
 def test_ray_address_with_nothing_listening_fails_at_once():
     (port,) = free_ports(1)
-    proc, elapsed = run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=100)
-    line = error_line(proc)
+    line = error_line(run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=100))
     assert f"RAY_ADDRESS=127.0.0.1:{port}" in line and "cannot reach a Ray cluster" in line
     assert "ray start --head" in line
-    # Python start-up plus one refused connect; nowhere near ray.init's own retry loop.
-    assert elapsed < PROBE_TIMEOUT_S + 20, elapsed
+    # The TCP probe refused it (its wording), before ray.init and its own retry loop ever ran.
+    assert f"nothing answers at 127.0.0.1:{port}" in line
 
 
 class SilentListener:
@@ -88,29 +84,28 @@ class SilentListener:
 def test_ray_address_that_never_answers_fails_within_the_connect_bound():
     listener = SilentListener()
     try:
-        proc, elapsed = run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{listener.port}"}, timeout=150)
+        proc = run_cli("train", env={"RAY_ADDRESS": f"127.0.0.1:{listener.port}"}, timeout=150)
     finally:
         listener.close()
     line = error_line(proc)
     assert f"RAY_ADDRESS=127.0.0.1:{listener.port}" in line and "cannot reach a Ray cluster" in line
     assert listener.conns, "the probe should have connected (then ray.init waited for an answer)"
-    assert elapsed < CONNECT_BOUND_S + 40, elapsed
+    # The connect bound ended it (its wording), not ray.init giving up on its own.
+    assert f"no answer in {CONNECT_BOUND_S:g}s" in line
 
 
 @pytest.mark.timeout(120)
 def test_dashboard_http_address_in_ray_address_is_explained():
-    proc, _ = run_cli("train", env={"RAY_ADDRESS": "http://127.0.0.1:8265"}, timeout=100)
-    line = error_line(proc)
+    line = error_line(run_cli("train", env={"RAY_ADDRESS": "http://127.0.0.1:8265"}, timeout=100))
     assert "RAY_ADDRESS=http://127.0.0.1:8265" in line and "dashboard" in line and "host:6379" in line
 
 
 @pytest.mark.timeout(300)
 def test_gpu_job_on_a_cpu_only_ray_fails_after_the_placement_timeout():
     # No RAY_ADDRESS: the embedded local Ray, CPU only, no autoscaler.
-    proc, elapsed = run_cli("train", "--set", "resources.use_gpu=true", "--set", "resources.placement_timeout_s=3",
-                            env={}, timeout=280)
+    proc = run_cli("train", "--set", "resources.use_gpu=true", "--set", "resources.placement_timeout_s=3",
+                   env={}, timeout=280)
     line = error_line(proc)
+    # The placement wait (the configured 3 s) ended it: the message names that bound.
     assert "resources.placement_timeout_s=3s" in line and "GPU 0" in line
     assert "no node has a GPU" in line and "resources.use_gpu=false" in line
-    # Ray start-up on a loaded 2-core machine dominates; the wait itself is the configured 3 s.
-    assert elapsed < 3 + 150, elapsed

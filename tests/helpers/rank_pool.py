@@ -1,9 +1,9 @@
 """A pool of local rank processes that run one mesh job per generation (used by ``tests.helpers.world``).
 
 Ranks are plain ``multiprocessing.Process`` es (never ``torch.multiprocessing.start_processes``, whose
-``join`` kills the world when one rank exits: cpu-gloo-facts gotcha 14), forked from a ``forkserver``
+``join`` kills the world when one rank exits: docs/design.md, F14), forked from a ``forkserver``
 that has imported torch and the runtime once, so a new rank is a cheap fork instead of a fresh
-interpreter (8 fresh interpreters take 10-15 s on 2 cores, gotcha 16). The pool is kept and re-used:
+interpreter (8 fresh interpreters take 10-15 s on 2 cores: docs/design.md, F13). The pool is kept and re-used:
 every job is a new generation (fresh store prefix) in the same processes, which is also how the elastic
 actors re-form. A job is a picklable callable ``job(rank, store_port, generation) -> picklable``.
 
@@ -29,14 +29,26 @@ START_METHOD = "forkserver"
 PRELOAD = ["torch", "torch.distributed", "numpy", "workers.runtime", "workers.groups"]
 WORKER_START_TIMEOUT_S = 240.0  # first pool on a loaded 2-core machine: imports dominate
 FAILURE_GRACE_S = 2.0  # after the first failure, wait this long for the other ranks' tracebacks
-_QUIET_LOGGERS = (  # known noise (gotcha 15)
+_QUIET_LOGGERS = (  # known noise (docs/design.md, F15)
     "torch.distributed.tensor._redistribute",
     "torch.distributed.fsdp._fully_shard._fsdp_param",
 )
 
 
 class MeshRunError(RuntimeError):
-    """A mesh run failed: a rank raised, died or timed out. The message holds every rank's traceback."""
+    """A mesh run failed: a rank raised, died or timed out. The message holds every rank's traceback.
+
+    For a failed run the outcome is also kept as data: ``raised`` (ranks whose job raised), ``died``
+    (rank -> exit code), ``missing`` (ranks that had reported nothing when the wait ended) and
+    ``ended_by``, what ended the wait: "died" or "raised" (the first failure; the others get
+    ``FAILURE_GRACE_S`` to report, then the pool is killed) or "timeout" (the run's own deadline).
+    """
+
+    def __init__(self, message: str, *, raised: tuple[int, ...] = (), died: dict[int, int] | None = None,
+                 missing: tuple[int, ...] = (), ended_by: str = "") -> None:
+        super().__init__(message)
+        self.raised, self.died, self.missing = tuple(raised), dict(died or {}), tuple(missing)
+        self.ended_by = ended_by
 
 
 def _worker_main(worker_id: int, inbox: Any, outbox: Any) -> None:
@@ -50,7 +62,7 @@ def _worker_main(worker_id: int, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    # FSDP2 + SP + our stage outputs: harmless here, nothing modifies a stage output in place (gotcha 15).
+    # FSDP2 + SP + our stage outputs: harmless here, nothing modifies a stage output in place (docs/design.md, F15).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     outbox.put(("ready", worker_id, 0, True, b""))
     while True:
@@ -80,7 +92,7 @@ class _Pool:
         if START_METHOD == "forkserver":
             self.ctx.set_forkserver_preload(PRELOAD)
         # Driver-hosted store on a free port: it outlives every rank, and each run gets a fresh
-        # "gen<N>" prefix inside build_process_groups (gotcha 5).
+        # "gen<N>" prefix inside build_process_groups (docs/design.md, F4).
         self.store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=60),
@@ -149,11 +161,15 @@ class _Pool:
                     why.append(f"ranks died (rank -> exit code): {dead}")
                 if failed:
                     why.append(f"ranks raised: {sorted(failed)}")
+                ended_by = "died" if dead else "raised" if failed else "timeout"
                 if missing:
-                    why.append(f"no result from ranks {missing} (killed after the timeout or the first failure)")
-                raise MeshRunError(_failure_text(world, timeout, why, failed))
+                    after = "the run's timeout" if ended_by == "timeout" else "the first failure"
+                    why.append(f"no result from ranks {missing} (killed after {after})")
+                raise MeshRunError(_failure_text(world, timeout, why, failed), raised=tuple(sorted(failed)),
+                                   died=dead, missing=tuple(missing), ended_by=ended_by)
         if failed:
-            raise MeshRunError(_failure_text(world, timeout, [f"ranks raised: {sorted(failed)}"], failed))
+            raise MeshRunError(_failure_text(world, timeout, [f"ranks raised: {sorted(failed)}"], failed),
+                               raised=tuple(sorted(failed)), ended_by="raised")
         return done
 
     def close(self) -> None:

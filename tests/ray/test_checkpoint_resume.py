@@ -193,10 +193,10 @@ def test_disk_full_during_a_save_stops_cleanly_and_a_rerun_resumes(stopped_run, 
     before = {s: _digest(run_dir / "ckpt" / step_dir_name(s)) for s in (2, 4)}
     real_prepare = checkpointing.prepare_step
 
-    def prepare_on_a_full_disk(root, step, storage=None):
+    def prepare_on_a_full_disk(root, step, storage=None, **kwargs):
         # Rank 1's shard of step 6 lands on /dev/full: its write fails with ENOSPC in the actor,
         # exactly as on a full disk, while every rank stays alive.
-        path = real_prepare(root, step, storage)
+        path = real_prepare(root, step, storage, **kwargs)
         if step == 6:
             os.symlink("/dev/full", os.path.join(path, "__1_0.distcp"))
         return path

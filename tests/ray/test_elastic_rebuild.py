@@ -15,12 +15,14 @@ from tests.ray.test_elastic import _resumed_from_newest_committed, _run_with_fau
 
 pytestmark = pytest.mark.ray
 
-# A generous group timeout: recovery must come from the driver freeing the survivors, not from
-# gloo or the store timing out, and the assertions below tell the two apart.
-SLOW_TIMEOUT = "elastic.collective_timeout_s=240"
+# A group (and store) timeout longer than the test's own timeout: recovery must come from the driver
+# freeing the survivors. Had actor 0 been left to wait out gloo or the store, the test would overrun
+# its pytest timeout and fail; no wall-clock assertion needed.
+TEST_TIMEOUT_S = 500
+SLOW_TIMEOUT = f"elastic.collective_timeout_s={TEST_TIMEOUT_S + 100}"
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 @pytest.mark.parametrize("where", ["join", "load"])
 def test_rank_dies_during_rebuild(ray_local, store_address, tmp_path, where):
     """Rank 1 dies in step 5; while generation 2 (dp=2: actors 0 and 2) forms, actor 2 dies too —
@@ -40,9 +42,6 @@ def test_rank_dies_during_rebuild(ray_local, store_address, tmp_path, where):
     rebuild, = events(metrics, "rebuild")  # generation 2 never trained
     assert (rebuild["generation"], rebuild["dp"]) == (3, 2)
     assert sorted(controller.generation.members.values()) == [0, 3]
-    # Freed by the driver, not by a timeout: the whole recovery (both rebuilds) took less than
-    # half the group/store timeout that actor 0 would otherwise have waited out.
-    assert rebuild["recovery_s"] < 120
     assert _resumed_from_newest_committed(metrics) == [rebuild["resumed_from_step"]]
     assert_matches_reference(last_losses(metrics), None, overrides, 8)
 

@@ -4,8 +4,8 @@ The grow re-forms a world of the same size as generation 1 with the ranks *permu
 so actor 2 is rank 1 instead of 2, actor 3 rank 2 instead of 3, and a replacement is rank 3). That is
 the case where DTensor's process-wide caches, keyed by a DeviceMesh whose equality ignores the
 process group and this rank's coordinate, hand a rank the plans it made for its *old* coordinate
-(workers/groups.py ``clear_dtensor_caches``; cpu-gloo-facts gotcha 6). Without the clearing this
-test fails.
+(docs/design.md, Generations and F5). What prevents it is the generation-unique mesh axis names
+(workers/groups.py ``_axis_names``); clearing the caches alone does not reach every thread's caches.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         survivors = {a: pid for a, pid in first.items() if a != 1}
         assert {a: group.pids[a] for a in survivors} == survivors  # same processes throughout
         assert len(group.pids) == 4  # 3 survivors + the replacement
+        # All training work of an actor ran on one thread, across four generations (full speed from
+        # step 2: per-thread caches are warm; workers/actor.py TRAIN_GROUP).
+        threads = group.call(list(group.actors), "train_threads", timeout_s=30)
+        assert threads.ok and set(threads.results.values()) == {1}
         assert [e["dp"] for e in events(tmp_path / "m.jsonl", "rebuild")] == [2, 4, 2]
         assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller), overrides, STEPS)
     finally:

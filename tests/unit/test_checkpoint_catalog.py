@@ -23,6 +23,7 @@ from checkpoints.catalog import (
     list_checkpoints,
     prepare_step,
     purge,
+    require_root,
 )
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, ManifestError
 from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
@@ -136,6 +137,22 @@ def test_latest_valid_skips_damaged_newer_ones(tmp_path, caplog, with_files):
 
 def test_missing_root_lists_nothing(tmp_path):
     assert list_checkpoints(str(tmp_path / "nope")) == [] and latest_valid(str(tmp_path / "nope")) is None
+
+
+def test_latest_valid_among_steps_and_reporting_skips(tmp_path, caplog):
+    """The resume decision's options (CheckpointCoordinator.resume_point): only the steps a run
+    committed, and skipped damaged ones handed to the caller instead of logged."""
+    root = str(tmp_path)
+    for step in (10, 20, 30):
+        _checkpoint(root, step)
+    _write_shards(root, 40)  # never committed
+    skipped = []
+    with caplog.at_level(logging.WARNING, logger="checkpoints.catalog"):
+        assert latest_valid(root, on_skip=skipped.append).step == 30
+        assert latest_valid(root, among={10, 20, 40}, on_skip=skipped.append).step == 20
+        assert latest_valid(root, among=set()) is None
+    assert [i.step for i in skipped] == [40, 40]
+    assert not [r for r in caplog.records if r.name == "checkpoints.catalog" and "skipping" in r.getMessage()]
 
 
 def test_purge_keeps_newest_and_cleans_partials(tmp_path):
@@ -261,6 +278,22 @@ def test_root_beneath_a_file_is_a_clear_error(tmp_path):
         prepare_step(root, 10)
     ensure_writable(str(tmp_path / "fine" / "ckpt"))  # creates it
     assert os.listdir(tmp_path / "fine" / "ckpt") == []
+
+
+def test_require_root_wants_an_existing_directory(tmp_path):
+    """`ckpt list` of a mistyped path is an error, although a resume treats an absent root as empty."""
+    missing = str(tmp_path / "nope")
+    assert list_checkpoints(missing) == []
+    with pytest.raises(CheckpointError, match="no such checkpoint directory: give .*checkpoint.dir") as info:
+        require_root(missing)
+    assert info.value.path == missing
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        require_root(str(blocker))
+    require_root(str(tmp_path))
+    with pytest.raises(CheckpointError, match="ckpt list DIR"):
+        describe(missing)
 
 
 def test_prepare_step_clears_a_leftover(tmp_path, caplog):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -68,11 +66,6 @@ def test_defaults_are_the_tiny_job() -> None:
     assert microbatches_per_replica(cfg.train, cfg.mesh.dp) == 2
     assert dp_bounds(cfg) == (1, 2)
     assert cfg.resources.use_gpu == "auto"
-
-
-def test_module_is_pure_stdlib() -> None:
-    code = "import sys, orchestrator.config; assert not {'ray', 'torch'} & set(sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 def test_all_keys_and_aliases() -> None:

@@ -89,3 +89,30 @@ def test_plan_prints_mesh_coords_and_memory():
     assert len(info["ranks"]) == 4 and len(info["stages"]) == 2
     for mem in info["memory_per_rank"].values():
         assert mem["params"] > 0 and mem["optimizer"] == 2 * mem["params"] and mem["activations"] > 0
+
+
+@pytest.mark.parametrize("key", ["metrics.path", "metrics.timeline", "metrics.tensorboard_dir"])
+def test_unwritable_metrics_outputs_fail_before_ray_starts(tmp_path, key):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    proc = run_cli("train", "--set", f"{key}={blocker}/out/m")
+    assert_bad_input(proc, f"{key}=", str(blocker), f"set {key} to")
+    assert "Ray" not in proc.stderr  # refused before any Ray (let alone an actor) started
+
+
+def test_metrics_path_in_proc_or_on_a_directory(tmp_path):
+    assert_bad_input(run_cli("train", "--set", "metrics.path=/proc/nope/m.jsonl"), "metrics.path", "/proc/nope")
+    assert_bad_input(run_cli("train", "--set", f"metrics.path={tmp_path}"), "metrics.path", "is a directory")
+
+
+def test_ckpt_list_and_inspect_of_a_missing_directory(tmp_path):
+    missing = tmp_path / "nope"
+    assert_bad_input(run_cli("ckpt", "list", str(missing)), str(missing), "checkpoint.dir")
+    assert_bad_input(run_cli("ckpt", "inspect", str(missing / "step-00000010")), "step-00000010", "ckpt list")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x\n")
+    assert_bad_input(run_cli("ckpt", "list", str(a_file)), "not a directory", str(a_file))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("ckpt", "list", str(empty))  # an existing directory without checkpoints is fine
+    assert proc.returncode == 0 and proc.stdout.startswith("STEP"), proc.stderr

@@ -88,7 +88,7 @@ def test_checkpoint_stall_quick_writes_json(tmp_path: Path) -> None:
         figures = result["async"][mode]
         assert len(figures["stall_s"]) == repeats + 1 and all(s > 0 for s in figures["stall_s"])
         assert figures["staging_buffers_reused"] is True
-        assert figures["waited_for_previous_max_s"] < 0.5  # each save started with nothing in flight
+        assert figures["saves_started_with_none_in_flight"] is True  # each save is timed alone
     assert result["async"]["async_background"]["staging_median_s"] > 0  # the copy ran off the step
     assert result["stall_ratio"] > 0 and isinstance(result["goal_met"], bool)
     for target in ("tp2", "dp1"):  # resharded loads put back exactly the saved parameters

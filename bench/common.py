@@ -1,0 +1,169 @@
+"""What the benchmark scripts share: their command line, writing the result, a local Ray, one rank's runtime.
+
+Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and they import this module as
+``common``; importing it puts the repository root on ``sys.path`` too (for ``orchestrator``, ``workers``,
+``tests.helpers``). Heavy imports (torch, ray) happen inside the functions that need them.
+
+* :func:`parser` / :func:`write_result`: ``--quick`` and ``--out`` (default ``bench/results/NAME.json``)
+  and the JSON file every script writes (indented, parent directories created).
+* :func:`load_average`, :func:`environment`, :func:`machine`: the machine facts recorded beside the figures.
+* :func:`local_ray`: an embedded local Ray (8 CPU slots, no dashboard), shut down afterwards.
+* :func:`bench_config` / :func:`rank_runtime`: a job config and one rank's ``RankRuntime`` with its
+  1F1B action list, built as a rank actor would but without Ray (pp = 1).
+* :func:`spawn_ranks`: one spawned process per rank around a parent ``TCPStore``; a rank that fails
+  reports its traceback so the parent fails at once instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def parser(doc: str, name: str, quick_help: str) -> argparse.ArgumentParser:
+    """An argument parser with the script's one-line description, ``--quick`` and ``--out``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--out", type=Path, default=RESULTS / f"{name}.json",
+                   help=f"JSON output (default bench/results/{name}.json)")
+    return p
+
+
+def write_result(out: Path, result: dict) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """torch and Python versions and the CPU count."""
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count()}
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """The platform string and the CPU count, plus ``extra`` (e.g. a load average)."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), **extra}
+
+
+@contextmanager
+def local_ray() -> Iterator[None]:
+    """An embedded local Ray for the comparisons (never a `ray start` cluster on this machine)."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def bench_config(model: dict[str, Any], *, dp: int = 1, tp: int = 1, steps: int, global_batch: int,
+                 micro_batch: int):
+    """A job config at (dp, pp=1, tp), ZeRO-3, with ``model.*`` overrides."""
+    from orchestrator.config import load_config
+
+    overrides = [f"mesh.dp={dp}", "mesh.pp=1", f"mesh.tp={tp}", "mesh.zero=3", f"train.steps={steps}",
+                 f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro_batch}"]
+    return load_config(None, overrides + [f"model.{k}={v}" for k, v in model.items()])
+
+
+def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int = 1, timeout_s: float = 120,
+                 store_prefix: str | None = None):
+    """Join ``cfg``'s mesh as ``world_rank`` through the store at 127.0.0.1:``store_port``.
+
+    Returns ``(runtime, actions)``: the ``RankRuntime`` and its 1F1B action list (one stage per rank).
+    """
+    import torch
+
+    from orchestrator.mesh import MeshShape
+    from orchestrator.messages import RuntimeSpec
+    from orchestrator.schedule import make_schedule
+    from workers.groups import build_process_groups
+    from workers.runtime import RankRuntime
+
+    mesh = cfg.mesh
+    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=mesh.zero,
+                       fsdp_unit_mb=mesh.fsdp_unit_mb, layers_per_stage=(cfg.model.n_layers,),
+                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=False)
+    groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
+                                  shape=MeshShape(mesh.dp, 1, mesh.tp), world_rank=world_rank,
+                                  timeout_s=timeout_s, device=torch.device("cpu"), store_prefix=store_prefix)
+    runtime = RankRuntime(spec, groups)
+    microbatches = cfg.train.global_batch_size // (mesh.dp * cfg.train.micro_batch_size)
+    return runtime, make_schedule("1f1b", 1, microbatches, 1)[0]
+
+
+def _rank_main(target: Callable[..., dict], rank: int, port: int, args: tuple, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put({"rank": rank, **target(rank, port, *args)})
+    except BaseException as exc:  # report, so the parent fails fast instead of timing out
+        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
+        raise
+
+
+def spawn_ranks(n: int, target: Callable[..., dict], args: tuple, *, timeout_s: float, what: str) -> list[dict]:
+    """Run ``target(rank, store_port, *args) -> dict`` in ``n`` spawned processes; results by rank.
+
+    ``target`` must be a module-level function of the script (spawn pickles it by name). Raises
+    RuntimeError with the traceback of the first rank that fails, TimeoutError when ranks are missing
+    after ``timeout_s``; stragglers are killed either way. ``what`` names the run in those errors.
+    """
+    import queue as queue_lib
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, store.port, args, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results: list[dict] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < n:
+            try:
+                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue_lib.Empty:
+                raise TimeoutError(f"{what}: only {len(results)} of {n} ranks reported") from None
+            if "error" in item:
+                raise RuntimeError(f"{what} rank {item['rank']} failed:\n{item['error']}")
+            results.append(item)
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    del store
+    return sorted(results, key=lambda r: r["rank"])

@@ -1,0 +1,410 @@
+"""The controller's state machine driven by a fake worker group: no processes, no Ray, real metrics file
+and real checkpoint catalog in tmp (``tests/helpers/fake_group.py`` scripts the ranks and their faults).
+
+Every transition, and the test that covers it:
+
+* INITIALIZING -> RUNNING: ``test_start_forms_generation_one``
+* INITIALIZING -> REBUILDING (a member dies while generation 1 forms):
+  ``test_member_lost_while_generation_one_forms_rebuilds``
+* INITIALIZING -> ERRORED (the start join breaks with nobody lost):
+  ``test_start_that_breaks_with_nobody_lost_stops``
+* RUNNING -> RUNNING (a step): ``test_a_step_trains_and_is_recorded``
+* RUNNING -> RUNNING (planned resize at a step boundary while a checkpoint is in flight: the pending
+  save is committed, then the current step, before the rebuild):
+  ``test_requested_resize_commits_the_save_in_flight_first``; with missing actors started or not:
+  ``test_requested_resize_starts_missing_actors_or_fits``
+* RUNNING -> RUNNING (grow at a step boundary while a checkpoint is in flight):
+  ``test_grow_adopts_new_actors_and_commits_the_save_in_flight_first``
+* RUNNING -> FINISHED: ``test_runs_to_the_end``
+* RUNNING -> REBUILDING (a rank dies in a step): ``test_rank_dies_in_a_step_and_the_mesh_shrinks``;
+  a rank hangs: ``test_hung_rank_is_killed_and_blamed``; a latched error:
+  ``test_latched_error_rebuilds_with_everyone``; a timeout with every rank alive:
+  ``test_timeout_with_every_rank_alive``; a save in flight is abandoned (never committed, its acks
+  drained later): ``test_failure_abandons_the_save_in_flight``
+* RUNNING -> ERRORED (restart budget spent): ``test_step_failure_beyond_the_budget_stops``;
+  (checkpoint storage failed with every rank alive): ``test_storage_failure_stops``
+* REBUILDING -> RUNNING (shrunk dp; the rebuild event, with resumed_from_step and recovery_s, goes out
+  with the first step trained): ``test_rank_dies_in_a_step_and_the_mesh_shrinks``
+* REBUILDING -> REBUILDING (a member dies while joining / loading the checkpoint):
+  ``test_member_dies_while_rebuilding`` (both phases)
+* REBUILDING -> ERRORED (restart budget spent): ``test_rebuild_failure_beyond_the_budget_stops``;
+  (below elastic.min_dp): ``test_below_min_dp_stops``; (broke with nobody lost):
+  ``test_rebuild_that_breaks_with_nobody_lost_stops``; but a join that broke because the rendezvous
+  store was lost is retried with a re-hosted store: ``test_join_broken_by_a_lost_store_rehosts_it``
+
+(That importing the controller loads neither Ray nor torch is checked in a fresh interpreter:
+tests/process/test_fresh_interpreters.py.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoints.catalog import list_checkpoints
+from checkpoints.layout import step_dir_name
+from orchestrator.config import load_config
+from orchestrator.controller import Controller, State
+from orchestrator.errors import RebuildTimeoutError, TrainingFailed
+from orchestrator.metrics import MetricsLog
+from tests.helpers.fake_group import FakeWorkerGroup
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Run:
+    """A controller on a fake group, with its metrics file and checkpoint root in tmp."""
+
+    def __init__(self, tmp_path, overrides, actors: int | None, capacity: int) -> None:
+        self.metrics_path = tmp_path / "m.jsonl"
+        self.ckpt = tmp_path / "ckpt"
+        self.cfg = load_config(None, [
+            "mesh.dp=4", "mesh.tp=1", "mesh.pp=1", "train.steps=6", "checkpoint.every=2",
+            f"checkpoint.dir={self.ckpt}", f"metrics.path={self.metrics_path}", *overrides])
+        self.group = FakeWorkerGroup(self.cfg.mesh.world if actors is None else actors, capacity=capacity)
+        self.clock = Clock()
+        self.metrics = MetricsLog(self.cfg.metrics, progress_total=None, ray_metrics=False)
+        self.c = Controller(self.cfg, self.group, metrics=self.metrics, store_address=("127.0.0.1", 29500),
+                            use_gpu=False, data_path="builtin", clock=self.clock)
+
+    def steps(self, n: int, state: State = State.RUNNING) -> None:
+        for _ in range(n):
+            assert self.c.step() == state, self.c.error
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in open(self.metrics_path)]
+
+    def events(self, kind: str) -> list[dict]:
+        return [r for r in self.records() if r.get("event") == kind]
+
+    def committed(self) -> list[int]:
+        return [i.step for i in list_checkpoints(str(self.ckpt)) if i.valid]
+
+    def close(self) -> None:
+        self.c.ckpt.close()
+        self.metrics.close()
+
+
+@pytest.fixture
+def make(tmp_path):
+    runs = []
+
+    def make(*overrides, actors=None, capacity=0) -> Run:
+        runs.append(Run(tmp_path, overrides, actors, capacity))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def test_start_forms_generation_one(make):
+    r = make()
+    assert r.c.step() == State.RUNNING
+    gen = r.c.generation
+    assert gen.number == 1 and gen.shape.dp == 4 and gen.members == {0: 0, 1: 1, 2: 2, 3: 3}
+    specs = [args[0] for _, args in r.group.calls("join_generation")]
+    assert [s.world_rank for s in specs] == [0, 1, 2, 3]
+    assert {s.store_prefix for s in specs} == {f"{r.c.run_id}-gen1"} and {s.generation for s in specs} == {1}
+    assert set(gen.infos) == {0, 1, 2, 3}
+    start, = r.events("start")
+    assert (start["generation"], start["dp"], start["resumed_from_step"], start["spares"]) == (1, 4, 0, 0)
+    assert r.c.next_step == 1 and not r.group.calls("load_checkpoint")  # nothing to resume from
+
+
+def test_a_step_trains_and_is_recorded(make):
+    r = make()
+    r.steps(2)
+    assert r.c.next_step == 2 and r.c.losses == {1: pytest.approx(1.0)}
+    assert sorted((a, args[0]) for a, args in r.group.calls("train_step")) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    rec, = [x for x in r.records() if "loss" in x]
+    tokens = r.cfg.train.global_batch_size * r.cfg.model.seq_len
+    assert (rec["step"], rec["dp"], rec["pp"], rec["tp"], rec["generation"]) == (1, 4, 1, 1, 1)
+    assert rec["tokens"] == tokens and rec["tokens_per_s"] == pytest.approx(tokens / 0.5)
+    assert rec["bubble"] == pytest.approx(0.2)  # compute 0.4 s of a 0.5 s step on every rank
+
+
+def test_runs_to_the_end(make):
+    r = make()
+    summary = r.c.run()
+    assert r.c.state == State.FINISHED
+    assert (summary.final_step, summary.generations, summary.restarts) == (6, 1, 0)
+    assert summary.losses == {s: pytest.approx(s) for s in range(1, 7)}
+    done, = r.events("done")
+    assert done["step"] == 6
+    assert [e["step"] for e in r.events("checkpoint")] == [2, 4, 6] and r.committed() == [2, 4, 6]
+
+
+def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
+    r = make()
+    r.group.fail("train_step", 1, "die", at=5)
+    r.steps(5)  # start + steps 1-4
+    r.clock.t = 100.0
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert (failure["step"], failure["ranks"]) == (5, [1]) and "ActorDiedError" in failure["reason"]
+    assert r.group.killed == [1] and r.c.restarts == 1
+    kicks = r.group.calls("kick")
+    assert sorted(a for a, _ in kicks) == [0, 2, 3]
+    assert sorted(kicks[0][1][0]) == [("10.0.0.1", 40_000), ("10.0.0.1", 40_002), ("10.0.0.1", 40_003)]
+
+    r.clock.t = 103.0
+    assert r.c.step() == State.RUNNING  # REBUILDING -> RUNNING: 3 live actors, dp=3 does not split 8
+    gen = r.c.generation
+    assert (gen.number, gen.shape.dp, gen.members) == (2, 2, {0: 0, 1: 2})
+    assert [a for a, _ in r.group.calls("leave_generation")] == [3]  # the spare
+    assert sorted(a for a, _ in r.group.calls("load_checkpoint")) == [0, 2]
+    # The step-4 save was still to be committed after step 5: abandoned, so step 2 is the newest.
+    assert r.group.calls("load_checkpoint")[0][1] == (str(r.ckpt / step_dir_name(2)),)
+    skipped, = r.events("checkpoint_skipped")
+    assert skipped["step"] == 4 and skipped["reason"].startswith("partial")
+    assert r.c.next_step == 3 and not r.events("rebuild")  # the event goes out with the first step
+
+    r.clock.t = 110.0
+    r.steps(1)
+    rebuild, = r.events("rebuild")
+    assert (rebuild["generation"], rebuild["dp"], rebuild["resumed_from_step"]) == (2, 2, 2)
+    assert (rebuild["reason"], rebuild["spares"], rebuild["recovery_s"]) == ("failure", 1, 10.0)
+    summary = r.c.run()
+    assert (summary.final_step, summary.restarts) == (6, 1) and summary.losses[5] == pytest.approx(5)
+
+
+def test_hung_rank_is_killed_and_blamed(make):
+    r = make()
+    r.group.fail("train_step", 2, "hang", at=3)
+    r.steps(3)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [2] and failure["reason"] == "no progress within elastic.step_timeout_s"
+    assert r.group.killed == [2]
+
+
+def test_latched_error_rebuilds_with_everyone(make):
+    r = make()
+    r.group.fail("train_step", 2, "raise", at=4, message="RuntimeError: CUDA out of memory")
+    r.steps(4)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [2] and failure["reason"] == "RuntimeError: CUDA out of memory"
+    assert r.group.killed == [] and r.c.restarts == 1
+    r.steps(1)
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 3)  # from step 2
+
+
+def test_timeout_with_every_rank_alive(make):
+    r = make()
+    for actor in range(4):
+        r.group.fail("train_step", actor, "slow", at=4)
+    r.steps(4)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [] and failure["reason"] == (
+        "step 4 exceeded elastic.step_timeout_s=120 with every rank alive: raise it if steps are "
+        "legitimately this slow")
+    assert r.group.killed == [] and sorted(a for a, _ in r.group.calls("kick")) == [0, 1, 2, 3]
+    assert r.c.restarts == 1
+    r.steps(1)
+    assert (r.c.generation.number, r.c.generation.members, r.c.next_step) == (2, {0: 0, 1: 1, 2: 2, 3: 3}, 3)
+
+
+@pytest.mark.parametrize("method,stage", [("join_generation", "joining"),
+                                          ("load_checkpoint", "loading the checkpoint")])
+def test_member_dies_while_rebuilding(make, method, stage):
+    r = make()
+    r.group.fail("train_step", 1, "die", at=5)
+    r.group.fail(method, 2, "die", at=2)  # actor 2 holds rank 1 of generation 2
+    r.steps(5)
+    r.clock.t = 100.0
+    assert r.c.step() == State.REBUILDING
+    r.clock.t = 101.0
+    assert r.c.step() == State.REBUILDING  # REBUILDING -> REBUILDING
+    first, second = r.events("failure")
+    assert second["reason"].startswith(f"rebuild of generation 2 failed while {stage}: ActorDiedError")
+    assert (second["step"], second["ranks"]) == (5, [1])
+    assert r.group.killed == [1, 2] and r.c.restarts == 2
+    assert [a for a, _ in r.group.calls("kick")].count(0) == 2  # actor 0 was freed each time, not killed
+    r.clock.t = 104.0
+    assert r.c.step() == State.RUNNING
+    assert (r.c.generation.number, r.c.generation.members) == (3, {0: 0, 1: 3})
+    r.steps(1)
+    rebuild, = r.events("rebuild")  # generation 2 never trained
+    assert (rebuild["generation"], rebuild["resumed_from_step"], rebuild["recovery_s"]) == (3, 2, 4.0)
+
+
+def test_member_lost_while_generation_one_forms_rebuilds(make):
+    r = make()
+    r.group.fail("join_generation", 3, "die", at=1)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["reason"].startswith("rebuild of generation 1 failed while joining") and failure["ranks"] == [3]
+    assert r.c.step() == State.RUNNING
+    assert (r.c.generation.number, r.c.generation.members, r.c.restarts) == (2, {0: 0, 1: 1}, 1)
+
+
+def test_start_that_breaks_with_nobody_lost_stops(make):
+    r = make()
+    r.group.fail("join_generation", 2, "raise", at=1, message="ValueError: bad layer split")
+    assert r.c.step() == State.ERRORED
+    assert type(r.c.error) is TrainingFailed and r.c.restarts == 0 and r.group.killed == []
+    assert str(r.c.error) == "rebuild of generation 1 failed while joining: ValueError: bad layer split"
+    with pytest.raises(TrainingFailed):
+        r.c.run()
+
+
+def test_rebuild_that_breaks_with_nobody_lost_stops(make):
+    r = make()
+    r.group.fail("train_step", 1, "die", at=4)
+    r.group.fail("load_checkpoint", 0, "raise", at=2, message="RuntimeError: shape mismatch")
+    r.steps(4)
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.ERRORED
+    assert type(r.c.error) is TrainingFailed and r.c.restarts == 1
+    assert str(r.c.error).startswith("rebuild of generation 2 failed while loading the checkpoint")
+    assert r.events("failure")[-1]["ranks"] == []
+
+
+class LostStore:
+    """A StoreSource whose host dies right after handing out its address once (``dies``); the next
+    ``address()`` re-hosts it on a new port, as ``StoreProvider`` does."""
+
+    def __init__(self) -> None:
+        self.port, self.alive, self.dies = 29500, True, False
+
+    def address(self) -> tuple[str, int]:
+        if not self.alive:
+            self.port, self.alive = self.port + 1, True
+        address = ("127.0.0.1", self.port)
+        if self.dies:
+            self.alive, self.dies = False, False
+        return address
+
+    def healthy(self) -> bool:
+        return self.alive
+
+
+def test_join_broken_by_a_lost_store_rehosts_it(make):
+    r = make()
+    store = r.c.store = LostStore()
+    r.group.fail("train_step", 1, "die", at=3)
+    r.steps(3)
+    assert r.c.step() == State.REBUILDING  # rank 1 lost in step 3
+    # The store's host dies while generation 2 forms: the join breaks with nobody lost.
+    store.dies = True
+    r.group.fail("join_generation", 0, "raise", at=2, message="DistNetworkError: connect timed out")
+    assert r.c.step() == State.REBUILDING  # not ERRORED: the store, not a bug
+    failure = r.events("failure")[-1]
+    assert failure["ranks"] == [] and "rendezvous store was lost" in failure["reason"]
+    assert r.c.step() == State.RUNNING
+    ports = {(args[0].generation, args[0].store_port) for _, args in r.group.calls("join_generation")}
+    assert ports == {(1, 29500), (2, 29500), (3, 29501)}  # generation 3 joined the re-hosted store
+    assert r.c.restarts == 2
+
+
+def test_step_failure_beyond_the_budget_stops(make):
+    r = make("elastic.max_restarts=0")
+    r.group.fail("train_step", 1, "die", at=3)
+    r.steps(3)
+    assert r.c.step() == State.ERRORED  # RUNNING -> ERRORED
+    assert type(r.c.error) is TrainingFailed
+    assert str(r.c.error).startswith("giving up after 0 restarts (elastic.max_restarts=0); last failure at step 3")
+
+
+def test_rebuild_failure_beyond_the_budget_stops(make):
+    r = make("elastic.max_restarts=1")
+    r.group.fail("train_step", 1, "die", at=3)
+    r.group.fail("join_generation", 2, "die", at=2)
+    r.steps(3)
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.ERRORED
+    assert isinstance(r.c.error, RebuildTimeoutError)
+    assert str(r.c.error).startswith("could not form generation 2 within elastic.max_restarts=1 tries "
+                                     "(rebuild of generation 2 failed while joining")
+    with pytest.raises(RebuildTimeoutError):
+        r.c.run()
+
+
+def test_below_min_dp_stops(make):
+    r = make("elastic.min_dp=4")
+    r.group.fail("train_step", 1, "die", at=3)
+    r.steps(3)
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.ERRORED
+    assert type(r.c.error) is TrainingFailed and "below elastic.min_dp=4" in str(r.c.error)
+
+
+def test_storage_failure_stops(make):
+    r = make()
+    r.group.fail("wait_checkpoint", 0, "raise", at=2, message="OSError: [Errno 28] No space left on device")
+    r.steps(3)  # start, steps 1-2; the step-2 save starts
+    assert r.c.step() == State.ERRORED  # step 3 trains, then its commit finds the failed write
+    assert str(r.c.error).startswith("checkpoint.dir: saving step 2 failed (OSError: [Errno 28] No space")
+    failed, = r.events("checkpoint_failed")
+    assert failed["step"] == 2 and r.committed() == []
+
+
+def test_failure_abandons_the_save_in_flight(make):
+    r = make()
+    r.group.slow_writes = True
+    r.group.fail("train_step", 1, "die", at=3)
+    r.steps(3)  # the step-2 save is staged and still writing
+    waits = [c for c in r.group._calls if c.method == "wait_checkpoint"]
+    assert r.c.step() == State.REBUILDING
+    assert r.committed() == [] and not r.events("checkpoint")  # never committed
+    assert r.c.step() == State.RUNNING and r.c.next_step == 1  # nothing to resume from
+    assert not r.group.calls("load_checkpoint")
+    r.group.finish_writes()
+    r.steps(1)
+    assert set(r.group.drained) == set(waits)  # the abandoned acks were read once they came in
+
+
+def test_requested_resize_commits_the_save_in_flight_first(make):
+    r = make()
+    r.group.slow_writes = True
+    r.c.resize_requests = {4: 2}
+    r.steps(4)  # start, steps 1-3: the step-2 save is still writing
+    assert r.committed() == []
+    assert r.c.step() == State.RUNNING  # the step-4 boundary: resize
+    assert [e["step"] for e in r.events("checkpoint")] == [2, 3] and r.committed() == [2, 3]
+    methods = [(m, args) for m, _, args in r.group.log]
+    last_save = max(i for i, (m, args) in enumerate(methods) if m == "save_checkpoint" and args[1] == 3)
+    first_join = min(i for i, (m, args) in enumerate(methods) if m == "join_generation" and args[0].generation == 2)
+    assert last_save < first_join
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 2, 4)
+    r.steps(1)
+    rebuild, = r.events("rebuild")
+    assert (rebuild["reason"], rebuild["resumed_from_step"], rebuild["spares"]) == ("requested", 3, 2)
+    assert r.c.run().restarts == 0
+
+
+@pytest.mark.parametrize("capacity,dp", [(0, 2), (2, 4)])
+def test_requested_resize_starts_missing_actors_or_fits(make, capacity, dp):
+    r = make("mesh.dp=2", capacity=capacity)
+    r.c.resize_requests = {3: 4}
+    r.steps(3)
+    assert r.c.step() == State.RUNNING
+    assert (r.c.generation.number, r.c.generation.shape.dp) == (2, dp)
+    assert len(r.group.live_ids) == 2 + capacity
+
+
+def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
+    r = make("mesh.dp=2", "elastic.max_dp=4", capacity=2)
+    r.group.slow_writes = True
+    r.steps(4)  # start, steps 1-3 (no grow check yet: the clock stands still)
+    assert r.c.generation.shape.dp == 2 and r.committed() == []
+    r.clock.t = 10.0
+    assert r.c.step() == State.RUNNING  # the step-4 boundary: grow
+    assert r.group.live_ids == [0, 1, 2, 3] and r.committed() == [2, 3]
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 4)
+    r.clock.t = 12.0
+    r.steps(1)
+    grow, = r.events("grow")
+    assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 3, 2.0)
+    assert not r.events("rebuild")
+
