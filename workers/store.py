@@ -7,7 +7,7 @@ workers/groups.py).
 The store has no authentication, so it listens on one address only: this node's own address, or
 loopback when the whole job is on this machine. TCPStore itself always binds the wildcard address
 (``::``) whatever host it is given, so we bind the listening socket ourselves and hand it over
-(``master_listen_fd``).
+(``master_listen_fd``; docs/design.md, F18).
 """
 
 from __future__ import annotations
