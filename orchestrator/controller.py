@@ -47,6 +47,7 @@ from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, 
 from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
+from orchestrator.preemption import PreemptionWatcher
 from orchestrator.recovery import settle
 from orchestrator.store_provider import FixedStore, StoreSource
 
@@ -123,6 +124,9 @@ class Controller:
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
         self._pending_rebuild_event: dict | None = None  # emitted with the first step it trains
         self._last_grow_check = clock()
+        self.preemptions = PreemptionWatcher()
+        self._last_drain_poll: float | None = None
+        self._preempted: set[int] = set()  # actors on nodes announced as draining
         self.resize_requests: dict[int, int] = {}  # step -> dp: resize at that step boundary (tests, ops)
         self.step_hooks: list = []  # callables(controller, step) run before each step (fault injection)
 
@@ -172,6 +176,8 @@ class Controller:
             hook(self, step)
         if step in self.resize_requests:
             self._resize_requested(self.resize_requests.pop(step))
+            return
+        if self._preempted_at(step):
             return
         if self._grow_due():
             self._adopt_new_actors()
@@ -229,7 +235,7 @@ class Controller:
         store_lost = phase.forming and not found.lost and not self.store.healthy()
         failure = diagnose(phase, step=self.next_step, generation=gen.number, members=gen.members,
                            found=found, results=results, step_timeout_s=self.cfg.elastic.step_timeout_s,
-                           store_lost=store_lost)
+                           store_lost=store_lost, preempted=frozenset(self._preempted))
         self.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
         self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
         decision = self.failures.decide(failure)
@@ -240,6 +246,40 @@ class Controller:
     def _listeners(self) -> dict[int, tuple[tuple[str, int], ...]]:
         """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
         return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
+
+    # -- preemption notices (orchestrator/preemption.py; docs/design.md, Preemption) --------------
+    def _preempted_at(self, step: int) -> bool:
+        """Act on drain notices at the step boundary; True when the mesh was re-formed."""
+        poll_s = self.cfg.elastic.drain_poll_s
+        now = self.clock()
+        if poll_s <= 0 or (self._last_drain_poll is not None and now - self._last_drain_poll < poll_s):
+            return False
+        self._last_drain_poll = now
+        notice = self.preemptions.check(
+            self.group.draining_nodes(), actor_nodes=self.group.node_ids, members=self.generation.members,
+            step=step, save_measured_s=self.ckpt.save_measured_s)
+        if notice is None:
+            return False
+        self._preempted |= notice.actors
+        self.metrics.event("preemption", **notice.event())
+        if notice.action != "evacuate":
+            return False  # too short for a save: the node's loss takes the failure path
+        if notice.ranks:
+            self._failure_at = self.clock()
+            try:
+                self.ckpt.save_now(self.group, self.generation, step - 1)
+            except TrainingFailed:
+                # A rank died mid-save (the node went early): the failure path, if someone was lost.
+                polled = self.group.call(list(self.generation.members.values()), "status", timeout_s=3.0)
+                if polled.ok:
+                    raise  # everyone alive: storage failed, which stops the run
+                self._fail(Phase.STEP, polled)
+                return True
+        self.group.kill(sorted(notice.actors))  # before the node goes: nothing left to fail there
+        if not notice.ranks:
+            return False  # only spares were there: the mesh stays
+        self._form(_carry_out(self.scaling.after_preemption(len(self.group.live_ids))))
+        return True
 
     # -- planned resizes --------------------------------------------------------------------------
     def _begin_resize(self) -> None:

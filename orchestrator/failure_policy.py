@@ -6,7 +6,8 @@ checkpoint into it. The controller first frees the survivors (``orchestrator.rec
 ``failure`` event), and ``FailurePolicy.decide`` returns the decision the controller carries out:
 
 * ``Rebuild``: form a new generation from the live actors (the controller goes to REBUILDING; the
-  scaling policy picks its dp there).
+  scaling policy picks its dp there). A loss of actors that were all on nodes announced as draining
+  (``preempted``: a preemption whose deadline was too short for a save) is not counted.
 * ``Raise``: stop the run (ERRORED) with the error it carries:
   - ``TrainingFailed`` when a step failure would exceed ``elastic.max_restarts``;
   - ``RebuildTimeoutError`` when a generation could not be formed within ``elastic.max_restarts``;
@@ -60,6 +61,7 @@ class Failure:
     reason: str  # the event's reason line
     reasons: Mapping[int, str] = field(default_factory=dict)  # actor id (-1: nobody) -> reason
     store_lost: bool = False  # the rendezvous store's host was found dead (forming only)
+    preempted: bool = False  # every lost actor was on a node announced as draining
 
 
 def diagnose(
@@ -72,6 +74,7 @@ def diagnose(
     results: Iterable[StepResult] = (),
     step_timeout_s: float,
     store_lost: bool = False,
+    preempted: frozenset[int] = frozenset(),
 ) -> Failure:
     """The ``Failure`` of generation ``generation`` (``members``: world rank -> actor id).
 
@@ -98,7 +101,8 @@ def diagnose(
             reason += " (the rendezvous store was lost: re-hosting it)"
     return Failure(phase=phase, step=step, generation=generation, lost=frozenset(found.lost),
                    ranks=tuple(sorted(rank_of[a] for a in blamed if a in rank_of)),
-                   reason=reason, reasons=reasons, store_lost=store_lost)
+                   reason=reason, reasons=reasons, store_lost=store_lost,
+                   preempted=bool(found.lost) and set(found.lost) <= preempted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,8 @@ class FailurePolicy:
 
     def decide(self, failure: Failure) -> Rebuild | Raise:
         budget = f"elastic.max_restarts={self.max_restarts}"
+        if failure.preempted:
+            return Rebuild(self.restarts)  # a node the cloud took, with notice: not a fault
         if not failure.phase.forming:
             return self._restart(TrainingFailed, (
                 f"giving up after {self.restarts} restarts ({budget}); last failure at step "

@@ -82,8 +82,8 @@ class StoreProvider:
         self.hosted = 0  # how many StoreHosts were started (1 + re-hosts)
 
     def address(self) -> tuple[str, int]:
-        """The store's address for the next generation; (re)hosts it when it is gone or its bind
-        address no longer reaches every node."""
+        """The store's address for the next generation; (re)hosts it when it is gone, its node is
+        draining, or its bind address no longer reaches every node."""
         import ray
 
         nodes = ray.nodes()
@@ -91,6 +91,8 @@ class StoreProvider:
         if self._address is not None:
             if not self.healthy():
                 logger.warning("the rendezvous store (%s:%d) is gone: hosting a new one", *self._address)
+            elif self.node_id in _draining():
+                logger.info("the rendezvous store's node is draining: hosting a new one elsewhere")
             elif one_machine(_ip_of(nodes, self.node_id), ips) == self.loopback:
                 return self._address
             else:
