@@ -90,6 +90,7 @@ class RunSummary:
     restarts: int
     losses: dict[int, float]  # step -> loss (last record wins)
     pids: dict[int, int]  # actor id -> pid, as of the end
+    resume_step: int | None = None  # set when stopped by a signal: the step a rerun starts with
 
 
 class Controller:
@@ -124,11 +125,12 @@ class Controller:
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
         self._pending_rebuild_event: dict | None = None  # emitted with the first step it trains
         self._last_grow_check = clock()
-        self.preemptions = PreemptionWatcher()
-        self._last_drain_poll: float | None = None
+        self.preemptions = PreemptionWatcher(cfg.elastic.drain_poll_s)
         self._preempted: set[int] = set()  # actors on nodes announced as draining
         self.resize_requests: dict[int, int] = {}  # step -> dp: resize at that step boundary (tests, ops)
         self.step_hooks: list = []  # callables(controller, step) run before each step (fault injection)
+        self.stop_requested: Callable[[], bool] = lambda: False  # a signal asked to stop (launch.py)
+        self.resume_step: int | None = None
 
     @property
     def restarts(self) -> int:
@@ -150,6 +152,7 @@ class Controller:
             restarts=self.restarts,
             losses=dict(self.losses),
             pids=dict(self.group.pids),
+            resume_step=self.resume_step,
         )
 
     def step(self) -> State:
@@ -171,6 +174,9 @@ class Controller:
             self.ckpt.finish(self.group, self.generation, step - 1)
             self.metrics.event("done", step=step - 1)
             self.state = State.FINISHED
+            return
+        if self.stop_requested():
+            self._stop(step - 1)
             return
         for hook in self.step_hooks:
             hook(self, step)
@@ -247,14 +253,19 @@ class Controller:
         """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
         return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
 
-    # -- preemption notices (orchestrator/preemption.py; docs/design.md, Preemption) --------------
+    def _stop(self, step: int) -> None:
+        """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
+        saved = bool(self.ckpt.user_dir)  # without it nothing outlives the run: a rerun starts over
+        (self.ckpt.save_now if saved else self.ckpt.finish)(self.group, self.generation, step)
+        self.resume_step = (self.ckpt.last_committed if saved else 0) + 1
+        self.metrics.event("stopped", step=step, resume_step=self.resume_step)
+        self.state = State.FINISHED
+
+    # -- preemption notices (orchestrator/preemption.py; docs/design.md, Preemption and stopping) -
     def _preempted_at(self, step: int) -> bool:
         """Act on drain notices at the step boundary; True when the mesh was re-formed."""
-        poll_s = self.cfg.elastic.drain_poll_s
-        now = self.clock()
-        if poll_s <= 0 or (self._last_drain_poll is not None and now - self._last_drain_poll < poll_s):
+        if not self.preemptions.due(self.clock()):
             return False
-        self._last_drain_poll = now
         notice = self.preemptions.check(
             self.group.draining_nodes(), actor_nodes=self.group.node_ids, members=self.generation.members,
             step=step, save_measured_s=self.ckpt.save_measured_s)

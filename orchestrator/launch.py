@@ -1,7 +1,8 @@
 """Bring a job up on Ray and run it: connect (or start an embedded local Ray), check the cluster can hold
 the mesh, ask the autoscaler for the largest mesh the job may grow to, host the rendezvous store
 (``StoreProvider``), start the RankActors, hand them to the Controller, and tear down -- also when
-stopped by SIGTERM (`ray job stop`).
+stopped by SIGTERM (`ray job stop`) or SIGINT (Ctrl-C): a first signal while training saves at the
+next step boundary and finishes cleanly (``StopRequest``).
 """
 
 from __future__ import annotations
@@ -100,36 +101,59 @@ def resolve_gpu(cfg: JobConfig) -> bool:
     return bool(setting)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """What a stop signal asked for. SIGTERM (`ray job stop`, a scheduler) or SIGINT (Ctrl-C) while
+    training runs (``graceful``) asks the controller to save at the next step boundary and finish
+    (``stop_requested`` reads it); before that (start-up) and for a second signal the handler exits
+    at once by raising SystemExit, so the `finally` blocks still run."""
+
+    def __init__(self) -> None:
+        self.graceful = False
+        self.signum: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
 @contextmanager
-def stop_on_sigterm():
-    """Turn SIGTERM (`ray job stop`, a scheduler's preemption) into SystemExit so the `finally`
-    blocks run: above all the autoscaler request must be withdrawn, or idle nodes stay up.
+def stop_on_signals(stop: StopRequest):
+    """Install the stop handlers for SIGTERM and SIGINT (see ``StopRequest``).
 
     Enter it *after* ray.init: Ray's core worker installs a C-level SIGTERM handler that aborts the
-    driver (exit 134, no cleanup), replacing any Python handler set before."""
+    driver (exit 134, no cleanup), replacing any Python handler set before (docs/design.md, F16)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    got: list[int] = []
+    exiting: list[int] = []
 
     def handler(signum, _frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-        got.append(signum)
-        logger.warning("stopping: got %s (e.g. `ray job stop`); with checkpoint.dir set, a rerun "
-                       "resumes from the newest committed checkpoint", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stop.graceful and stop.signum is None:
+            stop.signum = signum
+            logger.warning("stopping: got %s (e.g. `ray job stop`, Ctrl-C): saving at the next step "
+                           "boundary, then exiting; a second signal exits at once", name)
+            return
+        for sig in STOP_SIGNALS:  # the cleanup that follows must not be cut short by a third
+            signal.signal(sig, signal.SIG_IGN)
+        exiting.append(signum)
+        logger.warning("stopping now: got %s%s", name, "" if stop.graceful else " during start-up")
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     except SystemExit:
-        if got:  # raised inside ray.wait/ray.get, Ray re-raises it as SystemExit(1): keep 128+SIGTERM
-            raise SystemExit(128 + got[0]) from None
+        if exiting:  # raised inside ray.wait/ray.get, Ray re-raises it as SystemExit(1): keep 128+N
+            raise SystemExit(128 + exiting[0]) from None
         raise
     finally:
-        # None: the previous handler was not a Python one (Ray's); the default is as good after the run.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler_before in previous.items():
+            # None: the previous handler was not a Python one (Ray's); the default is as good after.
+            signal.signal(sig, signal.SIG_DFL if handler_before is None else handler_before)
 
 
 def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
@@ -137,14 +161,15 @@ def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
     check_outputs(cfg.metrics)  # before Ray and the actors start
     started_local = connect(cfg)
     try:
-        with stop_on_sigterm():
-            return _run(cfg, source, progress, started_local)
+        stop = StopRequest()
+        with stop_on_signals(stop):
+            return _run(cfg, source, progress, started_local, stop)
     finally:
         if started_local:
             ray.shutdown()
 
 
-def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSummary:
+def _run(cfg: JobConfig, source, progress: bool, started_local: bool, stop: StopRequest) -> RunSummary:
     metrics = None
     group = None
     store = None
@@ -169,6 +194,8 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool) -> RunSumm
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
             data_path=source.name,
         )
+        controller.stop_requested = stop
+        stop.graceful = True  # from now on a signal saves at the next step boundary first
         return controller.run()
     finally:
         capacity.release()  # first: if the job is being killed, this is what must not be lost

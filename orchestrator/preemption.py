@@ -53,10 +53,20 @@ class Preemption:
 
 
 class PreemptionWatcher:
-    """Remembers the drains already decided, so each node's notice is acted on once."""
+    """Says when to look (every ``poll_s``; 0 = never) and remembers the drains already decided, so
+    each node's notice is acted on once."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll_s: float = 1.0) -> None:
+        self.poll_s = poll_s
         self.seen: set[str] = set()
+        self._last: float | None = None
+
+    def due(self, now: float) -> bool:
+        """Time to poll the draining nodes again (``now``: any monotonic clock)?"""
+        if self.poll_s <= 0 or (self._last is not None and now - self._last < self.poll_s):
+            return False
+        self._last = now
+        return True
 
     def check(
         self,

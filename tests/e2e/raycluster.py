@@ -139,16 +139,21 @@ class RayCluster:
                               timeout=timeout, cwd=REPO)
 
     def submit(self, submission_id: str, train_args: list[str], *, wait: bool, timeout: float = 900,
-               working_dir: bool = True) -> subprocess.CompletedProcess:
+               working_dir: bool = True, env_vars: dict | None = None) -> subprocess.CompletedProcess:
         """`ray job submit --working-dir . -- elastimesh train ...`, from the repository root.
 
         ``working_dir=False`` leaves the upload out: the job then runs the package installed in this
         venv. Needed where several nodes share this machine's session directory (see
         test_autoscale_grow.py): a node that joins later unpacks the same package into the same
-        directory again, deleting it under processes that are starting there."""
+        directory again, deleting it under processes that are starting there. ``env_vars`` go into
+        the job's runtime env (e.g. RAY_JOB_STOP_WAIT_TIME_S, which the job's supervisor reads)."""
         cmd = ["job", "submit", "--address", self.dashboard, "--submission-id", submission_id]
+        runtime_env = {"env_vars": env_vars} if env_vars else {}
         if working_dir:
-            cmd += ["--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES})]
+            runtime_env["excludes"] = EXCLUDES
+            cmd += ["--working-dir", "."]
+        if runtime_env:
+            cmd += ["--runtime-env-json", json.dumps(runtime_env)]
         if not wait:
             cmd.append("--no-wait")
         return self.ray(*cmd, "--", "elastimesh", "train", *train_args, timeout=timeout)

@@ -43,6 +43,11 @@ Preemption notices (a node announced as draining; orchestrator/preemption.py), a
 * RUNNING -> RUNNING (a drain of spares only: dropped, the mesh stays):
   ``test_drain_of_spares_only_keeps_the_mesh``
 
+A stop signal (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest):
+
+* RUNNING -> FINISHED at the next step boundary, the step committed first, resume_step after it:
+  ``test_stop_request_saves_the_step_and_finishes``
+
 (That importing the controller loads neither Ray nor torch is checked in a fresh interpreter:
 tests/process/test_fresh_interpreters.py.)
 """
@@ -477,3 +482,16 @@ def test_drain_of_spares_only_keeps_the_mesh(make):
     preemption, = r.events("preemption")
     assert preemption["ranks"] == [] and preemption["action"] == "evacuate"
     assert r.group.killed == [spare] and r.c.generation.number == 1 and r.c.next_step == 3
+
+
+def test_stop_request_saves_the_step_and_finishes(make):
+    r = make("train.steps=8")
+    r.steps(4)  # steps 1-3 trained; the save of step 2 committed
+    stop = []
+    r.c.stop_requested = lambda: bool(stop)
+    stop.append(15)
+    assert r.c.step() == State.FINISHED  # at the boundary before step 4
+    assert r.committed()[-1] == 3 and r.c.summary().resume_step == 4 and r.c.summary().final_step == 3
+    stopped, = r.events("stopped")
+    assert (stopped["step"], stopped["resume_step"]) == (3, 4)
+    assert [x["step"] for x in r.records() if "loss" in x] == [1, 2, 3] and not r.events("done")

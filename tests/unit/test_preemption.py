@@ -60,3 +60,10 @@ def test_a_drain_of_spares_only_drops_them_without_a_save():
     actor_nodes = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b"}
     p = check(PreemptionWatcher(), {"b": 0.5}, actor_nodes=actor_nodes)
     assert p.action == "evacuate" and p.actors == {4} and p.ranks == () and p.needed_s == 0.0
+
+
+def test_polls_every_poll_s_and_never_when_zero():
+    w = PreemptionWatcher(poll_s=1.0)
+    assert w.due(100.0) and not w.due(100.5) and w.due(101.0) and not w.due(101.9)
+    off = PreemptionWatcher(poll_s=0)
+    assert not off.due(0.0) and not off.due(1e9)
