@@ -104,7 +104,7 @@ class _Rank:
     def stager_cache(self) -> list[tuple[int, int]]:
         """(address, bytes) of the staging buffers the async writer's stager keeps (private API)."""
         writer = self.runtime._writer
-        stager = getattr(getattr(writer, "_stager", None), "_state_dict_stager", None)
+        stager = getattr(getattr(getattr(writer, "_stager", None), "inner", None), "_state_dict_stager", None)
         cache = getattr(stager, "_cached_storage_mapping", None)
         if cache is None:
             return []

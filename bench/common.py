@@ -93,8 +93,9 @@ def bench_config(model: dict[str, Any], *, dp: int = 1, tp: int = 1, steps: int,
 
 
 def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int = 1, timeout_s: float = 120,
-                 store_prefix: str | None = None):
-    """Join ``cfg``'s mesh as ``world_rank`` through the store at 127.0.0.1:``store_port``.
+                 store_prefix: str | None = None, device=None):
+    """Join ``cfg``'s mesh as ``world_rank`` through the store at 127.0.0.1:``store_port``, on
+    ``device`` (default the CPU; a CUDA device makes it an NCCL rank, bench/gpu.py).
 
     Returns ``(runtime, actions)``: the ``RankRuntime`` and its 1F1B action list (one stage per rank).
     """
@@ -107,12 +108,14 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     from workers.runtime import RankRuntime
 
     mesh = cfg.mesh
+    device = device or torch.device("cpu")
     spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=mesh.zero,
                        fsdp_unit_mb=mesh.fsdp_unit_mb, layers_per_stage=(cfg.model.n_layers,),
-                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=False)
+                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=device.type == "cuda",
+                       schedule="1f1b", cpu_offload=mesh.cpu_offload)
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                   shape=MeshShape(mesh.dp, 1, mesh.tp), world_rank=world_rank,
-                                  timeout_s=timeout_s, device=torch.device("cpu"), store_prefix=store_prefix)
+                                  timeout_s=timeout_s, device=device, store_prefix=store_prefix)
     runtime = RankRuntime(spec, groups)
     microbatches = cfg.train.global_batch_size // (mesh.dp * cfg.train.micro_batch_size)
     return runtime, make_schedule("1f1b", 1, microbatches, 1)[0]

@@ -82,9 +82,7 @@ def memory_probe(runtime):
         module.forward = hooked
 
     # The last stage's loss is computed by the executor outside the stage module: count it too.
-    import workers.pipeline as pipeline_mod
-
-    loss_fn = pipeline_mod.lm_loss_sum
+    loss_fn = runtime.executor.loss_fn
 
     def hooked_loss(logits, targets):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -93,7 +91,7 @@ def memory_probe(runtime):
             state["first_f"] = state["live"] - state["first_start"]
         return loss
 
-    pipeline_mod.lm_loss_sum = hooked_loss
+    runtime.executor.loss_fn = hooked_loss
 
     executor = runtime.executor
     inner = executor.run

@@ -17,7 +17,6 @@ Commit protocol: ranks write ``step-N/`` (DCP shards + ``.metadata``), each acks
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -70,7 +69,7 @@ def check_checkpoint(path: str, storage: CheckpointStorage | None = None, *, rea
         return False, f"bad manifest.json: {e.message}", None
     except (OSError, UnicodeDecodeError) as e:
         return False, f"unreadable manifest.json: {e}", None
-    dir_step = parse_step(_basename(path))
+    dir_step = parse_step(dir_basename(path))
     if dir_step is not None and dir_step != manifest.step:
         return False, f"manifest.json says step {manifest.step} but the directory is step {dir_step}", manifest
     if not manifest.files and not read_dcp_metadata:
@@ -105,24 +104,6 @@ def list_checkpoints(root: str, storage: CheckpointStorage | None = None, *,
         infos.append(CheckpointInfo(step, path, valid, reason, manifest, size,
                                     manifest.created_at if manifest else None, owner))
     return sorted(infos, key=lambda i: i.step)
-
-
-def require_root(root: str, storage: CheckpointStorage | None = None) -> None:
-    """For ``elastimesh ckpt list``: ``root`` must be an existing directory.
-
-    (``list_checkpoints`` treats an absent root as empty, which is right for a first run's resume but
-    would make a mistyped path look like a directory without checkpoints.)
-
-    Raises:
-        CheckpointError: ``root`` does not exist, or is a local file.
-    """
-    storage = storage or storage_for(root)
-    exists, local = storage.exists(root), local_path(root)
-    if exists and (local is None or os.path.isdir(local)):
-        return
-    what = "not a directory" if exists else "no such checkpoint directory"
-    raise CheckpointError(f"{what}: give the directory a run's checkpoint.dir points at (its "
-                          "checkpoints are the step-NNNNNNNN directories in it)", root)
 
 
 def latest_valid(
@@ -163,14 +144,50 @@ def ensure_writable(root: str, storage: CheckpointStorage | None = None) -> None
     """
     storage = storage or storage_for(root)
     probe = storage.join(root, f".write-probe-{time.time_ns()}")
-    try:
+
+    def write_probe() -> None:
         storage.makedirs(root)
         storage.write_text_atomic(probe, "ok\n")
         storage.remove_tree(probe)
+
+    try:
+        if storage.is_local:
+            write_probe()
+        else:
+            _bounded(write_probe, REMOTE_PROBE_TIMEOUT_S)
+    except TimeoutError:
+        raise CheckpointError(
+            f"checkpoint directory did not answer within {REMOTE_PROBE_TIMEOUT_S:g} s; check the bucket "
+            "name, the endpoint (AWS_ENDPOINT_URL for S3-compatible stores) and the credentials", root) from None
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint directory is not writable ({type(e).__name__}: {e}); set checkpoint.dir "
-            "to a writable path or fix its permissions", root) from e
+            f"checkpoint directory is not writable ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+            "set checkpoint.dir to a writable path or bucket, or fix its permissions", root) from e
+
+
+REMOTE_PROBE_TIMEOUT_S = 25.0  # an SDK retrying an unreachable endpoint would take minutes
+
+
+def _bounded(fn, timeout_s: float) -> None:
+    """Run ``fn`` in a daemon thread; TimeoutError if it neither returns nor raises in time."""
+    import threading
+
+    box: list = []
+
+    def run() -> None:
+        try:
+            fn()
+            box.append(None)
+        except BaseException as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        raise TimeoutError
+    if box[0] is not None:
+        raise box[0]
 
 
 def commit(root: str, manifest: CheckpointManifest, storage: CheckpointStorage | None = None) -> str:
@@ -311,40 +328,6 @@ class BackgroundPurger:
                 self._queue.task_done()
 
 
-def describe(path: str, storage: CheckpointStorage | None = None) -> dict[str, Any]:
-    """Facts about one step directory for ``elastimesh ckpt inspect``; JSON-serialisable.
-
-    From the JSON manifest and file sizes only (never DCP's pickled ``.metadata``).
-
-    Raises:
-        CheckpointError: ``path`` does not exist.
-    """
-    storage, path = storage or storage_for(path), path.rstrip("/") or path
-    if not storage.exists(path):
-        raise CheckpointError("no such checkpoint directory: give one of the step directories that "
-                              "`elastimesh ckpt list DIR` shows", path)
-    valid, reason, manifest = check_checkpoint(path, storage, read_dcp_metadata=False)
-    out: dict[str, Any] = {"path": path, "step": parse_step(_basename(path)), "valid": valid,
-                           "reason": reason, "size_bytes": storage.size_of_tree(path)}
-    if manifest is not None:
-        out.update(manifest.to_dict(), created=_when(manifest.created_at))
-    return out
-
-
-def format_table(infos: list[CheckpointInfo]) -> str:
-    """A plain-text table of checkpoints for ``elastimesh ckpt list`` (one line per step dir)."""
-    rows = [("STEP", "VALID", "RUN", "MESH", "SIZE", "CREATED", "PATH / REASON")]
-    for i in infos:
-        mesh = i.manifest.mesh_str if i.manifest else "-"
-        created = _when(i.created_at) if i.created_at is not None else "-"
-        note = f"{i.path}  ({i.reason})" if i.reason else i.path
-        rows.append((str(i.step), "yes" if i.valid else "NO", i.owner or "-", mesh, _human(i.size_bytes),
-                     created, note))
-    cols = len(rows[0]) - 1
-    widths = [max(len(r[c]) for r in rows) for c in range(cols)]
-    return "\n".join("  ".join(r[c].ljust(widths[c]) for c in range(cols)) + "  " + r[cols] for r in rows)
-
-
 def _check_acks(manifest: CheckpointManifest) -> str | None:
     missing = sorted(set(range(manifest.world_size)) - set(manifest.ranks_acked))
     return f"ranks {missing} of {manifest.world_size} never acked their shard" if missing else None
@@ -384,17 +367,5 @@ def _read_owner(path: str, storage: CheckpointStorage) -> str:
         return ""
 
 
-def _basename(path: str) -> str:
+def dir_basename(path: str) -> str:
     return path.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"

@@ -44,6 +44,9 @@ class CheckpointManifest:
     stage_layers: list[list[int]] = field(default_factory=list)
     """Model layer indices held by each pipeline stage (virtual stages included), in stage order."""
     model_config: dict[str, Any] = field(default_factory=dict)
+    data_identity: str = ""
+    """Content identity of the training data (``workers.data`` source identity: the sidecar's hash),
+    not its path: resuming onto moved data is fine, onto other data is refused. "" = not recorded."""
     files: dict[str, int] = field(default_factory=dict)
     """Minimum byte size of each DCP file, relative to the step directory; lets the driver detect a
     missing or truncated shard without reading DCP's (pickled, torch-typed) ``.metadata``."""
@@ -135,6 +138,8 @@ def _validate(m: CheckpointManifest) -> None:
         _fail(f"world_size {m.world_size} != dp*pp*tp of mesh {m.mesh!r}")
     if not all(isinstance(v, str) for v in (m.model_fingerprint, m.schedule, m.run_id)):
         _fail("model_fingerprint, schedule and run_id must be strings")
+    if not isinstance(m.data_identity, str):
+        _fail("data_identity must be a string")
     if not isinstance(m.model_config, dict):
         _fail("model_config must be an object")
     acked = m.ranks_acked

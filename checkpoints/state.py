@@ -50,6 +50,7 @@ class ResumePoint:
 
     step: int
     data_cursor: int
+    loss_scale: dict | None = None  # fp16's dynamic loss scale state, when the run had one
 
 
 class ModelState:
@@ -120,7 +121,8 @@ class OptimizerState:
             set_optimizer_state_dict(part, opt, {k: state_dict[k] for k in part_keys}, options=STATE_DICT_OPTIONS)
 
 
-def capture_extras(step: int, data_cursor: int, lr_scheduler: Any | None = None, *, rng: bool = True) -> dict[str, Any]:
+def capture_extras(step: int, data_cursor: int, lr_scheduler: Any | None = None, *, rng: bool = True,
+                   loss_scale: dict | None = None) -> dict[str, Any]:
     """The small state saved under ``"extra"``; must be the same on every rank.
 
     Args:
@@ -129,8 +131,11 @@ def capture_extras(step: int, data_cursor: int, lr_scheduler: Any | None = None,
         lr_scheduler: an LR scheduler (anything with ``state_dict()``); with several parts, pass
             one of them: they follow the same schedule.
         rng: also save the torch CPU (and current CUDA device) RNG state.
+        loss_scale: fp16's loss scale state (``workers.loss_scale``), the same on every rank.
     """
     extra: dict[str, Any] = {"step": int(step), "data_cursor": int(data_cursor)}
+    if loss_scale is not None:
+        extra["loss_scale"] = dict(loss_scale)
     if lr_scheduler is not None:
         extra["lr_scheduler"] = lr_scheduler.state_dict()
     if rng:
@@ -158,7 +163,9 @@ def restore_extras(extra: dict[str, Any], lr_schedulers: Any | Sequence[Any] | N
         torch.set_rng_state(rng_state["cpu"].to(torch.uint8))
     if rng and "cuda" in rng_state and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng_state["cuda"].to(torch.uint8))
-    return ResumePoint(step=int(extra["step"]), data_cursor=int(extra["data_cursor"]))
+    scale = extra.get("loss_scale")
+    return ResumePoint(step=int(extra["step"]), data_cursor=int(extra["data_cursor"]),
+                       loss_scale=dict(scale) if scale else None)
 
 
 def training_state(model_parts: nn.Module | Sequence[nn.Module],
@@ -183,10 +190,10 @@ class TrainingState:
         self.optim = OptimizerState(model_parts, optimizers)
 
     def snapshot(self, *, step: int, data_cursor: int, lr_scheduler: Any | None = None,
-                 rng: bool = True) -> dict[str, Any]:
+                 rng: bool = True, loss_scale: dict | None = None) -> dict[str, Any]:
         """What :func:`training_state` returns, with this object's model and optimizer state."""
         return {"model": self.model, "optim": self.optim,
-                "extra": capture_extras(step, data_cursor, lr_scheduler, rng=rng)}
+                "extra": capture_extras(step, data_cursor, lr_scheduler, rng=rng, loss_scale=loss_scale)}
 
 
 def _merge(dicts: list[dict[str, Any]], what: str) -> dict[str, Any]:

@@ -139,10 +139,17 @@ class FsspecStorage:
     def join(self, base: str, *names: str) -> str:
         return posixpath.join(base.rstrip("/"), *names) if names else base
 
+    def _fresh(self, path: str) -> None:
+        # s3fs/gcsfs cache listings per process; the ranks write files behind this process's
+        # back, so a cached listing would show a shard as missing or 0 bytes (seen on s3).
+        self.fs.invalidate_cache(path)
+
     def exists(self, path: str) -> bool:
+        self._fresh(path)
         return bool(self.fs.exists(path))
 
     def listdir(self, path: str) -> list[str]:
+        self._fresh(path)
         try:
             entries = self.fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -150,6 +157,7 @@ class FsspecStorage:
         return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries})
 
     def file_size(self, path: str) -> int:
+        self._fresh(path)
         return int(self.fs.size(path))
 
     def read_text(self, path: str) -> str:
@@ -162,12 +170,25 @@ class FsspecStorage:
         self.fs.rm(path, recursive=True)
 
     def makedirs(self, path: str) -> None:
+        if _is_object_store(self.fs):
+            # No directories to make, and s3fs/gcsfs would *create the bucket* of a mistyped
+            # checkpoint.dir: let the first write fail with "no such bucket" instead.
+            return
         self.fs.makedirs(path, exist_ok=True)
 
     def size_of_tree(self, path: str) -> int:
+        self._fresh(path)
         if not self.fs.exists(path):
             return 0
         return sum(int(info.get("size") or 0) for info in self.fs.find(path, detail=True).values())
+
+
+OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az", "oss"}
+
+
+def _is_object_store(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(OBJECT_STORES & set(protocol))
 
 
 def storage_for(uri_or_path: str | os.PathLike[str], **storage_options: Any) -> CheckpointStorage:

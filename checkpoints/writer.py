@@ -25,8 +25,8 @@ Submitting to an idle thread that already exists costs microseconds. Rules this 
   (docs/design.md, F9), so that case is refused.
 
 A thread, not a process: DCP's process mode keeps a daemon bound to the world it started with, which
-breaks after an elastic resize (F9). On GPU the staging copy runs on the writer thread's current
-stream; a dedicated copy stream would overlap it with compute better (not needed on CPU, not done).
+breaks after an elastic resize (F9). The staging copies and their buffers are
+``checkpoints.staging``'s (on GPU: a copy stream of their own; abandoned saves' buffers released).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoints.errors import CheckpointError, summarize_failure
 from checkpoints.layout import DCP_METADATA, expected_file_sizes
+from checkpoints.staging import Stager
 from checkpoints.storage import local_path, storage_for
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,10 @@ class AsyncCheckpointWriter:
         self._no_dist = not distributed
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._background = use_async and stage_in_background
-        self._stager = self._new_stager() if use_async else None
-        self._thread = self._new_thread() if use_async else None
+        # One stager and one thread for the writer's lifetime (made at the first save): the stager
+        # caches a CPU buffer per source storage and copies into it again on the next save.
+        self._stager: Stager | None = None
+        self._thread: ThreadPoolExecutor | None = None
         self._pending: SaveFuture | None = None
         self._staging: Future | None = None  # the in-flight save's staging completion
         self.fence_wait_s = 0.0
@@ -134,18 +136,12 @@ class AsyncCheckpointWriter:
         self.last_error: BaseException | None = None
         """The most recent failure of any save (kept after it was raised, for status reports)."""
 
-    def _new_stager(self) -> DefaultStager:
-        # One stager for the writer's lifetime: it caches a CPU buffer per source storage and copies
-        # into it on the next save instead of allocating again (pinned when on GPU).
-        cuda = torch.cuda.is_available()
-        # Staging is synchronous wherever it runs (the caller, or our writer thread for background
-        # staging), so the stager needs no executor of its own.
-        return DefaultStager(StagingOptions(use_pinned_memory=self._pin, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=cuda))
-
-    @staticmethod
-    def _new_thread() -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+    def _ensure_resources(self) -> tuple[Stager, ThreadPoolExecutor]:
+        if self._stager is None:
+            self._stager = Stager(self._pin)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+        return self._stager, self._thread
 
     def wait_staged(self) -> float:
         """Block until the latest save's state is copied into the staging buffers; returns seconds.
@@ -219,10 +215,12 @@ class AsyncCheckpointWriter:
                 done = SaveFuture()
                 done.set_result(SaveTiming(elapsed, elapsed - waited, path, self._files(metadata, path), waited))
                 return done
+            stager, thread = self._ensure_resources()
             # At the step boundary, on this thread: Stateful objects -> plain dicts of tensors.
             plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+            ready = stager.mark()
             if not self._background:
-                plain = self._stager.stage(plain)
+                plain = stager.stage(plain, ready)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             self.last_error = e
             raise CheckpointError(f"checkpoint save failed: {summarize_failure(e)}", path) from e
@@ -236,7 +234,7 @@ class AsyncCheckpointWriter:
             try:
                 snapshot = plain
                 if not staging.done():
-                    snapshot = self._stager.stage(plain)
+                    snapshot = stager.stage(plain, ready)
                     staging.set_result(time.monotonic() - staged)
                 metadata = dcp.save(snapshot, **kwargs)
                 out.set_result(SaveTiming(staged - t0, time.monotonic() - staged, path,
@@ -248,24 +246,33 @@ class AsyncCheckpointWriter:
                 logger.error("background checkpoint write to %s failed: %s", path, summarize_failure(e))
                 out.set_exception(CheckpointError(f"background checkpoint write failed: {summarize_failure(e)}", path))
 
-        self._thread.submit(write)
+        thread.submit(write)
         self._pending = out
         return out
 
-    def abandon(self) -> None:
+    def abandon(self, release: bool = False) -> None:
         """Forget an in-flight save without waiting (its group is being torn down in a rebuild).
 
-        The abandoned write may still be reading the staging buffers, so new ones are made.
+        The abandoned write may still be reading the staging buffers and may stay blocked in a
+        collective of the dead group until its timeout: its stager and thread are then handed over
+        to it, closed when it ends, and the next save makes new ones. With nothing in flight they
+        are kept for the next save, unless ``release`` (the writer is being dropped): closed now.
         """
-        if self.in_flight:
+        pending, self._pending, self._staging = self._pending, None, None
+        stager, thread = self._stager, self._thread
+        if pending is not None and not pending.done():
             logger.warning("abandoning an unfinished checkpoint save; it will not be committed")
-        self._pending = None
-        self._staging = None
-        if self._stager is not None:
-            self._stager = self._new_stager()
-        if self._thread is not None:  # the old one may stay blocked in a collective of a dead group
-            self._thread.shutdown(wait=False)
-            self._thread = self._new_thread()
+            self._stager = self._thread = None
+            if thread is not None:
+                thread.shutdown(wait=False)
+            if stager is not None:
+                pending.add_done_callback(lambda _: stager.close())
+        elif release:
+            self._stager = self._thread = None
+            if thread is not None:
+                thread.shutdown(wait=False)
+            if stager is not None:
+                stager.close()
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the last save (raising its failure) and free the staging buffers."""
@@ -276,6 +283,7 @@ class AsyncCheckpointWriter:
                 self._thread.shutdown(wait=False)
             if self._stager is not None:
                 self._stager.close()
+            self._stager = self._thread = None
 
     @staticmethod
     def _files(metadata: Any, path: str) -> dict[str, int]:

@@ -93,6 +93,7 @@ class CheckpointCoordinator:
         self.root = self.user_dir or self._tmp
         self.every = cfg.checkpoint.every if self.user_dir else 0
         self.fingerprint = model_fingerprint(cfg)
+        self.data_identity = _data_identity(cfg)
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
         self.last_committed = 0
@@ -201,6 +202,7 @@ class CheckpointCoordinator:
             schedule=gen.plan.schedule_name,
             stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
             model_config=config_to_dict(self.cfg)["model"],
+            data_identity=self.data_identity,
             files=files,
             run_id=self.run_id,
         )
@@ -264,12 +266,21 @@ class CheckpointCoordinator:
         if info is None:
             return None
         if info.manifest.model_fingerprint != self.fingerprint:
-            # The manifest keeps the model section only; data.path is the fingerprint's other input.
             keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
             raise UserInputError(
                 f"checkpoint {info.path} was saved from a different model config "
-                f"(mismatching keys: {', '.join(keys) or 'data.path'}): use a new checkpoint.dir or "
+                f"(mismatching keys: {', '.join(keys) or 'unknown'}): use a new checkpoint.dir or "
                 "restore those keys"
+            )
+        saved_data = info.manifest.data_identity
+        if saved_data and saved_data != self.data_identity:
+            # Moving the corpus keeps its identity (content, not path); other data would silently
+            # change what "sample i" means for the data cursor.
+            raise UserInputError(
+                f"checkpoint {info.path} was trained on other data than data.path = {self.cfg.data.path!r} "
+                f"(content {saved_data[:12]} vs {self.data_identity[:12]}): to train this data from its "
+                f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
+                "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
             )
         saved_batch, batch = info.manifest.global_batch_size, self.cfg.train.global_batch_size
         if saved_batch != batch:
@@ -306,6 +317,13 @@ class CheckpointCoordinator:
         self.purger.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _data_identity(cfg: JobConfig) -> str:
+    """Content identity of the job's data (workers.data: torch-free, cached per process)."""
+    from workers.data import open_source
+
+    return open_source(cfg.data.path).identity
 
 
 def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:

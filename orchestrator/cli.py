@@ -1,4 +1,4 @@
-"""`elastimesh` / `python -m orchestrator`: train, plan, config, ckpt list|inspect, data prepare.
+"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, ckpt list|inspect, data prepare.
 
 Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
@@ -39,17 +39,48 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
                       "allowed values, meaning) as README shows it")
+    _add_tune(sub)
     ckpt = sub.add_parser("ckpt", help="list or inspect checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
     ckpt_sub.add_parser("inspect", help="one checkpoint: step, mesh, size, time, valid?").add_argument("path")
+    export = sub.add_parser("export", help="write a committed checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a step-N checkpoint directory (or a checkpoint.dir: its newest)")
+    export.add_argument("--out", required=True, help="new directory for the safetensors, config.json, ...")
+    export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    export.add_argument("--max-shard-gb", type=float, default=4.0, help="split the weights into files of this size")
     data = sub.add_parser("data", help="prepare Parquet token shards")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
-    prep = data_sub.add_parser("prepare", help="byte-tokenize text files into Parquet shards")
-    prep.add_argument("texts", nargs="+")
-    prep.add_argument("--out", required=True)
-    prep.add_argument("--shard-tokens", type=int, default=1_000_000)
+    prep = data_sub.add_parser("prepare", help="tokenize text (.txt, .jsonl/.json, .parquet, dirs, globs) "
+                               "into Parquet token shards, one document per row")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT")
+    prep.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    prep.add_argument("--tokenizer", default=None, metavar="TOK", help="a Hugging Face tokenizer.json or a "
+                      "directory holding it (+ tokenizer_config.json); default: bytes (vocab 256)")
+    prep.add_argument("--text-key", default="text", help="JSON lines: the field holding the text")
+    prep.add_argument("--text-column", default="text", help="Parquet input: the column holding the text")
+    prep.add_argument("--encoding", default="utf-8", help="encoding of .txt / JSON input files")
+    prep.add_argument("--shard-tokens", type=int, default=8_000_000, help="tokens per shard at most")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _add_tune(sub) -> None:
+    from orchestrator.sweep import SCHEDULERS, SEARCH_ALGS
+
+    p = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune, one elastic job per trial")
+    p.add_argument("config", nargs="?", help="job TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--search", action="append", default=[], metavar="KEY=SPACE",
+                   help="choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b) (upper bound excluded)")
+    p.add_argument("--samples", type=int, default=1, help="trials to run")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="fifo", help="asha: stop bad trials early")
+    p.add_argument("--grace-steps", type=int, default=0, help="ASHA's first rung (default: steps / 4)")
+    p.add_argument("--search-alg", choices=SEARCH_ALGS, default="random",
+                   help="optuna: TPE (needs the optional `tune` extra)")
+    p.add_argument("--max-concurrent", type=int, default=0, help="trials at once (default: what fits)")
+    p.add_argument("--dir", help="the sweep's directory; rerun to resume (default: sweeps/<config name>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +137,13 @@ def _dispatch(args) -> int:
         logger.info("done: step %d, %d generation(s), %d restart(s)", summary.final_step,
                     summary.generations, summary.restarts)
         return 0
+    if args.command == "tune":
+        from orchestrator.sweep import tune_command
+
+        return tune_command(args)
     if args.command == "ckpt":
-        from checkpoints.catalog import describe, format_table, list_checkpoints, require_root
+        from checkpoints.catalog import list_checkpoints
+        from checkpoints.inspect_view import describe, format_table, require_root
 
         if args.ckpt_command == "list":
             require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
@@ -115,10 +151,20 @@ def _dispatch(args) -> int:
         else:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
         return 0
+    if args.command == "export":
+        from workers.models.export import export_checkpoint
+
+        info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30))
+        sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
+                         f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
+        return 0
     if args.command == "data":
         from workers.data import prepare
 
-        info = prepare(args.texts, args.out, shard_tokens=args.shard_tokens)
-        sys.stdout.write(f"wrote {info['num_tokens']} tokens in {len(info['files'])} shard(s) to {args.out}\n")
+        info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
+                       text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
+                       progress=not args.no_progress and sys.stderr.isatty())
+        sys.stdout.write(f"wrote {info['documents']} documents, {info['num_tokens']} tokens in "
+                         f"{len(info['files'])} shard(s) to {args.out}\n")
         return 0
     raise AssertionError(args.command)

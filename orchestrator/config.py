@@ -40,7 +40,7 @@ from orchestrator.config_validate import (
 
 # The model fingerprint and diff live in orchestrator.config_fingerprint (which imports this module).
 __all__ = [
-    "ALL_KEYS", "CheckpointConfig", "ConfigError", "DataConfig", "ElasticConfig", "JobConfig",
+    "ALL_KEYS", "CheckpointConfig", "ConfigError", "DataConfig", "ElasticConfig", "EvalConfig", "JobConfig",
     "MeshConfig", "MetricsConfig", "ModelConfig", "PipelineConfig", "ResourcesConfig", "SECTIONS",
     "TrainConfig", "check_mesh", "config_doc", "config_to_dict", "dp_bounds",
     "load_config", "microbatches_per_replica", "replace_mesh",
@@ -61,6 +61,8 @@ class MeshConfig:
     fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
                                     "reduce-scatter) up to this many MB of fp32 parameters per tp "
                                     "shard; 0 = one unit per block", ge=0)
+    cpu_offload: bool = key(False, "ZeRO-Offload: sharded parameters, gradients and the optimizer "
+                                   "step on the host (FSDP2 CPUOffloadPolicy); needs zero=3")
 
     @property
     def world(self) -> int:
@@ -78,6 +80,10 @@ class ModelConfig:
     norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
     init_std: float = key(0.02, "standard deviation of the initial weights", gt=0)
     rope_theta: float = key(10000.0, "rotary embedding base", gt=0)
+    family: str = key("", 'model family: "gpt" (built-in), "llama", or "package.module:Name" (a user\'s '
+                          'ModelFamily); empty = "llama" with from_hf, else "gpt"')
+    from_hf: str = key("", "Hugging Face model directory whose config.json gives the architecture (then no "
+                           "size key may be set)")
 
     @property
     def ffn_dim(self) -> int:
@@ -101,8 +107,10 @@ class TrainConfig:
     beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = key(1.0, "global grad-norm clip; 0 = off", ge=0)
     seed: int = key(0, "fixes the initial weights and the global sample order")
-    dtype: str = key("float32", "parameter and compute dtype", choices=DTYPES)
+    dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
+                                "scaling, for GPUs without bf16", choices=DTYPES)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
+    compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
 
 
 @dataclass(**_SECTION)
@@ -116,7 +124,19 @@ class PipelineConfig:
 
 @dataclass(**_SECTION)
 class DataConfig:
-    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory')
+    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory: a '
+                               'path or a URI (file://, s3://, gs://, any fsspec scheme)')
+    mask_document_boundaries: str | bool = key(
+        "auto", "do not count a target whose input is EOS (no predicting a document from the previous "
+                'one); "auto" = on when the shards record an EOS id', choices=(True, False, "auto"))
+
+
+@dataclass(**_SECTION)
+class EvalConfig:
+    path: str = key("", "held-out data (a shard directory or URI, like data.path); empty = no evaluation")
+    every: int = key(0, "evaluate after every N steps and after the last; 0 = after the last step only", ge=0)
+    batches: int = key(4, "held-out batches of train.global_batch_size windows: samples [0, batches * "
+                          "global_batch_size) of eval.path in order, the same on any mesh", ge=1)
 
 
 @dataclass(**_SECTION)
@@ -126,6 +146,7 @@ class CheckpointConfig:
     async_write: bool = key(True, "write in the background while training goes on", toml="async")
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")
+    init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
 
 
 @dataclass(**_SECTION)
@@ -147,6 +168,10 @@ class MetricsConfig:
     tensorboard_dir: str = key("", "TensorBoard log directory; empty = none")
     timeline: str = key("", "Chrome-trace timeline file of the latest step; empty = none")
     log_every: int = key(1, "log a step record every N steps", ge=1)
+    # Checked against train.steps in config_validate.profile_range; traces: workers/profiling.py.
+    profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
+                                 "on every rank, one file per rank and step; empty = off")
+    profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
 
 
 @dataclass(**_SECTION)
@@ -164,6 +189,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -221,8 +247,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
             kwargs[f.name] = coerce(f"{name}.{key}", f, value)
         sections[name] = cls(**kwargs)
     cfg = JobConfig(**sections)
+    _check_from_hf_conflicts(raw.get("model", {}))
     validate_job(cfg)
     return cfg
+
+
+# [model] keys that describe the architecture: with model.from_hf, config.json decides them.
+HF_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
+
+
+def _check_from_hf_conflicts(model_raw: Mapping[str, object]) -> None:
+    if not model_raw.get("from_hf"):
+        return
+    clash = [k for k in HF_SIZE_KEYS if k in model_raw]
+    if clash:
+        raise ConfigError(f"model.{clash[0]}", f"model.{clash[0]} and model.from_hf are both set: the shape comes "
+                                                f"from {model_raw['from_hf']}/config.json; remove model.{clash[0]}")
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from orchestrator.config_schema import ConfigError, check_values
 if TYPE_CHECKING:  # only for annotations; config.py imports this module at runtime
     from orchestrator.config import JobConfig, TrainConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 ZERO_STAGES = (2, 3)
 BUILTIN_DATA = "builtin"
@@ -75,37 +75,28 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
         )
     model, train, pipe = cfg.model, cfg.train, cfg.pipeline
 
-    # Tensor parallelism splits attention heads, the vocabulary (embedding / loss_parallel),
-    # the FFN hidden dimension, and - with sequence parallelism - the sequence.
-    for key, size in (
-        ("model.n_heads", model.n_heads),
-        ("model.vocab_size", model.vocab_size),
-        ("model.seq_len", model.seq_len),
-    ):
-        name = key.split(".")[1]
-        _require(
-            size % tp == 0,
-            key,
-            f"{key}={size} is not divisible by mesh.tp={tp}: choose {name} as a multiple of tp "
-            f"(e.g. {_next_multiple(size, tp)}) or a tp that divides {size}",
-        )
-    if model.ffn_hidden:
-        _require(
-            model.ffn_hidden % tp == 0,
-            "model.ffn_hidden",
-            f"model.ffn_hidden={model.ffn_hidden} is not divisible by mesh.tp={tp}: choose a "
-            f"multiple of tp (e.g. {_next_multiple(model.ffn_hidden, tp)}) or 0 for 4*d_model",
-        )
+    # Tensor parallelism splits what the model family says (heads, vocabulary, FFN...) and, with
+    # sequence parallelism, the sequence.
+    resolved = resolve_model(model)
+    resolved.family.check_mesh(resolved.shape, tp)
+    _require(
+        model.seq_len % tp == 0,
+        "model.seq_len",
+        f"model.seq_len={model.seq_len} is not divisible by mesh.tp={tp}: choose seq_len as a multiple of "
+        f"tp (e.g. {_next_multiple(model.seq_len, tp)}) or a tp that divides {model.seq_len}",
+    )
+    n_layers = resolved.shape.n_layers
+    layers_key = f"model.n_layers={n_layers}" if not model.from_hf else f"the {n_layers} layers of model.from_hf"
 
     n_stages = pp * pipe.virtual_stages
-    if n_stages > model.n_layers:
+    if n_stages > n_layers:
         what = f"mesh.pp={pp}"
         if pipe.virtual_stages > 1:
             what += f" x pipeline.virtual_stages={pipe.virtual_stages} = {n_stages} stages"
         raise ConfigError(
             "mesh.pp",
-            f"{what} exceeds model.n_layers={model.n_layers}: every pipeline stage needs at "
-            f"least one layer; lower mesh.pp or raise model.n_layers",
+            f"{what} exceeds {layers_key}: every pipeline stage needs at least one layer; lower "
+            f"mesh.pp" + ("" if model.from_hf else " or raise model.n_layers"),
         )
     if pipe.layers is not None:
         _require(
@@ -150,6 +141,13 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
         )
 
 
+def resolve_model(model):
+    """The model family and shape of a [model] section (workers/models/family.py; pure, cached)."""
+    from workers.models.family import resolve_model as resolve
+
+    return resolve(model)
+
+
 def _next_multiple(value: int, divisor: int) -> int:
     return max(divisor, -(-value // divisor) * divisor)
 
@@ -162,6 +160,7 @@ def validate_job(cfg: JobConfig) -> None:
     _check_relations(cfg)
     check_mesh(cfg, cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     _check_elastic_bounds(cfg)
+    profile_range(cfg.metrics.profile_steps, cfg.train.steps)
 
 
 def _check_relations(cfg: JobConfig) -> None:
@@ -180,11 +179,12 @@ def _check_relations(cfg: JobConfig) -> None:
         f"model.d_model / model.n_heads = {model.head_dim} is odd: rotary embeddings need an even "
         f"head_dim; choose d_model = n_heads x an even number (e.g. {even})",
     )
+    vocab = resolve_model(model).shape.vocab_size
     if cfg.data.path == BUILTIN_DATA:
         _require(
-            model.vocab_size >= BUILTIN_VOCAB,
+            vocab >= BUILTIN_VOCAB,
             "model.vocab_size",
-            f"model.vocab_size={model.vocab_size} is too small for data.path=\"builtin\" (byte "
+            f"model.vocab_size={vocab} is too small for data.path=\"builtin\" (byte "
             f"tokens need {BUILTIN_VOCAB}): set model.vocab_size >= {BUILTIN_VOCAB}",
         )
     if pipe.schedule == "interleaved_1f1b":
@@ -202,16 +202,22 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.schedule='interleaved_1f1b' (got {pipe.schedule!r}): set virtual_stages=1 "
             f"or switch the schedule",
         )
+    _require(
+        not cfg.mesh.cpu_offload or cfg.mesh.zero == 3,
+        "mesh.cpu_offload",
+        "mesh.cpu_offload=true needs mesh.zero=3: ZeRO-2 keeps the parameters gathered on the "
+        "device through the step; set mesh.zero=3 or mesh.cpu_offload=false",
+    )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(
                 n >= 1, "pipeline.layers", f"pipeline.layers[{i}]={n}: every stage needs >= 1 layer"
             )
         _require(
-            sum(pipe.layers) == model.n_layers,
+            sum(pipe.layers) == resolve_model(model).shape.n_layers,
             "pipeline.layers",
             f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
-            f"model.n_layers={model.n_layers}: make the per-stage counts add up to n_layers",
+            f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
         )
 
 
@@ -229,3 +235,27 @@ def _check_elastic_bounds(cfg: JobConfig) -> None:
         f"elastic.max_dp={el.max_dp} < mesh.dp={dp}: raise elastic.max_dp to at least {dp}, "
         f"or set 0 to mean mesh.dp",
     )
+
+
+def profile_range(text: str, steps: int) -> tuple[int, int] | None:
+    """`metrics.profile_steps` "A:B" as (A, B), or None when empty; steps A..B must lie in the run."""
+    if not text.strip():
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        a, b = int(first), int(last or "x")
+    except ValueError:
+        a = b = None
+    _require(
+        bool(sep) and a is not None,
+        "metrics.profile_steps",
+        f"metrics.profile_steps={text!r} is not a step range: write \"A:B\" with whole numbers, "
+        f"e.g. \"2:3\" profiles steps 2 and 3 (empty = off)",
+    )
+    _require(
+        1 <= a <= b <= steps,
+        "metrics.profile_steps",
+        f"metrics.profile_steps=\"{a}:{b}\" is outside the run: need 1 <= A <= B <= "
+        f"train.steps={steps}",
+    )
+    return a, b

@@ -42,10 +42,12 @@ from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
 from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
+from orchestrator.evaluation import Evaluator
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
-from orchestrator.plan import MeshPlan, make_plan
+from orchestrator.placement import place_ranks
+from orchestrator.plan import MeshPlan, make_plan, model_fields
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
 from orchestrator.recovery import settle
@@ -104,6 +106,8 @@ class Controller:
         use_gpu: bool,
         data_path: str,
         clock: Callable[[], float] = time.monotonic,
+        eval_path: str = "",
+        eval_mask_eos_id: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.group = worker_group
@@ -113,6 +117,10 @@ class Controller:
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
         self.clock = clock
+        from workers.data.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
+
+        self.mask_eos_id = mask_eos_for(cfg.data)
+        self.evaluator = Evaluator(cfg, eval_path, eval_mask_eos_id)  # [eval]: held-out loss between steps
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
         self.generation: GenerationRecord | None = None
@@ -198,6 +206,10 @@ class Controller:
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
+            if self.evaluator.due(step):
+                failed = self.evaluator.run(self, step)
+                if failed is not None:
+                    self._fail(Phase.STEP, failed)
             return
         self._fail(Phase.STEP, outcome, results)
 
@@ -334,7 +346,7 @@ class Controller:
         previous = self.generation
         number = (previous.number + 1) if previous else 1
         plan = make_plan(self.cfg, decision.dp)
-        members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape.world)
+        members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape)
         spec = self._runtime_spec(plan)
         host, port = self.store.address()
         args = {
@@ -376,6 +388,10 @@ class Controller:
             use_gpu=self.use_gpu,
             async_checkpoint=self.cfg.checkpoint.async_write,
             fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
+            **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
+            mask_eos_id=self.mask_eos_id,
+            schedule=self.cfg.pipeline.schedule,
+            cpu_offload=self.cfg.mesh.cpu_offload,
         )
 
 
@@ -386,11 +402,11 @@ def _carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
     return decision
 
 
-def _assign(live: list[int], node_ips: dict[int, str], world: int) -> tuple[dict[int, int], list[int]]:
-    """World rank -> actor id for the first ``world`` live actors, and the spares. Ranks of one replica
-    stay together on a node: actors are ordered by node, then age."""
-    ordered = sorted(live, key=lambda a: (node_ips.get(a, ""), a))
-    return {rank: ordered[rank] for rank in range(world)}, ordered[world:]
+def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:
+    """World rank -> actor id for ``shape.world`` of the live actors, and the spares: TP groups inside
+    a node, then PP, then DP across nodes (orchestrator/placement.py)."""
+    ordered = place_ranks(live, node_ips, shape).order
+    return {rank: ordered[rank] for rank in range(shape.world)}, ordered[shape.world:]
 
 
 def _step_broken(o: CallOutcome) -> bool:

@@ -16,14 +16,18 @@ from contextlib import contextmanager
 
 import ray
 
+from checkpoints.catalog import ensure_writable
+from checkpoints.errors import CheckpointError
 from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
 from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
-from orchestrator.errors import ClusterConnectError, WorkerGroupStartupError
+from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
 from orchestrator.store_provider import StoreProvider
 from orchestrator.worker_group import ActorResources, WorkerGroup
-from workers.data import validate_source
+from workers.data import DataError, validate_source
+from workers.data.masks import boundary_eos
+from workers.profiling import profile_spec
 
 logger = logging.getLogger(__name__)
 
@@ -156,20 +160,50 @@ def stop_on_signals(stop: StopRequest):
             signal.signal(sig, signal.SIG_DFL if handler_before is None else handler_before)
 
 
-def run_job(cfg: JobConfig, *, progress: bool = True) -> RunSummary:
-    source = validate_source(cfg.data.path, cfg.model.seq_len, cfg.model.vocab_size, cfg.train.global_batch_size)
+def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
+    """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
+    (a Tune trial's, see orchestrator/sweep_trial.py); ``step_listeners`` get every step record."""
+    from workers.models.family import check_init_from, resolve_model
+
+    vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
+    source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)
+    boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
+    eval_source = validate_eval(cfg, vocab)
+    check_init_from(cfg)  # the HF weights, before any actor starts
     check_outputs(cfg.metrics)  # before Ray and the actors start
+    if cfg.checkpoint.dir:  # a wrong bucket or path is exit 2 now, before Ray and the actors start
+        try:
+            ensure_writable(cfg.checkpoint.dir)
+        except CheckpointError as exc:
+            raise UserInputError(f"checkpoint.dir: {exc}") from None
     started_local = connect(cfg)
     try:
         stop = StopRequest()
         with stop_on_signals(stop):
-            return _run(cfg, source, progress, started_local, stop)
+            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners), stop)
     finally:
         if started_local:
             ray.shutdown()
 
 
-def _run(cfg: JobConfig, source, progress: bool, started_local: bool, stop: StopRequest) -> RunSummary:
+def validate_eval(cfg: JobConfig, vocab: int):
+    """The [eval] source, checked like data.path (enough samples for eval.batches), or None."""
+    if not cfg.eval.path:
+        return None
+    try:
+        src = validate_source(cfg.eval.path, cfg.model.seq_len, vocab,
+                              cfg.train.global_batch_size * cfg.eval.batches)
+        boundary_eos(cfg.data.mask_document_boundaries, src)
+    except DataError as exc:
+        # The data checks name data.path; here the file at fault is the eval one.
+        key = "eval.path" if exc.key == "data.path" else exc.key
+        raise DataError(str(exc).replace("data.path", "eval.path").replace(
+            "fewer than one global batch", "fewer than eval.batches global batches"), key=key) from None
+    return src
+
+
+def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: bool, reserved,
+         listeners, stop: StopRequest) -> RunSummary:
     metrics = None
     group = None
     store = None
@@ -183,16 +217,22 @@ def _run(cfg: JobConfig, source, progress: bool, started_local: bool, stop: Stop
         store.address()  # host it now: a cluster that cannot host it fails before the ranks start
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
-            placement_timeout_s=cfg.resources.placement_timeout_s,
+            placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
+            actor_kwargs={"profile": profile_spec(cfg.metrics, cfg.train.steps)},
         )
-        if not started_local:  # an embedded Ray has no autoscaler to ask
+        # An embedded Ray has no autoscaler to ask; a reserved group's owner asked for it (Tune's
+        # pending placement group is the demand), and one request per cluster would clobber the others.
+        if not started_local and reserved is None:
             capacity.ask(wanted_bundles(cfg, group.bundle()),
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
+        metrics.step_listeners.extend(listeners)
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
             data_path=source.name,
+            eval_path=eval_source.name if eval_source is not None else "",
+            eval_mask_eos_id=boundary_eos(cfg.data.mask_document_boundaries, eval_source) if eval_source else None,
         )
         controller.stop_requested = stop
         stop.graceful = True  # from now on a signal saves at the next step boundary first

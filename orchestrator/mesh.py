@@ -3,9 +3,9 @@
 Nothing here starts a process or imports torch/ray, so every rule is unit-tested directly.
 
 Rank order puts TP innermost, then PP, then DP (rank = (dp * pp_size + pp) * tp_size + tp), the same
-order as ``init_device_mesh(("dp", "pp", "tp"))``. Placement-group bundles are filled in rank order
-with the PACK strategy, so the ranks of one TP group are adjacent and land on one node, where TP's
-per-layer collectives are cheapest.
+order as ``init_device_mesh(("dp", "pp", "tp"))``, so the ranks of one TP group are adjacent;
+``orchestrator.placement`` gives each TP group actors of one node, where TP's per-layer collectives
+are cheapest.
 """
 
 from __future__ import annotations
@@ -141,14 +141,16 @@ def layer_ranges(layers_per_stage: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def fsdp_applies(dp: int, dtype: str) -> bool:
+def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
     """Whether a stage is sharded with FSDP2 (ZeRO) at all: the rule the ranks and the plan share.
 
     With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
-    as fast as plain PyTorch (bench/step_overhead.py). bf16 always goes through FSDP2's
-    MixedPrecisionPolicy (fp32 master weights, bf16 compute, fp32 gradient reduction).
+    as fast as plain PyTorch (bench/step_overhead.py). bf16/fp16 always go through FSDP2's
+    MixedPrecisionPolicy (fp32 master weights, 16-bit compute, fp32 gradient reduction), and
+    ``mesh.cpu_offload`` through its CPUOffloadPolicy, even at dp=1 (an elastic shrink to one
+    replica must not silently move the model back onto the GPU).
     """
-    return dp > 1 or dtype != "float32"
+    return dp > 1 or dtype != "float32" or cpu_offload
 
 
 def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:

@@ -35,6 +35,14 @@ class RuntimeSpec:
     use_gpu: bool
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
+    # The model family and the shape the driver resolved (workers/models/family.py); "" / None: the
+    # ranks resolve them from `model` themselves.
+    family: str = ""
+    shape: Any = None
+    init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
+    mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
+    schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
+    cpu_offload: bool = False  # mesh.cpu_offload
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,8 @@ class StepResult:
     step_time_s: float = 0.0
     compute_s: float = 0.0
     timings: tuple[ActionTiming, ...] = field(default_factory=tuple)
+    loss_scale: float | None = None  # fp16: the loss scale this step's backward used
+    skipped: bool = False  # fp16: a gradient overflowed on some rank, so every rank skipped the update
 
 
 @dataclass(frozen=True, slots=True)

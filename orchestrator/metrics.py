@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import UserInputError
@@ -44,6 +45,10 @@ def check_outputs(cfg) -> None:
         if "://" not in cfg.tensorboard_dir:  # remote URIs are tensorboardX's business
             _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
                        "set metrics.tensorboard_dir to a writable directory, or unset it")
+    if cfg.profile_steps:  # the ranks write the traces; on one machine this is their directory too
+        from workers.profiling import profile_dir
+
+        _check_dir("metrics.profile_dir", profile_dir(cfg), "set metrics.profile_dir to a writable directory")
 
 
 def _check_file(key: str, path: str, fix: str) -> None:
@@ -87,7 +92,16 @@ def step_record(step: int, results: list[StepResult], *, train, seq_len: int, sh
         "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
         "bubble": bubble_fraction(results),
+        **_loss_scale_fields(results),
     }
+
+
+def _loss_scale_fields(results: list[StepResult]) -> dict[str, Any]:
+    """fp16 runs: the step's loss scale and whether its update was skipped (every rank agrees)."""
+    scales = [r.loss_scale for r in results if r.loss_scale is not None]
+    if not scales:
+        return {}
+    return {"loss_scale": scales[0], "skipped": any(r.skipped for r in results)}
 
 
 def write_timeline(path: str, step: int, results: list[StepResult]) -> None:
@@ -136,6 +150,7 @@ class RayMetrics:
 class MetricsLog:
     def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True) -> None:
         self.cfg = cfg
+        self.step_listeners: list[Callable[[dict], None]] = []  # e.g. a Tune trial reporting each step
         self._file = None
         if cfg.path:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.path)), exist_ok=True)
@@ -174,6 +189,8 @@ class MetricsLog:
                     self._tb.add_scalar(f"train/{key}", rec[key], rec["step"])
         if self._ray is not None:
             self._ray.on_step(rec)
+        for listener in self.step_listeners:
+            listener(rec)
         line = (
             f"step {rec['step']:>5}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
             f"{rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s']:.2f}s  "
@@ -196,6 +213,13 @@ class MetricsLog:
             self._progress.console.print(message, highlight=False)
         else:
             logger.info(message)
+
+    def eval(self, step: int, loss: float, perplexity: float, **fields: Any) -> None:
+        """The held-out evaluation after step ``step``: an "eval" event, and eval/* in TensorBoard."""
+        self.event("eval", step=step, loss=loss, perplexity=perplexity, **fields)
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", loss, step)
+            self._tb.add_scalar("eval/perplexity", perplexity, step)
 
     def timeline(self, step: int, results: list[StepResult]) -> None:
         if self.cfg.timeline:

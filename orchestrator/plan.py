@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config import JobConfig, microbatches_per_replica
+from orchestrator.config_validate import resolve_model
 from orchestrator.mesh import (
     MeshShape,
     balanced_split,
@@ -26,14 +27,17 @@ from orchestrator.schedule import (
     theoretical_bubble,
 )
 
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def param_counts(model) -> dict[str, int]:
-    """Parameter counts of the built-in GPT by part (matches workers/model.py; tested there)."""
-    d, f, v = model.d_model, model.ffn_dim, model.vocab_size
-    layer = 4 * d * d + 3 * d * f + 2 * d
-    return {"embed": v * d, "layer": layer, "head": v * d + d, "total": 2 * v * d + d + model.n_layers * layer}
+    """Parameter counts of the model by part: ``embed``, one ``layer``, ``head`` (final norm + output,
+    the output counted even when tied to the embedding: the last stage holds a copy), ``tied`` (what
+    of the head is the embedding's copy; 0 untied) and ``total`` (distinct parameters). From the model
+    family (``workers/models/family.py``); tests check them against the built modules."""
+    counts = dict(resolve_model(model).family.param_counts(resolve_model(model).shape))
+    counts.setdefault("tied", 0)
+    return counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +64,7 @@ def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
         layers = tuple(cfg.pipeline.layers)
     else:
         counts = param_counts(cfg.model)
-        costs = stage_param_counts(cfg.model.n_layers, counts["layer"], counts["embed"], counts["head"])
+        costs = stage_param_counts(n_layers(cfg), counts["layer"], counts["embed"], counts["head"])
         layers = tuple(balanced_split(costs, num_stages))
     return MeshPlan(
         shape=MeshShape(dp, cfg.mesh.pp, cfg.mesh.tp),
@@ -77,9 +81,22 @@ def stage_params(cfg: JobConfig, plan: MeshPlan, stage: int) -> int:
     total = (end - first) * counts["layer"]
     if first == 0:
         total += counts["embed"]
-    if end == cfg.model.n_layers:
-        total += counts["head"]
+    if end == n_layers(cfg):
+        # A tied head on a stage without the embedding holds its own copy of it.
+        total += counts["head"] - (counts["tied"] if first == 0 else 0)
     return total
+
+
+def model_fields(cfg: JobConfig, *, resuming: bool) -> dict:
+    """The ``RuntimeSpec`` fields about the model: family, resolved shape, and the Hugging Face weights
+    to start from (``checkpoint.init_from``) unless a checkpoint is resumed instead."""
+    resolved = resolve_model(cfg.model)
+    return {"family": resolved.ref, "shape": resolved.shape,
+            "init_from": "" if resuming else cfg.checkpoint.init_from}
+
+
+def n_layers(cfg: JobConfig) -> int:
+    return resolve_model(cfg.model).shape.n_layers
 
 
 def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
@@ -93,7 +110,7 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     compute dtype, sequence/tensor-sharded by tp, plus logits on the last stage, times the schedule's
     peak microbatches in flight on that stage.
     """
-    m, t, train = cfg.model, plan.shape.tp, cfg.train
+    m, t, train = resolve_model(cfg.model).shape, plan.shape.tp, cfg.train
     dp = plan.shape.dp
     stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages)
     params = sum(stage_params(cfg, plan, s) for s in stages) // t
@@ -109,7 +126,8 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     layers_here = sum(ranges[s][1] - ranges[s][0] for s in stages)
     activations = per_layer * layers_here * inflight // max(1, len(stages))
     if plan.num_stages - 1 in stages:
-        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2  # fp32 logits + grad
+        # fp32 logits + their grad, vocab-sharded over tp (loss_parallel)
+        activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2 // t
     return {
         "params": sharded * 4 + gathered,
         "grads": sharded * 4,
@@ -146,7 +164,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype)
+    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload)
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,
@@ -164,6 +182,8 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         ],
         "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
         "total_params": param_counts(cfg.model)["total"],
+        "model_family": resolve_model(cfg.model).ref,
+        "model_source": cfg.model.from_hf,
     }
 
 

@@ -21,7 +21,8 @@ def render(info: dict) -> str:
     m = info["mesh"]
     lines = [
         f"mesh        dp={m['dp']} pp={m['pp']} tp={m['tp']}  ({info['world']} ranks, TP innermost)",
-        f"model       {info['total_params']:,} parameters",
+        f"model       {info['total_params']:,} parameters ({info.get('model_family', 'gpt')}"
+        + (f", shape from {info['model_source']}/config.json)" if info.get("model_source") else ")"),
         f"schedule    {info['schedule']} (virtual stages {info['virtual_stages']}), "
         f"{info['microbatches_per_replica']} microbatches per replica, "
         f"bubble estimate {info['bubble_estimate']:.1%}",

@@ -3,8 +3,9 @@
 Actors are numbered by ``actor_id`` for their whole life; their *world rank* changes per generation.
 The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
 TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
-placement group for the rest. A dead actor's call raises ``RayActorError``; that is caught only here
-and turned into a ``CallOutcome``.
+placement group for the rest. A group may instead be handed a placement group reserved for it (a Tune
+trial's: `orchestrator/sweep_trial.py`): its bundles are filled first and it is never removed here.
+A dead actor's call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
 capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
@@ -35,6 +36,13 @@ logger = logging.getLogger(__name__)
 LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
+    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+
+
 @dataclass(frozen=True, slots=True)
 class ActorResources:
     cpus: float
@@ -42,8 +50,12 @@ class ActorResources:
 
 
 class WorkerGroup:
-    def __init__(self, resources: ActorResources, placement_timeout_s: float) -> None:
+    def __init__(self, resources: ActorResources, placement_timeout_s: float, *, reserved: Any = None,
+                 actor_kwargs: dict[str, Any] | None = None) -> None:
         self.resources = resources
+        self.actor_kwargs = dict(actor_kwargs or {})  # passed to every RankActor (e.g. the profile spec)
+        # Bundles of a placement group its owner reserved for us, not used yet (its owner removes it).
+        self._reserved = [(reserved, i) for i in range(reserved.bundle_count)] if reserved is not None else []
         self.placement_timeout_s = placement_timeout_s
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.pids: dict[int, int] = {}
@@ -71,6 +83,8 @@ class WorkerGroup:
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
         slots = self._bundles.usable()[:count]
+        while self._reserved and len(slots) < count:
+            slots.append(self._reserved.pop(0))
         fresh = count - len(slots)
         if fresh:
             pg = placement_group([self.bundle()] * fresh, strategy="PACK")
@@ -95,7 +109,7 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 ),
-            ).remote(actor_id)
+            ).remote(actor_id, **self.actor_kwargs)
             ids.append(actor_id)
         outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
         if not outcome.ok:
@@ -185,10 +199,10 @@ class WorkerGroup:
         """How many more actors ``add`` could start right now without waiting for placement: bundles
         that fit in the cluster's free resources, plus placed bundles whose actor is gone (a lost
         node's bundles are re-placed by Ray on the node that replaces it: those resources are not
-        "available", yet they are ours to start actors in)."""
+        "available", yet they are ours to start actors in), plus reserved bundles not used yet."""
         free = ray.available_resources()
         fits = min(int(free.get(k, 0.0) // v) for k, v in self.bundle().items() if v > 0)
-        return fits + len(self.placed_vacancies())
+        return fits + len(self.placed_vacancies()) + len(self._reserved)
 
     def shutdown(self) -> None:
         self.kill(list(self.actors))
@@ -241,7 +255,7 @@ class WorkerGroup:
                 except RayActorError as exc:
                     outcome.dead[actor_id] = type(exc).__name__
                 except Exception as exc:  # the method raised: latched for the controller
-                    outcome.failed[actor_id] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    outcome.failed[actor_id] = error_line(exc)
             if stop_early is not None and stop_early(outcome):
                 break
         outcome.pending = [refs[r] for r in remaining]

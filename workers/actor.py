@@ -4,8 +4,8 @@ All training work (joining a generation, steps, saving and loading checkpoints, 
 runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency group, one thread. Other calls run on
 the default group's small pool, so while the training thread is inside a step — possibly blocked in
 a collective whose peer died — the driver can still poll the actor, park a ``wait_checkpoint`` and
-tell it to shut this generation's gloo sockets down (``kick``). Every error inside a step is latched
-into the returned ``StepResult``; the driver decides what happens next.
+tell it to free the step (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error
+inside a step is latched into the returned ``StepResult``; the driver decides what happens next.
 
 Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
 step, right after the rank's first forward of a step (deterministically mid-step: its peers are then
@@ -27,6 +27,7 @@ import torch
 
 from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
+from workers.profiling import profiled_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +57,14 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
 
 class RankActor:
-    def __init__(self, actor_id: int) -> None:
+    def __init__(self, actor_id: int, profile=None) -> None:
         # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
             level=logging.INFO, format=f"%(asctime)s [actor={actor_id}] %(name)s: %(message)s"
         )
         self.actor_id = actor_id
+        self.profile = profile  # workers.profiling.ProfileSpec: which steps to trace (metrics.profile_steps)
         self.runtime = None
         self.generation = -1
         self.world_rank = -1
@@ -70,6 +72,7 @@ class RankActor:
         self.busy = False
         self.error: str | None = None
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
+        self._backend = "gloo"  # of the current (or joining) generation's training groups
         self._lock = threading.Lock()
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
@@ -94,14 +97,22 @@ class RankActor:
         """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
         ``RankGroups`` and ``RankRuntime`` for it are built here."""
         from workers import sockets
+        from workers.device import backend_for, select_device
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
         with self._lock:
             t0 = time.perf_counter()
             self._leave()
-            use_gpu = spec.use_gpu and torch.cuda.is_available()
-            device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+            # A GPU job on a rank without CUDA fails here, in one line (no silent gloo fallback).
+            device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
+                                   where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
+            self._backend = backend_for(device)
+            if device.type == "cuda":
+                # The host's share of a GPU rank (the offloaded optimizer step, data, staging) gets
+                # the CPUs Ray reserved for it, not the one thread CPU ranks share cores with.
+                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+                torch.set_num_threads(max(1, int(cpus)))
             self._joining = (gen, frozenset(sockets.listening_ports()))
             try:
                 self._maybe_fire_fault("join", gen.generation)
@@ -142,13 +153,20 @@ class RankActor:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
             self._arm_forward_fault(step)
-            return self.runtime.train_step(step, actions)
+            with profiled_step(self.profile, step, self.world_rank, self.generation):
+                return self.runtime.train_step(step, actions)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("step %d failed: %s\n%s", step, self.error, traceback.format_exc(limit=4))
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         finally:
             self.busy = False
+
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
+        if self.runtime is None:
+            raise RuntimeError("eval_step before join_generation")
+        return self.runtime.eval_step(path, batch, actions, mask_eos_id)
 
     @_train
     def full_state(self) -> dict:
@@ -198,19 +216,27 @@ class RankActor:
     def kick(self, peers: list[tuple[str, int]]) -> int:
         """Make a collective blocked on a dead peer fail now (runs on a second actor thread).
 
+        gloo: this generation's gloo connections are shut down (``workers.sockets``). NCCL: the
+        communicators are aborted (``workers.groups.abort_nccl``) and only the checkpoint group's
+        gloo connections are shut down; NCCL's own sockets are never touched.
         Mid-join the new generation's listeners are not known to the driver yet, and a rank may be
         blocked in the rendezvous itself (waiting in the store for a peer that died before
-        registering), so then the connections of listeners opened since the join began and the
-        connection to the store are shut down too; the join then raises and leaves nothing behind.
+        registering), so then the connection to the store is shut down too, and on gloo the
+        connections of listeners opened since the join began (on NCCL those may be NCCL's
+        bootstrap: left alone); the join then raises and leaves nothing behind.
         """
+        from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
 
+        if self._backend == "nccl" and abort_nccl():
+            logger.warning("kick: NCCL communicators aborted")
         local = {port for _, port in self.gloo_listeners}
         remote = set(map(tuple, peers))
         joining = self._joining
         if joining is not None:
             gen, before = joining
-            local |= listening_ports() - before
+            if self._backend == "gloo":
+                local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
         return shutdown_gloo_sockets(local, remote)
 

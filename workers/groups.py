@@ -11,6 +11,13 @@ Every group is created here with an explicit timeout (``elastic.collective_timeo
 the (dp, pp, tp) groups ourselves with ``new_group`` and wrap them with ``DeviceMesh.from_group``.
 The mesh's axis names are unique per generation (``_axis_names``): DTensor's caches must never see
 an earlier generation's mesh as equal to the current one.
+
+The backend follows the device (``workers.device``): NCCL on CUDA, bound to the rank's GPU with
+``device_id``, gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
+a rank blocked on a dead peer differs per backend: gloo's blocked ops ignore ``abort()``, so the
+driver's kick shuts down this generation's gloo sockets (``workers.sockets``); NCCL's communicators
+are aborted (``abort_nccl``), and NCCL's own sockets (bootstrap, proxy) are never touched: only the
+checkpoint group's gloo listeners are reported as ``gloo_ports`` on an NCCL job.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from orchestrator.mesh import MeshAxis, MeshShape, RankCoords
 from workers import sockets
+from workers.device import apply_nccl_env, backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +108,7 @@ class RankGroups:
     ckpt_group: dist.ProcessGroup
     axis_names: dict[MeshAxis, str]  # generation-unique mesh axis names (see _axis_names)
     gloo_ports: list[int] = field(default_factory=list)
+    backend: str = "gloo"  # of the training groups; checkpoints always use gloo
     destroyed: bool = False
 
     @property
@@ -109,6 +118,11 @@ class RankGroups:
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh[self.axis_names[MeshAxis.TP]]
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        """Every rank of this generation (the default group, which ``destroy`` ends)."""
+        return dist.group.WORLD
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -122,6 +136,8 @@ class RankGroups:
         if self.destroyed:
             return
         self.destroyed = True
+        if not dist.is_initialized():  # aborted by a kick (abort_nccl): nothing left to tear down
+            return
         try:
             dist.destroy_process_group()
         except Exception as exc:  # a broken generation may fail to tear down; the next one is fresh
@@ -143,7 +159,10 @@ def build_process_groups(
     clear_dtensor_caches()
     _restart_group_names()
     timeout = timedelta(seconds=timeout_s)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
+    nccl = backend == "nccl"
+    if nccl:
+        apply_nccl_env()
     listeners_before = sockets.listening_ports()
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
@@ -151,7 +170,8 @@ def build_process_groups(
         # reused prefix would meet the previous generation's keys (docs/design.md, F4).
         store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
         dist.init_process_group(
-            backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout
+            backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
+            device_id=device if nccl else None,  # eager NCCL init on this rank's GPU
         )
         groups: list[dist.ProcessGroup] = []
         for axis in AXES:
@@ -163,7 +183,11 @@ def build_process_groups(
                     mine = group
             groups.append(mine)
         # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
+        # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
+        if nccl:
+            listeners_before = sockets.listening_ports()
         ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
+        ports = sorted(sockets.listening_ports() - listeners_before)
     except BaseException:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
         # the next generation's init_process_group would fail with "initialize twice".
@@ -178,7 +202,6 @@ def build_process_groups(
     mesh = DeviceMesh.from_group(
         groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
     )
-    ports = sorted(sockets.listening_ports() - listeners_before)
     return RankGroups(
         generation=generation,
         shape=shape,
@@ -189,4 +212,23 @@ def build_process_groups(
         ckpt_group=ckpt_group,
         axis_names=names,
         gloo_ports=ports,
+        backend=backend,
     )
+
+
+def abort_nccl() -> bool:
+    """Abort every NCCL communicator of this process's generation (from any thread); True if any.
+
+    The kick for NCCL: ops blocked on a dead peer (kernels spinning on the GPU, a host waiting on
+    them) end with an error at once instead of at the timeout. ``_abort_process_group`` (private,
+    documented as experimental; an upgrade that drops it must fail here loudly) aborts all groups
+    inside one ncclGroupStart/End, so one communicator's abort cannot wait on another's
+    (pytorch#119797), and it deinitialises torch.distributed, so ``RankGroups.destroy`` then has
+    nothing left to do. Runs while the training thread may be inside the generation's ops: they raise.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return False
+    c10d._abort_process_group()
+    return True

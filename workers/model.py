@@ -71,9 +71,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        cos, sin = rope_tables(cfg.seq_len, self.head_dim, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_theta = cfg.rope_theta
+        # Computed on first use, not registered as buffers: stages are built on the meta device
+        # (workers/models/build.py), where a buffer would hold no values.
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < seq_len or self._rope[0].device != device:
+            cos, sin = rope_tables(seq_len, self.head_dim, self.rope_theta)
+            self._rope = (cos.to(device), sin.to(device))
+        return self._rope[0][:seq_len], self._rope[1][:seq_len]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
@@ -81,8 +88,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q = apply_rope(q, self.rope_cos[:s], self.rope_sin[:s])
-        k = apply_rope(k, self.rope_cos[:s], self.rope_sin[:s])
+        cos, sin = self.rope(s, x.device)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        # is_causal=True and no mask tensor: in bf16/fp16 on CUDA that lets SDPA pick the flash (or
+        # memory-efficient) kernel; a mask would force the math path, which materialises the s x s
+        # scores (tests/unit/test_gpu_path.py runs this with only the flash backend allowed).
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

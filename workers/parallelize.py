@@ -1,67 +1,41 @@
 """Apply tensor(+sequence) parallelism and ZeRO (FSDP2) to one pipeline stage, in a fixed order.
 
-Order (as TorchTitan's ``parallelize_llama``): TP/SP first (so parameters become DTensors on the tp
-axis), activation checkpointing is already inside each Block, then FSDP2 ``fully_shard`` per unit of
+The plan and the blocks come from the model family (``workers/models/family.py``); this module names
+no model's modules. Order (as TorchTitan's ``parallelize_llama``): TP/SP first (so parameters become DTensors on the tp
+axis), activation checkpointing is already inside each block, then FSDP2 ``fully_shard`` per unit of
 consecutive blocks (one block per unit for big blocks; small blocks grouped, ``orchestrator.mesh.fsdp_units``)
 and on the stage root over the dp axis (giving 2-D (dp, tp) DTensors when both are > 1).
 
 Sequence parallelism keeps the residual stream sharded on the sequence dim between blocks, so what a
 pipeline stage sends to the next one is the *local* sequence shard of shape [b, seq/tp, d].
+
+``train.compile`` compiles each block after TP and before FSDP (TorchTitan's order), in place
+(``Module.compile``), so parameter names, and with them checkpoints, do not change; FSDP2's hooks
+run outside the compiled code (dynamo skips them). ``mesh.cpu_offload`` gives every FSDP unit
+FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step stay on the host
+(the few reductions of host tensors, the grad norm and full parameters, move them to the mesh's
+device first, so the training groups need no CPU backend beside NCCL).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from orchestrator.mesh import fsdp_units
-from workers.model import GPT
 
 
-def apply_tp(stage: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP with sequence parallelism on norms (docs/design.md, F8)."""
-    plan: dict[str, object] = {}
-    if stage.tok_embeddings is not None:
-        # Vocab-sharded embedding; its partial sums are reduce-scattered straight into sequence shards.
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if stage.output is not None:
-        plan["norm"] = SequenceParallel()
-        # Full logits on every tp rank: the loss is then the plain single-process loss.
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, family) -> None:
+    """The family's TP/SP plan (``family.tp_plan``: module path -> parallel style) on ``stage``."""
+    plan = family.tp_plan(stage)
     if plan:
         parallelize_module(stage, tp_mesh, plan)
-    for block in stage.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
 
 
 def _local_bytes(module: nn.Module) -> int:
@@ -71,8 +45,15 @@ def _local_bytes(module: nn.Module) -> int:
     )
 
 
+def apply_compile(stage: nn.Module, family, backend: str = "inductor") -> None:
+    """torch.compile every block of the stage (the family's ``blocks``) in place (names unchanged)."""
+    for block in family.blocks(stage):
+        block.compile(backend=backend)
+
+
 def apply_fsdp(
-    stage: GPT, dp_mesh: DeviceMesh, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0
+    stage: nn.Module, dp_mesh: DeviceMesh, family, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0,
+    cpu_offload: bool = False,
 ) -> None:
     """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step).
 
@@ -81,19 +62,22 @@ def apply_fsdp(
     dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory only where there is a device to copy to and from.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = zero == 3
-    blocks = list(stage.layers.values())
+    blocks = list(family.blocks(stage))
     for unit in fsdp_units([_local_bytes(b) for b in blocks], fsdp_unit_bytes):
         members = [blocks[i] for i in unit]
         # fully_shard on a list makes one parameter group (one collective) for all its modules.
         fully_shard(members if len(members) > 1 else members[0], mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=reshard)
+                    reshard_after_forward=reshard, offload_policy=offload)
     # The root holds embedding/norm/head; it is used last in forward, so never reshard it there.
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
 
 
 def parallelize_stage(
-    stage: GPT,
+    stage: nn.Module,
+    family,
     *,
     dp_mesh: DeviceMesh,
     tp_mesh: DeviceMesh,
@@ -101,13 +85,25 @@ def parallelize_stage(
     param_dtype: torch.dtype,
     shard_over_dp: bool,
     fsdp_unit_bytes: int = 0,
+    compile: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
-    """TP/SP when tp > 1, then FSDP2 when ``shard_over_dp`` (``orchestrator.mesh.fsdp_applies``)."""
+    """TP/SP when tp > 1, compile when asked, then FSDP2 when ``shard_over_dp``
+    (``orchestrator.mesh.fsdp_applies``, which is true whenever ``cpu_offload`` is)."""
     if tp_mesh.size() > 1:
-        apply_tp(stage, tp_mesh)
+        apply_tp(stage, tp_mesh, family)
+    if compile:
+        apply_compile(stage, family)
     if shard_over_dp:
-        apply_fsdp(stage, dp_mesh, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes)
+        apply_fsdp(stage, dp_mesh, family, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes,
+                   cpu_offload=cpu_offload)
     return stage
+
+
+def loss_context(logits_or_loss: torch.Tensor):
+    """Where the last stage's loss and its backward run: ``loss_parallel`` for vocab-sharded TP
+    logits (cross-entropy reduced across tp ranks without gathering the vocabulary), else nothing."""
+    return loss_parallel() if isinstance(logits_or_loss, DTensor) else contextlib.nullcontext()
 
 
 def uses_fsdp(stage: nn.Module) -> bool:

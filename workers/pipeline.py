@@ -4,33 +4,33 @@ The list is executed literally, in order. Sends are posted asynchronously and wa
 of the step; receives block. The driver's schedule is proven deadlock-free under exactly that model
 (orchestrator/schedule.py's simulator). What crosses a stage boundary is the local tensor each
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
-dp/tp coordinates in the neighbouring pipeline position. Point-to-point messages between two ranks
-match in posting order (one tag), which the schedule guarantees: per rank pair, receives come in
-the order of the sends (a unit test checks every schedule).
+dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: one op at
+a time, receives a few actions ahead; NCCL: lockstep batches planned from every rank's list, since
+NCCL's sends are not asynchronous in the simulator's sense) is ``workers.p2p``'s business.
 
-On gloo, a few receives are posted ahead of the action that needs them (``recv_lookahead``). Gloo's
-send is a rendezvous: a send whose receive is not posted yet only announces itself, and the data
-moves when the receiver asks for it, which needs the *sender's* gloo thread to get a core while the
-sender computes. On a busy CPU host that cost ms per late receive (bench/pipeline_bubble.py:
-"recv_of_an_already_sent_tensor_ms"). A receive posted early lets the sender write the data at
-once. NCCL is left at zero: its send and receive to one peer share a stream, so an early receive
-would hold back a send the peer is waiting for.
+Per-action timings (bubble, straggler scores) are host ``perf_counter`` stamps on the CPU. On CUDA
+the host only enqueues kernels, so host stamps would time launches; there they are CUDA events on
+the compute stream, read once at the end of the step (which synchronises once anyway, for the loss).
+The loss share is accumulated on the compute device: the last stage's loss is a CUDA tensor on GPU.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from orchestrator.messages import ActionTiming
+from orchestrator.p2p_rounds import Batch
 from orchestrator.schedule import Action, Op, message_key
 from workers.model import lm_loss_sum
-from workers.parallelize import uses_fsdp
+from workers.p2p import StepPosting, Transport
+from workers.parallelize import loss_context, uses_fsdp
 
 
 @dataclass
@@ -66,6 +66,30 @@ class StepData:
     report_scale: float  # 1 / global_tokens: this replica's share of the global-mean loss
 
 
+class StepClock:
+    """Marks in one step: host perf_counter on the CPU, CUDA events on the current stream on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def seconds(self) -> list[float]:
+        """Every mark's time after the first one (waits for the last CUDA event)."""
+        if not self.cuda:
+            return [t - self.marks[0] for t in self.marks]
+        self.marks[-1].synchronize()
+        return [self.marks[0].elapsed_time(event) / 1e3 for event in self.marks]
+
+
 class Executor:
     def __init__(
         self,
@@ -79,6 +103,9 @@ class Executor:
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
         recv_lookahead: int = 0,
+        loss_fn=None,
+        nccl_plan: Callable[[list[Action]], list[Batch]] | None = None,
+        transport: Transport | None = None,
     ) -> None:
         self.stages = stages
         self.num_stages = num_stages
@@ -89,14 +116,25 @@ class Executor:
         self.device = device
         self.pp_group = pp_group
         self.recv_lookahead = recv_lookahead
+        # The family's loss_sum(logits, targets): summed token loss (the built-in GPT's by default).
+        self.loss_fn = loss_fn if loss_fn is not None else lm_loss_sum
+        # NCCL: this rank's lockstep batches for an action list (workers.p2p); None on gloo.
+        self.nccl_plan = nccl_plan
+        self.transport = transport if transport is not None else Transport(pp_group)
+        # What the last stage multiplies its loss by before backward (dynamic loss scaling, fp16).
+        self.loss_scale = 1.0
 
     def _peer(self, stage: int) -> int:
         return self.peer_of_pp_index(stage % self.pp)
 
-    def _post_recv(self, action: Action) -> tuple[Action, torch.Tensor, dist.Work]:
-        _, src_stage, _, _ = message_key(action)
-        buf = torch.empty(self.boundary_shape, dtype=self.boundary_dtype, device=self.device)
-        return action, buf, dist.irecv(buf, src=self._peer(src_stage), group=self.pp_group)
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.empty(self.boundary_shape, dtype=self.boundary_dtype, device=self.device)
+
+    def _outgoing(self, action: Action) -> torch.Tensor:
+        stage = self.stages[action.stage]
+        if action.op == Op.SEND_F:
+            return stage.outputs[action.microbatch].detach().to(self.boundary_dtype).contiguous()
+        return stage.grad_inputs.pop(action.microbatch).to(self.boundary_dtype).contiguous()
 
     def run(self, actions: list[Action], data: StepData) -> tuple[float, list[ActionTiming], float]:
         """Run the step's actions; returns (reported loss share, timings, compute seconds)."""
@@ -104,64 +142,49 @@ class Executor:
             stage.clear()
             backwards = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD]
             stage.last_backward_mb = backwards[-1] if backwards else -1
-        pending: list[dist.Work] = []
-        to_post = deque(a for a in actions if a.op in (Op.RECV_F, Op.RECV_B))
-        posted: deque[tuple[Action, torch.Tensor, dist.Work]] = deque()
-
-        # Receives of this step in list order; up to recv_lookahead are posted before they are needed.
-        def top_up(limit: int) -> None:
-            while to_post and len(posted) < limit:
-                posted.append(self._post_recv(to_post.popleft()))
-
-        def recv(action: Action) -> torch.Tensor:
-            top_up(1)
-            expected, buf, work = posted.popleft()
-            assert expected == action, (expected, action)  # both follow the list order
-            work.wait()
-            top_up(self.recv_lookahead)
-            return buf
-
-        top_up(self.recv_lookahead)
-
-        timings: list[ActionTiming] = []
-        loss_share = torch.zeros((), dtype=torch.float64)
-        compute = 0.0
-        t_step = time.perf_counter()
-        for action in actions:
-            t0 = time.perf_counter()
+        plan = self.nccl_plan(actions) if self.nccl_plan is not None else None
+        posting = StepPosting(actions, self.transport, peer=self._peer, new_buffer=self._new_buffer,
+                              outgoing=self._outgoing, plan=plan, lookahead=self.recv_lookahead)
+        loss_share = torch.zeros((), dtype=torch.float64, device=self.device)
+        clock = StepClock(self.device)
+        clock.mark()
+        spans: list[tuple[int, int]] = []
+        for index, action in enumerate(actions):
+            posting.before(index)
+            t0 = clock.mark()
             stage = self.stages[action.stage]
             mb = action.microbatch
             op = action.op
             if op == Op.RECV_F:
-                stage.inputs[mb] = recv(action).requires_grad_()
+                stage.inputs[mb] = posting.recv(index).requires_grad_()
             elif op == Op.FORWARD:
                 x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
                 out = stage.module(x)
                 if stage.is_last:
-                    loss_sum = lm_loss_sum(out, data.targets[mb])
-                    loss_share += loss_sum.detach().double() * data.report_scale
-                    out = loss_sum * data.grad_scale
+                    with loss_context(out):  # TP: vocab-sharded logits (workers.parallelize)
+                        loss_sum = self.loss_fn(out, data.targets[mb])
+                    value = loss_sum.detach()
+                    if isinstance(value, DTensor):  # replicated over tp
+                        value = value.to_local()
+                    loss_share += value.double() * data.report_scale
+                    out = loss_sum * (data.grad_scale * self.loss_scale)
                 stage.outputs[mb] = out
-            elif op == Op.SEND_F:
-                out = stage.outputs[mb].detach().to(self.boundary_dtype).contiguous()
-                pending.append(dist.isend(out, dst=self._peer(action.stage + 1), group=self.pp_group))
             elif op == Op.RECV_B:
-                stage.grad_outputs[mb] = recv(action)
+                stage.grad_outputs[mb] = posting.recv(index)
             elif op == Op.BACKWARD:
                 self._backward(stage, mb)
-            elif op == Op.SEND_B:
-                grad = stage.grad_inputs.pop(mb).to(self.boundary_dtype).contiguous()
-                pending.append(dist.isend(grad, dst=self._peer(action.stage - 1), group=self.pp_group))
+            elif op in (Op.SEND_F, Op.SEND_B):
+                posting.send(index)
             else:  # pragma: no cover - the schedule only makes the ops above
                 raise ValueError(f"unknown action {action}")
-            t1 = time.perf_counter()
-            if op in (Op.FORWARD, Op.BACKWARD):
-                compute += t1 - t0
-            timings.append(ActionTiming(str(action), t0 - t_step, t1 - t_step))
-        for work in pending:
-            work.wait()
+            spans.append((t0, clock.mark()))
+        posting.finish()
         for stage in self.stages.values():
             stage.clear()
+        at = clock.seconds()
+        timings = [ActionTiming(str(a), at[t0], at[t1]) for a, (t0, t1) in zip(actions, spans)]
+        compute = sum(at[t1] - at[t0] for a, (t0, t1) in zip(actions, spans)
+                      if a.op in (Op.FORWARD, Op.BACKWARD))
         return float(loss_share), timings, compute
 
     def _backward(self, stage: Stage, mb: int) -> None:
@@ -175,7 +198,8 @@ class Executor:
             stage.module.set_reshard_after_backward(last)
         out = stage.outputs.pop(mb)
         if stage.is_last:
-            out.backward()
+            with loss_context(out):
+                out.backward()
         else:
             torch.autograd.backward(out, stage.grad_outputs.pop(mb))
         if not stage.is_first:

@@ -11,30 +11,47 @@ import numpy as np
 import torch
 
 from workers import data as data_lib
-from workers.model import GPT, build_stage, lm_loss_sum
+from workers.models.build import build_local_stage
+from workers.models.family import resolve_model
+from workers.data.masks import counted, mask_targets
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class ReferenceTrainer:
-    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN) -> None:
+    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, init_from: str = "",
+                 mask_eos_id: int | None = None) -> None:
         self.model_cfg, self.train = model_cfg, train
-        self.model: GPT = build_stage(
-            model_cfg, range(model_cfg.n_layers), train.seed, train.activation_checkpointing
+        resolved = resolve_model(model_cfg)
+        self.family, self.shape = resolved.family, resolved.shape
+        # The same build as a rank's (meta device, then init from (seed, name)), without any sharding.
+        self.model = build_local_stage(
+            self.family, self.shape, range(self.shape.n_layers), device=torch.device("cpu"), seed=train.seed,
+            activation_checkpointing=train.activation_checkpointing, init=not init_from,
         )
+        if init_from:  # Hugging Face weights instead of the (seed, name) init
+            from workers.models.hf_io import load_hf
+
+            load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
+        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (workers.data.masks)
 
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
         train, seq_len = self.train, self.model_cfg.seq_len
         ids = data_lib.global_sample_ids(step, train.global_batch_size, train.seed, self.num_samples)
-        global_tokens = train.global_batch_size * seq_len
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        # --- loss normalisation: sum over counted targets / their count over the whole batch ---
+        batches = []
         for start in range(0, len(ids), train.micro_batch_size):
             x, y = data_lib.microbatch_tokens(self.source, ids[start : start + train.micro_batch_size], seq_len)
-            loss = lm_loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
+            batches.append((x, mask_targets(x, y, self.mask_eos_id)))
+        global_tokens = max(1, sum(counted(y) for _, y in batches))
+        # --- loss normalisation: end ---
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in batches:
+            loss = self.family.loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)) / global_tokens
             loss.backward()
             total += float(loss.detach())
         params = list(self.model.parameters())
@@ -43,6 +60,19 @@ class ReferenceTrainer:
         set_lr([self.optimizer], lr_at(step, train))
         self.optimizer.step()
         return total
+
+    def eval_loss(self, path: str, batches: int, mask_eos_id: int | None = None) -> float:
+        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/evaluation.py)."""
+        source = data_lib.open_source(path)
+        end, mbs, seq_len = batches * self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, end, mbs):
+                x, y = data_lib.microbatch_tokens(source, np.arange(start, min(end, start + mbs)), seq_len)
+                y = mask_targets(x, y, mask_eos_id)
+                total += float(self.family.loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)))
+                count += counted(y)
+        return total / max(1, count)
 
     def run(self, first_step: int, last_step: int) -> list[float]:
         return [self.step(s) for s in range(first_step, last_step + 1)]

@@ -10,6 +10,7 @@ Usable without Ray (the single-rank benchmark and the spawned-process tests buil
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -22,14 +23,19 @@ from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import RankGroups
-from workers.model import build_stage
+from workers.models.build import build_local_stage
+from workers.models.family import runtime_family
+from workers.models.hf_io import load_hf
+from workers.models.tied import TiedGrads
+from workers.batching import eval_forward, step_data
+from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RankRuntime:
@@ -43,19 +49,19 @@ class RankRuntime:
         ranges = layer_ranges(list(spec.layers_per_stage))
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.family, self.shape = runtime_family(spec)
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
-            module = build_stage(
-                model_cfg, range(first, end), train.seed, train.activation_checkpointing
-            ).to(groups.device)
-            module = parallelize_stage(
-                module,
-                dp_mesh=groups.dp_mesh,
-                tp_mesh=groups.tp_mesh,
-                zero=spec.zero,
-                param_dtype=self.param_dtype,
-                shard_over_dp=fsdp_applies(shape.dp, train.dtype),
-                fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+            # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
+            module = build_local_stage(
+                self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
+                activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                parallelize=lambda m: parallelize_stage(
+                    m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
+                    fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                    compile=train.compile, cpu_offload=spec.cpu_offload,
+                ),
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
@@ -64,20 +70,31 @@ class RankRuntime:
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
+        # -- model-family specifics (workers/models): tied copies across stages, initial HF weights
+        modules = {i: st.module for i, st in self.stages.items()}
+        self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, groups,
+                              spec.collective_timeout_s)
+        if spec.init_from:
+            # Straight into the local shards, collectively; the driver validated the directory.
+            load_hf(self.model_parts(), self.family, spec.init_from, process_group=groups.ckpt_group)
         seq_local = model_cfg.seq_len // shape.tp if shape.tp > 1 else model_cfg.seq_len
         self.executor = Executor(
             self.stages,
             num_stages=self.num_stages,
             pp=shape.pp,
             peer_of_pp_index=groups.pp_peer,
-            boundary_shape=(train.micro_batch_size, seq_local, model_cfg.d_model),
+            boundary_shape=(train.micro_batch_size, seq_local, self.shape.d_model),
             boundary_dtype=self.param_dtype,
             device=groups.device,
             pp_group=groups.pp_group if shape.pp > 1 else None,
-            # gloo only (see workers.pipeline). 4 ahead: interleaved 1F1B's late receives went from
+            # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
             # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
-            recv_lookahead=4 if groups.device.type == "cpu" else 0,
+            recv_lookahead=4 if groups.backend == "gloo" else 0,
+            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
+            loss_fn=self.family.loss_sum,
         )
+        # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
+        self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
@@ -86,25 +103,25 @@ class RankRuntime:
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
 
     # -- training ---------------------------------------------------------------------------------
+    def _nccl_plan(self, actions: list[Action]) -> list:
+        """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
+        from orchestrator.p2p_rounds import rank_batches
+
+        return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
+                            self.groups.coords.pp, tuple(actions))
+
     def _step_data(self, step: int) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        seq_len = self.spec.model.seq_len
         ids = data_lib.replica_microbatches(
             step, train.global_batch_size, train.micro_batch_size,
             self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
         )
-        inputs, targets = [], []
-        for mb_ids in ids:
-            x, y = data_lib.microbatch_tokens(self.source, mb_ids, seq_len)
-            inputs.append(torch.from_numpy(x).to(self.groups.device))
-            targets.append(torch.from_numpy(y).to(self.groups.device))
-        global_tokens = train.global_batch_size * seq_len
-        return StepData(
-            inputs=inputs,
-            targets=targets,
-            grad_scale=shape.dp / global_tokens,
-            report_scale=1.0 / global_tokens,
-        )
+        # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
+        return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
+
+    def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
+        """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        return eval_forward(self, path, batch, actions, mask_eos_id)
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
@@ -112,13 +129,25 @@ class RankRuntime:
         data = self._step_data(step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        scaler = self.loss_scale
+        if scaler is not None:
+            self.executor.loss_scale = scale_used = scaler.scale
         loss, timings, compute = self.executor.run(actions, data)
-        if self.spec.train.grad_clip > 0:
-            clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group)
-        set_lr(self.optimizers, lr_at(step, self.spec.train))
-        self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-        for opt in self.optimizers:
-            opt.step()
+        self.tied.sync()
+        finite = True
+        if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            scaler.update(finite)
+        if finite:
+            if self.spec.train.grad_clip > 0:
+                clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
+            set_lr(self.optimizers, lr_at(step, self.spec.train))
+            self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
+            for opt in self.optimizers:
+                opt.step()
+        else:
+            logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
+                           "scale now %g", step, scaler.scale)
         coords = self.groups.coords
         reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
         return StepResult(
@@ -129,6 +158,8 @@ class RankRuntime:
             step_time_s=time.perf_counter() - t0,
             compute_s=compute,
             timings=tuple(timings),
+            loss_scale=scale_used if scaler is not None else None,
+            skipped=not finite,
         )
 
     # -- inspection -------------------------------------------------------------------------------
@@ -143,8 +174,10 @@ class RankRuntime:
         keep = self.groups.coords.dp == 0 and self.groups.coords.tp == 0
         for stage in self.stages.values():
             for name, param in stage.module.named_parameters():
-                full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-                if keep:
+                # Offloaded shards live on the host: gather them on the mesh's device (NCCL).
+                full = (param.to(param.device_mesh.device_type).full_tensor() if isinstance(param, DTensor)
+                        else param).detach()
+                if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
                     out[name] = full.float().cpu().numpy().copy()
         return out
 
@@ -167,10 +200,22 @@ class RankRuntime:
         if self._ckpt_state is None:  # kept for the generation: later saves take the fast path
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
-                                          rng=False)
+                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
+        state["extra"]["model"] = self._model_record()
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
         return self._save_call_s
+
+    def _model_record(self) -> str:
+        """What ``elastimesh export`` needs besides the tensors (JSON, the same on every rank): the
+        family, for a family with a Hugging Face map the config.json of the trained shape, and where
+        the data is (its tokenizer files are exported with the weights)."""
+        record = {"family": self.spec.family or "gpt", "data_path": self.spec.data_path}
+        try:
+            record["hf_config"] = self.family.hf_config(self.shape)
+        except NotImplementedError:
+            pass
+        return json.dumps(record, sort_keys=True)
 
     def wait_checkpoint(self) -> WriteAck:
         """Block until the shard is durable (called on a second actor thread); the ack.
@@ -196,12 +241,15 @@ class RankRuntime:
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
         )
+        if self.loss_scale is not None and point.loss_scale:
+            self.loss_scale.load_state_dict(point.loss_scale)
         return point.step
 
     def destroy(self) -> None:
         if self._writer is not None:
-            # A write still running belongs to a generation being torn down: never committed.
-            self._writer.abandon()
+            # A write still running belongs to a generation being torn down: never committed. Its
+            # staging buffers are released when it ends (at once if none runs).
+            self._writer.abandon(release=True)
             self._writer = None
         self._ckpt_state = None
         self.stages.clear()

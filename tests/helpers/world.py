@@ -82,22 +82,22 @@ def mesh_config(
 
 
 def part_params(model_cfg) -> dict[str, int]:
-    """Parameter counts of one block, the embedding and the head (final norm + output) of the real GPT."""
+    """Parameter counts of one block, the embedding and the head (final norm + output) of the real model,
+    built on the meta device through its family."""
     import torch
 
-    from workers.model import GPT
+    from workers.models.family import resolve_model
 
+    resolved = resolve_model(model_cfg)
     with torch.device("meta"):
-        model = GPT(model_cfg)
-
-    def count(module) -> int:
-        return sum(p.numel() for p in module.parameters())
-
-    return {
-        "layer": count(model.layers["0"]),
-        "embed": count(model.tok_embeddings),
-        "head": count(model.norm) + count(model.output),
-    }
+        model = resolved.family.build_stage(resolved.shape, range(resolved.shape.n_layers))
+    per = {name: p.numel() for name, p in model.named_parameters()}
+    layer = sum(v for n, v in per.items() if n.startswith("layers.0."))
+    embed = sum(v for n, v in per.items() if n.startswith("tok_embeddings."))
+    head = sum(per.values()) - embed - resolved.shape.n_layers * layer
+    if resolved.family.tied_parameters(resolved.shape):
+        head += embed  # the last stage holds its own copy of a tied embedding
+    return {"layer": layer, "embed": embed, "head": head}
 
 
 def stage_layers(cfg: JobConfig) -> tuple[int, ...]:
@@ -105,7 +105,10 @@ def stage_layers(cfg: JobConfig) -> tuple[int, ...]:
     if cfg.pipeline.layers:
         return tuple(cfg.pipeline.layers)
     counts = part_params(cfg.model)
-    costs = stage_param_counts(cfg.model.n_layers, counts["layer"], counts["embed"], counts["head"])
+    from workers.models.family import resolve_model
+
+    n_layers = resolve_model(cfg.model).shape.n_layers
+    costs = stage_param_counts(n_layers, counts["layer"], counts["embed"], counts["head"])
     return tuple(balanced_split(costs, cfg.mesh.pp * cfg.pipeline.virtual_stages))
 
 
@@ -131,6 +134,8 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch.distributed as dist
 
     from orchestrator.messages import RuntimeSpec
+    from orchestrator.plan import model_fields
+    from workers.data.masks import mask_eos_for
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -144,10 +149,14 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         data_path=cfg.data.path,
         zero=cfg.mesh.zero,
         fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
+        mask_eos_id=mask_eos_for(cfg.data),
+        schedule=cfg.pipeline.schedule,
+        cpu_offload=cfg.mesh.cpu_offload,
         layers_per_stage=job.layers_per_stage,
         virtual_stages=v,
         collective_timeout_s=job.collective_timeout_s,
         use_gpu=False,
+        **model_fields(cfg, resuming=False),
     )
     groups = build_process_groups(
         store_addr="127.0.0.1",
@@ -278,10 +287,11 @@ class Reference:
 def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
     """The single-process ``ReferenceTrainer`` on steps 1..``steps``, cached per (overrides, steps).
 
-    Only the ``model.``, ``train.`` and ``data.`` overrides matter (and are the cache key): the mesh and
-    the schedule must not change the math, which is what the mesh tests check.
+    Only the ``model.``, ``train.``, ``data.`` and ``checkpoint.init_from`` overrides matter (and are the
+    cache key): the mesh and the schedule must not change the math, which is what the mesh tests check.
     """
-    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data"))
+    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data")
+                 or o.startswith("checkpoint.init_from"))
     return _reference(keep, steps)
 
 
@@ -289,6 +299,7 @@ def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
 def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     import torch
 
+    from workers.data.masks import mask_eos_for
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
@@ -297,7 +308,8 @@ def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path)
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
+                                   mask_eos_id=mask_eos_for(cfg.data))
         losses = tuple(trainer.run(1, steps))
         params = trainer.params()
     finally:

@@ -114,3 +114,43 @@ def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
     assert result["activation_memory"]["goal_met"] is True  # byte counts, not timings: deterministic
     assert set(result["goals"]) == {"bubble_within_5_points_pp2", "bubble_within_5_points_pp4",
                                     "interleaved_faster", "gpipe_holds_more_activations"}
+
+
+@pytest.mark.timeout(180)
+def test_gpu_bench_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu.py --dry-run: parts a-c through the same code as on a GPU (tiny, gloo, compile
+    traced with aot_eager); part d (Ray, >= 2 GPUs) says why it was skipped."""
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"gpu.py failed:\n{proc.stdout}\n{proc.stderr}"
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "gpu" and result["dry_run"] is True
+    a = result["cpu_vs_cuda"]
+    assert a["goal_met"] is True and len(a["cpu"]) == len(a["cuda_fp32"]) == a["steps"]
+    b = result["throughput"]
+    assert set(b["runs"]) == {"eager", "compile"} and b["flops_per_token"] > 6 * b["params_non_embedding"]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in b["runs"].values())
+    c = result["checkpoint_stall"]
+    assert c["median_sync_s"] > 0 and c["ratio"] > 0 and len(c["async_stall_s"]) == 2
+    assert "skipped" in result["nccl_mesh"]
+
+
+def test_gpu_bench_peak_lookup_and_flops_formula() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from orchestrator.config import load_config
+
+    assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == gpu.peak_flops("NVIDIA H200") == 989e12
+    assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu.peak_flops("NVIDIA L40S") == 362e12 and gpu.peak_flops("NVIDIA L4") == 121e12
+    assert gpu.peak_flops("Tesla V100-SXM2-16GB") is None  # no bf16: MFU is not reported
+    cfg = load_config(None, gpu.LLAMA_1B)
+    n, per_token = gpu.model_flops_per_token(cfg)
+    layer = 4 * 2048**2 + 3 * 2048 * 5632 + 2 * 2048
+    assert n == 16 * layer + 2048 + 32000 * 2048  # blocks, final norm, head (no embedding table)
+    assert per_token == 6 * n + 12 * 16 * 2048 * 2048

@@ -14,10 +14,13 @@ from orchestrator.metrics import MetricsLog
 
 def make_controller(cfg, group, store_address, data_path: str = "builtin") -> Controller:
     from workers.data import open_source
+    from workers.data.masks import boundary_eos
 
     metrics = MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False)
+    eval_path = open_source(cfg.eval.path).name if cfg.eval.path else ""
+    eval_eos = boundary_eos(cfg.data.mask_document_boundaries, open_source(eval_path)) if eval_path else None
     return Controller(cfg, group, metrics=metrics, store_address=store_address, use_gpu=False,
-                      data_path=open_source(data_path).name)
+                      data_path=open_source(data_path).name, eval_path=eval_path, eval_mask_eos_id=eval_eos)
 
 
 def mesh_params(controller: Controller) -> dict[str, np.ndarray]:
@@ -82,7 +85,7 @@ def last_losses(metrics_path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in open(metrics_path):
         rec = json.loads(line)
-        if "step" in rec and "loss" in rec:
+        if "step" in rec and "loss" in rec and "event" not in rec:  # not an "eval" event
             out[rec["step"]] = rec["loss"]
     return out
 

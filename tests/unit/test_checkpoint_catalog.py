@@ -16,16 +16,14 @@ import pytest
 from checkpoints.catalog import (
     BackgroundPurger,
     commit,
-    describe,
     ensure_writable,
-    format_table,
     latest_valid,
     list_checkpoints,
     prepare_step,
     purge,
-    require_root,
 )
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, ManifestError
+from checkpoints.inspect_view import describe, format_table, require_root
 from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
 from checkpoints.manifest import CheckpointManifest
 from checkpoints.storage import FsspecStorage, LocalStorage, local_path, storage_for

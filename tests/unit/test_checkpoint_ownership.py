@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from checkpoints.catalog import commit, describe, format_table, latest_valid, list_checkpoints, prepare_step, purge
+from checkpoints.catalog import commit, latest_valid, list_checkpoints, prepare_step, purge
+from checkpoints.inspect_view import describe, format_table
 from checkpoints.errors import CheckpointError
 from checkpoints.layout import DCP_METADATA, step_dir_name
 from checkpoints.manifest import CheckpointManifest

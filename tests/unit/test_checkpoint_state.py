@@ -106,7 +106,7 @@ def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
     assert isinstance(first, SaveFuture) and isinstance(timing, SaveTiming)
     assert timing.stall_s >= 0 and timing.write_s > 0
     assert {"__0_0.distcp", ".metadata"} <= set(timing.files)
-    cache = writer._stager._state_dict_stager._cached_storage_mapping  # DCP's staging-buffer cache
+    cache = writer._stager.inner._state_dict_stager._cached_storage_mapping  # DCP's staging-buffer cache
     buffers = {id(v) for v in cache.values()}
     second = writer.save(training_state(model, opt, step=2, data_cursor=10), str(tmp_path / "b"))
     assert first.done() and buffers and buffers <= {id(v) for v in cache.values()}  # reused, not reallocated
@@ -134,7 +134,7 @@ def test_background_staging_snapshots_the_state_at_the_fence(tmp_path):
             p.add_(1000.0)
     timing = future.result(timeout=60)
     assert timing.staging_s > 0 and timing.write_s > 0
-    cache = writer._stager._state_dict_stager._cached_storage_mapping
+    cache = writer._stager.inner._state_dict_stager._cached_storage_mapping
     buffers = {(v.data_ptr(), v.nbytes()) for v in cache.values()}
     writer.save(training_state(model, opt, step=2, data_cursor=10, rng=False), str(tmp_path / "b"))
     writer.wait_staged()
@@ -292,3 +292,48 @@ def test_kept_training_state_round_trips_through_a_save(tmp_path):
     for p, q in zip(model.parameters(), restored.parameters()):
         assert torch.equal(opt.state[p]["exp_avg_sq"], restored_opt.state[q]["exp_avg_sq"])
     writer.close()
+
+
+def test_abandoned_saves_release_their_staging_buffers(tmp_path, monkeypatch):
+    """A rebuild abandons a save (maybe still writing) and drops the writer; every stager made must
+    be closed once no write reads it, or each failure would leave its pinned buffers behind."""
+    import threading
+
+    from checkpoints import staging, writer as writer_mod
+
+    gate = threading.Event()
+    real_save = writer_mod.dcp.save
+
+    def slow_save(*args, **kwargs):  # a write blocked like one in a dead group's collective
+        gate.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(writer_mod.dcp, "save", slow_save)
+    made0, closed0 = staging.stats["made"], staging.stats["closed"]
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step([model], [opt], 1)
+    futures = []
+    writer = AsyncCheckpointWriter(stage_in_background=True)
+    for i in range(3):  # one writer, three saves abandoned mid-write: a stager each, none closed yet
+        futures.append(writer.save(training_state(model, opt, step=1, data_cursor=i, rng=False), str(tmp_path / f"a{i}")))
+        writer.wait_staged()
+        writer.abandon()
+    assert staging.stats["made"] - made0 == 3 and staging.stats["closed"] == closed0
+    for i in range(3):  # new writers per generation, dropped as RankRuntime.destroy drops them
+        w = AsyncCheckpointWriter(stage_in_background=True)
+        futures.append(w.save(training_state(model, opt, step=1, data_cursor=i, rng=False), str(tmp_path / f"b{i}")))
+        w.wait_staged()
+        w.abandon(release=True)
+    gate.set()
+    for f in futures:
+        f.exception(timeout=30)
+    assert staging.stats["made"] - made0 == 6
+    assert staging.stats["closed"] - closed0 == 6  # all released once their writes ended
+    monkeypatch.setattr(writer_mod.dcp, "save", real_save)
+    reused = AsyncCheckpointWriter()  # a writer with nothing in flight keeps its one stager
+    for i in range(3):
+        reused.save(training_state(model, opt, step=1, data_cursor=i, rng=False), str(tmp_path / f"c{i}")).result(30)
+        reused.abandon()
+    reused.abandon(release=True)
+    assert staging.stats["made"] - made0 == 7 and staging.stats["closed"] - closed0 == 7

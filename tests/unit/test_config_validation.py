@@ -56,7 +56,8 @@ def test_must_be_positive(key: str, value: str) -> None:
     ("overrides", "key", "fragments"),
     [
         (["mesh.zero=1"], "mesh.zero", ["mesh.zero=1 is not allowed", "2, 3"]),
-        (["train.dtype=float16"], "train.dtype", ['"float32", "bfloat16"']),
+        (["train.dtype=float8"], "train.dtype", ['"float32", "bfloat16", "float16"']),
+        (["mesh.cpu_offload=true", "mesh.zero=2"], "mesh.cpu_offload", ["needs mesh.zero=3"]),
         (["pipeline.schedule=zb"], "pipeline.schedule", ['"1f1b", "gpipe", "interleaved_1f1b"']),
         (["resources.use_gpu=yes"], "resources.use_gpu", ['true, false, "auto"']),
         (['resources.use_gpu="true"'], "resources.use_gpu", ['"true" is not allowed']),

@@ -1,4 +1,4 @@
-"""Unit tests for workers/data.py: sources, validation errors, and the mesh-independent sample order."""
+"""Unit tests for workers/data/: sources, validation errors, and the mesh-independent sample order."""
 
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ def _assert_error(exc: DataError, key: str = "data.path"):
 def test_builtin_opens_with_enough_samples():
     src = open_source(BUILTIN)
     assert src.name == BUILTIN and src.vocab_size == 256
-    assert src.tokens.dtype == np.int32 and src.tokens.ndim == 1
+    tokens = src.read_all()
+    assert tokens.dtype == np.int32 and tokens.ndim == 1
     assert src.num_samples(64) >= 4000
-    assert 0 <= src.tokens.min() and src.tokens.max() < 128  # ASCII text
+    assert 0 <= tokens.min() and tokens.max() < 128  # ASCII text
     assert open_source(BUILTIN) is src  # cached per process
-    assert not src.tokens.flags.writeable
+    assert not tokens.flags.writeable
     assert validate_source(BUILTIN, 64, 256, 32) is src
 
 
 def test_sample_and_microbatch_tokens_shift_by_one():
-    src = TokenSource(np.arange(100, dtype=np.int32), 256, "t")
+    src = TokenSource.from_array(np.arange(100, dtype=np.int32), 256, "t")
     assert src.num_samples(10) == 9  # (100 - 1) // 10
     np.testing.assert_array_equal(src.sample(2, 10), np.arange(20, 31))
     x, y = microbatch_tokens(src, np.array([2, 0]), 10)
@@ -121,7 +122,8 @@ def test_prepare_round_trip(tmp_path):
     out = tmp_path / "shards"
     meta = prepare([str(a), str(c), str(b)], str(out), shard_tokens=50_000)
     expected = a.read_bytes() + b.read_bytes()
-    assert meta["format"] == 1 and meta["tokenizer"] == "bytes" and meta["vocab_size"] == 256
+    assert meta["format"] == 2 and meta["tokenizer"]["kind"] == "bytes" and meta["vocab_size"] == 256
+    assert meta["tokenizer"]["eos_id"] is None and meta["documents"] == 2
     assert meta["num_tokens"] == len(expected)
     assert len(meta["files"]) >= 2 and meta["files"][0] == "shard-00000.parquet"
     assert json.loads((out / "elastimesh-data.json").read_text()) == meta
@@ -130,10 +132,11 @@ def test_prepare_round_trip(tmp_path):
         assert t.schema.field("tokens").type == pa.list_(pa.int32())
         assert max(len(r) for r in t.column("tokens").to_pylist()) <= 65536
     src = open_source(str(out))
-    assert src.tokens.tobytes() == np.frombuffer(expected, np.uint8).astype(np.int32).tobytes()
-    assert bytes(src.tokens.astype(np.uint8)) == expected
+    assert src.read_all().tobytes() == np.frombuffer(expected, np.uint8).astype(np.int32).tobytes()
+    assert bytes(src.read_all().astype(np.uint8)) == expected
     assert src.name == str(out) and src.vocab_size == 256
-    assert validate_source(str(out), 16, 256, 8) is src
+    checked = validate_source(str(out), 16, 256, 8)
+    assert checked.identity == src.identity and checked.num_tokens == len(expected)
 
 
 def test_prepare_reencodes_to_utf8(tmp_path):
@@ -142,7 +145,7 @@ def test_prepare_reencodes_to_utf8(tmp_path):
     with pytest.raises(DataError, match="--encoding"):
         prepare([str(f)], str(tmp_path / "o1"))
     prepare([str(f)], str(tmp_path / "o2"), encoding="latin-1")
-    assert bytes(open_source(str(tmp_path / "o2")).tokens.astype(np.uint8)) == "café".encode()
+    assert bytes(open_source(str(tmp_path / "o2")).read_all().astype(np.uint8)) == "café".encode()
 
 
 def test_prepare_refusals(tmp_path):
@@ -154,7 +157,7 @@ def test_prepare_refusals(tmp_path):
     prepare([str(f)], str(out))
     with pytest.raises(DataError, match="choose an empty --out") as ei:
         prepare([str(f)], str(out))
-    assert "already contains shards" in str(ei.value)
+    assert "is not empty" in str(ei.value)
     other = tmp_path / "other"
     other.mkdir()
     _write_shard(other / "x.parquet", [[1, 2]])
@@ -216,7 +219,7 @@ def test_error_token_beyond_vocab(tmp_path):
         validate_source(str(tmp_path), 16, 256, 4)
     _assert_error(ei.value, key="model.vocab_size")
     assert "301" in str(ei.value)
-    assert validate_source(str(tmp_path), 16, 512, 4) is src
+    assert validate_source(str(tmp_path), 16, 512, 4).vocab_size == 301
 
 
 def test_error_too_few_samples(tmp_path):

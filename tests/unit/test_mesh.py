@@ -62,6 +62,7 @@ def test_balanced_split_is_optimal_and_covers_all_layers():
 def test_fsdp_applies_unless_one_fp32_replica():
     assert not fsdp_applies(1, "float32")
     assert fsdp_applies(2, "float32") and fsdp_applies(1, "bfloat16") and fsdp_applies(4, "bfloat16")
+    assert fsdp_applies(1, "float16") and fsdp_applies(1, "float32", cpu_offload=True)
 
 
 def test_fsdp_units_group_small_blocks_and_keep_big_ones_apart():

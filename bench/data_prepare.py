@@ -1,0 +1,163 @@
+"""`data prepare` throughput vs the `tokenizers` library's own batch encode, same text, same cores.
+
+A synthetic JSON-lines corpus (paragraphs of the built-in corpus, shuffled and repeated to ``--mb``
+MB) and a byte-level BPE trained offline on it (``--vocab`` tokens) are made first. Then, alternating
+(A B A B ...) so that load drift hits both sides alike:
+
+* **tokenizers**: the text already in memory as a list of strings, ``Tokenizer.encode_batch_fast`` on
+  batches of ~1 MB of text, the library's own thread pool over every core — the ceiling for encoding
+  alone (no reading, no writing);
+* **prepare**: ``workers.data.prepare`` end to end — read and parse the JSON lines, encode (Ray tasks,
+  one per core, one encode thread each), add EOS, build Parquet shards, hash and write them, write the
+  sidecar — on a local Ray that is already started (its start is reported separately:
+  ``ray_start_s``; ``end_to_end_ratio`` charges it to one prepare).
+
+Figure: ``ratio`` = prepare tokens/s / tokenizers tokens/s (medians); goal >= 0.8.
+
+    python bench/data_prepare.py [--quick] [--mb 64] [--vocab 32000] [--rounds 2] [--out PATH]
+
+``--quick``: 2 MB, vocab 2000, one round (a smoke run for the tests, not a measurement). Writes
+``bench/results/data_prepare.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "data_prepare.json"
+BATCH_CHARS = 1 << 20
+
+
+def make_inputs(folder: Path, mb: float, vocab: int) -> tuple[list[str], Path, Path]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from workers.data.source import BUILTIN_FILE
+
+    paragraphs = [p for p in BUILTIN_FILE.read_text().split("\n\n") if p.strip()]
+    rng = random.Random(0)
+    docs, size = [], 0
+    while size < mb * 2**20:
+        doc = "\n\n".join(rng.sample(paragraphs, rng.randint(1, 4)))
+        docs.append(doc)
+        size += len(doc.encode())
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(paragraphs, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return docs, corpus, folder
+
+
+def baseline(tokenizer_path: Path, docs: list[str]) -> tuple[float, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    t0 = time.perf_counter()
+    tokens = 0
+    batch, chars = [], 0
+    for d in docs:
+        batch.append(d)
+        chars += len(d)
+        if chars >= BATCH_CHARS:
+            tokens += sum(len(e.ids) for e in tok.encode_batch_fast(batch, add_special_tokens=False))
+            batch, chars = [], 0
+    if batch:
+        tokens += sum(len(e.ids) for e in tok.encode_batch_fast(batch, add_special_tokens=False))
+    return time.perf_counter() - t0, tokens
+
+
+def ours(corpus: Path, tok_dir: Path, out: Path) -> tuple[float, int]:
+    from workers.data import prepare
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    meta = prepare([str(corpus)], str(out), tokenizer=str(tok_dir), parallel=True)
+    return time.perf_counter() - t0, meta["num_tokens"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--mb", type=float, default=None)
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    mb = args.mb or (2.0 if args.quick else 64.0)
+    vocab = args.vocab or (2000 if args.quick else 32000)
+    rounds = args.rounds or (1 if args.quick else 2)
+
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="elastimesh-prepare-bench-"))
+    try:
+        t0 = time.perf_counter()
+        docs, corpus, tok_dir = make_inputs(tmp / "in", mb, vocab)
+        make_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+        ray_start_s = time.perf_counter() - t0
+        ours(corpus, tok_dir, tmp / "warm")  # workers started, tokenizer loaded: steady state measured
+        runs = {"tokenizers": [], "prepare": []}
+        for r in range(rounds):
+            order = ["tokenizers", "prepare"] if r % 2 == 0 else ["prepare", "tokenizers"]
+            for side in order:
+                wall, tokens = baseline(tok_dir / "tokenizer.json", docs) if side == "tokenizers" else \
+                    ours(corpus, tok_dir, tmp / "out")
+                runs[side].append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall})
+        ray.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rate = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    ratio = rate["prepare"] / rate["tokenizers"]
+    wall_prepare = statistics.median(r["wall_s"] for r in runs["prepare"])
+    tokens_prepare = runs["prepare"][0]["tokens"]
+    end_to_end = (tokens_prepare / (wall_prepare + ray_start_s)) / rate["tokenizers"]
+    result = {
+        "benchmark": "data_prepare",
+        "goal": "data prepare tokens/s >= 0.8 x tokenizers' own encode_batch_fast tokens/s, same text and cores",
+        "goal_ratio": 0.8,
+        "quick": args.quick,
+        "ratio": ratio,
+        "goal_met": ratio >= 0.8,
+        "tokens_per_s": rate,
+        "end_to_end_ratio": end_to_end,
+        "ray_start_s": ray_start_s,
+        "runs": runs,
+        "config": {"text_mb": mb, "documents": len(docs), "vocab": vocab, "rounds": rounds, "make_s": make_s,
+                   "prepare_tasks": "one per CPU, RAYON_NUM_THREADS=1", "baseline_threads": "tokenizers default (all cores)"},
+        "environment": {"python": platform.python_version(), "cpu_count": os.cpu_count(),
+                        "machine": platform.machine()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"data_prepare: {rate['prepare']:,.0f} tokens/s vs tokenizers {rate['tokenizers']:,.0f} tokens/s "
+          f"= {ratio:.2f}x (goal >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}); with Ray's start "
+          f"({ray_start_s:.1f}s) {end_to_end:.2f}x -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Hugging Face weights in, a mesh's checkpoint, Hugging Face weights out (transformers as the oracle).
+
+- Round trip: a tied tiny Llama is loaded with ``checkpoint.init_from`` into a (2,2,2) mesh (the tied
+  embedding on two pipeline stages), trained one step at lr 1e-30 (below fp32 resolution: the weights
+  do not move), checkpointed, exported: every tensor is bit-identical to the source file, and the
+  export holds one embedding tensor and no ``lm_head.weight``.
+- After training: an untied GQA + bias model trains 3 steps at (3,1,1) (uneven FSDP shards), is
+  checkpointed, exported and loaded with ``from_pretrained`` (no missing or unexpected keys): its loss
+  on step 4's training windows equals elastimesh's step-4 loss (<= 1e-5 relative).
+- ``export`` of a directory that is not a committed checkpoint is refused (exit 2, one line).
+
+The shared rank pool is left running for the next module (it stops at exit or when a later module
+stops it), so the distributed suite starts the 8 ranks once less.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from checkpoints.catalog import commit
+from checkpoints.layout import step_dir_name
+from checkpoints.manifest import CheckpointManifest
+from tests.helpers.world import mesh_config, run_mesh
+from tests.process.test_cli_bad_input import assert_bad_input, run_cli
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+BATCH = ("train.global_batch_size=6", "train.micro_batch_size=1", "model.seq_len=32")
+
+
+class SaveAfter:
+    """An ``instrument``: after train step ``step``, save a checkpoint of it under ``root`` (all ranks)."""
+
+    def __init__(self, root: str, step: int) -> None:
+        self.root, self.step = root, step
+
+    def __call__(self, runtime):
+        real, acks = runtime.train_step, []
+
+        def train_step(step, actions):
+            result = real(step, actions)
+            if step == self.step:
+                runtime.save_checkpoint(os.path.join(self.root, step_dir_name(step)), step)
+                acks.append(runtime.wait_checkpoint())
+            return result
+
+        runtime.train_step = train_step
+        return lambda: acks
+
+
+def commit_run(root: str, run, overrides, step: int) -> str:
+    cfg = mesh_config(run.shape.dp, run.shape.pp, run.shape.tp, overrides)
+    files: dict[str, int] = {}
+    for acks in run.extras.values():
+        files.update(acks[0].files)
+    from orchestrator.config import config_to_dict
+
+    return commit(root, CheckpointManifest(
+        step=step, generation=1, mesh=run.shape.as_dict(), model_fingerprint="test", data_cursor=step * 6,
+        global_batch_size=6, world_size=run.shape.world, ranks_acked=list(range(run.shape.world)),
+        model_config=config_to_dict(cfg)["model"], files=files))
+
+
+@pytest.mark.timeout(300)
+def test_init_from_then_export_is_bit_identical(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.helpers.hf_models import save_tiny_llama
+    from workers.models.export import export_checkpoint
+
+    src = str(tmp_path / "src")
+    save_tiny_llama(src, tie=True, bias=True, layers=2)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", "train.lr=1e-30", *BATCH)
+    root = str(tmp_path / "ckpt")
+    run = run_mesh(2, 2, 2, overrides, 1, instrument=SaveAfter(root, 1), collect_params=False)
+    step_dir = commit_run(root, run, overrides, 1)
+    # Both pipeline ends saved their copy of the tied embedding under one name: stored once.
+    from checkpoints.reader import read_metadata
+
+    stored = read_metadata(step_dir).state_dict_metadata
+    for key in ("model.tok_embeddings.weight", "optim.state.tok_embeddings.weight.exp_avg"):
+        assert sum(c.sizes[0] * c.sizes[1] for c in stored[key].chunks) == 256 * 64, key
+    info = export_checkpoint(step_dir, str(tmp_path / "out"))
+    assert info["files"] == ["model.safetensors"]
+    source, exported = load_file(f"{src}/model.safetensors"), load_file(str(tmp_path / "out/model.safetensors"))
+    assert set(exported) == set(source) and "lm_head.weight" not in exported
+    for name, tensor in source.items():
+        assert exported[name].dtype == tensor.dtype and torch_equal(exported[name], tensor), name
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+@pytest.mark.timeout(300)
+def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.hf_models import save_tiny_llama
+    from workers import data as data_lib
+    from workers.models.export import export_checkpoint
+
+    src = str(tmp_path / "src")
+    save_tiny_llama(src, bias=True, layers=2)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *BATCH)
+    root = str(tmp_path / "ckpt")
+    run = run_mesh(3, 1, 1, overrides, 4, instrument=SaveAfter(root, 3), collect_params=False)
+    step_dir = commit_run(root, run, overrides, 3)
+    out = str(tmp_path / "out")
+    export_checkpoint(step_dir, out, max_shard_bytes=100_000)  # several files + index
+    assert os.path.exists(f"{out}/model.safetensors.index.json")
+    model, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    cfg = mesh_config(3, 1, 1, overrides)
+    source = data_lib.open_source(cfg.data.path)
+    ids = data_lib.global_sample_ids(4, 6, cfg.train.seed, source.num_samples(32))
+    x, y = data_lib.microbatch_tokens(source, ids, 32)
+    with torch.no_grad():
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        expected = model.eval()(input_ids=x, labels=y, shift_labels=y).loss.item()
+    got = run.losses[3]  # elastimesh's step-4 loss, on the weights after step 3
+    assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
+
+
+def test_export_refuses_what_is_not_a_committed_checkpoint(tmp_path):
+    (tmp_path / "step-00000003").mkdir()
+    assert_bad_input(run_cli("export", str(tmp_path / "step-00000003"), "--out", str(tmp_path / "out")),
+                     "not a committed checkpoint")
+    assert_bad_input(run_cli("export", str(tmp_path), "--out", str(tmp_path / "out")), "not a committed checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+class LoadFirst:
+    """An ``instrument``: load the checkpoint at ``path`` before the first step (a resume)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, runtime):
+        runtime.load_checkpoint(self.path)
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
+    """Tied embedding on two stages at (2,2,2), saved at step 2, resumed at (3,1,1) where it is one
+    parameter: steps 3-4 and the final weights equal one process's uninterrupted run."""
+    import numpy as np
+
+    from tests.helpers.hf_models import save_tiny_llama
+    from tests.helpers.world import reference
+
+    src = str(tmp_path / "src")
+    save_tiny_llama(src, tie=True, bias=True, layers=2)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *BATCH)
+    root = str(tmp_path / "ckpt")
+    first = run_mesh(2, 2, 2, overrides, 2, instrument=SaveAfter(root, 2), collect_params=False)
+    step_dir = commit_run(root, first, overrides, 2)
+    resumed = run_mesh(3, 1, 1, overrides, 2, first_step=3, instrument=LoadFirst(step_dir))
+    ref = reference(overrides, 4)
+    np.testing.assert_allclose(first.losses + resumed.losses, ref.losses, rtol=1e-5, atol=0)
+    for name, expected in ref.params.items():
+        np.testing.assert_allclose(resumed.params[name], expected, rtol=0, atol=1e-5, err_msg=name)

@@ -1,0 +1,50 @@
+"""[eval] through the real Controller: held-out loss and perplexity after steps 2 (dp=2) and 4 (after a
+resize to dp=1) equal the single-process reference's eval of the same weights (tests/distributed/
+test_data_training.py covers pp and tp)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from orchestrator.config import load_config
+from tests.ray.conftest import make_group
+from tests.ray.harness import TEST_LR, events, make_controller
+
+pytestmark = pytest.mark.ray
+
+STEPS = 4
+OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+             f"train.steps={STEPS}", "mesh.dp=2", "mesh.pp=1", "mesh.tp=1", "eval.path=builtin", "eval.every=2",
+             "eval.batches=3", "elastic.grow_check_s=1e6"]
+
+
+@pytest.mark.timeout(300)
+def test_eval_records_equal_reference_on_any_mesh(ray_local, store_address, tmp_path):
+    from workers.reference import ReferenceTrainer
+
+    overrides = OVERRIDES + [f"metrics.path={tmp_path / 'm.jsonl'}", f"metrics.tensorboard_dir={tmp_path / 'tb'}"]
+    cfg = load_config(None, overrides)
+    group = make_group(2)
+    try:
+        controller = make_controller(cfg, group, store_address)
+        controller.resize_requests = {3: 1}
+        assert controller.run().final_step == STEPS
+        controller.metrics.close()  # flushes TensorBoard
+    finally:
+        group.shutdown()
+    records = events(tmp_path / "m.jsonl", "eval")
+    assert [r["step"] for r in records] == [2, 4]
+    assert all(r["tokens"] == 3 * 8 * 32 and r["batches"] == 3 for r in records)
+    assert all(math.isclose(r["perplexity"], math.exp(r["loss"])) for r in records)
+
+    ref_cfg = load_config(None, [o for o in overrides if not o.startswith("mesh.")])
+    trainer = ReferenceTrainer(ref_cfg.model, ref_cfg.train)
+    want = []
+    for first in (1, 3):
+        trainer.run(first, first + 1)
+        want.append(trainer.eval_loss("builtin", 3))
+    np.testing.assert_allclose([r["loss"] for r in records], want, rtol=1e-5)
+    assert b"eval/perplexity" in b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())

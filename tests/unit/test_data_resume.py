@@ -1,0 +1,79 @@
+"""A checkpoint remembers its data by content: a moved corpus resumes, other data is one line (exit 2)
+pointing at a new run from the weights; a tokenizer larger than the model is exit 2 before any actor."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoints.catalog import commit
+from checkpoints.layout import DCP_METADATA, step_dir_name
+from checkpoints.manifest import CheckpointManifest
+from orchestrator.checkpointing import CheckpointCoordinator
+from orchestrator.config import config_to_dict, load_config
+from orchestrator.config_fingerprint import model_fingerprint
+from orchestrator.errors import UserInputError
+from workers.data import open_source, prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Events:
+    def event(self, *_a, **_k) -> None:
+        pass
+
+
+def _committed(root: Path, cfg, identity: str) -> None:
+    step = root / step_dir_name(5)
+    step.mkdir(parents=True)
+    (step / DCP_METADATA).write_bytes(b"m" * 10)
+    (step / "__0_0.distcp").write_bytes(b"s" * 20)
+    commit(str(root), CheckpointManifest(
+        step=5, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint=model_fingerprint(cfg),
+        data_cursor=5 * cfg.train.global_batch_size, global_batch_size=cfg.train.global_batch_size, world_size=1,
+        ranks_acked=[0], model_config=config_to_dict(cfg)["model"], data_identity=identity,
+        files={DCP_METADATA: 10, "__0_0.distcp": 20}))
+
+
+def test_resume_follows_data_content_not_path(tmp_path):
+    (tmp_path / "a.txt").write_text("the first corpus " * 400)
+    (tmp_path / "b.txt").write_text("another corpus! " * 400)
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "a"))
+    prepare([str(tmp_path / "b.txt")], str(tmp_path / "b"))
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(None, [f"data.path={tmp_path / 'a'}", f"checkpoint.dir={ckpt}"])
+    _committed(ckpt, cfg, open_source(str(tmp_path / "a")).identity)
+
+    assert CheckpointCoordinator(cfg, _Events()).resume_point().step == 5
+    shutil.move(tmp_path / "a", tmp_path / "moved")  # same content elsewhere: resumes
+    moved = load_config(None, [f"data.path={tmp_path / 'moved'}", f"checkpoint.dir={ckpt}"])
+    coord = CheckpointCoordinator(moved, _Events())
+    assert coord.resume_point().step == 5 and coord.data_identity == open_source(str(tmp_path / "moved")).identity
+
+    other = load_config(None, [f"data.path={tmp_path / 'b'}", f"checkpoint.dir={ckpt}"])
+    with pytest.raises(UserInputError) as ei:
+        CheckpointCoordinator(other, _Events())
+    msg = str(ei.value)
+    assert ei.value.exit_code == 2 and "\n" not in msg
+    assert "other data" in msg and "checkpoint.init_from" in msg and "new checkpoint.dir" in msg
+
+
+def test_tokenizer_vocab_larger_than_model_is_exit_2_before_any_actor(tmp_path):
+    from tests.unit.test_data_prepare import make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.txt").write_text("some words for the corpus " * 200)
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "shards"), tokenizer=str(tmp_path / "tok"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ADDRESS="127.0.0.1:1")  # no cluster may be touched
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", "--set", f"data.path={tmp_path / 'shards'}",
+                           "--set", "model.vocab_size=256", "--set", "mesh.tp=1"],
+                          capture_output=True, text=True, timeout=100, cwd=ROOT, env=env)
+    lines = [ln for ln in proc.stderr.splitlines() if "elastimesh: error:" in ln]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "model.vocab_size" in lines[0] and f">= {tok.get_vocab_size()}" in lines[0]
+    assert "RAY_ADDRESS" not in lines[0]  # refused before even connecting to Ray

@@ -1,0 +1,82 @@
+"""Device selection: a GPU job on a rank without CUDA fails in one line; backend follows the device."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from workers.device import DeviceError, backend_for, cuda_index, select_device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA-less path")
+def test_a_gpu_job_without_cuda_fails_in_one_line_and_the_driver_reports_that_line():
+    from ray.exceptions import RayTaskError
+
+    from orchestrator.worker_group import error_line
+
+    with pytest.raises(DeviceError) as info:
+        select_device(True, gpu_ids=[0], where="rank 3 on 10.0.0.2")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("resources.use_gpu: rank 3 on 10.0.0.2 was given a GPU but ")
+    assert message.endswith("or set resources.use_gpu=false")
+    # What the driver records for the failed join (Ray wraps the actor's exception).
+    wrapped = RayTaskError("RankActor.join_generation", "".join(traceback.format_exception(info.value)),
+                           info.value, proctitle="ray::RankActor.join_generation()").as_instanceof_cause()
+    assert error_line(wrapped) == f"DeviceError: {message}"
+
+
+def test_a_cpu_job_computes_on_the_cpu_with_gloo():
+    device = select_device(False)
+    assert device == torch.device("cpu") and backend_for(device) == "gloo"
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+
+
+@pytest.mark.parametrize(("gpu_ids", "visible", "index"), [
+    ([3], "3", 0),  # Ray's default: the actor sees only its GPU
+    ([3], None, 3),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: every GPU visible
+    ([5], "4,5,6", 1),
+    (["GPU-uuid"], "GPU-uuid", 0),
+])
+def test_cuda_index_is_the_assigned_gpu_among_the_visible_ones(gpu_ids, visible, index):
+    assert cuda_index(gpu_ids, visible) == index
+
+
+def test_cuda_index_outside_ray_is_local_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert cuda_index([], "0,1,2,3") == 2
+    monkeypatch.delenv("LOCAL_RANK")
+    assert cuda_index([], None) == 0
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(monkeypatch, backend):
+    """Mid-join, listeners opened since the join began are gloo's on a gloo job but may be NCCL's
+    bootstrap on an NCCL job: only the gloo job shuts them down; NCCL gets its communicators aborted."""
+    from orchestrator.mesh import MeshShape
+    from orchestrator.messages import JoinSpec
+    from workers import actor as actor_mod
+    from workers import groups, sockets
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    rank = actor_mod.RankActor(0)
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(groups, "abort_nccl", lambda: calls.setdefault("abort", True))
+    monkeypatch.setattr(sockets, "listening_ports", lambda: {1000, 2000, 7777})
+    monkeypatch.setattr(sockets, "shutdown_gloo_sockets",
+                        lambda local, remote: calls.setdefault("shutdown", (set(local), set(remote))) and 0)
+    rank._backend = backend
+    rank.gloo_listeners = (("10.0.0.1", 5000),)  # the checkpoint group's gloo listener on NCCL
+    gen = JoinSpec(2, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen2")
+    rank._joining = (gen, frozenset({1000, 2000}))
+    rank.kick([("10.0.0.2", 6000)])
+    local, remote = calls["shutdown"]
+    assert remote == {("10.0.0.2", 6000), ("127.0.0.1", 29500)}
+    if backend == "nccl":
+        assert calls.get("abort") is True
+        assert local == {5000}  # 7777 opened during the join: maybe NCCL's bootstrap, left alone
+    else:
+        assert "abort" not in calls
+        assert local == {5000, 7777}

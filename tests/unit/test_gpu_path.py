@@ -1,0 +1,131 @@
+"""CPU checks of the GPU path's speed basics: flash-eligible attention, optimizer kernel choice, TF32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from orchestrator.config import load_config
+from workers.model import build_stage
+from workers.optim import build_optimizer
+
+
+def test_causal_attention_calls_sdpa_the_way_the_cuda_flash_kernel_accepts(monkeypatch):
+    """The CUDA flash kernel takes no mask tensor (only is_causal), no dropout, 16-bit q/k/v with
+    unit last stride and head_dim a multiple of 8 up to 256. The CPU build cannot ask CUDA's
+    selector, so the call's arguments are checked against those rules, and the block also runs with
+    only the flash backend allowed (the CPU's flash kernel)."""
+    import torch.nn.functional as F
+
+    cfg = load_config(None, ["model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=1"])
+    model = build_stage(cfg.model, range(1), seed=0).to(torch.bfloat16)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        seen.append((q, k, v, attn_mask, dropout_p, is_causal))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        model(tokens).float().sum().backward()
+    (q, k, v, mask, dropout, causal), = seen
+    assert mask is None and causal is True and dropout == 0.0
+    for t in (q, k, v):
+        assert t.dtype == torch.bfloat16 and t.stride(-1) == 1
+        assert t.shape[-1] % 8 == 0 and t.shape[-1] <= 256
+
+
+def test_adamw_is_multi_tensor_on_the_cpu_and_fused_only_on_cuda():
+    cfg = load_config(None, [])
+    model = build_stage(cfg.model, range(1), seed=0)
+    opt = build_optimizer(model, cfg.train)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    if torch.cuda.is_available():
+        opt = build_optimizer(model.cuda(), cfg.train)
+        assert opt.defaults["fused"] is True
+
+
+def test_a_cuda_rank_allows_tf32_for_fp32_matmuls():
+    from workers.device import configure_cuda
+
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        configure_cuda()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+def test_compiled_blocks_keep_names_and_train_like_eager():
+    """``train.compile``'s per-block compile, traced with dynamo + AOT autograd ("aot_eager": the
+    graphs inductor would get, without its minutes of C++ compiling on 2 cores; inductor itself is
+    the slow distributed test): same parameter names, same losses and weights over 3 AdamW steps."""
+    import copy
+
+    from workers.model import lm_loss_sum
+    from workers.parallelize import apply_compile
+
+    cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.n_layers=2"])
+    eager = build_stage(cfg.model, range(2), seed=0, activation_checkpointing=True)
+    compiled = copy.deepcopy(eager)
+    from workers.models.gpt import GPTFamily
+
+    apply_compile(compiled, GPTFamily(), backend="aot_eager")
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    opts = [build_optimizer(m, cfg.train) for m in (eager, compiled)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = (torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen) for _ in range(2))
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            opt.zero_grad()
+            loss = lm_loss_sum(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fp16_step_records_carry_the_loss_scale_and_the_skip():
+    from orchestrator.mesh import MeshShape
+    from orchestrator.messages import StepResult
+    from orchestrator.metrics import step_record
+
+    cfg = load_config(None, ["train.dtype=float16"])
+    skipped = [StepResult(step=3, world_rank=r, ok=True, loss=1.0 if r == 0 else None, step_time_s=0.1,
+                          loss_scale=32768.0, skipped=True) for r in range(2)]
+    record = step_record(3, skipped, train=cfg.train, seq_len=64, shape=MeshShape(2, 1, 1), generation=1)
+    assert record["loss_scale"] == 32768.0 and record["skipped"] is True
+    plain = [StepResult(step=3, world_rank=0, ok=True, loss=1.0, step_time_s=0.1)]
+    record = step_record(3, plain, train=cfg.train, seq_len=64, shape=MeshShape(1, 1, 1), generation=1)
+    assert "loss_scale" not in record and "skipped" not in record
+
+
+def test_loss_scale_follows_gradscalers_rule():
+    from workers.loss_scale import DynamicLossScale
+
+    scale = DynamicLossScale(growth_interval=3)
+    for finite in (True, True):
+        scale.update(finite)
+    assert (scale.scale, scale.growth_tracker) == (2.0**16, 2)
+    scale.update(False)
+    assert (scale.scale, scale.growth_tracker) == (2.0**15, 0)
+    for _ in range(3):
+        scale.update(True)
+    assert (scale.scale, scale.growth_tracker) == (2.0**16, 0)
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((3,), 4.0)
+    scale.scale = 2.0
+    assert scale.unscale_(params, torch.device("cpu"), None) is True
+    assert all(torch.equal(p.grad, torch.full((3,), 2.0)) for p in params)
+    params[1].grad[0] = float("nan")
+    assert scale.unscale_(params, torch.device("cpu"), None) is False
+    restored = DynamicLossScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored.state_dict() == {"scale": 2.0, "growth_tracker": 0}

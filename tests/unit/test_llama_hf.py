@@ -1,0 +1,142 @@
+"""The llama family against transformers (the oracle): logits and step-1 loss on tiny perturbed models.
+
+Each variant is built offline with transformers, its weights perturbed (``tests/helpers/hf_models``),
+saved with ``save_pretrained``; elastimesh shapes the model from ``config.json`` (``model.from_hf``),
+loads the safetensors through DCP's ``HuggingFaceStorageReader`` (``checkpoint.init_from``'s path) and
+must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from orchestrator.config import load_config  # noqa: E402
+from tests.helpers.hf_models import save_tiny_llama  # noqa: E402
+from workers.models.build import build_local_stage  # noqa: E402
+from workers.models.family import resolve_model  # noqa: E402
+from workers.models.hf_io import load_hf  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
+
+VARIANTS = {
+    "gqa-untied": {},
+    "tied": {"tie": True},
+    "llama3-rope": {"llama3": True},
+    "qkv-bias": {"bias": True},
+    "legacy-rope-fields": {"llama3": True, "legacy_rope": True},
+    "head-dim-32": {"head_dim": 32},
+    "qwen2": {"arch": "qwen2", "tie": True},
+}
+
+
+def ours(directory: str, seq_len: int = 32):
+    cfg = load_config(None, [f"model.from_hf={directory}", f"model.seq_len={seq_len}", "mesh.dp=1", "mesh.tp=1"])
+    resolved = resolve_model(cfg.model)
+    model = build_local_stage(resolved.family, resolved.shape, range(resolved.shape.n_layers),
+                              device=torch.device("cpu"), seed=0, init=False)
+    load_hf([model], resolved.family, directory)
+    return model.eval(), resolved
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_logits_equal_transformers(tmp_path, variant):
+    hf = save_tiny_llama(str(tmp_path), **VARIANTS[variant])
+    model, resolved = ours(str(tmp_path))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = model(ids)
+    assert got.shape == expected.shape
+    diff = (got - expected).abs().max().item()
+    assert diff <= 1e-5, f"{variant}: max |logit difference| {diff}"
+    assert expected.abs().max().item() > 1.0  # the perturbed model is far from uniform
+
+
+def test_a_wrong_mapping_is_visibly_wrong(tmp_path):
+    """The perturbation makes mapping mistakes show: swapping two layers' gate/up moves logits >= 1e-3."""
+    save_tiny_llama(str(tmp_path))
+    model, _ = ours(str(tmp_path))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        good = model(ids)
+        ff = model.layers["0"].feed_forward
+        w1 = ff.w1.weight.clone()
+        ff.w1.weight.copy_(ff.w3.weight)
+        ff.w3.weight.copy_(w1)
+        assert (model(ids) - good).abs().max().item() >= 1e-3
+
+
+def test_shape_and_counts_from_config_json(tmp_path):
+    hf = save_tiny_llama(str(tmp_path), tie=True, llama3=True, bias=True)
+    _, resolved = ours(str(tmp_path))
+    s = resolved.shape
+    assert (s.n_layers, s.d_model, s.n_heads, s.n_kv_heads, s.head_dim, s.ffn_dim) == (2, 64, 4, 2, 16, 96)
+    assert s.tie_embeddings and s.qkv_bias and s.o_bias and s.rope_llama3 == (8.0, 1.0, 4.0, 16.0)
+    assert resolved.family.param_counts(s)["total"] == sum(p.numel() for p in hf.parameters())
+    assert set(resolved.family.hf_tensors(s)) == set(hf.state_dict()) - {"lm_head.weight"}
+
+
+def test_step1_loss_equals_transformers_loss(tmp_path):
+    """The reference trainer started from the HF weights: its step-1 loss is transformers' loss on that batch."""
+    from workers import data as data_lib
+    from workers.reference import ReferenceTrainer
+
+    hf = save_tiny_llama(str(tmp_path), tie=True)
+    cfg = load_config(None, [f"model.from_hf={tmp_path}", "model.seq_len=32", "mesh.dp=1", "mesh.tp=1",
+                             "train.global_batch_size=4", "train.micro_batch_size=2"])
+    trainer = ReferenceTrainer(cfg.model, cfg.train, init_from=str(tmp_path))
+    ids = data_lib.global_sample_ids(1, 4, cfg.train.seed, trainer.num_samples)
+    x, y = data_lib.microbatch_tokens(trainer.source, ids, 32)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.from_numpy(x), labels=torch.from_numpy(y),
+                      shift_labels=torch.from_numpy(y)).loss.item()
+    got = trainer.step(1)
+    assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
+
+
+def test_export_config_round_trips(tmp_path):
+    from transformers import AutoConfig
+
+    save_tiny_llama(str(tmp_path), llama3=True, legacy_rope=True)
+    _, resolved = ours(str(tmp_path))
+    config = resolved.family.hf_config(resolved.shape)
+    again = resolved.family.shape_from_hf(config, load_config(None, ["model.seq_len=32"]).model, "x")
+    assert {k: v for k, v in vars(again).items() if k != "source_config"} == \
+        {k: v for k, v in vars(resolved.shape).items() if k != "source_config"}
+    out = tmp_path / "cfg"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = AutoConfig.from_pretrained(str(out))
+    assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.num_key_value_heads == 2
+
+
+def test_plan_shows_the_real_parameter_count(tmp_path):
+    from orchestrator.plan import describe, make_plan
+
+    hf = save_tiny_llama(str(tmp_path), tie=True, layers=4)
+    cfg = load_config(None, [f"model.from_hf={tmp_path}", "model.seq_len=32", "mesh.pp=2", "mesh.dp=1",
+                             "mesh.tp=2"])
+    info = describe(cfg, make_plan(cfg))
+    assert info["total_params"] == sum(p.numel() for p in hf.parameters())
+    assert info["model_family"] == "llama" and info["model_source"] == str(tmp_path)
+    # Both ends of the pipeline hold the tied embedding: the stages count one copy each.
+    embed = 256 * 64
+    assert sum(s["params"] for s in info["stages"]) == info["total_params"] + embed
+
+
+def test_init_slice_is_the_slice_of_the_full_init():
+    from workers.models.llama import INIT_ROWS, LlamaFamily
+
+    family = LlamaFamily()
+    shape = family.shape(load_config(None, ["model.family=llama", "model.vocab_size=700"]).model)
+    size = (700, 64)
+    full = family.init_tensor(shape, "tok_embeddings.weight", size, 0)
+    for rows, cols in [((0, 700), (0, 64)), ((250, 520), (0, 32)), ((INIT_ROWS, INIT_ROWS + 1), (32, 64)),
+                       ((699, 700), (0, 64)), ((5, 5), (0, 64))]:
+        slices = (slice(*rows), slice(*cols))
+        assert torch.equal(family.init_slice(shape, "tok_embeddings.weight", size, 0, slices), full[slices])

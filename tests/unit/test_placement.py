@@ -1,0 +1,95 @@
+"""Rank placement keeps every TP group inside one node, then PP, then spreads DP across nodes."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from orchestrator.mesh import MeshShape
+from orchestrator.placement import place_ranks, tp_groups_fit
+
+
+def _cluster(sizes: dict[str, int]) -> tuple[list[int], dict[int, str]]:
+    """Actors numbered across nodes in interleaved start order (as a real start hands them out)."""
+    node_of: dict[int, str] = {}
+    queues = {n: c for n, c in sizes.items()}
+    actor = 0
+    while any(queues.values()):
+        for node in sorted(queues):
+            if queues[node]:
+                node_of[actor] = node
+                queues[node] -= 1
+                actor += 1
+    return sorted(node_of), node_of
+
+
+def _tp_nodes(members, node_of, shape: MeshShape) -> list[set[str]]:
+    return [{node_of[a] for a in members[g * shape.tp:(g + 1) * shape.tp]}
+            for g in range(shape.dp * shape.pp)]
+
+
+def test_uneven_nodes_keep_every_tp_group_on_one_node_where_address_order_split_one():
+    actors, node_of = _cluster({"10.0.0.1": 3, "10.0.0.2": 5})
+    shape = MeshShape(dp=3, pp=1, tp=2)
+    old = sorted(actors, key=lambda a: (node_of[a], a))[:shape.world]  # the rule this replaces
+    assert any(len(nodes) > 1 for nodes in _tp_nodes(old, node_of, shape))
+    placed = place_ranks(actors, node_of, shape)
+    assert all(len(nodes) == 1 for nodes in _tp_nodes(placed.members, node_of, shape))
+    assert placed.split_tp_groups == ()
+    assert sorted(placed.order) == actors and len(placed.spares) == 2
+
+
+def test_a_replica_stays_on_one_node_when_one_fits_it_best_fit_first():
+    actors, node_of = _cluster({"a": 8, "b": 4})
+    shape = MeshShape(dp=3, pp=2, tp=2)
+    placed = place_ranks(actors, node_of, shape)
+    replicas = [{node_of[a] for a in placed.members[r * 4:(r + 1) * 4]} for r in range(3)]
+    assert replicas == [{"b"}, {"a"}, {"a"}]  # the small node first leaves the big one whole
+
+
+def test_a_replica_that_fits_no_node_keeps_its_tp_groups_whole_and_its_pp_neighbours_close():
+    actors, node_of = _cluster({"a": 6, "b": 4, "c": 2})
+    shape = MeshShape(dp=2, pp=3, tp=2)  # replica of 6: only node a holds one
+    placed = place_ranks(actors, node_of, shape)
+    assert placed.split_tp_groups == ()
+    assert {node_of[a] for a in placed.members[:6]} == {"a"}
+    assert all(len(n) == 1 for n in _tp_nodes(placed.members, node_of, shape))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_clusters_split_tp_groups_only_when_nothing_else_fits(seed):
+    rng = random.Random(seed)
+    sizes = {f"n{i}": rng.randint(1, 8) for i in range(rng.randint(1, 5))}
+    total = sum(sizes.values())
+    tp = rng.choice([1, 2, 4])
+    pp = rng.choice([1, 2, 3])
+    dp = max(1, total // (tp * pp) - rng.randint(0, 1))
+    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    if shape.world > total:
+        return
+    actors, node_of = _cluster(sizes)
+    placed = place_ranks(actors, node_of, shape)
+    assert len(placed.members) == shape.world and len(set(placed.order)) == total
+    whole = [len(n) == 1 for n in _tp_nodes(placed.members, node_of, shape)]
+    assert all(whole) == tp_groups_fit(list(sizes.values()), shape)
+    assert [g for g, ok in enumerate(whole) if not ok] == list(placed.split_tp_groups)
+
+
+def test_impossible_fit_spills_over_the_fewest_nodes_and_says_so(caplog):
+    actors, node_of = _cluster({"a": 3, "b": 3})
+    shape = MeshShape(dp=3, pp=1, tp=2)
+    placed = place_ranks(actors, node_of, shape)
+    assert placed.split_tp_groups == (2,)
+    assert len(_tp_nodes(placed.members, node_of, shape)[2]) == 2
+    assert "span nodes" in caplog.text
+
+
+def test_deterministic_and_too_few_actors_refused():
+    actors, node_of = _cluster({"a": 4, "b": 4})
+    shape = MeshShape(dp=2, pp=2, tp=2)
+    for perm in itertools.islice(itertools.permutations(actors), 5):
+        assert place_ranks(list(perm), node_of, shape) == place_ranks(actors, node_of, shape)
+    with pytest.raises(ValueError, match="cannot hold"):
+        place_ranks(actors[:7], node_of, shape)

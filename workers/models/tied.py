@@ -1,0 +1,65 @@
+"""Tied parameters across pipeline stages (the embedding and a head tied to it), kept identical.
+
+With pp > 1 the first stage holds the embedding and the last stage its own copy (same name, e.g.
+``tok_embeddings.weight``, so a checkpoint stores one tensor: DCP keeps one of identical pieces).
+Each step, after the backward, the two copies' gradients are summed between the two ranks holding
+them (same dp/tp coordinates, pipeline positions 0 and pp-1), as DeepSpeed's ``TiedLayerSpec`` does;
+both then take the same optimizer step from the same state, so they stay bit-identical. The gradients
+are already FSDP-reduced and identically sharded on both ranks, so the sum is an all-reduce of the
+local shards. For the global gradient norm only the first stage's copy counts.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class TiedGrads:
+    def __init__(self, names: tuple[str, ...], stages: dict[int, nn.Module], num_stages: int, groups,
+                 timeout_s: float) -> None:
+        self.params: list[nn.Parameter] = []
+        self.not_in_norm: set[int] = set()  # ids of copies the grad norm must not count twice
+        self.group: dist.ProcessGroup | None = None
+        shape = groups.shape
+        if not names or shape.pp == 1:
+            return  # one stage holds both uses of the one parameter
+        backend = "nccl" if groups.device.type == "cuda" else "gloo"
+        for dp in range(shape.dp):  # new_group is collective: every rank creates every pair
+            for tp in range(shape.tp):
+                pair = sorted({shape.rank_of(dp, 0, tp), shape.rank_of(dp, shape.pp - 1, tp)})
+                group = dist.new_group(pair, timeout=timedelta(seconds=timeout_s), backend=backend)
+                if groups.world_rank in pair:
+                    self.group = group
+        for index in (0, num_stages - 1):
+            module = stages.get(index)
+            if module is None:
+                continue
+            named = dict(module.named_parameters())
+            for name in names:
+                if name not in named:
+                    raise RuntimeError(f"tied parameter {name!r} is not in stage {index}: the family's "
+                                       "build_stage must give the first and last stage a copy of it")
+                self.params.append(named[name])
+                if index != 0:
+                    self.not_in_norm.add(id(named[name]))
+
+    def sync(self) -> None:
+        """Sum the copies' gradients (call after the step's backward, before clipping)."""
+        for param in self.params:
+            grad = param.grad
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # Without FSDP nothing normalises the layout: a TP head's gradient may come back
+                # replicated while the embedding's is vocab-sharded. Both sides must sum alike.
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+    def is_copy(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is the last stage's copy (reported and counted once, on the first stage)."""
+        return id(param) in self.not_in_norm
