@@ -15,6 +15,7 @@ the GCS needs to notice a dead node (``NODE_DEATH_GRACE_S``) while ``ray.nodes()
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +59,12 @@ class BundleLedger:
         if slot is not None:
             self.vacant.append(Vacancy(slot[0], slot[1], node, time.monotonic()))
 
-    def usable(self) -> list[tuple[Any, int]]:
-        """Vacant bundles placed on a node that is up (see the module docstring), oldest first."""
+    def usable(self, draining: Collection[str] = ()) -> list[tuple[Any, int]]:
+        """Vacant bundles placed on a node that is up and not ``draining`` (see the module
+        docstring), oldest first."""
         if not self.vacant:
             return []
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")} - set(draining)
         ours = set(self.nodes.values())
         out = []
         for v in self.vacant:

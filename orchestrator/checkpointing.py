@@ -97,6 +97,7 @@ class CheckpointCoordinator:
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
         self.last_committed = 0
+        self.save_measured_s: float | None = None  # stage + write of the last commit (preemption budget)
         self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
         self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
@@ -213,6 +214,7 @@ class CheckpointCoordinator:
         write_s = max(a.write_s for a in acks)
         # The acks' stall includes any wait for background staging before the next optimizer step.
         stall_s = max([pending.stall_s] + [a.stall_s for a in acks])
+        self.save_measured_s = stall_s + write_s
         self.metrics.event("checkpoint", step=pending.step, stall_s=stall_s,
                            write_s=write_s, path=pending.path)
         if self.user_dir:

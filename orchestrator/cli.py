@@ -128,6 +128,12 @@ def _dispatch(args) -> int:
 
         cfg = load_config(args.config, args.overrides)
         summary = run_job(cfg, progress=not args.no_progress and sys.stderr.isatty())
+        if summary.resume_step is not None:  # stopped by a signal: one line saying where it resumes
+            where = (f"committed in checkpoint.dir={cfg.checkpoint.dir}; running it again resumes from step "
+                     f"{summary.resume_step}" if cfg.checkpoint.dir else
+                     "not saved (checkpoint.dir is unset): running it again starts from step 1")
+            sys.stderr.write(f"elastimesh: stopped after step {summary.final_step}: {where}\n")
+            return 0
         logger.info("done: step %d, %d generation(s), %d restart(s)", summary.final_step,
                     summary.generations, summary.restarts)
         return 0

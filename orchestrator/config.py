@@ -158,6 +158,8 @@ class ElasticConfig:
     max_restarts: int = key(3, "rebuilds after failures allowed before the job fails", ge=0)
     rebuild_timeout_s: float = key(120.0, "bound on forming a generation (join + checkpoint load)", gt=0)
     grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
+    drain_poll_s: float = key(1.0, "how often to look for drain (preemption) notices of the job's nodes; "
+                                   "0 = ignore them", ge=0)
 
 
 @dataclass(**_SECTION)

@@ -49,7 +49,9 @@ from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan, model_fields
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
+from orchestrator.preemption import PreemptionWatcher
 from orchestrator.recovery import settle
+from orchestrator.store_provider import FixedStore, StoreSource
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive the controller with a fake one
     from orchestrator.worker_group import WorkerGroup
@@ -90,6 +92,7 @@ class RunSummary:
     restarts: int
     losses: dict[int, float]  # step -> loss (last record wins)
     pids: dict[int, int]  # actor id -> pid, as of the end
+    resume_step: int | None = None  # set when stopped by a signal: the step a rerun starts with
 
 
 class Controller:
@@ -99,7 +102,7 @@ class Controller:
         worker_group: WorkerGroup,
         *,
         metrics: MetricsLog,
-        store_address: tuple[str, int],
+        store_address: tuple[str, int] | StoreSource,
         use_gpu: bool,
         data_path: str,
         clock: Callable[[], float] = time.monotonic,
@@ -109,7 +112,8 @@ class Controller:
         self.cfg = cfg
         self.group = worker_group
         self.metrics = metrics
-        self.store_address = store_address
+        # Asked at every formation: the provider re-hosts a store that died (orchestrator/store_provider.py).
+        self.store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
         self.clock = clock
@@ -129,8 +133,12 @@ class Controller:
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
         self._pending_rebuild_event: dict | None = None  # emitted with the first step it trains
         self._last_grow_check = clock()
+        self.preemptions = PreemptionWatcher(cfg.elastic.drain_poll_s)
+        self._preempted: set[int] = set()  # actors on nodes announced as draining
         self.resize_requests: dict[int, int] = {}  # step -> dp: resize at that step boundary (tests, ops)
         self.step_hooks: list = []  # callables(controller, step) run before each step (fault injection)
+        self.stop_requested: Callable[[], bool] = lambda: False  # a signal asked to stop (launch.py)
+        self.resume_step: int | None = None
 
     @property
     def restarts(self) -> int:
@@ -152,6 +160,7 @@ class Controller:
             restarts=self.restarts,
             losses=dict(self.losses),
             pids=dict(self.group.pids),
+            resume_step=self.resume_step,
         )
 
     def step(self) -> State:
@@ -174,10 +183,15 @@ class Controller:
             self.metrics.event("done", step=step - 1)
             self.state = State.FINISHED
             return
+        if self.stop_requested():
+            self._stop(step - 1)
+            return
         for hook in self.step_hooks:
             hook(self, step)
         if step in self.resize_requests:
             self._resize_requested(self.resize_requests.pop(step))
+            return
+        if self._preempted_at(step):
             return
         if self._grow_due():
             self._adopt_new_actors()
@@ -235,8 +249,11 @@ class Controller:
             self._failure_at = self.clock()  # a failed formation is part of the recovery under way
         found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
                        wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
+        # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
+        store_lost = phase.forming and not found.lost and not self.store.healthy()
         failure = diagnose(phase, step=self.next_step, generation=gen.number, members=gen.members,
-                           found=found, results=results, step_timeout_s=self.cfg.elastic.step_timeout_s)
+                           found=found, results=results, step_timeout_s=self.cfg.elastic.step_timeout_s,
+                           store_lost=store_lost, preempted=frozenset(self._preempted))
         self.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
         self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
         decision = self.failures.decide(failure)
@@ -247,6 +264,45 @@ class Controller:
     def _listeners(self) -> dict[int, tuple[tuple[str, int], ...]]:
         """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
         return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
+
+    def _stop(self, step: int) -> None:
+        """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
+        saved = bool(self.ckpt.user_dir)  # without it nothing outlives the run: a rerun starts over
+        (self.ckpt.save_now if saved else self.ckpt.finish)(self.group, self.generation, step)
+        self.resume_step = (self.ckpt.last_committed if saved else 0) + 1
+        self.metrics.event("stopped", step=step, resume_step=self.resume_step)
+        self.state = State.FINISHED
+
+    # -- preemption notices (orchestrator/preemption.py; docs/design.md, Preemption and stopping) -
+    def _preempted_at(self, step: int) -> bool:
+        """Act on drain notices at the step boundary; True when the mesh was re-formed."""
+        if not self.preemptions.due(self.clock()):
+            return False
+        notice = self.preemptions.check(
+            self.group.draining_nodes(), actor_nodes=self.group.node_ids, members=self.generation.members,
+            step=step, save_measured_s=self.ckpt.save_measured_s)
+        if notice is None:
+            return False
+        self._preempted |= notice.actors
+        self.metrics.event("preemption", **notice.event())
+        if notice.action != "evacuate":
+            return False  # too short for a save: the node's loss takes the failure path
+        if notice.ranks:
+            self._failure_at = self.clock()
+            try:
+                self.ckpt.save_now(self.group, self.generation, step - 1)
+            except TrainingFailed:
+                # A rank died mid-save (the node went early): the failure path, if someone was lost.
+                polled = self.group.call(list(self.generation.members.values()), "status", timeout_s=3.0)
+                if polled.ok:
+                    raise  # everyone alive: storage failed, which stops the run
+                self._fail(Phase.STEP, polled)
+                return True
+        self.group.kill(sorted(notice.actors))  # before the node goes: nothing left to fail there
+        if not notice.ranks:
+            return False  # only spares were there: the mesh stays
+        self._form(_carry_out(self.scaling.after_preemption(len(self.group.live_ids))))
+        return True
 
     # -- planned resizes --------------------------------------------------------------------------
     def _begin_resize(self) -> None:
@@ -292,7 +348,7 @@ class Controller:
         plan = make_plan(self.cfg, decision.dp)
         members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape)
         spec = self._runtime_spec(plan)
-        host, port = self.store_address
+        host, port = self.store.address()
         args = {
             actor: (JoinSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
             for rank, actor in members.items()

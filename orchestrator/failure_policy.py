@@ -6,12 +6,14 @@ checkpoint into it. The controller first frees the survivors (``orchestrator.rec
 ``failure`` event), and ``FailurePolicy.decide`` returns the decision the controller carries out:
 
 * ``Rebuild``: form a new generation from the live actors (the controller goes to REBUILDING; the
-  scaling policy picks its dp there).
+  scaling policy picks its dp there). A loss of actors that were all on nodes announced as draining
+  (``preempted``: a preemption whose deadline was too short for a save) is not counted.
 * ``Raise``: stop the run (ERRORED) with the error it carries:
   - ``TrainingFailed`` when a step failure would exceed ``elastic.max_restarts``;
   - ``RebuildTimeoutError`` when a generation could not be formed within ``elastic.max_restarts``;
   - ``TrainingFailed`` at once when forming a generation broke although no actor was lost: that is no
-    elastic business (a bug, bad state), and rebuilding again would only repeat it.
+    elastic business (a bug, bad state), and rebuilding again would only repeat it — unless the
+    rendezvous store itself was lost (``store_lost``): the next formation re-hosts it.
 
 There is no "retry the step in the same generation": a failed step leaves the survivors' groups
 broken (a collective was cut), so every recovery forms a new generation.
@@ -58,6 +60,8 @@ class Failure:
     ranks: tuple[int, ...]  # world ranks blamed in the event
     reason: str  # the event's reason line
     reasons: Mapping[int, str] = field(default_factory=dict)  # actor id (-1: nobody) -> reason
+    store_lost: bool = False  # the rendezvous store's host was found dead (forming only)
+    preempted: bool = False  # every lost actor was on a node announced as draining
 
 
 def diagnose(
@@ -69,6 +73,8 @@ def diagnose(
     found: Casualties,
     results: Iterable[StepResult] = (),
     step_timeout_s: float,
+    store_lost: bool = False,
+    preempted: frozenset[int] = frozenset(),
 ) -> Failure:
     """The ``Failure`` of generation ``generation`` (``members``: world rank -> actor id).
 
@@ -91,9 +97,12 @@ def diagnose(
     else:
         blamed = found.lost
         reason = f"rebuild of generation {generation} failed while {phase.value}: {reason_line(reasons)}"
+        if store_lost:
+            reason += " (the rendezvous store was lost: re-hosting it)"
     return Failure(phase=phase, step=step, generation=generation, lost=frozenset(found.lost),
                    ranks=tuple(sorted(rank_of[a] for a in blamed if a in rank_of)),
-                   reason=reason, reasons=reasons)
+                   reason=reason, reasons=reasons, store_lost=store_lost,
+                   preempted=bool(found.lost) and set(found.lost) <= preempted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +128,14 @@ class FailurePolicy:
 
     def decide(self, failure: Failure) -> Rebuild | Raise:
         budget = f"elastic.max_restarts={self.max_restarts}"
+        if failure.preempted:
+            return Rebuild(self.restarts)  # a node the cloud took, with notice: not a fault
         if not failure.phase.forming:
             return self._restart(TrainingFailed, (
                 f"giving up after {self.restarts} restarts ({budget}); last failure at step "
                 f"{failure.step}: raise elastic.max_restarts or look at the failure events in the "
                 "metrics file"))
-        if not failure.lost:
+        if not failure.lost and not failure.store_lost:
             return Raise(TrainingFailed(failure.reason))
         return self._restart(RebuildTimeoutError, (
             f"could not form generation {failure.generation} within {budget} tries ({failure.reason})"))

@@ -1,6 +1,8 @@
 """Bring a job up on Ray and run it: connect (or start an embedded local Ray), check the cluster can hold
-the mesh, ask the autoscaler for the largest mesh the job may grow to, start the store host and the
-RankActors, hand them to the Controller, and tear down -- also when stopped by SIGTERM (`ray job stop`).
+the mesh, ask the autoscaler for the largest mesh the job may grow to, host the rendezvous store
+(``StoreProvider``), start the RankActors, hand them to the Controller, and tear down -- also when
+stopped by SIGTERM (`ray job stop`) or SIGINT (Ctrl-C): a first signal while training saves at the
+next step boundary and finishes cleanly (``StopRequest``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from orchestrator.config import JobConfig
 from orchestrator.controller import Controller, RunSummary
 from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
+from orchestrator.store_provider import StoreProvider
 from orchestrator.worker_group import ActorResources, WorkerGroup
 from workers.data import DataError, validate_source
 from workers.data.masks import boundary_eos
@@ -102,36 +105,59 @@ def resolve_gpu(cfg: JobConfig) -> bool:
     return bool(setting)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """What a stop signal asked for. SIGTERM (`ray job stop`, a scheduler) or SIGINT (Ctrl-C) while
+    training runs (``graceful``) asks the controller to save at the next step boundary and finish
+    (``stop_requested`` reads it); before that (start-up) and for a second signal the handler exits
+    at once by raising SystemExit, so the `finally` blocks still run."""
+
+    def __init__(self) -> None:
+        self.graceful = False
+        self.signum: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
 @contextmanager
-def stop_on_sigterm():
-    """Turn SIGTERM (`ray job stop`, a scheduler's preemption) into SystemExit so the `finally`
-    blocks run: above all the autoscaler request must be withdrawn, or idle nodes stay up.
+def stop_on_signals(stop: StopRequest):
+    """Install the stop handlers for SIGTERM and SIGINT (see ``StopRequest``).
 
     Enter it *after* ray.init: Ray's core worker installs a C-level SIGTERM handler that aborts the
-    driver (exit 134, no cleanup), replacing any Python handler set before."""
+    driver (exit 134, no cleanup), replacing any Python handler set before (docs/design.md, F16)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    got: list[int] = []
+    exiting: list[int] = []
 
     def handler(signum, _frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-        got.append(signum)
-        logger.warning("stopping: got %s (e.g. `ray job stop`); with checkpoint.dir set, a rerun "
-                       "resumes from the newest committed checkpoint", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if stop.graceful and stop.signum is None:
+            stop.signum = signum
+            logger.warning("stopping: got %s (e.g. `ray job stop`, Ctrl-C): saving at the next step "
+                           "boundary, then exiting; a second signal exits at once", name)
+            return
+        for sig in STOP_SIGNALS:  # the cleanup that follows must not be cut short by a third
+            signal.signal(sig, signal.SIG_IGN)
+        exiting.append(signum)
+        logger.warning("stopping now: got %s%s", name, "" if stop.graceful else " during start-up")
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     except SystemExit:
-        if got:  # raised inside ray.wait/ray.get, Ray re-raises it as SystemExit(1): keep 128+SIGTERM
-            raise SystemExit(128 + got[0]) from None
+        if exiting:  # raised inside ray.wait/ray.get, Ray re-raises it as SystemExit(1): keep 128+N
+            raise SystemExit(128 + exiting[0]) from None
         raise
     finally:
-        # None: the previous handler was not a Python one (Ray's); the default is as good after the run.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler_before in previous.items():
+            # None: the previous handler was not a Python one (Ray's); the default is as good after.
+            signal.signal(sig, signal.SIG_DFL if handler_before is None else handler_before)
 
 
 def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
@@ -152,8 +178,9 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
             raise UserInputError(f"checkpoint.dir: {exc}") from None
     started_local = connect(cfg)
     try:
-        with stop_on_sigterm():
-            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners))
+        stop = StopRequest()
+        with stop_on_signals(stop):
+            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners), stop)
     finally:
         if started_local:
             ray.shutdown()
@@ -176,23 +203,18 @@ def validate_eval(cfg: JobConfig, vocab: int):
 
 
 def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: bool, reserved,
-         listeners) -> RunSummary:
+         listeners, stop: StopRequest) -> RunSummary:
     metrics = None
     group = None
+    store = None
     capacity = CapacityRequest()
     try:
         use_gpu = resolve_gpu(cfg)
         if not started_local and not cfg.checkpoint.dir and len(ray.nodes()) > 1:
             logger.warning("checkpoint.dir is unset on a multi-node cluster: elastic recovery restarts "
                            "from step 1; set it to shared storage (e.g. s3://bucket/run)")
-        from workers.store import StoreHost
-
-        store = StoreHost.options(
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True
-            )
-        ).remote()
-        store_address = ray.get(store.address.remote(), timeout=60)
+        store = StoreProvider()
+        store.address()  # host it now: a cluster that cannot host it fails before the ranks start
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
@@ -207,11 +229,13 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
         metrics.step_listeners.extend(listeners)
         controller = Controller(
-            cfg, group, metrics=metrics, store_address=store_address, use_gpu=use_gpu,
+            cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
             data_path=source.name,
             eval_path=eval_source.name if eval_source is not None else "",
             eval_mask_eos_id=boundary_eos(cfg.data.mask_document_boundaries, eval_source) if eval_source else None,
         )
+        controller.stop_requested = stop
+        stop.graceful = True  # from now on a signal saves at the next step boundary first
         return controller.run()
     finally:
         capacity.release()  # first: if the job is being killed, this is what must not be lost
@@ -219,3 +243,5 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
             metrics.close()
         if group is not None:
             group.shutdown()
+        if store is not None:
+            store.close()

@@ -92,6 +92,10 @@ class ScalingPolicy:
         """The mesh to rebuild after a failure from the actors still alive."""
         return choose_dp(self.cfg, live_actors, "failure")
 
+    def after_preemption(self, live_actors: int) -> ResizeDecision | TooFewWorkers:
+        """The mesh to re-form from the actors left once a draining node's actors are dropped."""
+        return choose_dp(self.cfg, live_actors, "preemption")
+
     def missing_for(self, dp: int, live_actors: int) -> int:
         """Actors to start before a requested resize to ``dp`` (<= 0: none)."""
         return dp * self.replica - live_actors

@@ -60,6 +60,7 @@ class WorkerGroup:
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.pids: dict[int, int] = {}
         self.node_ips: dict[int, str] = {}
+        self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (drain notices name nodes by id)
         self._pgs: list[Any] = []
         self._next_id = 0
         # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/bundles.py).
@@ -117,8 +118,8 @@ class WorkerGroup:
             raise WorkerGroupStartupError(
                 f"workers failed to start: {outcome.dead or outcome.failed or outcome.pending}"
             )
-        for actor_id, (pid, ip) in outcome.results.items():
-            self.pids[actor_id], self.node_ips[actor_id] = pid, ip
+        for actor_id, (pid, ip, node) in outcome.results.items():
+            self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = pid, ip, node
         return ids
 
     def _wait_placed(self, pg, count: int, wait_s: float) -> bool:
@@ -159,6 +160,7 @@ class WorkerGroup:
             if handle is not None:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
+            self.node_ids.pop(actor_id, None)
             self._bundles.release(actor_id)
 
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
@@ -167,7 +169,7 @@ class WorkerGroup:
         here = ray.util.get_node_ip_address()
         for actor_id in actor_ids:
             pid = self.pids.get(actor_id)
-            if pid and self.node_ips.get(actor_id) == here:
+            if pid and pid > 0 and self.node_ips.get(actor_id) == here:  # never pid -1 or 0: every process
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -175,8 +177,23 @@ class WorkerGroup:
         self.kill(sorted(actor_ids))
 
     def placed_vacancies(self) -> list[tuple[Any, int]]:
-        """Vacant bundles that ``add`` would refill right now (their node is known to be up)."""
-        return self._bundles.usable()
+        """Vacant bundles that ``add`` would refill right now (their node is known to be up and is
+        not draining: Ray places no new actor on a draining node, so one sent there never starts)."""
+        return self._bundles.usable(draining=set(self.draining_nodes()))
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        """Nodes Ray is draining now (a preemption notice, the autoscaler, ``ray drain-node``): node id
+        -> seconds until the drain deadline, None when it has none. Ray Train's PreemptionWatcher
+        reads the same GCS list; the accessor is private, so a failure here reads as "none"."""
+        try:
+            from ray._private.state import state
+
+            raw = state.get_draining_nodes()
+        except Exception as exc:
+            logger.debug("get_draining_nodes: %s", exc)
+            return {}
+        now_ms = time.time() * 1000.0
+        return {node: (deadline - now_ms) / 1000.0 if deadline else None for node, deadline in raw.items()}
 
     def free_slots(self) -> int:
         """How many more actors ``add`` could start right now without waiting for placement: bundles

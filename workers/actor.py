@@ -80,8 +80,9 @@ class RankActor:
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
 
-    def ping(self) -> tuple[int, str]:
-        return os.getpid(), ray.util.get_node_ip_address()
+    def ping(self) -> tuple[int, str, str]:
+        """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
+        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""

@@ -1,22 +1,54 @@
 """StoreHost: a tiny Ray actor that hosts the TCPStore every generation rendezvouses through.
 
-It is not a rank, so it survives any rank's death, and it lives beside the driver (which must not
-import torch.distributed itself). Each generation uses its own key prefix (see workers/groups.py).
+It is not a rank, so it survives any rank's death; ``orchestrator.store_provider`` pins it to the
+driver's node and re-hosts it if it dies anyway. Each generation uses its own key prefix (see
+workers/groups.py).
+
+The store has no authentication, so it listens on one address only: this node's own address, or
+loopback when the whole job is on this machine. TCPStore itself always binds the wildcard address
+(``::``) whatever host it is given, so we bind the listening socket ourselves and hand it over
+(``master_listen_fd``; docs/design.md, F18).
 """
 
 from __future__ import annotations
 
+import socket
+
 import ray
+
+
+def listen_on(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` (an IPv4 or IPv6 literal), port chosen by the OS."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(512)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)
 class StoreHost:
-    def __init__(self) -> None:
+    def __init__(self, loopback: bool = False) -> None:
         import torch.distributed as dist
 
+        node_ip = ray.util.get_node_ip_address()
+        host = ("::1" if ":" in node_ip else "127.0.0.1") if loopback else node_ip
+        sock = listen_on(host)
+        port = sock.getsockname()[1]
         # wait_for_workers=False: ranks come and go across generations; the store never waits for them.
-        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        self._addr = ray.util.get_node_ip_address()
+        # The store takes the fd over (it closes it on destruction), so detach it from the socket.
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    master_listen_fd=sock.detach())
+        self._addr = (host, port)
+        self._node_id = ray.get_runtime_context().get_node_id()
 
     def address(self) -> tuple[str, int]:
-        return self._addr, self._store.port
+        return self._addr
+
+    def where(self) -> tuple[str, tuple[str, int]]:
+        """(node id, address): the provider's health check, and where tests look."""
+        return self._node_id, self._addr

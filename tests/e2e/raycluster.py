@@ -112,22 +112,48 @@ class RayCluster:
                 raise RuntimeError("the dashboard's job API never answered")
             time.sleep(2)
 
+    def add_node(self, num_cpus: int, *, env: dict | None = None, timeout_s: float = 180.0) -> subprocess.Popen:
+        """Start one more node (`ray start --address ... --block`) with its own temp dir and ports; it
+        is stopped like a real node by SIGTERM to the returned process (``stop_node``) or at shutdown."""
+        index = len(self.procs)
+        agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
+        log = self.root / f"node{index}.log"
+        cmd = ["ray", "start", f"--address={self.gcs_address}", "--block",
+               f"--temp-dir={self.root / f'ray{index}'}",
+               f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+               f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+               "--min-worker-port=0", "--max-worker-port=0",
+               f"--num-cpus={num_cpus}", "--num-gpus=0", "--disable-usage-stats"]
+        self._spawn(cmd, {**self.env, **(env or {})}, log)
+        proc = self.procs[-1]
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start (node {index}) failed or timed out:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        return proc
+
     # -- the CLI ----------------------------------------------------------------------------------
     def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(["ray", *args], env=self.env, capture_output=True, text=True,
                               timeout=timeout, cwd=REPO)
 
     def submit(self, submission_id: str, train_args: list[str], *, wait: bool, timeout: float = 900,
-               working_dir: bool = True) -> subprocess.CompletedProcess:
+               working_dir: bool = True, env_vars: dict | None = None) -> subprocess.CompletedProcess:
         """`ray job submit --working-dir . -- elastimesh train ...`, from the repository root.
 
         ``working_dir=False`` leaves the upload out: the job then runs the package installed in this
         venv. Needed where several nodes share this machine's session directory (see
         test_autoscale_grow.py): a node that joins later unpacks the same package into the same
-        directory again, deleting it under processes that are starting there."""
+        directory again, deleting it under processes that are starting there. ``env_vars`` go into
+        the job's runtime env (e.g. RAY_JOB_STOP_WAIT_TIME_S, which the job's supervisor reads)."""
         cmd = ["job", "submit", "--address", self.dashboard, "--submission-id", submission_id]
+        runtime_env = {"env_vars": env_vars} if env_vars else {}
         if working_dir:
-            cmd += ["--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES})]
+            runtime_env["excludes"] = EXCLUDES
+            cmd += ["--working-dir", "."]
+        if runtime_env:
+            cmd += ["--runtime-env-json", json.dumps(runtime_env)]
         if not wait:
             cmd.append("--no-wait")
         return self.ray(*cmd, "--", "elastimesh", "train", *train_args, timeout=timeout)
@@ -154,6 +180,13 @@ class RayCluster:
 
     def job_logs(self, submission_id: str) -> str:
         return self.ray("job", "logs", "--address", self.dashboard, submission_id, timeout=60).stdout
+
+    def driver(self, train_args: list[str], log: Path) -> subprocess.Popen:
+        """`elastimesh train ...` as a driver started by hand on the head (RAY_ADDRESS set), not a job."""
+        env = {**self.env, "RAY_ADDRESS": self.gcs_address, "PYTHONPATH": str(REPO)}
+        with open(log, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--no-progress", *train_args],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
     def python(self, code: str, timeout: float = 120) -> str:
         """Run `code` in a driver connected to this cluster; returns its stdout."""

@@ -2,8 +2,8 @@
 
 It implements what ``Controller``, ``CheckpointCoordinator`` and ``orchestrator.recovery.settle`` call
 on ``orchestrator.worker_group.WorkerGroup`` (submit / collect / call / add / kill / kill_now /
-free_slots / all_done / drain / first_cause, and live_ids / pids / node_ips), with in-memory ranks that
-answer with the real messages (RankInfo, StepResult, SaveAck, WriteAck, WorkerStatus). Checkpoint
+free_slots / draining_nodes / all_done / drain / first_cause, and live_ids / pids / node_ips /
+node_ids), with in-memory ranks that answer with the real messages (RankInfo, StepResult, SaveAck, WriteAck, WorkerStatus). Checkpoint
 shards are real (tiny) files, so the real catalog validates and commits them.
 
 Time never passes: a call has either answered when it was submitted, or it is still running
@@ -53,8 +53,8 @@ class FakeRank:
         self.saving_step: int | None = None
         self.loaded: list[str] = []
 
-    def ping(self) -> tuple[int, str]:
-        return self.pid, self.node_ip
+    def ping(self) -> tuple[int, str, str]:
+        return self.pid, self.node_ip, f"node-{self.node_ip}"
 
     def join_generation(self, spec: JoinSpec, runtime: RuntimeSpec) -> RankInfo:
         self.generation, self.world_rank, self.world = spec.generation, spec.world_rank, spec.shape.world
@@ -115,6 +115,8 @@ class FakeWorkerGroup:
         self.gone: dict[int, FakeRank] = {}  # killed actors
         self.pids: dict[int, int] = {}
         self.node_ips: dict[int, str] = {}
+        self.node_ids: dict[int, str] = {}  # "node-<ip>"; a test may move actors to other nodes
+        self.draining: dict[str, float | None] = {}  # what draining_nodes() answers (scripted)
         self.node_ip = node_ip
         self.capacity = capacity
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
@@ -158,6 +160,9 @@ class FakeWorkerGroup:
     def free_slots(self) -> int:
         return self.capacity
 
+    def draining_nodes(self) -> dict[str, float | None]:
+        return dict(self.draining)
+
     def kill(self, actor_ids) -> None:
         for actor in actor_ids:
             rank = self.ranks.pop(actor, None)
@@ -166,6 +171,7 @@ class FakeWorkerGroup:
                 self.gone[actor] = rank
                 self.killed.append(actor)
             self.pids.pop(actor, None)
+            self.node_ids.pop(actor, None)
 
     def kill_now(self, actor_ids) -> None:
         self.kill(sorted(actor_ids))
@@ -223,6 +229,7 @@ class FakeWorkerGroup:
             actor, self._next_id = self._next_id, self._next_id + 1
             self.ranks[actor] = FakeRank(actor, self.node_ip)
             self.pids[actor], self.node_ips[actor] = self.ranks[actor].pid, self.node_ip
+            self.node_ids[actor] = f"node-{self.node_ip}"
             ids.append(actor)
         return ids
 

@@ -1,4 +1,4 @@
-"""orchestrator.launch without a cluster: the RAY_ADDRESS probe and the SIGTERM-to-cleanup path.
+"""orchestrator.launch without a cluster: the RAY_ADDRESS probe and the stop signals (SIGTERM, SIGINT).
 
 (tests/e2e/test_cluster_bad_input.py runs the same cases through the CLI; test_ray_job_submit.py shows
 `ray job stop` reaching the cleanup on a real cluster.)
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from orchestrator.errors import ClusterConnectError
-from orchestrator.launch import probe, stop_on_sigterm
+from orchestrator.launch import STOP_SIGNALS, StopRequest, probe, stop_on_signals
 
 
 def closed_port() -> int:
@@ -46,35 +46,56 @@ def test_probe_explains_a_dashboard_address(address):
         probe(address)
 
 
-def test_sigterm_becomes_systemexit_143_and_the_handler_is_restored():
-    # A stand-in handler outside the context: were stop_on_sigterm's missing, the signal lands here
-    # (and the assertions fail) instead of killing the test process.
+@pytest.fixture
+def stand_in():
+    """Stand-in handlers outside the context: were stop_on_signals' missing, a signal lands here (and
+    the assertions fail) instead of killing the test process."""
     outside = []
 
-    def stand_in(signum, _frame):
+    def record(signum, _frame):
         outside.append(signum)
 
-    saved = signal.signal(signal.SIGTERM, stand_in)
-    try:
-        cleaned = []
-        with pytest.raises(SystemExit) as info:
-            with stop_on_sigterm():
-                try:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    time.sleep(5)  # the handler raises in the main thread and cuts this short
-                finally:
-                    cleaned.append(True)  # the run's `finally` blocks (withdraw, shut down) do run
-        assert info.value.code == 128 + signal.SIGTERM
-        assert cleaned == [True] and outside == []
-        assert signal.getsignal(signal.SIGTERM) is stand_in
-    finally:
-        signal.signal(signal.SIGTERM, saved)
+    saved = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
+    yield outside, record
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
-def test_systemexit_from_inside_ray_calls_keeps_the_sigterm_code():
+@pytest.mark.parametrize("sig", STOP_SIGNALS)
+def test_a_signal_during_start_up_exits_at_once_and_the_handlers_are_restored(stand_in, sig):
+    outside, record = stand_in
+    cleaned = []
+    with pytest.raises(SystemExit) as info:
+        with stop_on_signals(StopRequest()):
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(5)  # the handler raises in the main thread and cuts this short
+            finally:
+                cleaned.append(True)  # the run's `finally` blocks (withdraw, shut down) do run
+    assert info.value.code == 128 + sig
+    assert cleaned == [True] and outside == []
+    assert all(signal.getsignal(s) is record for s in STOP_SIGNALS)
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM)])
+def test_while_training_the_first_signal_asks_for_a_stop_and_the_second_exits(stand_in, first, second):
+    outside, _ = stand_in
+    stop = StopRequest()
+    stop.graceful = True
+    with pytest.raises(SystemExit) as info:
+        with stop_on_signals(stop):
+            os.kill(os.getpid(), first)
+            time.sleep(0.2)  # the handler runs; nothing is raised
+            assert stop() and stop.signum == first
+            os.kill(os.getpid(), second)
+            time.sleep(5)
+    assert info.value.code == 128 + second and outside == []
+
+
+def test_systemexit_from_inside_ray_calls_keeps_the_signal_code():
     # Ray's ray.wait re-raises a SystemExit raised by a signal handler as SystemExit(1).
     with pytest.raises(SystemExit) as info:
-        with stop_on_sigterm():
+        with stop_on_signals(StopRequest()):
             handler = signal.getsignal(signal.SIGTERM)
             try:
                 handler(signal.SIGTERM, None)

@@ -1,0 +1,175 @@
+"""Where the rendezvous store lives: the driver side of ``workers.store.StoreHost``.
+
+Every generation rendezvouses through one TCPStore hosted by a StoreHost actor. The controller asks
+``StoreProvider.address()`` at each rebuild, so the store is checked then, and re-hosted (a new actor,
+a new address for the next generation) when it died or its bind address no longer suits the cluster.
+
+Placement: the store must live as long as the driver, so it is pinned to the driver's node with a
+*hard* node affinity. A soft one is not enough: Ray places an actor that needs no resources
+(``num_cpus=0``) on a random node unless its node affinity is hard (the special case at the top of
+``ClusterResourceScheduler::GetBestSchedulableNode``). With soft affinity the store landed on a worker
+node about half the time, and losing that node ended the run (issue 17; docs/design.md, F17).
+If the driver's node cannot host it (it is draining), the head node and then any other live,
+non-draining node are tried.
+
+Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
+machine), else the node's own address; never the wildcard (the store has no authentication).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping
+from typing import Protocol, runtime_checkable
+
+from orchestrator.errors import TrainingFailed
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0  # a new StoreHost imports torch: seconds on a loaded machine
+PING_TIMEOUT_S = 10.0
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+def one_machine(store_ip: str, node_ips: Iterable[str]) -> bool:
+    """True when every live Ray node has the store node's IP: a loopback store reaches them all."""
+    ips = set(node_ips)
+    return bool(ips) and ips == {store_ip}
+
+
+def host_candidates(driver_node: str, nodes: Iterable[Mapping], draining: Collection[str] = ()) -> list[str]:
+    """Node ids to try for the store, best first: the driver's, the head, then the rest; only live,
+    non-draining nodes (``nodes`` as ``ray.nodes()`` returns them)."""
+    alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in draining]
+    ids = [n["NodeID"] for n in alive]
+    heads = [n["NodeID"] for n in alive if HEAD_RESOURCE in n.get("Resources", {})]
+    order = ([driver_node] if driver_node in ids else []) + heads + ids
+    return list(dict.fromkeys(order))
+
+
+@runtime_checkable
+class StoreSource(Protocol):
+    """What the controller needs: the address for the next generation, and whether the store lives."""
+
+    def address(self) -> tuple[str, int]: ...
+
+    def healthy(self) -> bool: ...
+
+
+class FixedStore:
+    """A store address that never changes (tests that host their own StoreHost)."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self._address = tuple(address)
+
+    def address(self) -> tuple[str, int]:
+        return self._address
+
+    def healthy(self) -> bool:
+        return True
+
+
+class StoreProvider:
+    """Owns the StoreHost actor; ``address()`` is the one question the controller asks."""
+
+    def __init__(self, *, start_timeout_s: float = START_TIMEOUT_S, ping_timeout_s: float = PING_TIMEOUT_S):
+        self.start_timeout_s = start_timeout_s
+        self.ping_timeout_s = ping_timeout_s
+        self.handle = None
+        self.node_id = ""
+        self.loopback = False
+        self._address: tuple[str, int] | None = None
+        self.hosted = 0  # how many StoreHosts were started (1 + re-hosts)
+
+    def address(self) -> tuple[str, int]:
+        """The store's address for the next generation; (re)hosts it when it is gone, its node is
+        draining, or its bind address no longer reaches every node."""
+        import ray
+
+        nodes = ray.nodes()
+        ips = _alive_ips(nodes)
+        if self._address is not None:
+            if not self.healthy():
+                logger.warning("the rendezvous store (%s:%d) is gone: hosting a new one", *self._address)
+            elif self.node_id in _draining():
+                logger.info("the rendezvous store's node is draining: hosting a new one elsewhere")
+            elif one_machine(_ip_of(nodes, self.node_id), ips) == self.loopback:
+                return self._address
+            else:
+                logger.info("a node on another machine joined: re-hosting the rendezvous store on "
+                            "this node's address instead of loopback")
+        self._host(nodes)
+        return self._address
+
+    def healthy(self) -> bool:
+        """Does the current StoreHost answer? (False before the first ``address()``.)"""
+        import ray
+
+        if self.handle is None:
+            return False
+        try:
+            ray.get(self.handle.where.remote(), timeout=self.ping_timeout_s)
+            return True
+        except Exception:  # died (RayActorError), or hung past the timeout
+            return False
+
+    def close(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        import ray
+
+        if self.handle is not None:
+            try:
+                ray.kill(self.handle, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug("kill StoreHost: %s", exc)
+        self.handle, self._address = None, None
+
+    def _host(self, nodes: list[dict]) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from workers.store import StoreHost
+
+        self._drop()
+        driver = ray.get_runtime_context().get_node_id()
+        ips = _alive_ips(nodes)
+        errors = []
+        for node in host_candidates(driver, nodes, _draining()):
+            loopback = one_machine(_ip_of(nodes, node), ips)
+            handle = StoreHost.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(loopback)
+            try:
+                placed, address = ray.get(handle.where.remote(), timeout=self.start_timeout_s)
+            except Exception as exc:
+                errors.append(f"node {node[:8]}: {type(exc).__name__}")
+                ray.kill(handle, no_restart=True)
+                continue
+            self.handle, self.node_id, self.loopback, self._address = handle, placed, loopback, tuple(address)
+            self.hosted += 1
+            logger.info("rendezvous store at %s:%d on node %s%s", *self._address, placed[:8],
+                        " (driver's node)" if placed == driver else "")
+            return
+        raise TrainingFailed("could not host the rendezvous store on any live node ("
+                             + ("; ".join(errors) or "no live node") + "): check the cluster's health")
+
+
+def _alive_ips(nodes: Iterable[Mapping]) -> set[str]:
+    return {n["NodeManagerAddress"] for n in nodes if n.get("Alive")}
+
+
+def _ip_of(nodes: Iterable[Mapping], node_id: str) -> str:
+    return next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id), "")
+
+
+def _draining() -> set[str]:
+    """Node ids Ray is draining now (a new actor is not placed there)."""
+    try:
+        from ray._private.state import state
+
+        return set(state.get_draining_nodes())
+    except Exception as exc:  # private API: a Ray upgrade may move it; hosting still works without
+        logger.debug("get_draining_nodes: %s", exc)
+        return set()

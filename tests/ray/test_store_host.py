@@ -1,0 +1,60 @@
+"""The rendezvous store's host dies mid-run: the next generation gets a new store, and the run still
+equals one process (issue 17: "kill the store host mid-run -> the run finishes, losses equal")."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.store_provider import StoreProvider
+from tests.ray.conftest import make_group
+from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+STEPS = 8
+OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+             f"train.steps={STEPS}", "mesh.dp=2", "mesh.tp=1", "checkpoint.every=2",
+             "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"]
+
+
+@pytest.mark.timeout(400)
+def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
+    """The store's actor is killed after step 3; a rank dies in step 5. The rebuild re-hosts the store
+    (a new address) and the shrunk mesh forms through it; losses equal the single-process run."""
+    overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    cfg = load_config(None, overrides)
+    provider = StoreProvider()
+    group = make_group(2)
+    try:
+        controller = make_controller(cfg, group, provider)
+        controller.step()  # generation 1 formed through the first store
+        first = provider.address()
+        assert provider.hosted == 1 and first[0] == "127.0.0.1"  # one machine: loopback only
+        killed = []
+
+        def kill_store(c, step):
+            if step == 4 and not killed:
+                killed.append(provider.handle)
+                ray.kill(provider.handle, no_restart=True)
+
+        controller.step_hooks.append(kill_store)
+        victim = controller.generation.members[1]
+        survivor = controller.generation.members[0]
+        pid = group.pids[survivor]
+        group.call([victim], "arm_fault", (5, "kill", 0.0, "forward"), timeout_s=10)
+        summary = controller.run()
+
+        assert killed and summary.final_step == STEPS and summary.restarts == 1
+        assert provider.hosted == 2 and provider.address() != first  # re-hosted, new address
+        assert group.pids[survivor] == pid  # the survivor was not restarted
+        failure, = events(tmp_path / "m.jsonl", "failure")
+        assert failure["step"] == 5 and failure["ranks"] == [1]
+        rebuild, = events(tmp_path / "m.jsonl", "rebuild")
+        assert rebuild["dp"] == 1
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, STEPS)
+    finally:
+        group.shutdown()
+        provider.close()
