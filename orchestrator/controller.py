@@ -34,20 +34,20 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
-from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
 from orchestrator.evaluation import Evaluator
+from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
+from orchestrator.generation import GenerationRecord, RunSummary, runtime_spec
 from orchestrator.mesh import MeshShape
-from orchestrator.messages import CallOutcome, JoinSpec, RankInfo, RuntimeSpec, StepResult
+from orchestrator.messages import CallOutcome, JoinSpec, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.placement import place_ranks
-from orchestrator.plan import MeshPlan, make_plan, model_fields
+from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
 from orchestrator.recovery import settle
@@ -65,34 +65,6 @@ class State(StrEnum):
     REBUILDING = "rebuilding"
     FINISHED = "finished"
     ERRORED = "errored"
-
-
-@dataclass
-class GenerationRecord:
-    """Driver side: the driver's record of one generation — the mesh it planned (``plan``), which actor
-    holds each world rank (``members``) and what each member reported on joining (``infos``; none for a
-    member that never finished). Recorded as soon as the join is sent, so that a formation that fails
-    can still be settled. The instruction one rank gets is a ``messages.JoinSpec``; a rank's own groups
-    of the generation are a ``workers.groups.RankGroups``."""
-
-    number: int
-    plan: MeshPlan
-    members: dict[int, int]  # world rank -> actor id
-    infos: dict[int, RankInfo] = field(default_factory=dict)  # actor id -> what it reported
-
-    @property
-    def shape(self) -> MeshShape:
-        return self.plan.shape
-
-
-@dataclass
-class RunSummary:
-    final_step: int
-    generations: int
-    restarts: int
-    losses: dict[int, float]  # step -> loss (last record wins)
-    pids: dict[int, int]  # actor id -> pid, as of the end
-    resume_step: int | None = None  # set when stopped by a signal: the step a rerun starts with
 
 
 class Controller:
@@ -377,22 +349,8 @@ class Controller:
         self.state = State.RUNNING
 
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
-        return RuntimeSpec(
-            model=self.cfg.model,
-            train=self.cfg.train,
-            data_path=self.data_path,
-            zero=self.cfg.mesh.zero,
-            layers_per_stage=plan.layers_per_stage,
-            virtual_stages=plan.virtual_stages,
-            collective_timeout_s=self.cfg.elastic.collective_timeout_s,
-            use_gpu=self.use_gpu,
-            async_checkpoint=self.cfg.checkpoint.async_write,
-            fsdp_unit_mb=self.cfg.mesh.fsdp_unit_mb,
-            **model_fields(self.cfg, resuming=self.ckpt.resume_point() is not None),
-            mask_eos_id=self.mask_eos_id,
-            schedule=self.cfg.pipeline.schedule,
-            cpu_offload=self.cfg.mesh.cpu_offload,
-        )
+        return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,
+                            mask_eos_id=self.mask_eos_id, resuming=self.ckpt.resume_point() is not None)
 
 
 def _carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:

@@ -7,7 +7,7 @@ fan-out call over several actors brought back: these messages per actor, or why 
 Three things are called "generation"; only one of them lives here:
 
 * ``JoinSpec`` (here, driver -> rank): the instruction to join generation N as world rank r.
-* ``orchestrator.controller.GenerationRecord`` (driver side): the driver's record of generation N —
+* ``orchestrator.generation.GenerationRecord`` (driver side): the driver's record of generation N —
   its plan, which actor holds each world rank, what each member reported on joining.
 * ``workers.groups.RankGroups`` (worker side): one rank's process groups and DeviceMesh of
   generation N, destroyed whole when the rank leaves it.

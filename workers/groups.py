@@ -1,7 +1,7 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
 Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
-generation is ``orchestrator.controller.GenerationRecord``; the instruction to join it is a
+generation is ``orchestrator.generation.GenerationRecord``; the instruction to join it is a
 ``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
 group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
 every rebuild.
