@@ -112,10 +112,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelShape, activation_checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ModelShape, activation_checkpointing: bool = False,
+                 attention: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        # ``attention``: another family's attention with the same interface (workers/models/llama_model.py).
+        self.attention = (attention or Attention)(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         # Checkpointing inside forward (not a wrapper module) keeps parameter names unchanged, so a

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.checkpoint import checkpoint
 
+from workers.model import Block as GPTBlock
 from workers.model import FeedForward, RMSNorm
 from workers.models.llama import LlamaShape, llama3_inv_freq
 
@@ -67,23 +67,11 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Block(nn.Module):
+class Block(GPTBlock):
+    """The built-in pre-norm SwiGLU block (same module names) with Llama's attention."""
+
     def __init__(self, s: LlamaShape, activation_checkpointing: bool = False) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(s.d_model, s.norm_eps)
-        self.attention = Attention(s)
-        self.ffn_norm = RMSNorm(s.d_model, s.norm_eps)
-        self.feed_forward = FeedForward(s)
-        self.activation_checkpointing = activation_checkpointing
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+        super().__init__(s, activation_checkpointing, attention=Attention)
 
 
 def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
