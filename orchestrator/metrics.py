@@ -59,15 +59,21 @@ def _check_file(key: str, path: str, fix: str) -> None:
         raise UserInputError(f"{key}={path} is not writable; set {key} to {fix}")
 
 
-def _check_dir(key: str, directory: str, fix: str, shown: str | None = None) -> None:
-    """Create ``directory`` and write (then remove) a probe file in it."""
+def unwritable(directory: str) -> str | None:
+    """Why ``directory`` cannot be created and written (a probe file, then removed), or None if it can."""
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as exc:
-        why = exc.strerror or type(exc).__name__
-        raise UserInputError(f"{key}={shown or directory}: cannot write in {directory} ({why}); {fix}") from None
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def _check_dir(key: str, directory: str, fix: str, shown: str | None = None) -> None:
+    why = unwritable(directory)
+    if why is not None:
+        raise UserInputError(f"{key}={shown or directory}: cannot write in {directory} ({why}); {fix}")
 
 
 def bubble_fraction(results: list[StepResult]) -> float:

@@ -25,6 +25,7 @@ from typing import Any
 
 from orchestrator.config import JobConfig, config_to_dict, load_config
 from orchestrator.config_schema import ConfigError, dump_toml
+from orchestrator.metrics import unwritable
 from orchestrator.sweep_space import Space, apply, parse_search, plain
 from orchestrator.sweep_trial import trial_resources, run_trial
 
@@ -97,14 +98,10 @@ def prepare(config_path: str | None, search: list[str], *, samples: int, schedul
 
 
 def _check_writable(directory: str) -> None:
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        why = exc.strerror or type(exc).__name__
+    why = unwritable(directory)
+    if why is not None:
         raise ConfigError("--dir", f"--dir {directory}: cannot write there ({why}): give a writable "
-                                   "directory for the sweep") from None  # fmt: skip
+                                   "directory for the sweep")  # fmt: skip
 
 
 def _require_optuna() -> None:
