@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -252,3 +255,17 @@ class RayCluster:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(list(leftovers), timeout=10)
+
+
+@contextmanager
+def running_cluster(prefix: str, **kwargs):
+    """A started ``RayCluster`` in its own temp root (short, under /tmp: Ray's unix socket paths have a
+    ~107-byte limit), shut down and removed afterwards, whatever happened. ``kwargs`` go to RayCluster."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    c = RayCluster(root, **kwargs)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.shutdown()
+        shutil.rmtree(root, ignore_errors=True)

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster
+from tests.e2e.raycluster import RayCluster, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -62,14 +59,8 @@ def alive_nodes(cluster: RayCluster) -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = Path(tempfile.mkdtemp(prefix="em-as-", dir="/tmp"))
-    c = RayCluster(root, num_cpus=HEAD_CPUS, autoscaling_config=AUTOSCALING)
-    try:
-        c.start()
+    with running_cluster("em-as-", num_cpus=HEAD_CPUS, autoscaling_config=AUTOSCALING) as c:
         yield c
-    finally:
-        c.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(1500)

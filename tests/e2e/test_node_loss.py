@@ -17,15 +17,13 @@ the worker node's `ray start` gets SIGTERM mid-run.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster
+from tests.e2e.raycluster import RayCluster, running_cluster
 from tests.ray.harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -46,14 +44,8 @@ def records(path: Path) -> list[dict]:
 
 @pytest.fixture
 def cluster():
-    root = Path(tempfile.mkdtemp(prefix="em-nl-", dir="/tmp"))
-    c = RayCluster(root, num_cpus=3)
-    try:
-        c.start()
+    with running_cluster("em-nl-", num_cpus=3) as c:
         yield c
-    finally:
-        c.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def placement(cluster: RayCluster) -> tuple[str, dict[str, list[tuple[str, int]]]]:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster
+from tests.e2e.raycluster import RayCluster, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -32,15 +30,8 @@ DEFAULT_STEPS = 20  # the built-in job's train.steps
 
 @pytest.fixture(scope="module")
 def cluster():
-    # A short root: Ray puts unix sockets under --temp-dir, and their paths have a ~107-byte limit.
-    root = Path(tempfile.mkdtemp(prefix="em-e2e-", dir="/tmp"))
-    c = RayCluster(root, num_cpus=4)
-    try:
-        c.start()
+    with running_cluster("em-e2e-", num_cpus=4) as c:
         yield c
-    finally:
-        c.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def records(path: Path) -> list[dict]:
