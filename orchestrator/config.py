@@ -30,6 +30,7 @@ from typing import Any
 from orchestrator.config_schema import ConfigError, coerce, doc_table, is_string_key, iter_keys, key
 from orchestrator.config_validate import (
     DTYPES,
+    GRAD_REDUCE,
     SCHEDULES,
     ZERO_STAGES,
     check_mesh,
@@ -55,14 +56,17 @@ class MeshConfig:
     dp: int = key(2, "data-parallel replicas: the axis that shrinks and grows", ge=1)
     pp: int = key(1, "pipeline stages", ge=1)
     tp: int = key(2, "tensor-parallel shards (with sequence parallelism)", ge=1)
-    zero: int = key(3, "3: params, grads and optimizer state sharded over dp; 2: params gathered "
-                       "for the step", choices=ZERO_STAGES)
+    zero: int = key(3, "3: params, grads and optimizer state sharded over dp (FSDP2); 2: params "
+                       "gathered for the step; 1: as 2 (torch has no ZeRO-1 apart from ZeRO-2); 0: "
+                       "replicated, one all-reduce of the grads per FSDP unit", choices=ZERO_STAGES)
     # See orchestrator.mesh.fsdp_units for the grouping.
     fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
                                     "reduce-scatter) up to this many MB of fp32 parameters per tp "
                                     "shard; 0 = one unit per block", ge=0)
     cpu_offload: bool = key(False, "ZeRO-Offload: sharded parameters, gradients and the optimizer "
                                    "step on the host (FSDP2 CPUOffloadPolicy); needs zero=3")
+    dp_replicate: int = key(1, "HSDP: shard within groups of dp / dp_replicate ranks, replicate across "
+                               "dp_replicate groups (zero >= 1); must divide dp", ge=1)
 
     @property
     def world(self) -> int:
@@ -111,6 +115,8 @@ class TrainConfig:
                                 "scaling, for GPUs without bf16", choices=DTYPES)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
+    grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
+                                      "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
 
 
 @dataclass(**_SECTION)

@@ -125,6 +125,7 @@ class RankActor:
                     world_rank=gen.world_rank,
                     timeout_s=spec.collective_timeout_s,
                     device=device,
+                    replicate=spec.dp_replicate,
                 )
                 try:
                     self.runtime = RankRuntime(spec, groups)

@@ -61,6 +61,7 @@ class RankRuntime:
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
                     compile=train.compile, cpu_offload=spec.cpu_offload,
+                    reduce_dtype=DTYPES[train.grad_reduce],
                 ),
             )
             self.stages[index] = Stage(
