@@ -341,7 +341,7 @@ class Controller:
         self.next_step = resumed + 1
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-                 "resumed_from_step": resumed, "reason": decision.reason, "spares": len(spares)}
+                 "dp_replicate": spec.dp_replicate, "resumed_from_step": resumed, "reason": decision.reason, "spares": len(spares)}
         if decision.reason == "start":
             self.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})
         else:
