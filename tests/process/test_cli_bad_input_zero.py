@@ -1,0 +1,25 @@
+"""Bad data-parallel strategy input through the real CLI: exit 2, one line naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.process.test_cli_bad_input import assert_bad_input, run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["mesh.zero=4"], ["mesh.zero=4 is not allowed", "0, 1, 2, 3"]),
+        (["mesh.dp=4", "mesh.tp=1", "mesh.dp_replicate=3"], ["mesh.dp_replicate=3", "divide mesh.dp=4"]),
+        (["mesh.zero=0", "mesh.dp_replicate=2"], ["mesh.dp_replicate", "mesh.zero >= 1"]),
+        (['train.grad_reduce="float16"'], ["train.grad_reduce"]),
+    ],
+)
+def test_train_rejects_bad_strategy(overrides, needles):
+    args = ["train"]
+    for o in overrides:
+        args += ["--set", o]
+    assert_bad_input(run_cli(*args), *needles)
