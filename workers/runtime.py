@@ -141,7 +141,9 @@ class RankRuntime:
             scaler.update(finite)
         if finite:
             if self.spec.train.grad_clip > 0:
-                clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
+                world = self.groups.world_group if self.groups.shape.world > 1 else None
+                clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
+                               holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
             set_lr(self.optimizers, lr_at(step, self.spec.train))
             self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
             for opt in self.optimizers:
