@@ -43,4 +43,16 @@ def render(info: dict) -> str:
             f"{_mib(mem['params']):>10}  {_mib(mem['grads']):>10}  {_mib(mem['optimizer']):>10}  "
             f"{_mib(mem['activations']):>11}  {_mib(total)}"
         )
+    if "strategy" in info:
+        lines += ["", *_strategy(info["strategy"])]
     return "\n".join(lines) + "\n"
+
+
+def _strategy(rec: dict) -> list[str]:
+    """`--memory-gib`: the recommended data-parallel strategy and every option's estimate."""
+    head = (f"strategy    mesh.zero={rec['zero']} mesh.dp_replicate={rec['dp_replicate']}: cheapest that fits "
+            f"{_mib(rec['device_bytes'])}" if rec["fits"] else
+            f"strategy    nothing fits {_mib(rec['device_bytes'])}; smallest: mesh.zero={rec['zero']} "
+            f"mesh.dp_replicate={rec['dp_replicate']} (try mesh.cpu_offload=true or more tp/pp)")
+    return [head, *(f"  zero={o['zero']} dp_replicate={o['dp_replicate']:<3} {_mib(o['bytes']):>12}"
+                    for o in rec["options"])]

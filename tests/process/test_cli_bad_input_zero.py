@@ -23,3 +23,10 @@ def test_train_rejects_bad_strategy(overrides, needles):
     for o in overrides:
         args += ["--set", o]
     assert_bad_input(run_cli(*args), *needles)
+
+
+def test_plan_memory_gib():
+    assert_bad_input(run_cli("plan", "--memory-gib", "0"), "--memory-gib")
+    proc = run_cli("plan", "--set", "mesh.tp=1", "--memory-gib", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "strategy    mesh.zero=0 mesh.dp_replicate=1: cheapest that fits" in proc.stdout
