@@ -117,6 +117,10 @@ class TrainConfig:
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
     grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
                                       "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
+    grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
+                                        "DDP PowerSGD hook, error feedback reset on every resize); "
+                                        "needs mesh.zero=0", choices=("none", "powersgd"))
+    powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
 
 
 @dataclass(**_SECTION)

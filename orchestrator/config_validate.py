@@ -221,6 +221,13 @@ def _check_relations(cfg: JobConfig) -> None:
         f"mesh.dp_replicate={cfg.mesh.dp_replicate} needs mesh.zero >= 1: ZeRO-0 already replicates "
         f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
     )
+    _require(
+        cfg.train.grad_compression == "none" or cfg.mesh.zero == 0,
+        "train.grad_compression",
+        f"train.grad_compression={cfg.train.grad_compression!r} needs mesh.zero=0 (it compresses the "
+        f"all-reduce of replicated gradients; got mesh.zero={cfg.mesh.zero}): set mesh.zero=0 or "
+        f"train.grad_compression=\"none\"",
+    )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(

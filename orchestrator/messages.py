@@ -98,6 +98,7 @@ class StepResult:
     timings: tuple[ActionTiming, ...] = field(default_factory=tuple)
     loss_scale: float | None = None  # fp16: the loss scale this step's backward used
     skipped: bool = False  # fp16: a gradient overflowed on some rank, so every rank skipped the update
+    dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
 
 
 @dataclass(frozen=True, slots=True)

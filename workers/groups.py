@@ -124,6 +124,12 @@ class RankGroups:
         return self.mesh[self.axis_names[MeshAxis.DP]]
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The dp shard axis alone (one rank under ZeRO-0): what FSDP2 shards over when the dp
+        all-reduce is ours (``workers.compression``, PowerSGD)."""
+        return self.mesh[self.axis_names[MeshAxis.DP]]
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         """Every dp rank with my pp/tp coordinates (for reductions over the whole data-parallel axis)."""
         if self.flat_dp_group is not None:

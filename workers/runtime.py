@@ -28,6 +28,7 @@ from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
+from workers.compression import powersgd_applies, setup_dp_reduction
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -57,7 +58,8 @@ class RankRuntime:
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
                 parallelize=lambda m: parallelize_stage(
-                    m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
                     compile=train.compile, cpu_offload=spec.cpu_offload,
@@ -68,6 +70,8 @@ class RankRuntime:
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
             )
             self.optimizers.append(build_optimizer(module, train))
+        # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
@@ -163,6 +167,7 @@ class RankRuntime:
             timings=tuple(timings),
             loss_scale=scale_used if scaler is not None else None,
             skipped=not finite,
+            dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
         )
 
     # -- inspection -------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.timeout(120)
         (["mesh.dp=4", "mesh.tp=1", "mesh.dp_replicate=3"], ["mesh.dp_replicate=3", "divide mesh.dp=4"]),
         (["mesh.zero=0", "mesh.dp_replicate=2"], ["mesh.dp_replicate", "mesh.zero >= 1"]),
         (['train.grad_reduce="float16"'], ["train.grad_reduce"]),
+        (['train.grad_compression="powersgd"', "mesh.zero=3"], ["train.grad_compression", "needs mesh.zero=0"]),
+        (['train.grad_compression="topk"'], ["train.grad_compression", "none", "powersgd"]),
+        (["mesh.zero=0", "train.powersgd_rank=0"], ["train.powersgd_rank"]),
     ],
 )
 def test_train_rejects_bad_strategy(overrides, needles):
