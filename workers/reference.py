@@ -27,6 +27,7 @@ class ReferenceTrainer:
         self.model = build_local_stage(
             self.family, self.shape, range(self.shape.n_layers), device=torch.device("cpu"), seed=train.seed,
             activation_checkpointing=train.activation_checkpointing, init=not init_from,
+            dtype=torch.float64 if train.dtype == "float64" else None,
         )
         if init_from:  # Hugging Face weights instead of the (seed, name) init
             from workers.models.hf_io import load_hf
@@ -78,4 +79,5 @@ class ReferenceTrainer:
         return [self.step(s) for s in range(first_step, last_step + 1)]
 
     def params(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().float().numpy().copy() for n, p in self.model.named_parameters()}
+        return {n: (p.detach() if p.dtype == torch.float64 else p.detach().float()).numpy().copy()
+                for n, p in self.model.named_parameters()}

@@ -35,7 +35,7 @@ from workers.pipeline import Executor, Stage, StepData
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class RankRuntime:
@@ -56,6 +56,7 @@ class RankRuntime:
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
@@ -178,7 +179,7 @@ class RankRuntime:
                 full = (param.to(param.device_mesh.device_type).full_tensor() if isinstance(param, DTensor)
                         else param).detach()
                 if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
-                    out[name] = full.float().cpu().numpy().copy()
+                    out[name] = (full if full.dtype == torch.float64 else full.float()).cpu().numpy().copy()
         return out
 
     def model_parts(self) -> list[nn.Module]:
