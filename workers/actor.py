@@ -52,6 +52,10 @@ def _train(method):
 
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+# Faults that leave the process running, at train steps only: "nan" puts a NaN into this rank's
+# gradient in step ``at`` (a bad step); "slow" burns ``delay_s`` CPU seconds at the start of each of
+# ``steps`` steps from ``at`` (a straggler).
+STEP_FAULTS = ("nan", "slow")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
@@ -76,6 +80,7 @@ class RankActor:
         self._lock = threading.Lock()
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
+        self._step_faults: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
@@ -153,6 +158,7 @@ class RankActor:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
             self._arm_forward_fault(step)
+            self._arm_step_faults(step)
             with profiled_step(self.profile, step, self.world_rank, self.generation):
                 return self.runtime.train_step(step, actions)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
@@ -188,13 +194,16 @@ class RankActor:
             self._maybe_fire_fault("load", self.generation)
             return self.runtime.load_checkpoint(path)
 
-    def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step") -> None:
+    def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching
         ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
-        ``delay_s`` is ignored at "forward" and "ckpt_write". Bad arguments raise, so a test never
-        arms nothing."""
+        ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow": see
+        there) take ``where="step"``. Bad arguments raise, so a test never arms nothing."""
+        if kind in STEP_FAULTS and where == "step" and steps >= 1:
+            self._step_faults[kind] = (at, steps, delay_s)
+            return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
@@ -246,6 +255,20 @@ class RankActor:
             return None
         del self._faults[where]
         return fault
+
+    def _arm_step_faults(self, step: int) -> None:
+        """Hand the runtime this step's share of the armed "nan" / "slow" faults."""
+        nan = self._step_faults.get("nan")
+        self.runtime.inject_nan_grad = nan is not None and nan[0] == step
+        if self.runtime.inject_nan_grad:
+            del self._step_faults["nan"]  # one-shot, like the signal faults
+        self.runtime.inject_busy_s = 0.0
+        slow = self._step_faults.get("slow")
+        if slow is not None and slow[0] <= step < slow[0] + slow[1]:
+            self.runtime.inject_busy_s = slow[2]
+        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs", step, self.runtime.inject_nan_grad,
+                           self.runtime.inject_busy_s)
 
     def _arm_forward_fault(self, step: int) -> None:
         """A one-shot forward hook on this rank's first stage signals the process when that forward
