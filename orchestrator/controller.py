@@ -37,6 +37,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from orchestrator.bad_steps import BadSteps, bad_reason
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
@@ -100,6 +101,7 @@ class Controller:
         self.losses: dict[int, float] = {}
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
+        self.bad_steps = BadSteps(cfg.train.max_bad_steps, self.ckpt.skipped_steps)  # one set: saved, restored
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -172,9 +174,16 @@ class Controller:
                 self._begin_resize()
                 self._form(decision)
                 return
+        if self.bad_steps.is_skipped(step):  # skipped before a rollback or resume: the same choice again
+            self.metrics.event("bad_step", step=step, reason="recorded")
+            self.next_step = step + 1
+            self.ckpt.after_step(self.group, self.generation, step)
+            return
         outcome = self._train_step(step)
         results = list(outcome.results.values())
         if outcome.ok and all(r.ok for r in results):
+            if self._bad_step(step, results):
+                return
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
@@ -211,6 +220,29 @@ class Controller:
             self.metrics.event(event.pop("kind"), **event)
             self._pending_rebuild_event = None
             self._failure_at = None
+
+    def _bad_step(self, step: int, results: list[StepResult]) -> bool:
+        """True when every rank skipped ``step`` as bad: logged and recorded; ``train.max_bad_steps``
+        in a row roll back to the newest checkpoint, whose replay skips the recorded steps
+        (orchestrator/bad_steps.py)."""
+        reason = bad_reason(step, results)
+        if not reason:
+            self.bad_steps.good()
+            return False
+        self.metrics.event("bad_step", step=step, reason=reason)
+        self.next_step = step + 1
+        if not self.bad_steps.bad(step) or self.ckpt.resume_point() is None:
+            self.ckpt.after_step(self.group, self.generation, step)  # nothing to roll back to: go on
+            return True
+        self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
+        try:
+            resumed = self.ckpt.restore(self.group, self.generation)
+        except RestoreFailed as exc:
+            self._fail(Phase.LOADING, exc.outcome)
+            return True
+        self.metrics.event("rollback", step=step, resumed_from_step=resumed, skipped=sorted(self.bad_steps.skipped))
+        self.next_step = resumed + 1
+        return True
 
     # -- failures (one path for every phase) ------------------------------------------------------
     def _fail(self, phase: Phase, outcome: CallOutcome, results: list[StepResult] = ()) -> None:
