@@ -37,7 +37,6 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from orchestrator.bad_steps import BadSteps, bad_reason
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
@@ -51,6 +50,7 @@ from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
+from orchestrator.rank_health import RankHealth
 from orchestrator.recovery import settle
 from orchestrator.store_provider import FixedStore, StoreSource
 
@@ -68,7 +68,7 @@ class State(StrEnum):
     ERRORED = "errored"
 
 
-class Controller:
+class Controller(RankHealth):
     def __init__(
         self,
         cfg: JobConfig,
@@ -101,7 +101,7 @@ class Controller:
         self.losses: dict[int, float] = {}
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
-        self.bad_steps = BadSteps(cfg.train.max_bad_steps, self.ckpt.skipped_steps)  # one set: saved, restored
+        self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/rank_health.py)
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -165,9 +165,10 @@ class Controller:
         if step in self.resize_requests:
             self._resize_requested(self.resize_requests.pop(step))
             return
-        if self._preempted_at(step):
+        if self._preempted_at(step) or self._evict_stragglers(step):
             return
         if self._grow_due():
+            self._refill_spares()  # spares first: a grow never takes them (orchestrator/policies.py)
             self._adopt_new_actors()
             decision = self.scaling.grow(self.generation.shape.dp, len(self.group.live_ids))
             if isinstance(decision, ResizeDecision):
@@ -211,6 +212,7 @@ class Controller:
         self.losses[step] = record["loss"]
         self.metrics.step(record)
         self.metrics.timeline(step, results)
+        self._score_stragglers(results)
         if self._pending_rebuild_event is not None:
             # The rebuild / grow event goes out with the first step the new generation trained, so
             # that recovery_s covers everything from the failure (or resize) to training again.
@@ -220,29 +222,6 @@ class Controller:
             self.metrics.event(event.pop("kind"), **event)
             self._pending_rebuild_event = None
             self._failure_at = None
-
-    def _bad_step(self, step: int, results: list[StepResult]) -> bool:
-        """True when every rank skipped ``step`` as bad: logged and recorded; ``train.max_bad_steps``
-        in a row roll back to the newest checkpoint, whose replay skips the recorded steps
-        (orchestrator/bad_steps.py)."""
-        reason = bad_reason(step, results)
-        if not reason:
-            self.bad_steps.good()
-            return False
-        self.metrics.event("bad_step", step=step, reason=reason)
-        self.next_step = step + 1
-        if not self.bad_steps.bad(step) or self.ckpt.resume_point() is None:
-            self.ckpt.after_step(self.group, self.generation, step)  # nothing to roll back to: go on
-            return True
-        self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
-        try:
-            resumed = self.ckpt.restore(self.group, self.generation)
-        except RestoreFailed as exc:
-            self._fail(Phase.LOADING, exc.outcome)
-            return True
-        self.metrics.event("rollback", step=step, resumed_from_step=resumed, skipped=sorted(self.bad_steps.skipped))
-        self.next_step = resumed + 1
-        return True
 
     # -- failures (one path for every phase) ------------------------------------------------------
     def _fail(self, phase: Phase, outcome: CallOutcome, results: list[StepResult] = ()) -> None:
@@ -351,6 +330,7 @@ class Controller:
         number = (previous.number + 1) if previous else 1
         plan = make_plan(self.cfg, decision.dp)
         members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape)
+        self._spares_formed(number, members, spares)
         spec = self._runtime_spec(plan)
         host, port = self.store.address()
         args = {
@@ -379,6 +359,7 @@ class Controller:
         else:
             self._pending_rebuild_event = event
         self.state = State.RUNNING
+        self._refill_spares()
 
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
         return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,

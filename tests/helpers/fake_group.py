@@ -158,7 +158,7 @@ class FakeWorkerGroup:
     def live_ids(self) -> list[int]:
         return sorted(self.ranks)
 
-    def add(self, count: int, *, wait_s: float | None = None) -> list[int]:
+    def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
         if count > self.capacity:
             raise WorkerGroupStartupError(f"could not place {count} workers (the fake cluster has room "
                                           f"for {self.capacity})")

@@ -87,3 +87,92 @@ def test_a_resume_skips_the_recorded_steps_again(make, tmp_path):
     again = make("train.steps=6", "checkpoint.every=2")  # same checkpoint.dir: resumes from step 4
     again.steps(1)
     assert again.c.next_step == 5 and again.c.bad_steps.skipped == {3}
+
+
+# -- stragglers -----------------------------------------------------------------------------------
+def test_straggler_reported_after_straggler_steps_and_kept_without_eviction(make):
+    r = make("train.steps=8", "elastic.straggler_steps=2", "elastic.straggler_factor=2.0")
+    r.steps(1)
+    slow = r.c.generation.members[2]
+    r.group.ranks[slow].own_s = 1.0  # 2.5x the others' 0.4
+    r.steps(3)  # steps 1..3: reported after the second slow step
+    event, = r.events("straggler")
+    assert (event["rank"], event["actor"], event["factor"]) == (2, slow, 2.5) and event["node"] == "10.0.0.1"
+    r.steps(5)
+    assert r.c.step() == State.FINISHED and len(r.events("straggler")) == 1  # once per streak
+    assert r.c.generation.number == 1 and not r.group.killed
+
+
+def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
+    r = make("train.steps=8", "elastic.straggler_steps=2", "elastic.evict_stragglers=true", "elastic.spares=1",
+             actors=5, capacity=1)
+    r.steps(1)
+    assert r.c.generation.shape.dp == 4 and len(r.c.spare_ids) == 1
+    spare, = r.c.spare_ids
+    slow = r.c.generation.members[1]
+    r.group.ranks[slow].own_s = 2.0
+    r.steps(2)  # steps 1, 2: reported at step 2
+    assert r.events("straggler") and r.c.next_step == 3
+    r.steps(1)  # the boundary before step 3: step 2 committed, the straggler dropped, the spare in
+    assert slow in r.group.killed and r.c.generation.number == 2 and r.c.generation.shape.dp == 4
+    assert spare in r.c.generation.members.values() and r.c.next_step == 3
+    evict, = r.events("evict")
+    assert (evict["step"], evict["actors"]) == (2, [slow])
+    promoted, = r.events("spare_promoted")
+    assert promoted["actors"] == [spare]
+    assert r.c.restarts == 0 and 2 in r.committed()
+    requested, = r.events("spare_requested")
+    assert requested == {**requested, "count": 1, "started": True} and len(r.c.group.live_ids) == 6 - 1
+    r.steps(6)
+    assert r.c.step() == State.FINISHED and sorted(r.c.losses) == list(range(1, 9))
+
+
+# -- hot spares -----------------------------------------------------------------------------------
+def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make):
+    r = make("train.steps=6", "elastic.spares=1", actors=5, capacity=1)
+    r.steps(1)
+    gen1 = r.c.generation
+    spare, = r.c.spare_ids
+    assert spare not in gen1.members.values()
+    victim = gen1.members[3]
+    r.group.fail("train_step", victim, "die", at=3)
+    r.steps(2)  # steps 1, 2
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.RUNNING
+    gen2 = r.c.generation
+    assert gen2.shape.dp == 4 and spare in gen2.members.values() and victim not in gen2.members.values()
+    promoted, = r.events("spare_promoted")
+    assert promoted["actors"] == [spare] and promoted["generation"] == 2
+    requested, = r.events("spare_requested")
+    assert requested["count"] == 1 and requested["started"]
+    assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
+    assert len(r.group.live_ids) == 5
+    for _ in range(10):  # resumed from step 0 or 2 (step 2's save may have been in flight)
+        if r.c.step() == State.FINISHED:
+            break
+    assert r.c.state == State.FINISHED and r.c.generation.shape.dp == 4
+
+
+def test_spare_that_cannot_be_placed_is_asked_for_again_later(make):
+    r = make("train.steps=6", "elastic.spares=1", "elastic.grow_check_s=1", actors=5, capacity=0)
+    r.steps(1)
+    r.group.fail("train_step", r.c.generation.members[0], "die", at=2)
+    r.steps(1)
+    assert r.c.step() == State.REBUILDING and r.c.step() == State.RUNNING
+    assert r.c.generation.shape.dp == 4
+    assert [e["started"] for e in r.events("spare_requested")] == [False]
+    r.group.capacity = 1
+    r.clock.t += 5  # the next grow check asks again
+    r.steps(1)
+    assert [e["started"] for e in r.events("spare_requested")] == [False, True]
+    assert len(r.group.live_ids) == 5
+
+
+def test_spares_are_kept_out_of_a_grow():
+    from orchestrator.config import load_config
+    from orchestrator.policies import NoResize, ScalingPolicy
+
+    policy = ScalingPolicy(load_config(None, ["mesh.dp=2", "mesh.tp=1", "elastic.max_dp=4", "elastic.spares=2"]))
+    assert isinstance(policy.grow(2, 4), NoResize)  # 2 in the mesh + 2 spares: nothing to grow with
+    assert policy.grow(2, 6).dp == 4
+    assert policy.actors_to_adopt(4, lambda: 8) == 2  # up to max_dp's 4 ranks + 2 spares: 6
