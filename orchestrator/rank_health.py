@@ -25,7 +25,7 @@ import logging
 
 from orchestrator.bad_steps import BadSteps, bad_reason
 from orchestrator.checkpointing import RestoreFailed
-from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
+from orchestrator.errors import WorkerGroupStartupError
 from orchestrator.failure_policy import Phase
 from orchestrator.messages import StepResult
 from orchestrator.policies import TooFewWorkers, choose_dp
@@ -75,7 +75,7 @@ class RankHealth:
         for found in self.stragglers.observe(own):
             rank = next(r for r, a in actor_of.items() if a == found.actor)
             self.metrics.event("straggler", rank=rank, node=self.group.node_ips.get(found.actor, ""),
-                               factor=round(found.factor, 3), actor=found.actor)
+                               factor=round(found.factor, 3), actor=found.actor, step=results[0].step)
             if self.cfg.elastic.evict_stragglers:
                 self._evict.add(found.actor)
 
@@ -86,12 +86,13 @@ class RankHealth:
         self._evict.clear()
         if not actors:
             return False
+        decision = choose_dp(self.cfg, len(self.group.live_ids) - len(actors), "straggler")
+        if isinstance(decision, TooFewWorkers):  # a slow rank beats no rank: keep it
+            logger.warning("straggler(s) %s kept: without them %s", sorted(actors), decision.message)
+            return False
         self._begin_resize()
         self.metrics.event("evict", step=step - 1, actors=sorted(actors))
         self.group.kill(sorted(actors))
-        decision = choose_dp(self.cfg, len(self.group.live_ids), "straggler")
-        if isinstance(decision, TooFewWorkers):
-            raise TrainingFailed(decision.message)
         self._form(decision)
         return True
 

@@ -176,3 +176,14 @@ def test_spares_are_kept_out_of_a_grow():
     assert isinstance(policy.grow(2, 4), NoResize)  # 2 in the mesh + 2 spares: nothing to grow with
     assert policy.grow(2, 6).dp == 4
     assert policy.actors_to_adopt(4, lambda: 8) == 2  # up to max_dp's 4 ranks + 2 spares: 6
+
+
+def test_straggler_not_evicted_when_the_mesh_would_fall_below_min_dp(make):
+    r = make("mesh.dp=2", "train.steps=4", "elastic.min_dp=2", "elastic.straggler_steps=1",
+             "elastic.evict_stragglers=true")
+    r.steps(1)
+    slow = r.c.generation.members[0]
+    r.group.ranks[slow].own_s = 3.0
+    r.steps(4)
+    assert r.events("straggler") and not r.events("evict") and not r.group.killed
+    assert r.c.step() == State.FINISHED
