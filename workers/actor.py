@@ -52,9 +52,9 @@ def _train(method):
 
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
-# Faults that leave the process running, at train steps only: "nan" puts a NaN into this rank's
-# gradient in step ``at`` (a bad step); "slow" burns ``delay_s`` CPU seconds at the start of each of
-# ``steps`` steps from ``at`` (a straggler).
+# Faults that leave the process running, in the ``steps`` train steps from ``at``: "nan" puts a NaN
+# into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds at the start of the
+# step (a straggler).
 STEP_FAULTS = ("nan", "slow")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
@@ -258,14 +258,13 @@ class RankActor:
 
     def _arm_step_faults(self, step: int) -> None:
         """Hand the runtime this step's share of the armed "nan" / "slow" faults."""
-        nan = self._step_faults.get("nan")
-        self.runtime.inject_nan_grad = nan is not None and nan[0] == step
-        if self.runtime.inject_nan_grad:
-            del self._step_faults["nan"]  # one-shot, like the signal faults
-        self.runtime.inject_busy_s = 0.0
-        slow = self._step_faults.get("slow")
-        if slow is not None and slow[0] <= step < slow[0] + slow[1]:
-            self.runtime.inject_busy_s = slow[2]
+        def armed(kind: str) -> tuple[int, int, float] | None:
+            fault = self._step_faults.get(kind)
+            return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
+
+        self.runtime.inject_nan_grad = armed("nan") is not None
+        slow = armed("slow")
+        self.runtime.inject_busy_s = slow[2] if slow is not None else 0.0
         if self.runtime.inject_nan_grad or self.runtime.inject_busy_s:
             logger.warning("fault injection at step %d: nan=%s busy=%.2fs", step, self.runtime.inject_nan_grad,
                            self.runtime.inject_busy_s)

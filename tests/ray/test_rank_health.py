@@ -119,3 +119,26 @@ def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, st
     assert requested["count"] == 1 and requested["started"]
     assert len(live) == 3 and len(controller.spare_ids) == 1
     assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)
+
+
+@pytest.mark.timeout(300)
+def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, store_address, tmp_path):
+    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], actors=2)
+    try:
+        victim = controller.generation.members[0]
+        group.call([victim], "arm_fault", (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
+        summary = controller.run()
+        params = mesh_params(controller)
+    finally:
+        group.shutdown()
+    assert summary.final_step == 8 and summary.restarts == 0
+    rollback, = events(tmp_path / "m.jsonl", "rollback")
+    assert (rollback["step"], rollback["resumed_from_step"], rollback["skipped"]) == (6, 4, [5, 6])
+    assert [(e["step"], e["reason"]) for e in events(tmp_path / "m.jsonl", "bad_step")] == [
+        (5, "grad_norm"), (6, "grad_norm"), (5, "recorded"), (6, "recorded")]
+    ref_losses, ref_params = reference_skipping(tuple(overrides), 8, frozenset({5, 6}))
+    losses = last_losses(tmp_path / "m.jsonl")
+    assert sorted(losses) == [1, 2, 3, 4, 7, 8]
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref_losses[s - 1] for s in sorted(losses)],
+                               rtol=1e-5)
+    assert_params_match(params, ref_params)
