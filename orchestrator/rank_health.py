@@ -102,6 +102,7 @@ class RankHealth:
         promoted = {rank: actor for rank, actor in members.items() if actor in self.spare_ids}
         if promoted:
             self.metrics.event("spare_promoted", generation=number, ranks=sorted(promoted), actors=sorted(promoted.values()))
+        self._warm([a for a in spares if a not in self.spare_ids])
         self.spare_ids = list(spares)
         self.stragglers.forget(set(members.values()))
 
@@ -114,9 +115,16 @@ class RankHealth:
         if missing <= 0:
             return
         try:
-            self.spare_ids += self.group.add(missing, wait_s=SPARE_WAIT_S, strategy="SPREAD")
+            started_ids = self.group.add(missing, wait_s=SPARE_WAIT_S, strategy="SPREAD")
+            self.spare_ids += started_ids
+            self._warm(started_ids)
             started = True
         except WorkerGroupStartupError as exc:
             logger.info("spares: could not start %d yet (%s)", missing, exc)
             started = False
         self.metrics.event("spare_requested", count=missing, started=started)
+
+    def _warm(self, actors: list[int]) -> None:
+        """Have new spares import the training code now (``RankActor.warm``); not waited for."""
+        if actors and self.cfg.elastic.spares:
+            self.group.submit(actors, "warm")

@@ -89,6 +89,12 @@ class RankActor:
         """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
         return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
+    def warm(self) -> None:
+        """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
+        joins as fast as a member re-forms (``elastic.spares``)."""
+        import workers.groups  # noqa: F401
+        import workers.runtime  # noqa: F401
+
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""
         return len(self._train_threads)

@@ -96,6 +96,9 @@ class FakeRank:
         return WorkerStatus(world_rank=self.world_rank, pid=self.pid, generation=self.generation,
                             busy=False, step=self.step, error=None)
 
+    def warm(self) -> None:
+        pass
+
     def arm_fault(self, *args) -> None:  # the real actor's test hook; faults here are armed on the group
         pass
 

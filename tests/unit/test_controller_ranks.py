@@ -145,6 +145,7 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     assert promoted["actors"] == [spare] and promoted["generation"] == 2
     requested, = r.events("spare_requested")
     assert requested["count"] == 1 and requested["started"]
+    assert [a for a, _ in r.group.calls("warm")] == [spare, r.c.spare_ids[0]]  # both spares warmed
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5
     for _ in range(10):  # resumed from step 0 or 2 (step 2's save may have been in flight)
@@ -187,3 +188,18 @@ def test_straggler_not_evicted_when_the_mesh_would_fall_below_min_dp(make):
     r.steps(4)
     assert r.events("straggler") and not r.events("evict") and not r.group.killed
     assert r.c.step() == State.FINISHED
+
+
+def test_manifest_skipped_steps_must_be_steps_up_to_its_own():
+    import pytest
+
+    from checkpoints.errors import ManifestError
+    from checkpoints.manifest import CheckpointManifest
+
+    base = dict(step=4, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint="f", data_cursor=32,
+                global_batch_size=8, world_size=1, ranks_acked=[0])
+    assert CheckpointManifest(**base, skipped_steps=[2, 4]).skipped_steps == [2, 4]
+    assert CheckpointManifest.from_dict({**CheckpointManifest(**base).to_dict()}).skipped_steps == []
+    for bad in ([5], [0], ["3"]):
+        with pytest.raises(ManifestError, match="skipped_steps"):
+            CheckpointManifest(**base, skipped_steps=bad)
