@@ -84,7 +84,7 @@ class WorkerGroup:
         from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
-        slots = self._bundles.usable()[:count]
+        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
         while self._reserved and len(slots) < count:
             slots.append(self._reserved.pop(0))
         fresh = count - len(slots)
