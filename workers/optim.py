@@ -85,7 +85,9 @@ def clip_grad_norm(
         # Offloaded gradients (mesh.cpu_offload) are host tensors: reduce on the group's device.
         squared = squared.to(device or squared.device)
         dist.all_reduce(squared, group=group)
-    total = squared.sqrt().float()
+    # float64 runs (compared with one process at 1e-9) keep the norm in float64; else float32.
+    wide = any(g.dtype == torch.float64 for grads in by_holders.values() for g in grads)
+    total = squared.sqrt().to(torch.float64 if wide else torch.float32)
     if max_norm > 0:
         for members in by_mesh.values():  # foreach kernels take one mesh at a time
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device),
