@@ -1,0 +1,199 @@
+"""In-memory snapshots: one rank's DCP write captured as blobs, and a DCP reader over a set of them
+(worker side; torch, no Ray).
+
+A snapshot is exactly what this rank would write into a storage checkpoint (``checkpoints.state``'s
+model / optimizer / extras), saved with ``dcp.save(..., no_dist=True)`` into a ``MemoryWriter``: DCP
+plans the rank's own pieces — DTensor shards keep their offsets in the *global* tensor — and the
+writer keeps each piece as a CPU tensor (a fresh copy: the snapshot must not change when training
+updates the parameters) or bytes (the extras). No collective runs, so a snapshot can be taken while
+a storage checkpoint writes on the checkpoint group's thread.
+
+Recovery merges the snapshots of every rank of the old mesh (``merge``) into one DCP ``Metadata``
+and loads it through ``MemoryReader`` with the same reshard-on-load path the storage checkpoints use
+(``checkpoints.reader.load_training_state``), so a snapshot of any mesh loads into any other.
+Hand-written only because DCP has no in-memory storage layer; planning and resharding stay DCP's.
+
+Replicated pieces (a tensor every dp replica holds in full, the extras every rank saves) appear once
+per rank; ``merge`` keeps the first copy of each (fqn, offset), as DCP's save-plan dedup does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from checkpoints.errors import CheckpointError
+
+
+@dataclass
+class MemorySnapshot:
+    """One rank's shard of step ``step``: DCP metadata of its own pieces and the pieces themselves."""
+
+    step: int
+    rank: int  # world rank in the generation that took it
+    metadata: Metadata
+    blobs: dict[MetadataIndex, Any] = field(default_factory=dict)  # CPU tensor or bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else len(b)
+                   for b in self.blobs.values())
+
+    def copy(self) -> MemorySnapshot:
+        """A copy in this process's own memory (what a holder keeps of a peer's snapshot)."""
+        blobs = {k: (v.clone() if isinstance(v, torch.Tensor) else bytes(v)) for k, v in self.blobs.items()}
+        return dataclasses.replace(self, blobs=blobs)
+
+
+class MemoryWriter(StorageWriter):
+    """A DCP storage layer that keeps the written pieces in memory (one rank, ``no_dist``)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[MetadataIndex, Any] = {}
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.blobs = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blob: Any = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                size = len(blob)
+            else:
+                # A copy of the local piece on the host (a DTensor's shard arrives as its local tensor).
+                blob = data.detach().to("cpu", copy=True).contiguous()
+                size = blob.numel() * blob.element_size()
+            self.blobs[item.index] = blob
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=item.index))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+
+def take_snapshot(state: dict[str, Any], *, step: int, rank: int) -> MemorySnapshot:
+    """DCP-save ``state`` (as ``AsyncCheckpointWriter.save`` would) into memory, no collectives."""
+    writer = MemoryWriter()
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return MemorySnapshot(step=step, rank=rank, metadata=writer.metadata, blobs=writer.blobs)
+
+
+def merge(snapshots: Sequence[MemorySnapshot]) -> Metadata:
+    """One DCP ``Metadata`` over the pieces of every rank's snapshot of one step; each piece's
+    ``storage_data`` entry says which snapshot holds it.
+
+    Raises:
+        CheckpointError: the snapshots are of different steps, or a tensor's pieces do not cover it
+            (a rank's snapshot is missing).
+    """
+    if not snapshots:
+        raise CheckpointError("no snapshots to restore from")
+    steps = {s.step for s in snapshots}
+    if len(steps) != 1:
+        raise CheckpointError(f"snapshots of different steps {sorted(steps)} cannot be merged")
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, int] = {}
+    planner_data: dict[str, Any] = {}
+    for which, snap in enumerate(snapshots):
+        md = snap.metadata
+        planner_data.update(md.planner_data or {})
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, BytesStorageMetadata):
+                state.setdefault(fqn, item)
+                storage.setdefault(MetadataIndex(fqn), which)
+                continue
+            have = state.setdefault(fqn, TensorStorageMetadata(item.properties, item.size, []))
+            seen = {tuple(c.offsets) for c in have.chunks}
+            for chunk in item.chunks:
+                if tuple(chunk.offsets) not in seen:
+                    have.chunks.append(chunk)
+                    storage[MetadataIndex(fqn, chunk.offsets)] = which
+    for fqn, item in state.items():
+        if isinstance(item, TensorStorageMetadata):
+            covered = sum(_volume(c.sizes) for c in item.chunks)
+            if covered != _volume(item.size):
+                raise CheckpointError(f"snapshots of step {steps.pop()} do not cover {fqn} "
+                                      f"({covered} of {_volume(item.size)} elements): a rank's snapshot is missing")
+    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage)
+
+
+class MemoryReader(StorageReader):
+    """DCP reads from a set of snapshots of one step (every rank of the mesh that took them)."""
+
+    def __init__(self, snapshots: Sequence[MemorySnapshot]) -> None:
+        self.snapshots = list(snapshots)
+        self.metadata = merge(self.snapshots)
+
+    @property
+    def step(self) -> int:
+        return self.snapshots[0].step
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        where = self.metadata.storage_data
+        for req in plan.items:
+            blob = self.snapshots[where[req.storage_index]].blobs[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(blob))
+                continue
+            piece = narrow_tensor_by_index(blob, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+
+def _volume(sizes) -> int:
+    out = 1
+    for s in sizes:
+        out *= int(s)
+    return out
