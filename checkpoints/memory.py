@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from checkpoints.errors import CheckpointError
+
+# A snapshot is a one-process DCP save on purpose (no collectives), which DCP warns about at every
+# save: once per step per rank. Only that save's message is silenced.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
+                        "assuming the intent is to save in a single process")
 
 
 @dataclass
