@@ -37,3 +37,20 @@ def test_choose_source():
     assert choose_source(3, 4) == "storage"
     assert choose_source(None, 0) == "storage"
     assert host_bytes_per_rank(100) == 400
+
+
+def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
+    from orchestrator.config import load_config
+    from orchestrator.plan import describe, make_plan
+    from orchestrator.plan_render import render
+
+    def info(*overrides):
+        cfg = load_config(None, ["mesh.dp=2", "mesh.tp=1", *overrides])
+        return describe(cfg, make_plan(cfg))
+
+    on = info(f"checkpoint.dir={tmp_path}")
+    mem = on["memory_per_rank"][0]
+    assert on["snapshot_host_per_rank"] == {0: 4 * (mem["grads"] + mem["optimizer"])}
+    assert "in-memory snapshots (checkpoint.memory_every)" in render(on)
+    assert info(f"checkpoint.dir={tmp_path}", "checkpoint.memory_every=0")["snapshot_host_per_rank"] is None
+    assert info()["snapshot_host_per_rank"] is None and "in-memory snapshots: off" in render(info())
