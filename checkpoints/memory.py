@@ -13,12 +13,19 @@ and loads it through ``MemoryReader`` with the same reshard-on-load path the sto
 (``checkpoints.reader.load_training_state``), so a snapshot of any mesh loads into any other.
 Hand-written only because DCP has no in-memory storage layer; planning and resharding stay DCP's.
 
+Only the copies run on the training thread: a non-tensor item (the optimizer's per-parameter
+hyperparameters, the extras: hundreds of small objects) is kept as a deep copy and turned into the
+bytes DCP expects (``torch.save``, as DCP's own planner does) by ``MemorySnapshot.serialize``, which
+the actor runs on another thread before the snapshot leaves the process. Serialized at the take,
+they cost 0.2 s of a 0.26 s take on a 20-layer MLP (cProfile).
+
 Replicated pieces (a tensor every dp replica holds in full, the extras every rank saves) appear once
 per rank; ``merge`` keeps the first copy of each (fqn, offset), as DCP's save-plan dedup does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import warnings
@@ -42,6 +49,20 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "assuming the intent is to save in a single process")
 
 
+class Deferred:
+    """A non-tensor item not serialized yet (see the module docstring)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.obj, buf)  # what DefaultSavePlanner.transform_object does for BYTE_IO items
+        return buf.getvalue()
+
+
 @dataclass
 class MemorySnapshot:
     """One rank's shard of step ``step``: DCP metadata of its own pieces and the pieces themselves."""
@@ -53,11 +74,19 @@ class MemorySnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else len(b)
-                   for b in self.blobs.values())
+        return sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else
+                   len(b) if isinstance(b, bytes) else 0 for b in self.blobs.values())
+
+    def serialize(self) -> MemorySnapshot:
+        """Turn the deferred non-tensor items into DCP's bytes (in place; idempotent)."""
+        for key, blob in list(self.blobs.items()):
+            if isinstance(blob, Deferred):
+                self.blobs[key] = blob.to_bytes()
+        return self
 
     def copy(self) -> MemorySnapshot:
         """A copy in this process's own memory (what a holder keeps of a peer's snapshot)."""
+        self.serialize()
         blobs = {k: (v.clone() if isinstance(v, torch.Tensor) else bytes(v)) for k, v in self.blobs.items()}
         return dataclasses.replace(self, blobs=blobs)
 
@@ -84,13 +113,13 @@ class MemoryWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = []
         for item in plan.items:
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                blob: Any = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                size = len(blob)
+                # DefaultSavePlanner's lookup; the bytes come later, off the training thread.
+                blob: Any = Deferred(copy.deepcopy(planner.lookup_object(item.index)))
+                size = 0
             else:
                 # A copy of the local piece on the host (a DTensor's shard arrives as its local tensor).
-                blob = data.detach().to("cpu", copy=True).contiguous()
+                blob = planner.resolve_data(item).detach().to("cpu", copy=True).contiguous()
                 size = blob.numel() * blob.element_size()
             self.blobs[item.index] = blob
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=item.index))
@@ -183,7 +212,7 @@ class MemoryReader(StorageReader):
         for req in plan.items:
             blob = self.snapshots[where[req.storage_index]].blobs[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(blob))
+                planner.load_bytes(req, io.BytesIO(blob.to_bytes() if isinstance(blob, Deferred) else blob))
                 continue
             piece = narrow_tensor_by_index(blob, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()

@@ -52,7 +52,8 @@ class SnapshotStore:
                 if left <= 0:
                     raise TimeoutError(f"snapshot {key} not taken after {timeout_s:.0f}s")
                 self._cond.wait(left)
-            return self.own[key]
+            snap = self.own[key]
+        return snap.serialize()  # on this (non-training) thread, before Ray pickles it
 
     def keep(self, key: SnapKey, owner: int, snap: MemorySnapshot, keep: tuple) -> int:
         """Hold a copy of ``owner``'s snapshot in this process's memory; drop what is not kept."""
@@ -68,7 +69,7 @@ class SnapshotStore:
         with self._cond:
             mine = self.own.get(key)
             if mine is not None and mine.rank == owner:
-                return mine
+                return mine.serialize()
             held = self.held.get((key, owner))
         if held is None:
             raise KeyError(f"no snapshot of rank {owner} at generation {key[0]} step {key[1]} here")
