@@ -199,6 +199,7 @@ class SnapshotCoordinator:
         The one entry point for resuming a generation (a rebuild after a failure, a resize, a
         rollback). Raises ``RestoreFailed`` when a member died or failed while loading.
         """
+        self.settle(group)  # a planned resize right after a step: that step's set may still be relaying
         live = set(group.live_ids)
         snap = self.usable(live) if self.active else None
         info = ckpt.resume_point()
