@@ -116,6 +116,7 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     stalls = [r["stall_s"] for r in records if r.get("event") == "snapshot"]
     return {
         "checkpoint_memory_every": memory_every, "restored_from": rebuild.get("restored_from"),
+        "restore_s": rebuild.get("restore_s"),
         "snapshot_stall_s_max": max(stalls) if stalls else None,
         "snapshot_stall_s_median": sorted(stalls)[len(stalls) // 2] if stalls else None,
         "failure_step": failure["step"], "failed_ranks": failure["ranks"], "reason": failure.get("reason"),

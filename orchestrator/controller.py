@@ -348,6 +348,7 @@ class Controller:
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
                  "resumed_from_step": restored.step, "restored_from": restored.source,
+                 "restore_s": round(restored.load_s, 4),
                  "reason": decision.reason, "spares": len(spares)}
         if decision.reason == "start":
             self.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})

@@ -29,6 +29,7 @@ one node the holders are other processes of that node: a node loss is not covere
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from orchestrator.checkpointing import RestoreFailed
@@ -96,6 +97,7 @@ class SnapshotSet:
 class Restored:
     step: int  # 0: nothing to restore, start from the beginning
     source: str  # "snapshot" | "storage"
+    load_s: float = 0.0  # the members' load calls, submit to the last answer
 
 
 # -- the coordinator ----------------------------------------------------------------------------------
@@ -209,7 +211,10 @@ class SnapshotCoordinator:
                 logger.warning("in-memory snapshot of step %d has no live copy of some shard (or is older "
                                "than checkpoint step %d): restoring from storage", self.newest.step, storage_step)
             self.newest = None  # not restorable any more; the new generation's replace it
-            return Restored(ckpt.restore(group, gen), "storage")
+            t0 = time.perf_counter()
+            step = ckpt.restore(group, gen)
+            return Restored(step, "storage", time.perf_counter() - t0)
+        t0 = time.perf_counter()
         give = providers(snap.members, snap.holders, live)
         blobs = {}
         for rank in sorted(give):
@@ -220,5 +225,5 @@ class SnapshotCoordinator:
         if not outcome.ok:
             raise RestoreFailed(f"loading the in-memory snapshot of step {snap.step} failed: "
                                 f"{outcome.failed or outcome.dead or outcome.pending}", outcome)
-        return Restored(snap.step, "snapshot")
+        return Restored(snap.step, "snapshot", time.perf_counter() - t0)
 
