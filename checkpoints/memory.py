@@ -98,11 +98,50 @@ class MemorySnapshot:
                 self.blobs[key] = blob.to_bytes()
         return self
 
+    # Pickled (by Ray) with every tensor as a flat uint8 numpy array: Ray then ships the bytes as
+    # out-of-band buffers and a receiver maps them without a copy (torch's own pickling copies each
+    # storage into the pickle stream and out again). A received snapshot's tensors may be read-only
+    # views of Ray's object store: ``copy`` (what a holder keeps) and loading only read them.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["blobs"] = {k: _Packed.of(v) if isinstance(v, torch.Tensor) else v for k, v in self.blobs.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["blobs"] = {k: v.tensor() if isinstance(v, _Packed) else v for k, v in state["blobs"].items()}
+        self.__dict__.update(state)
+
     def copy(self) -> MemorySnapshot:
         """A copy in this process's own memory (what a holder keeps of a peer's snapshot)."""
         self.serialize()
         blobs = {k: (v.clone() if isinstance(v, torch.Tensor) else bytes(v)) for k, v in self.blobs.items()}
         return dataclasses.replace(self, blobs=blobs)
+
+
+class _Packed:
+    """A tensor as (dtype, shape, its bytes as a uint8 numpy array), for pickling (see above)."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: str, shape: tuple, data) -> None:
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Packed:
+        flat = t.detach().contiguous().reshape(-1)
+        return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), flat.view(torch.uint8).numpy())
+
+    def __getstate__(self):
+        return (self.dtype, self.shape, self.data)
+
+    def __setstate__(self, state) -> None:
+        self.dtype, self.shape, self.data = state
+
+    def tensor(self) -> torch.Tensor:
+        with warnings.catch_warnings():  # a read-only view of Ray's object store: only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.data)
+        return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
 class MemoryWriter(StorageWriter):

@@ -111,7 +111,6 @@ class SnapshotCoordinator:
         self.newest: SnapshotSet | None = None  # the newest complete set
         self._pending: SnapshotSet | None = None
         self._holders: dict[int, int] = {}  # of the current generation
-        self._gen = None
         self._warned_one_node = False
         self._loose: list = []  # calls nobody collects (snapshot_blob), drained once they end
         self.stall_s: float | None = None  # the newest complete snapshot's slowest take
@@ -122,7 +121,6 @@ class SnapshotCoordinator:
 
     def begin_generation(self, group, gen) -> None:
         """A new generation formed: its ring; snapshots of it start with its next step."""
-        self._gen = gen
         if self._pending is not None:  # relays of the old generation still running: read once they end
             self._loose.extend(self._pending.refs)
             self._loose.extend(self._pending.takes)
