@@ -21,9 +21,11 @@ loaded resharded into the new mesh by every new member through DCP (``RankActor.
 Every snapshot of the new generation is keyed by its generation number, so the old set stays
 restorable until the new generation completed one of its own.
 
-Guarantee: a failure re-runs at most ``memory_every`` steps when the newest snapshot reached its
-holders before the failure; one that interrupts the transfer falls back to the set before it. On
-one node the holders are other processes of that node: a node loss is not covered (one warning).
+Training never waits for a relay: a snapshot step that comes while the previous relay still runs is
+skipped. So a failure re-runs at most ``memory_every`` steps when relays keep up with the steps and
+the newest one reached its holders before the failure; else it falls back to the newest complete
+set. On one node the holders are other processes of that node: a node loss is not covered (one
+warning).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class SnapshotCoordinator:
         self._warned_one_node = False
         self._loose: list = []  # calls nobody collects (snapshot_blob), drained once they end
         self.stall_s: float | None = None  # the newest complete snapshot's slowest take
+        self.skipped = 0  # snapshot steps skipped since the last complete set: its relay still ran
 
     @property
     def active(self) -> bool:
@@ -140,15 +143,18 @@ class SnapshotCoordinator:
                            "failures resume from checkpoint.dir")
 
     def after_step(self, group, gen, step: int) -> None:
-        """Poll the relay in flight; every ``every`` steps start the next snapshot (waiting first for
-        the previous relay, so the newest complete set is never dropped)."""
+        """Poll the relay in flight; every ``every`` steps start the next snapshot, unless the
+        previous relay is still running: then this step is skipped (counted in the next ``snapshot``
+        event), so training never waits for a relay and the newest complete set is never dropped."""
         if not self.active or not self._holders:
             return
         self._loose = group.drain(self._loose)
         self._settle(group, block=False)
         if step % self.every:
             return
-        self._settle(group, block=True)
+        if self._pending is not None:
+            self.skipped += 1
+            return
         snap = SnapshotSet(gen.number, step, dict(gen.members), dict(self._holders))
         keep = (self.newest.key,) if self.newest is not None else ()
         actors = list(gen.members.values())
@@ -179,7 +185,8 @@ class SnapshotCoordinator:
             self.newest = snap
             self.stall_s = max(float(t) for t in takes.results.values())
             self.metrics.event("snapshot", step=snap.step, generation=snap.generation, stall_s=self.stall_s,
-                               bytes=sum(int(b) for b in outcome.results.values()))
+                               bytes=sum(int(b) for b in outcome.results.values()), skipped=self.skipped)
+            self.skipped = 0
         else:
             logger.warning("snapshot of step %d not complete: %s", snap.step,
                            outcome.failed or outcome.dead or f"no ack from actors {outcome.pending}")

@@ -129,3 +129,15 @@ def test_snapshots_need_checkpoint_dir(make):
     r = make("checkpoint.dir=", "checkpoint.every=0")
     r.steps(3)
     assert not r.group.calls("snapshot")
+
+
+def test_a_step_whose_previous_relay_still_runs_is_skipped_not_waited_for(make):
+    r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.group.fail("keep_snapshot", 2, "slow", at=2)  # rank 0's snapshot of step 2 is slow to arrive
+    r.steps(5)  # start + steps 1-4: steps 3 and 4 come while step 2's relay runs
+    assert sorted({args[1] for _, args in r.group.calls("snapshot")}) == [1, 2]
+    for call in r.c.snapshots._pending.refs:  # the relay ends
+        call.state, call.value = "done", 64
+    r.steps(1)  # step 5: step 2's set completes (2 steps skipped meanwhile), step 5's starts
+    assert [(e["step"], e["skipped"]) for e in r.events("snapshot")] == [(1, 0), (2, 2)]
+    assert sorted({args[1] for _, args in r.group.calls("snapshot")}) == [1, 2, 5]
