@@ -40,7 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.futures import Future
 
 from checkpoints.errors import CheckpointError
@@ -193,6 +195,66 @@ def take_snapshot(state: dict[str, Any], *, step: int, rank: int) -> MemorySnaps
     writer = MemoryWriter()
     dcp.save(state, storage_writer=writer, no_dist=True)
     return MemorySnapshot(step=step, rank=rank, metadata=writer.metadata, blobs=writer.blobs)
+
+
+class SnapshotTaker:
+    """Takes one rank's snapshots of one generation, planning with DCP once.
+
+    DCP plans every save from scratch: flattening and planning ~600 items took ~30 ms of a 32 ms
+    take on a 20-layer MLP (cProfile), the copies 1.6 ms. The items, their metadata and where each
+    sits in the state do not change within a generation, so after the first take (through
+    ``dcp.save``) later ones look the same items up directly (DCP's ``find_state_dict_object``, as
+    its planner's ``resolve_data`` does) and reuse the metadata. A state whose keys or tensor shapes
+    differ from the planned ones goes through ``dcp.save`` again and is re-planned.
+    """
+
+    def __init__(self) -> None:
+        self._metadata: Metadata | None = None
+        self._items: list[tuple[MetadataIndex, bool, tuple]] = []  # (index, is bytes, path in state)
+        self._signature: tuple = ()
+        self._shapes: dict[MetadataIndex, tuple] = {}
+
+    def take(self, state: dict[str, Any], *, step: int, rank: int) -> MemorySnapshot:
+        plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+        signature = _signature(plain)
+        if self._metadata is not None and signature == self._signature:
+            blobs = self._direct(plain)
+            if blobs is not None:
+                return MemorySnapshot(step=step, rank=rank, metadata=self._metadata, blobs=blobs)
+        snap = take_snapshot(plain, step=step, rank=rank)
+        paths = snap.metadata.planner_data or {}
+        if all(index.fqn in paths for index in snap.blobs):
+            self._metadata, self._signature = snap.metadata, signature
+            self._items = [(i, isinstance(b, Deferred), tuple(paths[i.fqn])) for i, b in snap.blobs.items()]
+            self._shapes = {i: tuple(b.shape) for i, b in snap.blobs.items() if isinstance(b, torch.Tensor)}
+        return snap
+
+    def _direct(self, plain: dict[str, Any]) -> dict[MetadataIndex, Any] | None:
+        blobs: dict[MetadataIndex, Any] = {}
+        for index, is_bytes, path in self._items:
+            obj = plain
+            for part in path:
+                obj = obj[part]
+            if is_bytes:
+                blobs[index] = Deferred(copy.deepcopy(obj))
+                continue
+            local = find_state_dict_object({index.fqn: obj}, index)
+            if tuple(local.shape) != self._shapes[index]:
+                return None
+            blobs[index] = local.detach().to("cpu", copy=True).contiguous()
+        return blobs
+
+
+def _signature(plain: dict[str, Any]) -> frozenset:
+    """The keys of the state's sections, two levels down (what DCP's plan depends on besides shapes),
+    in any order (the official state dicts and the fast ones order them differently)."""
+    out = set()
+    for key, value in plain.items():
+        if isinstance(value, dict):
+            out.add((key, frozenset((k, frozenset(v) if isinstance(v, dict) else None) for k, v in value.items())))
+        else:
+            out.add((key, None))
+    return frozenset(out)
 
 
 def merge(snapshots: Sequence[MemorySnapshot]) -> Metadata:

@@ -59,3 +59,24 @@ def test_merge_refuses_a_missing_piece_and_mixed_steps():
     c = take_snapshot(TrainingState([model], [opt]).snapshot(step=4, data_cursor=4, rng=False), step=4, rank=2)
     md = merge([b, c])
     assert set(md.storage_data.values()) == {0}
+
+
+def test_taker_plans_once_and_takes_exactly_what_dcp_would():
+    from checkpoints.memory import SnapshotTaker
+
+    model, opt = _trained(2)
+    state = TrainingState([model], [opt])
+    taker = SnapshotTaker()
+    first = taker.take(state.snapshot(step=1, data_cursor=8, rng=False), step=1, rank=0)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    fast = taker.take(state.snapshot(step=2, data_cursor=16, rng=False), step=2, rank=0).serialize()
+    assert fast.metadata is first.metadata  # planned once
+    ref = take_snapshot(state.snapshot(step=2, data_cursor=16, rng=False), step=2, rank=0).serialize()
+    assert fast.blobs.keys() == ref.blobs.keys()
+    for key, want in ref.blobs.items():
+        got = fast.blobs[key]
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, key
+    # Another state (here: an fp16 loss scale among the extras) is planned again through DCP.
+    again = taker.take(state.snapshot(step=3, data_cursor=24, rng=False, loss_scale={"scale": 2.0}), step=3, rank=0)
+    assert again.metadata is not first.metadata and any("loss_scale" in k.fqn for k in again.blobs)
