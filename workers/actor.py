@@ -7,6 +7,10 @@ a collective whose peer died — the driver can still poll the actor, park a ``w
 tell it to free the step (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error
 inside a step is latched into the returned ``StepResult``; the driver decides what happens next.
 
+In-memory snapshots (``workers/snapshots.py``): ``snapshot`` and ``load_snapshot`` are training work;
+handing one out (``snapshot_blob``, ``give_snapshot``) and keeping a peer's copy (``keep_snapshot``,
+its argument a ref the driver passed, resolved by Ray) run on the other threads while training goes on.
+
 Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
 step, right after the rank's first forward of a step (deterministically mid-step: its peers are then
 blocked in that step's collectives), at the start of joining a generation, at the start of loading a
