@@ -160,6 +160,8 @@ class CheckpointConfig:
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")
     init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
+    memory_every: int = key(1, "with dir set: every N steps each rank also snapshots its shard into a peer's "
+                               "memory, and a failure resumes from there (at most N steps lost); 0 = off", ge=0)
 
 
 @dataclass(**_SECTION)

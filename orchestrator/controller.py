@@ -18,7 +18,8 @@ docstring lists the test of each transition) or with real actors (``tests/ray``)
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
 survivors (kills dead/hung actors, shuts their blocked gloo sockets: ``orchestrator.recovery``), bumps
 the generation, re-plans the mesh from the live actors, has them re-form groups *in the same
-processes*, and reloads the newest committed checkpoint resharded into the new mesh. A failure while a
+processes*, and reloads the newest state resharded into the new mesh: the in-memory snapshots when
+every shard has a live copy, else the newest committed checkpoint (``orchestrator.snapshots``). A failure while a
 generation forms (joining, loading) takes the same path and the rebuild is retried.
 
 Decisions are data: ``orchestrator.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
@@ -52,6 +53,7 @@ from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
 from orchestrator.rank_health import RankHealth
 from orchestrator.recovery import settle
+from orchestrator.snapshots import SnapshotCoordinator
 from orchestrator.store_provider import FixedStore, StoreSource
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive the controller with a fake one
@@ -102,6 +104,7 @@ class Controller(RankHealth):
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
         self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/rank_health.py)
+        self.snapshots = SnapshotCoordinator(cfg, metrics)  # checkpoint.memory_every (orchestrator/snapshots.py)
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -188,6 +191,7 @@ class Controller(RankHealth):
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
+            self.snapshots.after_step(self.group, self.generation, step)
             if self.evaluator.due(step):
                 failed = self.evaluator.run(self, step)
                 if failed is not None:
@@ -239,6 +243,7 @@ class Controller(RankHealth):
                            store_lost=store_lost, preempted=frozenset(self._preempted))
         self.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
         self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
+        self.snapshots.settle(self.group)  # a snapshot whose holders all acked still counts
         decision = self.failures.decide(failure)
         if isinstance(decision, Raise):
             raise decision.error
@@ -345,15 +350,18 @@ class Controller(RankHealth):
         if not outcome.ok:
             self._fail(Phase.JOINING, outcome)
             return
-        try:
-            resumed = self.ckpt.restore(self.group, self.generation)
+        try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
+            restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt)
         except RestoreFailed as exc:
             self._fail(Phase.LOADING, exc.outcome)
             return
-        self.next_step = resumed + 1
+        self.snapshots.begin_generation(self.group, self.generation)
+        self.next_step = restored.step + 1
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-                 "dp_replicate": spec.dp_replicate, "resumed_from_step": resumed, "reason": decision.reason, "spares": len(spares)}
+                 "dp_replicate": spec.dp_replicate, "resumed_from_step": restored.step,
+                 "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
+                 "reason": decision.reason, "spares": len(spares)}
         if decision.reason == "start":
             self.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})
         else:

@@ -185,10 +185,27 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
             {"rank": r, **vars_of(shape.coords(r))} for r in range(shape.world)
         ],
         "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
+        "snapshot_host_per_rank": snapshot_host_memory(cfg, plan),
         "total_params": param_counts(cfg.model)["total"],
         "model_family": resolve_model(cfg.model).ref,
         "model_source": cfg.model.from_hf,
     }
+
+
+def snapshot_host_memory(cfg: JobConfig, plan: MeshPlan) -> dict[int, int] | None:
+    """Host bytes in-memory snapshots take per rank at each pipeline position, or None when they are
+    off (``checkpoint.memory_every``; orchestrator/snapshots.py): the fp32 parameter shard plus its
+    two Adam moments, held four times (the rank's own newest and in-flight snapshots and the same two
+    of the peer it backs up)."""
+    from orchestrator.snapshots import host_bytes_per_rank
+
+    if not (cfg.checkpoint.dir and cfg.checkpoint.memory_every > 0):
+        return None
+    out = {}
+    for p in range(plan.shape.pp):
+        mem = rank_memory(cfg, plan, p)
+        out[p] = host_bytes_per_rank(mem["grads"] + mem["optimizer"])  # grads: the fp32 shard's size
+    return out
 
 
 def vars_of(coords) -> dict[str, int]:

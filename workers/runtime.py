@@ -105,6 +105,7 @@ class RankRuntime:
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
+        self._snapshots = None  # checkpoints.memory.SnapshotTaker, made at the first snapshot
         self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
@@ -288,6 +289,36 @@ class RankRuntime:
         point = load_training_state(
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
+        )
+        if self.loss_scale is not None and point.loss_scale:
+            self.loss_scale.load_state_dict(point.loss_scale)
+        return point.step
+
+    # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
+    def take_snapshot(self, step: int):
+        """This rank's shard of step ``step`` copied into host memory (what a checkpoint would write)."""
+        from checkpoints.memory import SnapshotTaker
+        from checkpoints.state import TrainingState
+
+        if self._ckpt_state is None:  # shared with checkpoints: the same verified fast state dicts
+            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
+        if self._snapshots is None:  # plans once per generation (checkpoints/memory.py)
+            self._snapshots = SnapshotTaker()
+        state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
+                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
+        return self._snapshots.take(state, step=step, rank=self.groups.world_rank)
+
+    def load_snapshot(self, snapshots) -> int:
+        """Load the snapshots of every rank of the mesh that took them (resharding into this
+        generation's mesh, collectively, as ``load_checkpoint``) and return their step."""
+        from checkpoints.memory import MemoryReader
+        from checkpoints.reader import load_training_state
+
+        self._wait_checkpoint_staging()
+        reader = MemoryReader(snapshots)
+        point = load_training_state(
+            f"in-memory snapshot of step {reader.step}", self.model_parts(), self.optimizers,
+            restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
