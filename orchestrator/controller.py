@@ -16,17 +16,15 @@ docstring lists the test of each transition) or with real actors (``tests/ray``)
     REBUILDING -> ERRORED        below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
-survivors (kills dead/hung actors, shuts their blocked gloo sockets: ``orchestrator.recovery``), bumps
-the generation, re-plans the mesh from the live actors, has them re-form groups *in the same
-processes*, and reloads the newest state resharded into the new mesh: the in-memory snapshots when
-every shard has a live copy, else the newest committed checkpoint (``orchestrator.snapshots``). A failure while a
-generation forms (joining, loading) takes the same path and the rebuild is retried.
+survivors (``orchestrator.recovery``), bumps the generation, re-plans the mesh from the live actors,
+has them re-form groups *in the same processes*, and reloads the newest state resharded into the new
+mesh: the in-memory snapshots when every shard has a live copy, else the newest committed checkpoint
+(``orchestrator.snapshots``). A failure while a generation forms takes the same path; it is retried.
 
 Decisions are data: ``orchestrator.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
 or ``Raise``; ``orchestrator.policies.ScalingPolicy`` answers with ``ResizeDecision``, ``NoResize`` or
 ``TooFewWorkers``. The controller carries them out. Everything it needs of the cluster goes through
-the worker group (calls, kills, the capacity probe ``free_slots``), and step records are made by
-``orchestrator.metrics.step_record``.
+the worker group (calls, kills, the capacity probe ``free_slots``).
 """
 
 from __future__ import annotations
@@ -217,15 +215,21 @@ class Controller(RankHealth):
         self.metrics.step(record)
         self.metrics.timeline(step, results)
         self._score_stragglers(results)
-        if self._pending_rebuild_event is not None:
-            # The rebuild / grow event goes out with the first step the new generation trained, so
-            # that recovery_s covers everything from the failure (or resize) to training again.
-            event = self._pending_rebuild_event
+        self._emit_rebuild_event()
+
+    def _emit_rebuild_event(self) -> None:
+        """The rebuild / grow event goes out with the generation's first step (recovery_s then covers
+        the failure or resize to training again), or when the next recovery begins before it."""
+        event, self._pending_rebuild_event = self._pending_rebuild_event, None
+        if event is not None:
             if self._failure_at is not None:
                 event["recovery_s"] = self.clock() - self._failure_at
             self.metrics.event(event.pop("kind"), **event)
-            self._pending_rebuild_event = None
             self._failure_at = None
+
+    def _recovery_begins(self) -> None:
+        self._emit_rebuild_event()
+        self._failure_at = self.clock()
 
     # -- failures (one path for every phase) ------------------------------------------------------
     def _fail(self, phase: Phase, outcome: CallOutcome, results: list[StepResult] = ()) -> None:
@@ -233,7 +237,7 @@ class Controller(RankHealth):
         decision (REBUILDING, or raise the error it carries)."""
         gen = self.generation
         if not phase.forming or self._failure_at is None:
-            self._failure_at = self.clock()  # a failed formation is part of the recovery under way
+            self._recovery_begins()  # a failed formation is part of the recovery under way
         found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
                        wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
         # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
@@ -276,7 +280,7 @@ class Controller(RankHealth):
         if notice.action != "evacuate":
             return False  # too short for a save: the node's loss takes the failure path
         if notice.ranks:
-            self._failure_at = self.clock()
+            self._recovery_begins()
             try:
                 self.ckpt.save_now(self.group, self.generation, step - 1)
             except TrainingFailed:
@@ -296,7 +300,7 @@ class Controller(RankHealth):
     def _begin_resize(self) -> None:
         """Before a planned resize: commit a checkpoint of the current step (finishing any save in
         flight first) so the next generation resumes exactly here."""
-        self._failure_at = self.clock()
+        self._recovery_begins()
         self.ckpt.save_now(self.group, self.generation, self.next_step - 1)
 
     def _resize_requested(self, dp: int) -> None:
