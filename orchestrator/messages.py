@@ -102,6 +102,9 @@ class StepResult:
     # This rank's own CPU time in the step (the training thread's): waiting for peers in a
     # collective burns none, so a slow peer does not make every rank look slow (orchestrator/stragglers.py).
     own_s: float = 0.0
+    # Wall time inside this rank's blocks' forwards, FSDP's all-gather waits left out: what the
+    # straggler score compares (workers/compute_clock.py, orchestrator/stragglers.py).
+    forward_s: float = 0.0
     dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
 
 

@@ -9,7 +9,7 @@ spares).
 * Bad steps: a step every rank skipped (loss or grad norm not finite) is logged (``bad_step``) and
   recorded; ``train.max_bad_steps`` in a row reload the newest checkpoint in place (``rollback``) and
   replay the recorded steps as skips, going on past their batches.
-* Stragglers: each trained step's ``own_s`` is scored; a straggler is reported (``straggler``
+* Stragglers: each trained step's ``forward_s`` is scored; a straggler is reported (``straggler``
   {rank, node, factor}) and with ``elastic.evict_stragglers`` dropped at the next step boundary: the
   step is committed, the actor killed and the mesh re-formed from the live actors (a spare takes its
   place, else dp shrinks); no step is re-run and no restart counted.
@@ -71,7 +71,7 @@ class RankHealth:
     def _score_stragglers(self, results: list[StepResult]) -> None:
         gen = self.generation
         actor_of = gen.members
-        own = {actor_of[r.world_rank]: (gen.shape.coords(r.world_rank).pp, r.own_s) for r in results
+        own = {actor_of[r.world_rank]: (gen.shape.coords(r.world_rank).pp, r.forward_s) for r in results
                if r.world_rank in actor_of}
         for found in self.stragglers.observe(own):
             rank = next(r for r, a in actor_of.items() if a == found.actor)

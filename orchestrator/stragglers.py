@@ -1,17 +1,17 @@
 """Straggler scoring (pure): which rank has been slower than its peers for too many steps in a row.
 
-Each step every rank reports ``StepResult.own_s``: the CPU time of its training thread in the step.
-A rank blocked in a collective waiting for a slow peer sleeps in the wait and burns no CPU, so a slow
-peer does not make everybody look slow, as the step's wall time (the same on every rank of a lockstep
-step) or forward/backward wall time (which holds FSDP's and pipeline waits) would; the time to reach
-the step's first collective would leave out everything after it. CPU time sees a rank doing more
-work or running on a slower core; it misses a rank that waits on something else (slow storage) or
-whose CPU is taken by a neighbour, and on GPUs it counts only the host's share (docs/design.md,
-Stragglers).
+Each step every rank reports ``StepResult.forward_s``: the wall time inside its blocks' forward
+passes with FSDP's all-gather waits left out (``workers/compute_clock.py``). The step's wall time is
+the same on every rank of a lockstep step, and forward/backward wall time holds FSDP's and the
+pipeline's waits for a slow peer, so either would make everybody look slow; CPU time (``own_s``)
+would miss a rank that is slow without computing more (a sleep, a core taken by a neighbour).
+Measured on the forwards only: the backward's FSDP waits run inside autograd, where no module hook
+separates them. On GPUs the forward's kernels run asynchronously, so this counts the host's share
+only (docs/design.md, Stragglers).
 
 A rank's score is its own time over the median of its peers' — the ranks at the same pipeline
 position (they run the same layers), or every other rank when it has none. Above
-``elastic.straggler_factor`` for ``elastic.straggler_steps`` steps in a row it is reported once;
+``elastic.straggler_factor`` (and at least ``MIN_EXCESS_S`` slower) for ``elastic.straggler_steps`` steps in a row it is reported once;
 it is reported again only after a step at a normal pace. Scores follow actors, not world ranks, so
 a re-formed mesh keeps no stale streaks of departed actors (``forget``).
 """
@@ -21,6 +21,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+
+
+# A rank must also be this much slower than its peers' median: on a busy host a tiny model's
+# millisecond forwards differ by whole factors from scheduling alone (seen on the 2-core test machine),
+# which no real straggler's cost is worth an eviction for.
+MIN_EXCESS_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +52,7 @@ class StragglerWatch:
                 continue
             median = statistics.median(peers)
             ratio = seconds / median if median > 0 else (math.inf if seconds > 0 else 1.0)
-            if ratio <= self.factor:
+            if ratio <= self.factor or seconds - median < MIN_EXCESS_S:
                 self.streak[actor] = 0
                 self.reported.discard(actor)
                 continue

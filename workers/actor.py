@@ -58,9 +58,9 @@ def _train(method):
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 # Faults that leave the process running, in the ``steps`` train steps from ``at``: "nan" puts a NaN
-# into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds at the start of the
-# step (a straggler).
-STEP_FAULTS = ("nan", "slow")
+# into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps
+# ``delay_s`` inside the first block's forward of the step (a straggler: workers/compute_clock.py).
+STEP_FAULTS = ("nan", "slow", "sleep")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
@@ -246,7 +246,7 @@ class RankActor:
         ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
-        ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow": see
+        ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow", "sleep": see
         there) take ``where="step"``. Bad arguments raise, so a test never arms nothing."""
         if kind in STEP_FAULTS and where == "step" and steps >= 1:
             self._step_faults[kind] = (at, steps, delay_s)
@@ -304,17 +304,18 @@ class RankActor:
         return fault
 
     def _arm_step_faults(self, step: int) -> None:
-        """Hand the runtime this step's share of the armed "nan" / "slow" faults."""
+        """Hand the runtime this step's share of the armed "nan" / "slow" / "sleep" faults."""
         def armed(kind: str) -> tuple[int, int, float] | None:
             fault = self._step_faults.get(kind)
             return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
 
         self.runtime.inject_nan_grad = armed("nan") is not None
-        slow = armed("slow")
+        slow, sleep = armed("slow"), armed("sleep")
         self.runtime.inject_busy_s = slow[2] if slow is not None else 0.0
-        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s:
-            logger.warning("fault injection at step %d: nan=%s busy=%.2fs", step, self.runtime.inject_nan_grad,
-                           self.runtime.inject_busy_s)
+        self.runtime.inject_sleep_s = sleep[2] if sleep is not None else 0.0
+        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s or self.runtime.inject_sleep_s:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs", step,
+                           self.runtime.inject_nan_grad, self.runtime.inject_busy_s, self.runtime.inject_sleep_s)
 
     def _arm_forward_fault(self, step: int) -> None:
         """A one-shot forward hook on this rank's first stage signals the process when that forward

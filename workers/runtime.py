@@ -25,6 +25,7 @@ from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import RankGroups
 from workers.models.build import build_local_stage
+from workers.compute_clock import ComputeClock
 from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
@@ -78,6 +79,8 @@ class RankRuntime:
             self.optimizers.append(build_optimizer(module, train))
         # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
         self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups, ddp=use_ddp)
+        # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
+        self.compute_clock = ComputeClock(b for st in self.stages.values() for b in self.family.blocks(st.module))
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
@@ -116,7 +119,8 @@ class RankRuntime:
         # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient / CPU seconds burnt at the
         # start of the next step, as a straggler would.
         self.inject_nan_grad = False
-        self.inject_busy_s = 0.0
+        self.inject_busy_s = 0.0  # straggler faults: CPU burnt / slept inside a block's forward
+        self.inject_sleep_s = 0.0
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
@@ -147,8 +151,8 @@ class RankRuntime:
         """
         t0 = time.perf_counter()
         own0 = time.thread_time()
-        if self.inject_busy_s > 0:
-            _burn_cpu(self.inject_busy_s)
+        self.compute_clock.take()  # drop what an eval forward counted since the last step
+        self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
         data = self._step_data(step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -199,6 +203,7 @@ class RankRuntime:
             skipped=not finite or bool(bad),
             bad=bad,
             own_s=time.thread_time() - own0,
+            forward_s=self.compute_clock.take(),
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
         )
 
@@ -339,11 +344,3 @@ class RankRuntime:
         self.optimizers.clear()
         self.params.clear()
         self.groups.destroy()
-
-
-def _burn_cpu(seconds: float) -> None:
-    """Spin for ``seconds`` of this thread's CPU time (a straggler doing more work, not waiting:
-    waiting is what ``StepResult.own_s`` leaves out)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass

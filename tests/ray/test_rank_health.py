@@ -2,7 +2,7 @@
 
 * A NaN put into one rank's gradient (``arm_fault(kind="nan")``) makes every rank skip that step; the
   run's losses and parameters equal the single-process run that skipped the same batch.
-* A rank burning extra CPU each step (``arm_fault(kind="slow")``) is reported as a straggler within
+* A rank sleeping in each step's forward (``arm_fault(kind="sleep")``) is reported as a straggler within
   ``straggler_steps + 1`` steps and, with ``evict_stragglers``, swapped for the hot spare at the next
   step boundary: dp unchanged, the other rank's process kept, losses still equal one process.
 * A rank killed mid-step with ``elastic.spares = 1``: dp unchanged, the spare promoted, a new spare
@@ -86,8 +86,9 @@ def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, 
         spare, = controller.spare_ids
         slow, other = members[1], members[0]
         other_pid = group.pids[other]
-        # From step 2 on, 0.5 CPU-seconds burnt at the start of every step (the others take ~0.05).
-        group.call([slow], "arm_fault", (2, "slow", 0.5, "step", 100), timeout_s=10)
+        # From step 2 on, a 0.5 s sleep inside the rank's first block forward of every step (the
+        # issue's fault: a rank that is slow without computing more; the others' forwards take ~0.01 s).
+        group.call([slow], "arm_fault", (2, "sleep", 0.5, "step", 100), timeout_s=10)
         summary = controller.run()
         final = dict(controller.generation.members)
     finally:

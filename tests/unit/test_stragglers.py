@@ -43,3 +43,12 @@ def test_a_lone_rank_is_scored_against_everybody_and_forget_drops_streaks():
     w.forget({0})
     assert w.streak == {0: 0}
     assert step(w, {0: 1.0}) == []  # no peers: no score
+
+
+def test_a_few_milliseconds_slower_is_not_a_straggler_however_large_the_factor():
+    from orchestrator.stragglers import MIN_EXCESS_S, StragglerWatch
+
+    watch = StragglerWatch(factor=2.0, steps=1)
+    assert watch.observe({0: (0, 0.010), 1: (0, 0.012), 2: (0, 0.045)}) == []  # 4.5x, 35 ms more
+    found, = watch.observe({0: (0, 0.010), 1: (0, 0.012), 2: (0, 0.012 + MIN_EXCESS_S + 0.01)})
+    assert found.actor == 2

@@ -1,0 +1,61 @@
+"""workers/compute_clock.py: a block's forward counts, a wait in a hook placed before it (FSDP's
+all-gather, whose pre-forward hook FSDP prepends) or after it (FSDP's reshard) does not; the
+straggler faults land inside the counted time. A fake clock: no wall-clock assertion."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import workers.compute_clock as cc
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def thread_time(self) -> float:  # burning CPU moves both clocks
+        self.now += 0.25
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class Block(nn.Module):
+    def __init__(self, clock: FakeTime, work_s: float) -> None:
+        super().__init__()
+        self.clock, self.work_s = clock, work_s
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        self.clock.sleep(self.work_s)  # the block's own compute
+        return self.lin(x)
+
+
+def test_forward_counts_and_the_hooks_around_it_do_not(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(cc, "time", fake)
+    blocks = [Block(fake, 0.25), Block(fake, 0.5)]
+    for b in blocks:  # registered first, as FSDP's are: a prepended pre-hook and a post-hook
+        b.register_forward_pre_hook(lambda m, a: fake.sleep(3.0), prepend=True)
+        b.register_forward_hook(lambda m, a, o: fake.sleep(7.0))
+    clock = cc.ComputeClock(blocks)
+    x = torch.zeros(1, 2)
+    for b in blocks:
+        x = b(x)
+    assert clock.take() == 0.75 and clock.take() == 0.0
+
+    clock.sleep_s = 2.0  # the "sleep" fault: inside the first block's forward of the step, once
+    for b in blocks:
+        x = b(x)
+    assert clock.take() == 2.75
+    clock.busy_s = 1.0  # the "slow" fault burns CPU there (1 s, plus the fake's first 0.25 s read)
+    blocks[0](x)
+    assert clock.take() == 1.5
+    clock.remove()
+    blocks[0](x)
+    assert clock.take() == 0.0

@@ -1,0 +1,65 @@
+"""A rank's own compute time in a step, for straggler scoring: the wall time inside its blocks'
+forward passes, with FSDP's waits for its peers left out.
+
+Why wall time inside the blocks: a straggler is a rank that computes slowly — a slow device, a core
+taken by a neighbour, or (the test's fault) a sleep — and its peers then wait for it in every
+collective. Step wall time is the same on every rank of a lockstep step, and CPU time misses a rank
+that is slow without computing more. What makes a block's forward wait for peers is FSDP's
+all-gather, which runs in FSDP's forward pre-hook, and its reshard in the post-hook: this clock's
+pre-hook is registered after FSDP's (FSDP prepends its own) and its post-hook is prepended, so both
+waits fall outside. Tensor-parallel collectives inside a block do count: a slow TP rank makes its TP
+group look slow together, and the group is compared with the other replicas. On a GPU the forward's
+kernels are asynchronous, so this measures the host's share only (docs/design.md, Stragglers).
+
+The straggler faults (``workers/actor.py`` ``arm_fault`` kinds "sleep" and "slow") act inside the
+first block's forward so that they are what a slow rank's compute would be.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from torch import nn
+
+
+def _burn_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class ComputeClock:
+    def __init__(self, blocks: Iterable[nn.Module]) -> None:
+        self.total = 0.0
+        self.sleep_s = 0.0  # fault injection for this step: slept inside the next block's forward
+        self.busy_s = 0.0  # ... and CPU burnt there
+        self._entered: dict[int, float] = {}
+        self._handles = []
+        for block in blocks:
+            self._handles.append(block.register_forward_pre_hook(self._enter))
+            self._handles.append(block.register_forward_hook(self._exit, prepend=True))
+
+    def _enter(self, module: nn.Module, args) -> None:
+        self._entered[id(module)] = time.perf_counter()
+        if self.sleep_s or self.busy_s:
+            sleep, busy, self.sleep_s, self.busy_s = self.sleep_s, self.busy_s, 0.0, 0.0
+            if sleep > 0:
+                time.sleep(sleep)
+            if busy > 0:
+                _burn_cpu(busy)
+
+    def _exit(self, module: nn.Module, args, output) -> None:
+        t0 = self._entered.pop(id(module), None)
+        if t0 is not None:
+            self.total += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """The seconds counted since the last call (one step's)."""
+        out, self.total = self.total, 0.0
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
