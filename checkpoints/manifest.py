@@ -55,6 +55,9 @@ class CheckpointManifest:
     run_id: str = ""
     """The run that committed it (kept across resumes of that run). A run purges, replaces and resumes
     after a failure only its own checkpoints; empty in manifests written before runs had ids."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps up to ``step`` skipped as bad (loss or grad norm not finite): a resume skips them again
+    rather than train their batches (orchestrator/bad_steps.py)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -147,6 +150,9 @@ def _validate(m: CheckpointManifest) -> None:
         _fail(f"ranks_acked must be a list of ranks in [0, {m.world_size}), got {acked!r}")
     if len(set(acked)) != len(acked):
         _fail(f"ranks_acked has duplicates: {acked!r}")
+    skipped = m.skipped_steps
+    if not isinstance(skipped, list) or not all(_is_int(s) and 1 <= s <= m.step for s in skipped):
+        _fail(f"skipped_steps must be a list of steps in [1, {m.step}], got {skipped!r}")
     layers = m.stage_layers
     if not isinstance(layers, list) or not all(
         isinstance(s, list) and all(_is_int(i) and i >= 0 for i in s) for s in layers

@@ -102,6 +102,7 @@ class CheckpointCoordinator:
         self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
+        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/bad_steps.py): written, and read back
         if self.user_dir:
             try:
                 ensure_writable(self.root)
@@ -205,6 +206,7 @@ class CheckpointCoordinator:
             data_identity=self.data_identity,
             files=files,
             run_id=self.run_id,
+            skipped_steps=sorted(s for s in self.skipped_steps if s <= pending.step),
         )
         try:
             commit(self.root, manifest)
@@ -311,6 +313,7 @@ class CheckpointCoordinator:
             raise RestoreFailed(
                 f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}", outcome)
         self.last_committed = max(self.last_committed, info.step)
+        self.skipped_steps.update(info.manifest.skipped_steps)  # a resume skips them again
         return info.step
 
     def close(self) -> None:

@@ -108,9 +108,12 @@ class TrainConfig:
     grad_clip: float = key(1.0, "global grad-norm clip; 0 = off", ge=0)
     seed: int = key(0, "fixes the initial weights and the global sample order")
     dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
-                                "scaling, for GPUs without bf16", choices=DTYPES)
+                                "scaling, for GPUs without bf16; float64 keeps weights, optimizer state "
+                                "and reductions in fp64 (exact comparisons)", choices=DTYPES)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
+    max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "
+                                "row roll back to the newest checkpoint and go on past those batches", ge=1)
 
 
 @dataclass(**_SECTION)
@@ -160,6 +163,13 @@ class ElasticConfig:
     grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
     drain_poll_s: float = key(1.0, "how often to look for drain (preemption) notices of the job's nodes; "
                                    "0 = ignore them", ge=0)
+    spares: int = key(0, "warm spare actors kept beside the mesh (on other nodes where possible): a failed "
+                         "rank is replaced by one without shrinking dp, and a new spare is requested", ge=0)
+    straggler_factor: float = key(2.0, "a rank whose compute time exceeds this many times its peers' "
+                                       "median is slow", gt=1)
+    straggler_steps: int = key(5, "consecutive slow steps before a rank is reported as a straggler", ge=1)
+    evict_stragglers: bool = key(False, "swap a reported straggler for a spare (or drop it) at the next "
+                                        "step boundary")
 
 
 @dataclass(**_SECTION)

@@ -24,7 +24,7 @@ from orchestrator.config_schema import ConfigError, check_values
 if TYPE_CHECKING:  # only for annotations; config.py imports this module at runtime
     from orchestrator.config import JobConfig, TrainConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 ZERO_STAGES = (2, 3)
 BUILTIN_DATA = "builtin"

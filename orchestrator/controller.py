@@ -50,6 +50,7 @@ from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan
 from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
+from orchestrator.rank_health import RankHealth
 from orchestrator.recovery import settle
 from orchestrator.store_provider import FixedStore, StoreSource
 
@@ -67,7 +68,7 @@ class State(StrEnum):
     ERRORED = "errored"
 
 
-class Controller:
+class Controller(RankHealth):
     def __init__(
         self,
         cfg: JobConfig,
@@ -100,6 +101,7 @@ class Controller:
         self.losses: dict[int, float] = {}
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
+        self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/rank_health.py)
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -163,18 +165,26 @@ class Controller:
         if step in self.resize_requests:
             self._resize_requested(self.resize_requests.pop(step))
             return
-        if self._preempted_at(step):
+        if self._preempted_at(step) or self._evict_stragglers(step):
             return
         if self._grow_due():
+            self._refill_spares()  # spares first: a grow never takes them (orchestrator/policies.py)
             self._adopt_new_actors()
             decision = self.scaling.grow(self.generation.shape.dp, len(self.group.live_ids))
             if isinstance(decision, ResizeDecision):
                 self._begin_resize()
                 self._form(decision)
                 return
+        if self.bad_steps.is_skipped(step):  # skipped before a rollback or resume: the same choice again
+            self.metrics.event("bad_step", step=step, reason="recorded")
+            self.next_step = step + 1
+            self.ckpt.after_step(self.group, self.generation, step)
+            return
         outcome = self._train_step(step)
         results = list(outcome.results.values())
         if outcome.ok and all(r.ok for r in results):
+            if self._bad_step(step, results):
+                return
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
@@ -202,6 +212,7 @@ class Controller:
         self.losses[step] = record["loss"]
         self.metrics.step(record)
         self.metrics.timeline(step, results)
+        self._score_stragglers(results)
         if self._pending_rebuild_event is not None:
             # The rebuild / grow event goes out with the first step the new generation trained, so
             # that recovery_s covers everything from the failure (or resize) to training again.
@@ -319,6 +330,7 @@ class Controller:
         number = (previous.number + 1) if previous else 1
         plan = make_plan(self.cfg, decision.dp)
         members, spares = _assign(self.group.live_ids, self.group.node_ips, plan.shape)
+        self._spares_formed(number, members, spares)
         spec = self._runtime_spec(plan)
         host, port = self.store.address()
         args = {
@@ -347,6 +359,7 @@ class Controller:
         else:
             self._pending_rebuild_event = event
         self.state = State.RUNNING
+        self._refill_spares()
 
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
         return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,

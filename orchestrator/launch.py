@@ -226,6 +226,11 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
             capacity.ask(wanted_bundles(cfg, group.bundle()),
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
+        if cfg.elastic.spares:  # hot spares: wanted, not required (the controller asks again later)
+            try:
+                group.add(cfg.elastic.spares, strategy="SPREAD")
+            except WorkerGroupStartupError as exc:
+                logger.warning("elastic.spares=%d: not started yet (%s)", cfg.elastic.spares, exc)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
         metrics.step_listeners.extend(listeners)
         controller = Controller(

@@ -145,12 +145,13 @@ def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
     """Whether a stage is sharded with FSDP2 (ZeRO) at all: the rule the ranks and the plan share.
 
     With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
-    as fast as plain PyTorch (bench/step_overhead.py). bf16/fp16 always go through FSDP2's
+    as fast as plain PyTorch (bench/step_overhead.py); the same holds for fp64, whose parameters are
+    fp64 themselves (no mixed precision). bf16/fp16 always go through FSDP2's
     MixedPrecisionPolicy (fp32 master weights, 16-bit compute, fp32 gradient reduction), and
     ``mesh.cpu_offload`` through its CPUOffloadPolicy, even at dp=1 (an elastic shrink to one
     replica must not silently move the model back onto the GPU).
     """
-    return dp > 1 or dtype != "float32" or cpu_offload
+    return dp > 1 or dtype not in ("float32", "float64") or cpu_offload
 
 
 def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:

@@ -94,7 +94,11 @@ class StepResult:
     compute_s: float = 0.0
     timings: tuple[ActionTiming, ...] = field(default_factory=tuple)
     loss_scale: float | None = None  # fp16: the loss scale this step's backward used
-    skipped: bool = False  # fp16: a gradient overflowed on some rank, so every rank skipped the update
+    skipped: bool = False  # every rank skipped the update: fp16 overflow, or a bad step (``bad``)
+    bad: str = ""  # a bad step: "loss" (this rank's loss was not finite) or "grad_norm"; "" = fine
+    # This rank's own CPU time in the step (the training thread's): waiting for peers in a
+    # collective burns none, so a slow peer does not make every rank look slow (orchestrator/stragglers.py).
+    own_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from orchestrator.schedule import (
     theoretical_bubble,
 )
 
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def param_counts(model) -> dict[str, int]:
@@ -128,10 +128,11 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     if plan.num_stages - 1 in stages:
         # fp32 logits + their grad, vocab-sharded over tp (loss_parallel)
         activations += train.micro_batch_size * m.seq_len * m.vocab_size * 4 * 2 // t
+    master = 8 if train.dtype == "float64" else 4  # fp64: weights, grads and moments are all fp64
     return {
-        "params": sharded * 4 + gathered,
-        "grads": sharded * 4,
-        "optimizer": sharded * 8,
+        "params": sharded * master + gathered,
+        "grads": sharded * master,
+        "optimizer": sharded * 2 * master,
         "activations": activations,
         "peak_microbatches_in_flight": inflight,
     }

@@ -3,7 +3,8 @@
 The elastic rule: pp x tp is fixed (a replica's shape); dp is the largest number of whole replicas the
 live actors allow, capped by ``elastic.max_dp``, that also divides the global batch into whole
 microbatches (the global batch never changes, so the loss curve does not either). Actors left over
-stay as spares for a later grow.
+stay as spares for a later grow. ``elastic.spares`` of them are hot spares: kept out of a grow, taken
+in after a failure (so a lost rank costs no dp while one is left), and counted in what to start.
 
 ``ScalingPolicy`` answers the controller's scaling questions with decisions — ``ResizeDecision``
 (form a mesh of this dp), ``NoResize`` (keep the mesh), ``TooFewWorkers`` (stop) — and the numbers of
@@ -84,6 +85,7 @@ class ScalingPolicy:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.replica = cfg.mesh.pp * cfg.mesh.tp
+        self.spares = cfg.elastic.spares
 
     def start(self) -> ResizeDecision:
         return ResizeDecision(dp=self.cfg.mesh.dp, reason="start")
@@ -115,7 +117,7 @@ class ScalingPolicy:
         replicas, up to ``elastic.max_dp`` of them. ``free_slots`` (a callable: the probe asks Ray)
         is called only when more actors are wanted at all."""
         _, max_dp = dp_bounds(self.cfg)
-        wanted = max_dp * self.replica - live_actors
+        wanted = max_dp * self.replica + self.spares - live_actors
         if wanted <= 0:
             return 0
         count = min(wanted, free_slots())
@@ -123,5 +125,5 @@ class ScalingPolicy:
 
     def grow(self, current_dp: int, live_actors: int) -> ResizeDecision | NoResize:
         """Grow to a larger dp when the live actors allow one, else keep the mesh."""
-        target = grow_target(self.cfg, current_dp, live_actors)
+        target = grow_target(self.cfg, current_dp, live_actors - self.spares)
         return NoResize() if target is None else ResizeDecision(dp=target, reason="grow")

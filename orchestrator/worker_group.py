@@ -73,9 +73,11 @@ class WorkerGroup:
             b["GPU"] = float(self.resources.gpus)
         return b
 
-    def add(self, count: int, *, wait_s: float | None = None) -> list[int]:
+    def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
         """Start ``count`` new actors, in vacated bundles that are placed and then in a new placement
-        group; returns their actor ids.
+        group (``strategy``: "PACK" keeps a mesh's ranks together; hot spares ask for "SPREAD", so
+        that as far as Ray can they land on other nodes than the ranks they back); returns their
+        actor ids.
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
@@ -87,7 +89,7 @@ class WorkerGroup:
             slots.append(self._reserved.pop(0))
         fresh = count - len(slots)
         if fresh:
-            pg = placement_group([self.bundle()] * fresh, strategy="PACK")
+            pg = placement_group([self.bundle()] * fresh, strategy=strategy)
             if not self._wait_placed(pg, fresh, wait_s):
                 remove_placement_group(pg)
                 raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))

@@ -52,6 +52,10 @@ def _train(method):
 
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+# Faults that leave the process running, in the ``steps`` train steps from ``at``: "nan" puts a NaN
+# into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds at the start of the
+# step (a straggler).
+STEP_FAULTS = ("nan", "slow")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 
@@ -76,6 +80,7 @@ class RankActor:
         self._lock = threading.Lock()
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
+        self._step_faults: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
@@ -83,6 +88,12 @@ class RankActor:
     def ping(self) -> tuple[int, str, str]:
         """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
         return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def warm(self) -> None:
+        """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
+        joins as fast as a member re-forms (``elastic.spares``)."""
+        import workers.groups  # noqa: F401
+        import workers.runtime  # noqa: F401
 
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""
@@ -153,6 +164,7 @@ class RankActor:
             if self.runtime is None:
                 raise RuntimeError("train_step before join_generation")
             self._arm_forward_fault(step)
+            self._arm_step_faults(step)
             with profiled_step(self.profile, step, self.world_rank, self.generation):
                 return self.runtime.train_step(step, actions)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
@@ -188,13 +200,16 @@ class RankActor:
             self._maybe_fire_fault("load", self.generation)
             return self.runtime.load_checkpoint(path)
 
-    def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step") -> None:
+    def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching
         ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
-        ``delay_s`` is ignored at "forward" and "ckpt_write". Bad arguments raise, so a test never
-        arms nothing."""
+        ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow": see
+        there) take ``where="step"``. Bad arguments raise, so a test never arms nothing."""
+        if kind in STEP_FAULTS and where == "step" and steps >= 1:
+            self._step_faults[kind] = (at, steps, delay_s)
+            return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
@@ -246,6 +261,19 @@ class RankActor:
             return None
         del self._faults[where]
         return fault
+
+    def _arm_step_faults(self, step: int) -> None:
+        """Hand the runtime this step's share of the armed "nan" / "slow" faults."""
+        def armed(kind: str) -> tuple[int, int, float] | None:
+            fault = self._step_faults.get(kind)
+            return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
+
+        self.runtime.inject_nan_grad = armed("nan") is not None
+        slow = armed("slow")
+        self.runtime.inject_busy_s = slow[2] if slow is not None else 0.0
+        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs", step, self.runtime.inject_nan_grad,
+                           self.runtime.inject_busy_s)
 
     def _arm_forward_fault(self, step: int) -> None:
         """A one-shot forward hook on this rank's first stage signals the process when that forward

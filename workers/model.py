@@ -21,6 +21,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for norms, RoPE and the loss; fp64 stays fp64 (``train.dtype = "float64"``)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class ModelShape(Protocol):
     """What the model reads from the [model] config section."""
 
@@ -44,7 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -57,7 +62,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [batch, seq, heads, head_dim]; rotate (even, odd) pairs.
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    x1, x2 = upcast(x)[..., 0::2], upcast(x)[..., 1::2]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
@@ -194,6 +199,6 @@ def build_stage(
 def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32; callers divide by the *global* token count."""
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
     )
 

@@ -61,7 +61,10 @@ def apply_fsdp(
     blocks left out of every unit are sharded with the root. Neither the parameter names nor their
     dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # fp64 parameters are their own compute dtype and reduce in fp64 (train.dtype = "float64": runs
+    # compared with the reference at 1e-9); else 16/32-bit compute over fp32 master weights.
+    reduce = torch.float64 if param_dtype == torch.float64 else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
     # Pinned host memory only where there is a device to copy to and from.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = zero == 3

@@ -27,6 +27,7 @@ class ReferenceTrainer:
         self.model = build_local_stage(
             self.family, self.shape, range(self.shape.n_layers), device=torch.device("cpu"), seed=train.seed,
             activation_checkpointing=train.activation_checkpointing, init=not init_from,
+            dtype=torch.float64 if train.dtype == "float64" else None,
         )
         if init_from:  # Hugging Face weights instead of the (seed, name) init
             from workers.models.hf_io import load_hf
@@ -74,8 +75,11 @@ class ReferenceTrainer:
                 count += counted(y)
         return total / max(1, count)
 
-    def run(self, first_step: int, last_step: int) -> list[float]:
-        return [self.step(s) for s in range(first_step, last_step + 1)]
+    def run(self, first_step: int, last_step: int, skip: set[int] = frozenset()) -> list[float | None]:
+        """Steps ``first_step..last_step``; a step in ``skip`` (a bad step the mesh skipped) changes
+        nothing and has no loss (None): its batch is passed over, the next step trains the next one."""
+        return [None if s in skip else self.step(s) for s in range(first_step, last_step + 1)]
 
     def params(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().float().numpy().copy() for n, p in self.model.named_parameters()}
+        return {n: (p.detach() if p.dtype == torch.float64 else p.detach().float()).numpy().copy()
+                for n, p in self.model.named_parameters()}

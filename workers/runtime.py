@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 import numpy as np
@@ -35,7 +36,7 @@ from workers.pipeline import Executor, Stage, StepData
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class RankRuntime:
@@ -56,6 +57,7 @@ class RankRuntime:
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
@@ -101,6 +103,10 @@ class RankRuntime:
         self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
+        # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient / CPU seconds burnt at the
+        # start of the next step, as a straggler would.
+        self.inject_nan_grad = False
+        self.inject_busy_s = 0.0
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
@@ -124,8 +130,15 @@ class RankRuntime:
         return eval_forward(self, path, batch, actions, mask_eos_id)
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
-        """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate."""
+        """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
+
+        A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
+        optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
+        """
         t0 = time.perf_counter()
+        own0 = time.thread_time()
+        if self.inject_busy_s > 0:
+            _burn_cpu(self.inject_busy_s)
         data = self._step_data(step)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -134,17 +147,30 @@ class RankRuntime:
             self.executor.loss_scale = scale_used = scaler.scale
         loss, timings, compute = self.executor.run(actions, data)
         self.tied.sync()
+        holds_loss = self.num_stages - 1 in self.stages
+        loss_bad = holds_loss and not math.isfinite(loss)
+        if loss_bad or self.inject_nan_grad:
+            self.inject_nan_grad = False
+            self._poison_grads()
         finite = True
+        bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
             finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
             scaler.update(finite)
         if finite:
-            if self.spec.train.grad_clip > 0:
-                clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group, self.tied.not_in_norm)
-            set_lr(self.optimizers, lr_at(step, self.spec.train))
-            self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-            for opt in self.optimizers:
-                opt.step()
+            # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
+            # a NaN/inf gradient anywhere, or a rank's non-finite loss (poisoned into its gradient
+            # above), makes it non-finite everywhere. So it is computed even when clipping is off.
+            norm = clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group,
+                                  self.tied.not_in_norm)
+            if math.isfinite(norm):
+                set_lr(self.optimizers, lr_at(step, self.spec.train))
+                self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
+                for opt in self.optimizers:
+                    opt.step()
+            else:
+                bad = "loss" if loss_bad else "grad_norm"
+                logger.warning("step %d: %s not finite; update skipped on every rank", step, bad)
         else:
             logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
                            "scale now %g", step, scaler.scale)
@@ -159,8 +185,23 @@ class RankRuntime:
             compute_s=compute,
             timings=tuple(timings),
             loss_scale=scale_used if scaler is not None else None,
-            skipped=not finite,
+            skipped=not finite or bool(bad),
+            bad=bad,
+            own_s=time.thread_time() - own0,
         )
+
+    def _poison_grads(self) -> None:
+        """Put a NaN into this rank's share of one counted gradient: the global norm becomes NaN on
+        every rank (how a non-finite loss on the last stage reaches the one skip decision)."""
+        from torch.distributed.tensor import DTensor
+
+        for p in self.params:
+            if p.grad is None or id(p) in self.tied.not_in_norm:
+                continue
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if local.numel():
+                local.view(-1)[0] = float("nan")
+                return
 
     # -- inspection -------------------------------------------------------------------------------
     def full_state(self) -> dict[str, np.ndarray]:
@@ -178,7 +219,7 @@ class RankRuntime:
                 full = (param.to(param.device_mesh.device_type).full_tensor() if isinstance(param, DTensor)
                         else param).detach()
                 if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
-                    out[name] = full.float().cpu().numpy().copy()
+                    out[name] = (full if full.dtype == torch.float64 else full.float()).cpu().numpy().copy()
         return out
 
     def model_parts(self) -> list[nn.Module]:
@@ -256,3 +297,11 @@ class RankRuntime:
         self.optimizers.clear()
         self.params.clear()
         self.groups.destroy()
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Spin for ``seconds`` of this thread's CPU time (a straggler doing more work, not waiting:
+    waiting is what ``StepResult.own_s`` leaves out)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

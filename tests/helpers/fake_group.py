@@ -52,6 +52,8 @@ class FakeRank:
         self.files: dict[str, int] = {}
         self.saving_step: int | None = None
         self.loaded: list[str] = []
+        self.bad_at: dict[int, str] = {}  # step -> StepResult.bad (scripted on the group: every rank)
+        self.own_s = 0.4  # StepResult.own_s (a straggler: set it higher)
 
     def ping(self) -> tuple[int, str, str]:
         return self.pid, self.node_ip, f"node-{self.node_ip}"
@@ -68,8 +70,9 @@ class FakeRank:
     def train_step(self, step: int, actions: Any) -> StepResult:
         self.step = step
         # Each rank reports 1/world of the loss, so the step's loss is the step number.
+        bad = self.bad_at.get(step, "")
         return StepResult(step=step, world_rank=self.world_rank, ok=True, loss=step / self.world,
-                          step_time_s=0.5, compute_s=0.4)
+                          step_time_s=0.5, compute_s=0.4, bad=bad, skipped=bool(bad), own_s=self.own_s)
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)
@@ -92,6 +95,9 @@ class FakeRank:
     def status(self) -> WorkerStatus:
         return WorkerStatus(world_rank=self.world_rank, pid=self.pid, generation=self.generation,
                             busy=False, step=self.step, error=None)
+
+    def warm(self) -> None:
+        pass
 
     def arm_fault(self, *args) -> None:  # the real actor's test hook; faults here are armed on the group
         pass
@@ -142,6 +148,11 @@ class FakeWorkerGroup:
             if call.state == "later":
                 call.state = "done"
 
+    def bad_step(self, step: int, reason: str = "grad_norm") -> None:
+        """Every rank reports ``step`` as bad (skipped: loss or grad norm not finite), each time it runs."""
+        for rank in self.ranks.values():
+            rank.bad_at[step] = reason
+
     def calls(self, method: str) -> list[tuple[int, tuple]]:
         return [(actor, args) for m, actor, args in self.log if m == method]
 
@@ -150,7 +161,7 @@ class FakeWorkerGroup:
     def live_ids(self) -> list[int]:
         return sorted(self.ranks)
 
-    def add(self, count: int, *, wait_s: float | None = None) -> list[int]:
+    def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
         if count > self.capacity:
             raise WorkerGroupStartupError(f"could not place {count} workers (the fake cluster has room "
                                           f"for {self.capacity})")

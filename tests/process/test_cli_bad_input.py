@@ -50,6 +50,10 @@ def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> None:
         (["elastic.collective_timeout_s=-1"], ["elastic.collective_timeout_s"]),
         (["elastic.rebuild_timeout_s=0"], ["elastic.rebuild_timeout_s"]),
         (["elastic.grow_check_s=-1"], ["elastic.grow_check_s"]),
+        (["elastic.spares=-1"], ["elastic.spares"]),
+        (["elastic.straggler_factor=1.0"], ["elastic.straggler_factor"]),
+        (["elastic.straggler_steps=0"], ["elastic.straggler_steps"]),
+        (["train.max_bad_steps=0"], ["train.max_bad_steps"]),
     ],
 )
 def test_train_rejects_bad_input(overrides, needles):

@@ -31,13 +31,17 @@ def build_local_stage(
     activation_checkpointing: bool = False,
     parallelize: Callable[[nn.Module], nn.Module] | None = None,
     init: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The stage holding ``layers``, parallelised by ``parallelize``, with local shards on ``device``.
 
     ``init=False`` leaves the shards uninitialised (``torch.empty``): the caller loads them.
+    ``dtype``: the parameters' own dtype (``train.dtype = "float64"``); None keeps fp32.
     """
     with torch.device("meta"):
         module = family.build_stage(shape, layers, activation_checkpointing=activation_checkpointing)
+        if dtype is not None:
+            module.to(dtype)
     if parallelize is not None:
         module = parallelize(module)
     module.to_empty(device=device)

@@ -97,7 +97,9 @@ class FamilyBase:
         import torch.nn.functional as F
 
         # fp32 summed token cross-entropy; callers divide by the *global* token count.
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        from workers.model import upcast
+
+        return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
     def hf_tensors(self, shape: Any) -> dict[str, tuple[int, ...]]:
         return {}

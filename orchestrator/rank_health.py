@@ -1,0 +1,130 @@
+"""The controller's rank-health transitions: bad steps, stragglers and hot spares (driver side).
+
+``Controller`` inherits these methods (split out to keep orchestrator/controller.py small); they use its
+state (``cfg``, ``group``, ``generation``, ``ckpt``, ``metrics``) and its transitions (``_form``,
+``_fail``, ``_begin_resize``). The decisions themselves are pure: ``orchestrator.bad_steps``,
+``orchestrator.stragglers``, ``orchestrator.policies`` (docs/design.md: Bad steps, Stragglers, Hot
+spares).
+
+* Bad steps: a step every rank skipped (loss or grad norm not finite) is logged (``bad_step``) and
+  recorded; ``train.max_bad_steps`` in a row reload the newest checkpoint in place (``rollback``) and
+  replay the recorded steps as skips, going on past their batches.
+* Stragglers: each trained step's ``own_s`` is scored; a straggler is reported (``straggler``
+  {rank, node, factor}) and with ``elastic.evict_stragglers`` dropped at the next step boundary: the
+  step is committed, the actor killed and the mesh re-formed from the live actors (a spare takes its
+  place, else dp shrinks); no step is re-run and no restart counted.
+* Hot spares: ``elastic.spares`` actors beyond the mesh, started with it (``launch.py``) and kept;
+  a re-formed mesh that takes one in reports ``spare_promoted``, and missing spares are requested
+  (``spare_requested``) right after each formation and at every grow check, waiting only briefly
+  for placement so training never stalls on them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orchestrator.bad_steps import BadSteps, bad_reason
+from orchestrator.checkpointing import RestoreFailed
+from orchestrator.errors import WorkerGroupStartupError
+from orchestrator.failure_policy import Phase
+from orchestrator.messages import StepResult
+from orchestrator.policies import TooFewWorkers, choose_dp
+from orchestrator.stragglers import StragglerWatch
+
+logger = logging.getLogger(__name__)
+
+SPARE_WAIT_S = 10.0  # placement wait for a new spare: short, retried at the next grow check
+
+
+class RankHealth:
+    def _init_rank_health(self) -> None:
+        self.bad_steps = BadSteps(self.cfg.train.max_bad_steps, self.ckpt.skipped_steps)  # one set: saved, restored
+        self.stragglers = StragglerWatch(self.cfg.elastic.straggler_factor, self.cfg.elastic.straggler_steps)
+        self._evict: set[int] = set()  # stragglers to drop at the next step boundary
+        self.spare_ids: list[int] = []  # live actors outside the current mesh
+
+    # -- bad steps --------------------------------------------------------------------------------
+    def _bad_step(self, step: int, results: list[StepResult]) -> bool:
+        """True when every rank skipped ``step`` as bad: logged and recorded; ``train.max_bad_steps``
+        in a row roll back to the newest checkpoint, whose replay skips the recorded steps."""
+        reason = bad_reason(step, results)
+        if not reason:
+            self.bad_steps.good()
+            return False
+        self.metrics.event("bad_step", step=step, reason=reason)
+        self.next_step = step + 1
+        if not self.bad_steps.bad(step) or self.ckpt.resume_point() is None:
+            self.ckpt.after_step(self.group, self.generation, step)  # nothing to roll back to: go on
+            return True
+        self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
+        try:
+            resumed = self.ckpt.restore(self.group, self.generation)
+        except RestoreFailed as exc:
+            self._fail(Phase.LOADING, exc.outcome)
+            return True
+        self.metrics.event("rollback", step=step, resumed_from_step=resumed, skipped=sorted(self.bad_steps.skipped))
+        self.next_step = resumed + 1
+        return True
+
+    # -- stragglers -------------------------------------------------------------------------------
+    def _score_stragglers(self, results: list[StepResult]) -> None:
+        gen = self.generation
+        actor_of = gen.members
+        own = {actor_of[r.world_rank]: (gen.shape.coords(r.world_rank).pp, r.own_s) for r in results
+               if r.world_rank in actor_of}
+        for found in self.stragglers.observe(own):
+            rank = next(r for r, a in actor_of.items() if a == found.actor)
+            self.metrics.event("straggler", rank=rank, node=self.group.node_ips.get(found.actor, ""),
+                               factor=round(found.factor, 3), actor=found.actor, step=results[0].step)
+            if self.cfg.elastic.evict_stragglers:
+                self._evict.add(found.actor)
+
+    def _evict_stragglers(self, step: int) -> bool:
+        """At the step boundary: drop the stragglers to evict (step ``step - 1`` committed first) and
+        re-form from the live actors; True when the mesh was re-formed."""
+        actors = self._evict & set(self.generation.members.values())
+        self._evict.clear()
+        if not actors:
+            return False
+        decision = choose_dp(self.cfg, len(self.group.live_ids) - len(actors), "straggler")
+        if isinstance(decision, TooFewWorkers):  # a slow rank beats no rank: keep it
+            logger.warning("straggler(s) %s kept: without them %s", sorted(actors), decision.message)
+            return False
+        self._begin_resize()
+        self.metrics.event("evict", step=step - 1, actors=sorted(actors))
+        self.group.kill(sorted(actors))
+        self._form(decision)
+        return True
+
+    # -- hot spares -------------------------------------------------------------------------------
+    def _spares_formed(self, number: int, members: dict[int, int], spares: list[int]) -> None:
+        """Generation ``number`` was assigned: report spares it took in, then remember the new spares."""
+        promoted = {rank: actor for rank, actor in members.items() if actor in self.spare_ids}
+        if promoted:
+            self.metrics.event("spare_promoted", generation=number, ranks=sorted(promoted), actors=sorted(promoted.values()))
+        self._warm([a for a in spares if a not in self.spare_ids])
+        self.spare_ids = list(spares)
+        self.stragglers.forget(set(members.values()))
+
+    def _refill_spares(self) -> None:
+        """Ask for the spares missing beyond the current mesh (a short wait; retried later)."""
+        wanted = self.cfg.elastic.spares
+        if not wanted or self.generation is None:
+            return
+        missing = wanted - (len(self.group.live_ids) - self.generation.shape.world)
+        if missing <= 0:
+            return
+        try:
+            started_ids = self.group.add(missing, wait_s=SPARE_WAIT_S, strategy="SPREAD")
+            self.spare_ids += started_ids
+            self._warm(started_ids)
+            started = True
+        except WorkerGroupStartupError as exc:
+            logger.info("spares: could not start %d yet (%s)", missing, exc)
+            started = False
+        self.metrics.event("spare_requested", count=missing, started=started)
+
+    def _warm(self, actors: list[int]) -> None:
+        """Have new spares import the training code now (``RankActor.warm``); not waited for."""
+        if actors and self.cfg.elastic.spares:
+            self.group.submit(actors, "warm")

@@ -1,0 +1,144 @@
+"""Rank health with real actors: bad steps, stragglers and hot spares, each against the reference.
+
+* A NaN put into one rank's gradient (``arm_fault(kind="nan")``) makes every rank skip that step; the
+  run's losses and parameters equal the single-process run that skipped the same batch.
+* A rank burning extra CPU each step (``arm_fault(kind="slow")``) is reported as a straggler within
+  ``straggler_steps + 1`` steps and, with ``evict_stragglers``, swapped for the hot spare at the next
+  step boundary: dp unchanged, the other rank's process kept, losses still equal one process.
+* A rank killed mid-step with ``elastic.spares = 1``: dp unchanged, the spare promoted, a new spare
+  started.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from orchestrator.config import load_config
+from tests.ray.conftest import make_group
+from tests.ray.harness import (
+    TEST_LR,
+    assert_matches_reference,
+    assert_params_match,
+    events,
+    last_losses,
+    make_controller,
+    mesh_params,
+)
+
+pytestmark = pytest.mark.ray
+
+BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
+        "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6", "mesh.tp=1"]
+
+
+@lru_cache(maxsize=4)
+def reference_skipping(overrides: tuple[str, ...], steps: int, skip: frozenset[int]):
+    from workers.reference import ReferenceTrainer
+
+    cfg = load_config(None, [o for o in overrides if o.startswith(("model.", "train."))])
+    trainer = ReferenceTrainer(cfg.model, cfg.train)
+    return trainer.run(1, steps, skip=set(skip)), trainer.params()
+
+
+def _start(tmp_path, store_address, extra: list[str], actors: int):
+    overrides = BASE + extra + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    cfg = load_config(None, overrides)
+    group = make_group(actors)
+    controller = make_controller(cfg, group, store_address)
+    controller.step()  # INITIALIZING -> RUNNING
+    return overrides, group, controller
+
+
+@pytest.mark.timeout(300)
+def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address, tmp_path):
+    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2"], actors=2)
+    try:
+        victim = controller.generation.members[1]
+        group.call([victim], "arm_fault", (3, "nan", 0.0, "step"), timeout_s=10)
+        summary = controller.run()
+        params = mesh_params(controller)
+    finally:
+        group.shutdown()
+    assert summary.final_step == 8 and summary.restarts == 0
+    bad, = events(tmp_path / "m.jsonl", "bad_step")
+    assert (bad["step"], bad["reason"]) == (3, "grad_norm")
+    ref_losses, ref_params = reference_skipping(tuple(overrides), 8, frozenset({3}))
+    losses = last_losses(tmp_path / "m.jsonl")
+    assert sorted(losses) == [1, 2, 4, 5, 6, 7, 8]
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref_losses[s - 1] for s in sorted(losses)],
+                               rtol=1e-5)
+    assert_params_match(params, ref_params)
+
+
+@pytest.mark.timeout(400)
+def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, tmp_path):
+    extra = ["mesh.dp=2", "elastic.spares=1", "elastic.straggler_steps=2", "elastic.straggler_factor=2.0",
+             "elastic.evict_stragglers=true"]
+    overrides, group, controller = _start(tmp_path, store_address, extra, actors=3)
+    try:
+        members = dict(controller.generation.members)
+        spare, = controller.spare_ids
+        slow, other = members[1], members[0]
+        other_pid = group.pids[other]
+        # From step 2 on, 0.5 CPU-seconds burnt at the start of every step (the others take ~0.05).
+        group.call([slow], "arm_fault", (2, "slow", 0.5, "step", 100), timeout_s=10)
+        summary = controller.run()
+        final = dict(controller.generation.members)
+    finally:
+        group.shutdown()
+    straggler, = events(tmp_path / "m.jsonl", "straggler")
+    assert straggler["rank"] == 1 and straggler["actor"] == slow and straggler["factor"] > 2.0
+    evict, = events(tmp_path / "m.jsonl", "evict")
+    assert evict["actors"] == [slow] and 2 <= evict["step"] <= 2 + 2  # within straggler_steps + 1 steps
+    assert sorted(final.values()) == sorted([other, spare]) and len(final) == 2  # dp unchanged
+    assert group.pids.get(other, other_pid) == other_pid and summary.restarts == 0
+    assert events(tmp_path / "m.jsonl", "spare_promoted")[0]["actors"] == [spare]
+    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)
+
+
+@pytest.mark.timeout(400)
+def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, store_address, tmp_path):
+    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "elastic.spares=1"], actors=3)
+    try:
+        spare, = controller.spare_ids
+        victim = controller.generation.members[0]
+        group.call([victim], "arm_fault", (4, "kill", 0.0, "forward"), timeout_s=10)
+        summary = controller.run()
+        final = dict(controller.generation.members)
+        live = list(group.live_ids)
+    finally:
+        group.shutdown()
+    assert summary.restarts == 1 and controller.generation.shape.dp == 2
+    assert spare in final.values() and victim not in live
+    promoted, = events(tmp_path / "m.jsonl", "spare_promoted")
+    assert promoted["actors"] == [spare] and promoted["generation"] == 2
+    requested, = events(tmp_path / "m.jsonl", "spare_requested")
+    assert requested["count"] == 1 and requested["started"]
+    assert len(live) == 3 and len(controller.spare_ids) == 1
+    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)
+
+
+@pytest.mark.timeout(300)
+def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, store_address, tmp_path):
+    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], actors=2)
+    try:
+        victim = controller.generation.members[0]
+        group.call([victim], "arm_fault", (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
+        summary = controller.run()
+        params = mesh_params(controller)
+    finally:
+        group.shutdown()
+    assert summary.final_step == 8 and summary.restarts == 0
+    rollback, = events(tmp_path / "m.jsonl", "rollback")
+    assert (rollback["step"], rollback["resumed_from_step"], rollback["skipped"]) == (6, 4, [5, 6])
+    assert [(e["step"], e["reason"]) for e in events(tmp_path / "m.jsonl", "bad_step")] == [
+        (5, "grad_norm"), (6, "grad_norm"), (5, "recorded"), (6, "recorded")]
+    ref_losses, ref_params = reference_skipping(tuple(overrides), 8, frozenset({5, 6}))
+    losses = last_losses(tmp_path / "m.jsonl")
+    assert sorted(losses) == [1, 2, 3, 4, 7, 8]
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref_losses[s - 1] for s in sorted(losses)],
+                               rtol=1e-5)
+    assert_params_match(params, ref_params)
