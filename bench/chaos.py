@@ -90,7 +90,7 @@ def run_campaign(args, tmp: Path) -> dict:
     group = None
     t0 = time.time()
     try:
-        group = make_group(cfg.mesh.world + getattr(cfg.elastic, "spares", 1))
+        group = make_group(cfg.mesh.world + cfg.elastic.spares)
         controller = make_controller(cfg, group, provider)
 
         def inject(c, step):
