@@ -1,10 +1,13 @@
-"""Recovery after one worker is killed: elastimesh vs Ray Train 2.60 elastic ``TorchTrainer`` (goal <= 0.25x).
+"""Recovery after one worker is killed: elastimesh vs Ray Train 2.60 elastic ``TorchTrainer`` (goal <= 0.25x
+restoring from storage, <= 0.05x from in-memory snapshots).
 
 Same model, data and math on both sides (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
 AdamW + clip + ``lr_at``), dp=4 workers, one torch thread each, checkpoints every 2 steps, and one worker
 killed at step 5:
 
-* **elastimesh**: embedded local Ray (``num_cpus=8``), a ``StoreHost``, 4 ``RankActor``s
+* **elastimesh**, twice: restoring from in-memory snapshots (``checkpoint.memory_every=1``, the default
+  with a checkpoint directory: the rebuild loads the peers' copies of step 4) and from storage only
+  (``checkpoint.memory_every=0``: the newest committed checkpoint). Each run: embedded local Ray (``num_cpus=8``), a ``StoreHost``, 4 ``RankActor``s
   (``tests.ray.conftest.make_group``) and the real ``Controller`` (``tests.ray.harness.make_controller``),
   ``mesh.dp=4, tp=1, checkpoint.every=2``. The victim (rank 1) is armed with ``arm_fault(5, "kill", 0.2)``,
   i.e. it SIGKILLs itself 0.2 s into step 5. The driver polls the victim's pid every 5 ms to timestamp the
@@ -19,7 +22,9 @@ killed at step 5:
   restarted group minus the exit time.
 
 Work lost on both sides = (failure step - 1) - step the run resumed from (steps that had completed and
-were re-run). The ratio is elastimesh kill->next-step / Ray Train kill->next-step (goal <= 0.25).
+were re-run). The ratio is elastimesh kill->next-step / Ray Train kill->next-step (goal <= 0.25 from
+storage, <= 0.05 from snapshots). The snapshot run also reports the snapshots' per-step stall (the
+slowest rank's copy to host, from the ``snapshot`` events).
 
     python bench/recovery.py [--steps N] [--quick] [--out PATH]
 
@@ -41,6 +46,7 @@ from common import ROOT, load_average, local_ray, machine, parser, write_result
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 GOAL_RATIO = 0.25
+GOAL_RATIO_SNAPSHOT = 0.05
 DP, FAIL_STEP, VICTIM, DELAY_S, CKPT_EVERY = 4, 5, 1, 0.2, 2
 
 MODEL = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2"]
@@ -55,7 +61,7 @@ def _pid_dead(pid: int) -> bool:
 
 
 # -- elastimesh ------------------------------------------------------------------------------------
-def run_elastimesh(steps: int, workdir: str) -> dict:
+def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     import ray
 
     from orchestrator.config import load_config
@@ -63,10 +69,11 @@ def run_elastimesh(steps: int, workdir: str) -> dict:
     from tests.ray.harness import make_controller
     from workers.store import StoreHost
 
-    mpath = os.path.join(workdir, "em.jsonl")
+    mpath = os.path.join(workdir, f"em{memory_every}.jsonl")
     cfg = load_config(None, MODEL + [
         f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}",
-        f"checkpoint.dir={os.path.join(workdir, 'em_ckpt')}", f"metrics.path={mpath}",
+        f"checkpoint.dir={os.path.join(workdir, f'em_ckpt{memory_every}')}", f"metrics.path={mpath}",
+        f"checkpoint.memory_every={memory_every}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     t0 = time.time()
     with local_ray():
@@ -106,7 +113,12 @@ def run_elastimesh(steps: int, workdir: str) -> dict:
     first_new = next(r for r in records[fail_idx:rebuild_idx] if "step" in r and "loss" in r)
     resumed = rebuild["resumed_from_step"]
     kill_t = death[0] if death else None
+    stalls = [r["stall_s"] for r in records if r.get("event") == "snapshot"]
     return {
+        "checkpoint_memory_every": memory_every, "restored_from": rebuild.get("restored_from"),
+        "restore_s": rebuild.get("restore_s"),
+        "snapshot_stall_s_max": max(stalls) if stalls else None,
+        "snapshot_stall_s_median": sorted(stalls)[len(stalls) // 2] if stalls else None,
         "failure_step": failure["step"], "failed_ranks": failure["ranks"], "reason": failure.get("reason"),
         "resumed_from_step": resumed, "new_dp": rebuild["dp"], "first_step_after": first_new["step"],
         "first_step_after_time_s": first_new["step_time_s"],
@@ -227,19 +239,25 @@ def main(argv: list[str] | None = None) -> int:
     if steps <= FAIL_STEP:
         ap.error(f"--steps must exceed the fault step {FAIL_STEP}")
     with tempfile.TemporaryDirectory(prefix="em_recovery_") as workdir:
-        em = run_elastimesh(steps, workdir)
+        snap = run_elastimesh(steps, workdir, memory_every=1)
+        em = run_elastimesh(steps, workdir, memory_every=0)
         rt = run_ray_train(steps, workdir)
-    em_t, rt_t = em["kill_to_next_step_done_s"], rt["kill_to_next_step_done_s"]
+    em_t, rt_t, snap_t = em["kill_to_next_step_done_s"], rt["kill_to_next_step_done_s"], snap["kill_to_next_step_done_s"]
     ratio = em_t / rt_t if em_t and rt_t else None
+    snap_ratio = snap_t / rt_t if snap_t and rt_t else None
     result = {
         "benchmark": "recovery",
-        "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO}; also report steps re-run",
+        "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO} from storage, "
+                f"<= {GOAL_RATIO_SNAPSHOT} from in-memory snapshots; also report steps re-run",
         "config": {"overrides": MODEL, "dp": DP, "steps": steps, "fail_step": FAIL_STEP, "victim_rank": VICTIM,
                    "kill_delay_s": DELAY_S, "checkpoint_every": CKPT_EVERY, "ray_train_workers": [2, DP],
                    "ray_train_max_failures": 2},
         "elastimesh": em,
+        "elastimesh_snapshots": snap,
         "ray_train": rt,
         "ratio_kill_to_next_step": ratio,
+        "ratio_snapshots_kill_to_next_step": snap_ratio,
+        "goal_snapshots_met": snap_ratio is not None and snap_ratio <= GOAL_RATIO_SNAPSHOT,
         "ratio_event_recovery_vs_ray_train": (em["recovery_s_event"] / rt_t) if rt_t else None,
         "goal_met": ratio is not None and ratio <= GOAL_RATIO,
         "machine": machine(loadavg_at_end=load_average()),
@@ -251,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
           f"lost {em['work_lost_steps']} steps) vs Ray Train {fmt(rt_t)} (lost {rt['work_lost_steps']} steps) "
           f"-> ratio {ratio if ratio is None else round(ratio, 3)} (goal <= {GOAL_RATIO}: "
           f"{'met' if result['goal_met'] else 'NOT met'})")
+    print(f"recovery from snapshots: kill->next step {fmt(snap_t)} (event recovery_s "
+          f"{fmt(snap['recovery_s_event'])}, restored from {snap['restored_from']}, lost "
+          f"{snap['work_lost_steps']} steps, snapshot stall max {fmt(snap['snapshot_stall_s_max'])}) -> ratio "
+          f"{snap_ratio if snap_ratio is None else round(snap_ratio, 3)} (goal <= {GOAL_RATIO_SNAPSHOT}: "
+          f"{'met' if result['goal_snapshots_met'] else 'NOT met'})")
     return 0
 
 

@@ -79,7 +79,8 @@ def extras_template(metadata: Metadata, key: str = EXTRA) -> dict[str, Any]:
     return root.get(key, {})
 
 
-def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup | None = None, *,
+         reader: dcp.StorageReader | None = None) -> dict[str, Any]:
     """Load ``path`` into ``state_like`` in place (collective over ``process_group``).
 
     Args:
@@ -89,6 +90,8 @@ def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup
         path: the ``step-N`` directory (local path or URI).
         process_group: group for DCP's collectives (default: the default group; ignored when
             torch.distributed is not initialised, e.g. consolidating in one process).
+        reader: read through this DCP storage reader instead of ``path``'s (in-memory snapshots,
+            ``checkpoints.memory.MemoryReader``); ``path`` then only names it in errors.
 
     Returns:
         The loaded ``"extra"`` dict (empty if the checkpoint has none).
@@ -97,14 +100,14 @@ def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup
         CheckpointMismatchError: template keys missing from the checkpoint, or shapes differ.
         CheckpointError: anything else, naming the path.
     """
-    metadata = read_metadata(path)
+    metadata = read_metadata(path) if reader is None else reader.read_metadata()
     plain = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state_like.items()}
     if EXTRA not in plain and any(m and m[0] == EXTRA for m in (metadata.planner_data or {}).values()):
         plain[EXTRA] = extras_template(metadata)
     _check_template(plain, metadata, path)
     distributed = dist.is_available() and dist.is_initialized()
     try:
-        dcp.load(plain, storage_reader=dcp_reader(path), process_group=process_group if distributed else None,
+        dcp.load(plain, storage_reader=reader or dcp_reader(path), process_group=process_group if distributed else None,
                  no_dist=not distributed)
         for k, v in state_like.items():
             if _is_stateful(v):
@@ -117,8 +120,10 @@ def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup
 def load_training_state(path: str, model_parts: nn.Module | Sequence[nn.Module],
                         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
                         lr_schedulers: Any | Sequence[Any] = (), restore_rng: bool = True,
-                        process_group: dist.ProcessGroup | None = None) -> ResumePoint:
-    """Load model, optimizer and extras saved by :func:`checkpoints.state.training_state`.
+                        process_group: dist.ProcessGroup | None = None,
+                        reader: dcp.StorageReader | None = None) -> ResumePoint:
+    """Load model, optimizer and extras saved by :func:`checkpoints.state.training_state` (from
+    ``path``, or through ``reader``: see :func:`load`).
 
     Returns:
         The step and data cursor to continue from.
@@ -126,7 +131,7 @@ def load_training_state(path: str, model_parts: nn.Module | Sequence[nn.Module],
     state: dict[str, Any] = {"model": ModelState(model_parts)}
     if optimizers:
         state["optim"] = OptimizerState(model_parts, optimizers)
-    extra = load(state, path, process_group)
+    extra = load(state, path, process_group, reader=reader)
     if "step" not in extra or "data_cursor" not in extra:
         raise CheckpointError("checkpoint has no extra.step / extra.data_cursor: not an elastimesh "
                               "training checkpoint", path)

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
+            p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                           help="device memory per rank: also recommend the cheapest mesh.zero / "
+                                "mesh.dp_replicate that fits it")
         else:
             p.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     conf = sub.add_parser("config", help="print the resolved job config as TOML, or (--doc) every key")
@@ -112,6 +115,12 @@ def _dispatch(args) -> int:
 
         cfg = load_config(args.config, args.overrides)
         info = describe(cfg, make_plan(cfg))
+        if args.memory_gib is not None:
+            from orchestrator.plan_strategy import recommend
+
+            if args.memory_gib <= 0:
+                raise ConfigError("--memory-gib", f"--memory-gib must be > 0, got {args.memory_gib}")
+            info["strategy"] = recommend(cfg, int(args.memory_gib * 2**30))
         sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
         return 0
     if args.command == "config":

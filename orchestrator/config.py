@@ -30,6 +30,7 @@ from typing import Any
 from orchestrator.config_schema import ConfigError, coerce, doc_table, is_string_key, iter_keys, key
 from orchestrator.config_validate import (
     DTYPES,
+    GRAD_REDUCE,
     SCHEDULES,
     ZERO_STAGES,
     check_mesh,
@@ -55,14 +56,17 @@ class MeshConfig:
     dp: int = key(2, "data-parallel replicas: the axis that shrinks and grows", ge=1)
     pp: int = key(1, "pipeline stages", ge=1)
     tp: int = key(2, "tensor-parallel shards (with sequence parallelism)", ge=1)
-    zero: int = key(3, "3: params, grads and optimizer state sharded over dp; 2: params gathered "
-                       "for the step", choices=ZERO_STAGES)
+    zero: int = key(3, "3: params, grads and optimizer state sharded over dp (FSDP2); 2: params "
+                       "gathered for the step; 1: as 2 (torch has no ZeRO-1 apart from ZeRO-2); 0: "
+                       "replicated, one all-reduce of the grads per FSDP unit", choices=ZERO_STAGES)
     # See orchestrator.mesh.fsdp_units for the grouping.
     fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
                                     "reduce-scatter) up to this many MB of fp32 parameters per tp "
                                     "shard; 0 = one unit per block", ge=0)
     cpu_offload: bool = key(False, "ZeRO-Offload: sharded parameters, gradients and the optimizer "
                                    "step on the host (FSDP2 CPUOffloadPolicy); needs zero=3")
+    dp_replicate: int = key(1, "HSDP: shard within groups of dp / dp_replicate ranks, replicate across "
+                               "dp_replicate groups (zero >= 1); must divide dp", ge=1)
 
     @property
     def world(self) -> int:
@@ -114,6 +118,12 @@ class TrainConfig:
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
     max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "
                                 "row roll back to the newest checkpoint and go on past those batches", ge=1)
+    grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
+                                      "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
+    grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
+                                        "DDP PowerSGD hook, error feedback reset on every resize); "
+                                        "needs mesh.zero=0", choices=("none", "powersgd"))
+    powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
 
 
 @dataclass(**_SECTION)
@@ -150,6 +160,8 @@ class CheckpointConfig:
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")
     init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
+    memory_every: int = key(1, "with dir set: every N steps each rank also snapshots its shard into a peer's "
+                               "memory, and a failure resumes from there (at most N steps lost); 0 = off", ge=0)
 
 
 @dataclass(**_SECTION)

@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # only for annotations; config.py imports this module at runt
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-ZERO_STAGES = (2, 3)
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_REDUCE = ("float32", "bfloat16")
 BUILTIN_DATA = "builtin"
 BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
 
@@ -205,8 +206,27 @@ def _check_relations(cfg: JobConfig) -> None:
     _require(
         not cfg.mesh.cpu_offload or cfg.mesh.zero == 3,
         "mesh.cpu_offload",
-        "mesh.cpu_offload=true needs mesh.zero=3: ZeRO-2 keeps the parameters gathered on the "
+        "mesh.cpu_offload=true needs mesh.zero=3: ZeRO-0..2 keep the parameters gathered on the "
         "device through the step; set mesh.zero=3 or mesh.cpu_offload=false",
+    )
+    _require(
+        cfg.mesh.dp % cfg.mesh.dp_replicate == 0,
+        "mesh.dp_replicate",
+        f"mesh.dp_replicate={cfg.mesh.dp_replicate} must divide mesh.dp={cfg.mesh.dp} (shard groups "
+        f"of dp / dp_replicate ranks): pick a divisor of dp",
+    )
+    _require(
+        cfg.mesh.dp_replicate == 1 or cfg.mesh.zero >= 1,
+        "mesh.dp_replicate",
+        f"mesh.dp_replicate={cfg.mesh.dp_replicate} needs mesh.zero >= 1: ZeRO-0 already replicates "
+        f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
+    )
+    _require(
+        cfg.train.grad_compression == "none" or cfg.mesh.zero == 0,
+        "train.grad_compression",
+        f"train.grad_compression={cfg.train.grad_compression!r} needs mesh.zero=0 (it compresses the "
+        f"all-reduce of replicated gradients; got mesh.zero={cfg.mesh.zero}): set mesh.zero=0 or "
+        f"train.grad_compression=\"none\"",
     )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):

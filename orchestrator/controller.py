@@ -16,16 +16,15 @@ docstring lists the test of each transition) or with real actors (``tests/ray``)
     REBUILDING -> ERRORED        below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
-survivors (kills dead/hung actors, shuts their blocked gloo sockets: ``orchestrator.recovery``), bumps
-the generation, re-plans the mesh from the live actors, has them re-form groups *in the same
-processes*, and reloads the newest committed checkpoint resharded into the new mesh. A failure while a
-generation forms (joining, loading) takes the same path and the rebuild is retried.
+survivors (``orchestrator.recovery``), bumps the generation, re-plans the mesh from the live actors,
+has them re-form groups *in the same processes*, and reloads the newest state resharded into the new
+mesh: the in-memory snapshots when every shard has a live copy, else the newest committed checkpoint
+(``orchestrator.snapshots``). A failure while a generation forms takes the same path; it is retried.
 
 Decisions are data: ``orchestrator.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
 or ``Raise``; ``orchestrator.policies.ScalingPolicy`` answers with ``ResizeDecision``, ``NoResize`` or
 ``TooFewWorkers``. The controller carries them out. Everything it needs of the cluster goes through
-the worker group (calls, kills, the capacity probe ``free_slots``), and step records are made by
-``orchestrator.metrics.step_record``.
+the worker group (calls, kills, the capacity probe ``free_slots``).
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
 from orchestrator.preemption import PreemptionWatcher
 from orchestrator.rank_health import RankHealth
 from orchestrator.recovery import settle
+from orchestrator.snapshots import SnapshotCoordinator
 from orchestrator.store_provider import FixedStore, StoreSource
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive the controller with a fake one
@@ -102,6 +102,7 @@ class Controller(RankHealth):
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
         self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/rank_health.py)
+        self.snapshots = SnapshotCoordinator(cfg, metrics)  # checkpoint.memory_every (orchestrator/snapshots.py)
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -188,6 +189,7 @@ class Controller(RankHealth):
             self._record(step, results)
             self.next_step = step + 1
             self.ckpt.after_step(self.group, self.generation, step)
+            self.snapshots.after_step(self.group, self.generation, step)
             if self.evaluator.due(step):
                 failed = self.evaluator.run(self, step)
                 if failed is not None:
@@ -213,15 +215,21 @@ class Controller(RankHealth):
         self.metrics.step(record)
         self.metrics.timeline(step, results)
         self._score_stragglers(results)
-        if self._pending_rebuild_event is not None:
-            # The rebuild / grow event goes out with the first step the new generation trained, so
-            # that recovery_s covers everything from the failure (or resize) to training again.
-            event = self._pending_rebuild_event
+        self._emit_rebuild_event()
+
+    def _emit_rebuild_event(self) -> None:
+        """The rebuild / grow event goes out with the generation's first step (recovery_s then covers
+        the failure or resize to training again), or when the next recovery begins before it."""
+        event, self._pending_rebuild_event = self._pending_rebuild_event, None
+        if event is not None:
             if self._failure_at is not None:
                 event["recovery_s"] = self.clock() - self._failure_at
             self.metrics.event(event.pop("kind"), **event)
-            self._pending_rebuild_event = None
             self._failure_at = None
+
+    def _recovery_begins(self) -> None:
+        self._emit_rebuild_event()
+        self._failure_at = self.clock()
 
     # -- failures (one path for every phase) ------------------------------------------------------
     def _fail(self, phase: Phase, outcome: CallOutcome, results: list[StepResult] = ()) -> None:
@@ -229,7 +237,7 @@ class Controller(RankHealth):
         decision (REBUILDING, or raise the error it carries)."""
         gen = self.generation
         if not phase.forming or self._failure_at is None:
-            self._failure_at = self.clock()  # a failed formation is part of the recovery under way
+            self._recovery_begins()  # a failed formation is part of the recovery under way
         found = settle(self.group, outcome, list(gen.members.values()), listeners=self._listeners(),
                        wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
         # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
@@ -239,6 +247,7 @@ class Controller(RankHealth):
                            store_lost=store_lost, preempted=frozenset(self._preempted))
         self.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
         self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
+        self.snapshots.settle(self.group)  # a snapshot whose holders all acked still counts
         decision = self.failures.decide(failure)
         if isinstance(decision, Raise):
             raise decision.error
@@ -271,7 +280,7 @@ class Controller(RankHealth):
         if notice.action != "evacuate":
             return False  # too short for a save: the node's loss takes the failure path
         if notice.ranks:
-            self._failure_at = self.clock()
+            self._recovery_begins()
             try:
                 self.ckpt.save_now(self.group, self.generation, step - 1)
             except TrainingFailed:
@@ -291,7 +300,7 @@ class Controller(RankHealth):
     def _begin_resize(self) -> None:
         """Before a planned resize: commit a checkpoint of the current step (finishing any save in
         flight first) so the next generation resumes exactly here."""
-        self._failure_at = self.clock()
+        self._recovery_begins()
         self.ckpt.save_now(self.group, self.generation, self.next_step - 1)
 
     def _resize_requested(self, dp: int) -> None:
@@ -345,15 +354,18 @@ class Controller(RankHealth):
         if not outcome.ok:
             self._fail(Phase.JOINING, outcome)
             return
-        try:
-            resumed = self.ckpt.restore(self.group, self.generation)
+        try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
+            restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt)
         except RestoreFailed as exc:
             self._fail(Phase.LOADING, exc.outcome)
             return
-        self.next_step = resumed + 1
+        self.snapshots.begin_generation(self.group, self.generation)
+        self.next_step = restored.step + 1
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-                 "resumed_from_step": resumed, "reason": decision.reason, "spares": len(spares)}
+                 "dp_replicate": spec.dp_replicate, "resumed_from_step": restored.step,
+                 "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
+                 "reason": decision.reason, "spares": len(spares)}
         if decision.reason == "start":
             self.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.config import JobConfig
-from orchestrator.mesh import MeshShape
+from orchestrator.mesh import MeshShape, replicate_degree
 from orchestrator.messages import RankInfo, RuntimeSpec
 from orchestrator.plan import MeshPlan, model_fields
 
@@ -64,4 +64,5 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         mask_eos_id=mask_eos_id,
         schedule=cfg.pipeline.schedule,
         cpu_offload=cfg.mesh.cpu_offload,
+        dp_replicate=replicate_degree(cfg.mesh.zero, plan.shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
     )

@@ -180,3 +180,42 @@ def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     if current and units:
         units[-1].extend(current)
     return units
+
+
+def replicate_degree(zero: int, dp: int, cfg_dp: int, cfg_replicate: int) -> int:
+    """How many replica groups a generation with ``dp`` data-parallel ranks has (HSDP's R).
+
+    ZeRO-0 replicates everything: R = dp (shard groups of one rank). Otherwise the *shard group
+    size* S = cfg_dp / cfg_replicate is what the config fixes (the memory per rank depends on it),
+    so an elastic resize adds or drops whole replicas: R = dp / S when S divides dp. When it does not
+    (a shrink that left a partial replica), the generation falls back to plain sharding over all dp
+    ranks (R = 1): every rank still holds a 1/dp shard, which is at least as small as 1/S, and DCP
+    reshards the checkpoint into it. ``mesh.dp_replicate`` = 1 is plain FSDP at every dp.
+    """
+    if zero == 0:
+        return dp
+    if cfg_replicate <= 1:
+        return 1
+    shard = cfg_dp // cfg_replicate
+    return dp // shard if dp % shard == 0 and dp >= shard else 1
+
+
+def hsdp_group_ranks(shape: MeshShape, replicate: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(replicate groups, shard groups) of the dp axis split as (replicate, dp / replicate).
+
+    dp index d = r * S + s (S = dp / replicate): a shard group is S consecutive dp indices (one
+    replica), a replicate group takes the same shard index s from every replica. Each list is
+    ordered by its axis index, the order ``DeviceMesh`` expects for the (replicate, shard, pp, tp)
+    layout ``arange(world).view(replicate, S, pp, tp)``.
+    """
+    if replicate < 1 or shape.dp % replicate:
+        raise ValueError(f"dp={shape.dp} is not divisible into {replicate} replicas")
+    shard = shape.dp // replicate
+    rep_groups, shard_groups = [], []
+    for p in range(shape.pp):
+        for t in range(shape.tp):
+            for s in range(shard):
+                rep_groups.append([shape.rank_of(r * shard + s, p, t) for r in range(replicate)])
+            for r in range(replicate):
+                shard_groups.append([shape.rank_of(r * shard + s, p, t) for s in range(shard)])
+    return sorted(rep_groups), sorted(shard_groups)

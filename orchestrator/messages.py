@@ -43,6 +43,9 @@ class RuntimeSpec:
     mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
     schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
     cpu_offload: bool = False  # mesh.cpu_offload
+    # HSDP replica groups of this generation (orchestrator.mesh.replicate_degree): dp for ZeRO-0, else
+    # from mesh.dp_replicate and the generation's dp; the ranks build their mesh from it.
+    dp_replicate: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,7 @@ class StepResult:
     # This rank's own CPU time in the step (the training thread's): waiting for peers in a
     # collective burns none, so a slow peer does not make every rank look slow (orchestrator/stragglers.py).
     own_s: float = 0.0
+    dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,14 @@ def step_record(step: int, results: list[StepResult], *, train, seq_len: int, sh
         "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
         "bubble": bubble_fraction(results),
         **_loss_scale_fields(results),
+        **_dp_bytes_field(results),
     }
+
+
+def _dp_bytes_field(results: list[StepResult]) -> dict[str, Any]:
+    """ZeRO-0: the most bytes one rank all-reduced over dp in the step (PowerSGD's compressed P/Q)."""
+    sent = [r.dp_bytes for r in results if getattr(r, "dp_bytes", None) is not None]
+    return {"dp_bytes": max(sent)} if sent else {}
 
 
 def _loss_scale_fields(results: list[StepResult]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from orchestrator.mesh import (
     fsdp_applies,
     fsdp_units,
     layer_ranges,
+    replicate_degree,
     stage_param_counts,
 )
 from orchestrator.schedule import (
@@ -103,9 +104,10 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     """Estimated bytes per rank at pipeline position ``pp_rank`` (all dp/tp ranks there are alike).
 
     Model state: fp32 master params + fp32 grads + two fp32 Adam moments, divided by tp (TP shards the
-    weights) and by dp under ZeRO (FSDP shards all of it; ZeRO-2 keeps the bf16/fp32 compute copy of
-    the parameters gathered; ZeRO-3 gathers the root unit (embedding, head and the blocks that
-    ``mesh.fsdp_unit_mb`` left in it) plus one block unit at a time). Activations: per layer and
+    weights) and by the shard-group size dp / R (``mesh.zero`` and ``mesh.dp_replicate``: ZeRO-0 has
+    groups of one rank, HSDP of dp / R; FSDP shards all of it inside a group). ZeRO-0..2 keep the
+    bf16/fp32 compute copy of the parameters gathered through the step; ZeRO-3 gathers the root unit
+    (embedding, head and the blocks that ``mesh.fsdp_unit_mb`` left in it) plus one unit at a time. Activations: per layer and
     microbatch, roughly 16·s·b·d values (inputs of norms, q/k/v, attention output, the 4x MLP) in the
     compute dtype, sequence/tensor-sharded by tp, plus logits on the last stage, times the schedule's
     peak microbatches in flight on that stage.
@@ -114,11 +116,12 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     dp = plan.shape.dp
     stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages)
     params = sum(stage_params(cfg, plan, s) for s in stages) // t
-    sharded = params // dp if dp > 1 else params
+    shard = dp // replicate_degree(cfg.mesh.zero, dp, cfg.mesh.dp, cfg.mesh.dp_replicate)
+    sharded = params // shard if shard > 1 else params
     act_bytes = BYTES[train.dtype]
     gathered = 0
     if dp > 1:
-        gathered = params if cfg.mesh.zero == 2 else _zero3_gathered_params(cfg, plan, stages)
+        gathered = params if cfg.mesh.zero <= 2 or shard == 1 else _zero3_gathered_params(cfg, plan, stages)
         gathered *= act_bytes
     per_layer = 16 * train.micro_batch_size * m.seq_len * m.d_model * act_bytes // t
     ranges = layer_ranges(list(plan.layers_per_stage))
@@ -182,10 +185,27 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
             {"rank": r, **vars_of(shape.coords(r))} for r in range(shape.world)
         ],
         "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
+        "snapshot_host_per_rank": snapshot_host_memory(cfg, plan),
         "total_params": param_counts(cfg.model)["total"],
         "model_family": resolve_model(cfg.model).ref,
         "model_source": cfg.model.from_hf,
     }
+
+
+def snapshot_host_memory(cfg: JobConfig, plan: MeshPlan) -> dict[int, int] | None:
+    """Host bytes in-memory snapshots take per rank at each pipeline position, or None when they are
+    off (``checkpoint.memory_every``; orchestrator/snapshots.py): the fp32 parameter shard plus its
+    two Adam moments, held four times (the rank's own newest and in-flight snapshots and the same two
+    of the peer it backs up)."""
+    from orchestrator.snapshots import host_bytes_per_rank
+
+    if not (cfg.checkpoint.dir and cfg.checkpoint.memory_every > 0):
+        return None
+    out = {}
+    for p in range(plan.shape.pp):
+        mem = rank_memory(cfg, plan, p)
+        out[p] = host_bytes_per_rank(mem["grads"] + mem["optimizer"])  # grads: the fp32 shard's size
+    return out
 
 
 def vars_of(coords) -> dict[str, int]:

@@ -43,4 +43,23 @@ def render(info: dict) -> str:
             f"{_mib(mem['params']):>10}  {_mib(mem['grads']):>10}  {_mib(mem['optimizer']):>10}  "
             f"{_mib(mem['activations']):>11}  {_mib(total)}"
         )
+    snap = info.get("snapshot_host_per_rank")
+    if snap:
+        lines += ["", "in-memory snapshots (checkpoint.memory_every): host memory per rank, its own newest and "
+                  "in-flight snapshots and a peer's"]
+        lines += [f"  pp_rank {p:<3} {_mib(n):>10}" for p, n in snap.items()]
+    else:
+        lines += ["", "in-memory snapshots: off (checkpoint.memory_every = 0 or checkpoint.dir unset)"]
+    if "strategy" in info:
+        lines += ["", *_strategy(info["strategy"])]
     return "\n".join(lines) + "\n"
+
+
+def _strategy(rec: dict) -> list[str]:
+    """`--memory-gib`: the recommended data-parallel strategy and every option's estimate."""
+    head = (f"strategy    mesh.zero={rec['zero']} mesh.dp_replicate={rec['dp_replicate']}: cheapest that fits "
+            f"{_mib(rec['device_bytes'])}" if rec["fits"] else
+            f"strategy    nothing fits {_mib(rec['device_bytes'])}; smallest: mesh.zero={rec['zero']} "
+            f"mesh.dp_replicate={rec['dp_replicate']} (try mesh.cpu_offload=true or more tp/pp)")
+    return [head, *(f"  zero={o['zero']} dp_replicate={o['dp_replicate']:<3} {_mib(o['bytes']):>12}"
+                    for o in rec["options"])]

@@ -46,24 +46,26 @@ class RankHealth:
     # -- bad steps --------------------------------------------------------------------------------
     def _bad_step(self, step: int, results: list[StepResult]) -> bool:
         """True when every rank skipped ``step`` as bad: logged and recorded; ``train.max_bad_steps``
-        in a row roll back to the newest checkpoint, whose replay skips the recorded steps."""
+        in a row roll back to the newest snapshot (else checkpoint), whose replay skips the recorded steps."""
         reason = bad_reason(step, results)
         if not reason:
             self.bad_steps.good()
             return False
         self.metrics.event("bad_step", step=step, reason=reason)
         self.next_step = step + 1
-        if not self.bad_steps.bad(step) or self.ckpt.resume_point() is None:
+        restorable = self.ckpt.resume_point() is not None or self.snapshots.usable(set(self.group.live_ids))
+        if not self.bad_steps.bad(step) or not restorable:
             self.ckpt.after_step(self.group, self.generation, step)  # nothing to roll back to: go on
             return True
         self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
-        try:
-            resumed = self.ckpt.restore(self.group, self.generation)
+        try:  # the newest snapshot when every shard has a live copy, else storage (orchestrator/snapshots.py)
+            restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt)
         except RestoreFailed as exc:
             self._fail(Phase.LOADING, exc.outcome)
             return True
-        self.metrics.event("rollback", step=step, resumed_from_step=resumed, skipped=sorted(self.bad_steps.skipped))
-        self.next_step = resumed + 1
+        self.metrics.event("rollback", step=step, resumed_from_step=restored.step, restored_from=restored.source,
+                           skipped=sorted(self.bad_steps.skipped))
+        self.next_step = restored.step + 1
         return True
 
     # -- stragglers -------------------------------------------------------------------------------

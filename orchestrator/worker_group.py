@@ -84,7 +84,7 @@ class WorkerGroup:
         from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
 
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
-        slots = self._bundles.usable()[:count]
+        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
         while self._reserved and len(slots) < count:
             slots.append(self._reserved.pop(0))
         fresh = count - len(slots)
@@ -96,7 +96,9 @@ class WorkerGroup:
             self._pgs.append(pg)
             slots += [(pg, index) for index in range(fresh)]
         # One long-lived thread runs all of a rank's training work (the "train" group); the default
-        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint).
+        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
+        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
+        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
         # See workers/actor.py TRAIN_GROUP for why.
         remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
         ids = []
@@ -107,7 +109,7 @@ class WorkerGroup:
             self.actors[actor_id] = remote_cls.options(
                 num_cpus=self.resources.cpus,
                 num_gpus=self.resources.gpus,
-                max_concurrency=3,
+                max_concurrency=5,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=index
                 ),

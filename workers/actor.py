@@ -7,6 +7,10 @@ a collective whose peer died — the driver can still poll the actor, park a ``w
 tell it to free the step (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error
 inside a step is latched into the returned ``StepResult``; the driver decides what happens next.
 
+In-memory snapshots (``workers/snapshots.py``): ``snapshot`` and ``load_snapshot`` are training work;
+handing one out (``snapshot_blob``, ``give_snapshot``) and keeping a peer's copy (``keep_snapshot``,
+its argument a ref the driver passed, resolved by Ray) run on the other threads while training goes on.
+
 Faults can be injected on purpose (``arm_fault``) at five points — at (or a delay into) a training
 step, right after the rank's first forward of a step (deterministically mid-step: its peers are then
 blocked in that step's collectives), at the start of joining a generation, at the start of loading a
@@ -28,6 +32,7 @@ import torch
 from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
 from orchestrator.schedule import Action
 from workers.profiling import profiled_step
+from workers.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,7 @@ class RankActor:
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
+        self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
 
     def ping(self) -> tuple[int, str, str]:
         """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
@@ -136,6 +142,7 @@ class RankActor:
                     world_rank=gen.world_rank,
                     timeout_s=spec.collective_timeout_s,
                     device=device,
+                    replicate=spec.dp_replicate,
                 )
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -199,6 +206,40 @@ class RankActor:
         with self._lock:
             self._maybe_fire_fault("load", self.generation)
             return self.runtime.load_checkpoint(path)
+
+    # -- in-memory snapshots (workers/snapshots.py, orchestrator/snapshots.py) ---------------------
+    @_train
+    def snapshot(self, generation: int, step: int, keep: tuple = ()) -> float:
+        """Take this rank's snapshot of ``step`` (at the step boundary); returns the seconds it took.
+        Snapshots other than ``keep`` and this one are dropped."""
+        t0 = time.perf_counter()
+        key = (generation, step)
+        try:
+            if self.runtime is None or generation != self.generation:
+                raise RuntimeError(f"snapshot of generation {generation} while in {self.generation}")
+            self.snapshots.put_own(key, self.runtime.take_snapshot(step), keep)
+        except Exception as exc:
+            self.snapshots.put_own(key, None, keep, f"{type(exc).__name__}: {exc}")
+            raise
+        return time.perf_counter() - t0
+
+    def snapshot_blob(self, generation: int, step: int):
+        """This rank's own snapshot of ``step`` (the driver hands the ref to its holder)."""
+        return self.snapshots.blob((generation, step), timeout_s=600.0)
+
+    def keep_snapshot(self, generation: int, step: int, owner: int, snap, keep: tuple = ()) -> int:
+        """Hold a copy of rank ``owner``'s snapshot (resolved by Ray from the ref the driver passed)."""
+        return self.snapshots.keep((generation, step), owner, snap, keep)
+
+    def give_snapshot(self, generation: int, step: int, owner: int):
+        return self.snapshots.give((generation, step), owner)
+
+    @_train
+    def load_snapshot(self, *snapshots) -> int:
+        """Load the snapshots of every rank of one step into this generation (a collective)."""
+        with self._lock:
+            self._maybe_fire_fault("load", self.generation)
+            return self.runtime.load_snapshot(list(snapshots))
 
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching

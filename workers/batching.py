@@ -42,7 +42,7 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
     total = local * dp  # unmasked: every replica holds the same number of targets
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
-        dist.all_reduce(count, group=groups.dp_mesh.get_group())
+        dist.all_reduce(count, group=groups.dp_group)
         total = int(count.item())
     total = max(1, total)
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total

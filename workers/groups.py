@@ -31,13 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from orchestrator.mesh import MeshAxis, MeshShape, RankCoords
+from orchestrator.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
 from workers.device import apply_nccl_env, backend_for
 
 logger = logging.getLogger(__name__)
 
 AXES = (MeshAxis.DP, MeshAxis.PP, MeshAxis.TP)
+# HSDP (RankGroups.replicate > 1) splits dp into (replicate, shard) mesh axes; the shard axis keeps
+# the name "dp", and the flattened dp group is made separately (``RankGroups.dp_group``).
+DP_REPLICATE = "dp_replicate"
 
 
 def clear_dtensor_caches() -> None:
@@ -62,7 +65,7 @@ def clear_dtensor_caches() -> None:
 _meshes_built = itertools.count()
 
 
-def _axis_names(tag: str) -> dict[MeshAxis, str]:
+def _axis_names(tag: str) -> dict[str, str]:
     """Mesh axis names no earlier mesh of this process had, e.g. ``dp@3fa2c1e0-gen3#2``.
 
     Why: ``DeviceMesh`` equality (and hash) compares the rank layout and the axis names but not the
@@ -75,7 +78,7 @@ def _axis_names(tag: str) -> dict[MeshAxis, str]:
     (see ``clear_dtensor_caches``); names unique per process make every old entry unreachable.
     """
     count = next(_meshes_built)
-    return {a: f"{a.value}@{tag}#{count}" for a in AXES}
+    return {a: f"{a}@{tag}#{count}" for a in (DP_REPLICATE, *AXES)}
 
 
 def _restart_group_names() -> None:
@@ -106,14 +109,32 @@ class RankGroups:
     device: torch.device
     mesh: DeviceMesh
     ckpt_group: dist.ProcessGroup
-    axis_names: dict[MeshAxis, str]  # generation-unique mesh axis names (see _axis_names)
+    axis_names: dict[str, str]  # generation-unique mesh axis names (see _axis_names)
     gloo_ports: list[int] = field(default_factory=list)
     backend: str = "gloo"  # of the training groups; checkpoints always use gloo
     destroyed: bool = False
+    replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp_replicate); 1 = a 1-D dp axis
+    flat_dp_group: dist.ProcessGroup | None = None  # all dp ranks, made only when replicate > 1
 
     @property
     def dp_mesh(self) -> DeviceMesh:
+        """What FSDP2 shards over: the 1-D dp axis, or under HSDP the 2-D (replicate, shard) axes."""
+        if self.replicate > 1:
+            return self.mesh[(self.axis_names[DP_REPLICATE], self.axis_names[MeshAxis.DP])]
         return self.mesh[self.axis_names[MeshAxis.DP]]
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The dp shard axis alone (one rank under ZeRO-0): what FSDP2 shards over when the dp
+        all-reduce is ours (``workers.compression``, PowerSGD)."""
+        return self.mesh[self.axis_names[MeshAxis.DP]]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Every dp rank with my pp/tp coordinates (for reductions over the whole data-parallel axis)."""
+        if self.flat_dp_group is not None:
+            return self.flat_dp_group
+        return self.mesh.get_group(self.axis_names[MeshAxis.DP])
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -154,8 +175,14 @@ def build_process_groups(
     timeout_s: float,
     device: torch.device,
     store_prefix: str | None = None,
+    replicate: int = 1,
 ) -> RankGroups:
-    """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh."""
+    """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
+
+    ``replicate`` > 1 (HSDP, and ZeRO-0 with replicate = dp) splits the dp axis into (replicate,
+    shard) axes of one 4-D mesh: FSDP2 needs its 2-D dp mesh and the TP mesh sliced from the same
+    root mesh; the flattened dp group is made beside it.
+    """
     clear_dtensor_caches()
     _restart_group_names()
     timeout = timedelta(seconds=timeout_s)
@@ -173,15 +200,20 @@ def build_process_groups(
             backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
             device_id=device if nccl else None,  # eager NCCL init on this rank's GPU
         )
+        axis_members = [shape.group_ranks(axis) for axis in AXES]
+        if replicate > 1:
+            rep, shard = hsdp_group_ranks(shape, replicate)
+            axis_members = [rep, shard, *axis_members[1:], axis_members[0]]  # the last: flat dp
         groups: list[dist.ProcessGroup] = []
-        for axis in AXES:
+        for members_of_axis in axis_members:
             mine = None
             # Every rank must call new_group for every group, in the same order.
-            for members in shape.group_ranks(axis):
+            for members in members_of_axis:
                 group = dist.new_group(members, timeout=timeout, backend=backend)
                 if world_rank in members:
                     mine = group
             groups.append(mine)
+        flat_dp = groups.pop() if replicate > 1 else None
         # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
         # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
         if nccl:
@@ -197,11 +229,14 @@ def build_process_groups(
             except Exception as exc:
                 logger.warning("gen=%d cleanup after a failed rendezvous: %s", generation, exc)
         raise
-    layout = torch.arange(shape.world).view(shape.dp, shape.pp, shape.tp)
     names = _axis_names(store_prefix or f"gen{generation}")
-    mesh = DeviceMesh.from_group(
-        groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in AXES)
-    )
+    if replicate > 1:
+        layout = torch.arange(shape.world).view(replicate, shape.dp // replicate, shape.pp, shape.tp)
+        dims = (DP_REPLICATE, *AXES)
+    else:
+        layout = torch.arange(shape.world).view(shape.dp, shape.pp, shape.tp)
+        dims = AXES
+    mesh = DeviceMesh.from_group(groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in dims))
     return RankGroups(
         generation=generation,
         shape=shape,
@@ -213,6 +248,8 @@ def build_process_groups(
         axis_names=names,
         gloo_ports=ports,
         backend=backend,
+        replicate=replicate,
+        flat_dp_group=flat_dp,
     )
 
 

@@ -6,12 +6,13 @@ each step, so it needs no scheduler state: a resumed or resharded run gets it fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from orchestrator.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
 
@@ -43,33 +44,52 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
 
 
 def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None,
-    skip_in_norm: frozenset[int] | set[int] = frozenset(),
+    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,
+    skip_in_norm: frozenset[int] | set[int] = frozenset(), *, holders: int = 1,
+    device: torch.device | None = None,
 ) -> float:
     """Clip by the global grad norm over every parameter of the model, wherever it is sharded.
 
-    DTensor norms reduce over dp/tp by themselves; pipeline stages hold disjoint parameters, so their
-    squared norms are summed over the pp group (as TorchTitan's ``clip_grad_norm_`` does). A second
-    copy of a tied parameter (``id`` in ``skip_in_norm``) is clipped but not counted again.
+    One all-reduce over ``group`` (every rank of the generation; None in one process) of this
+    rank's sum of squared gradient entries. Why not DTensor's own norm: a (dp, tp) grad norm is
+    ``Partial`` on both axes and ``full_tensor()`` reduces it as two sequential all-reduces (DTensor
+    warns so), pipeline stages then need a third over pp (TorchTitan's ``clip_grad_norm_``). Here
+    each local shard's squared sum is divided by the number of ranks holding the same values:
+    ``holders`` (dp * tp, the ranks of one pipeline stage) over the number of distinct shards of
+    the tensor (the product of its sharded mesh axes), so a replicated tensor (ZeRO-0's replicate
+    axis, a norm weight replicated over tp) is counted once in the sum over all ranks. A second copy
+    of a tied parameter (``id`` in ``skip_in_norm``) is clipped but not counted.
     """
-    # DTensor norms cannot be stacked across meshes: a family may leave some parameters out of TP
-    # (dp-only DTensors next to (dp, tp) ones), so norms are taken per mesh and combined.
     by_mesh: dict[object, list[nn.Parameter]] = {}
+    by_holders: dict[int, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for group in by_mesh.values() or [[]]:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group if id(p) not in skip_in_norm], 2.0, foreach=True)
-        # Offloaded gradients (mesh.cpu_offload) give a host tensor: reduce it on the mesh's device,
-        # where the group's backend (NCCL on GPU) can.
-        norms.append(norm.to(norm.device_mesh.device_type).full_tensor() if isinstance(norm, DTensor) else norm)
-    total = norms[0] if len(norms) == 1 else torch.stack([n.pow(2) for n in norms]).sum().sqrt()
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        squared = total.pow(2)
-        dist.all_reduce(squared, group=pp_group)
-        total = squared.sqrt()
+        if p.grad is None:
+            continue
+        grad = p.grad
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(p)
+        if id(p) in skip_in_norm:
+            continue
+        shards = 1
+        if isinstance(grad, DTensor):
+            if any(pl.is_partial() for pl in grad.placements):  # not reduced yet (TP without FSDP)
+                grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                     for pl in grad.placements])
+            # Everything not replicated is a shard by now (FSDP2's _StridedShard is not a Shard subclass).
+            shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+            grad = grad.to_local()
+        by_holders.setdefault(max(1, holders // shards), []).append(grad)
+    terms = [torch.stack([n.double() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() / count
+             for count, grads in by_holders.items()]
+    squared = torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        # Offloaded gradients (mesh.cpu_offload) are host tensors: reduce on the group's device.
+        squared = squared.to(device or squared.device)
+        dist.all_reduce(squared, group=group)
+    # float64 runs (compared with one process at 1e-9) keep the norm in float64; else float32.
+    wide = any(g.dtype == torch.float64 for grads in by_holders.values() for g in grads)
+    total = squared.sqrt().to(torch.float64 if wide else torch.float32)
     if max_norm > 0:
-        for group in by_mesh.values():  # foreach kernels, too, take one mesh at a time
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        for members in by_mesh.values():  # foreach kernels take one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device),
+                                                 foreach=True)
     return float(total)

@@ -53,17 +53,31 @@ def apply_compile(stage: nn.Module, family, backend: str = "inductor") -> None:
 
 def apply_fsdp(
     stage: nn.Module, dp_mesh: DeviceMesh, family, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0,
-    cpu_offload: bool = False,
+    cpu_offload: bool = False, reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """ZeRO-3 (params resharded after forward) or ZeRO-2 (params kept gathered through the step).
+    """Every ZeRO level through FSDP2, on a 1-D dp mesh or a 2-D (replicate, shard) HSDP mesh.
+
+    * 3: params resharded after forward (gathered again in backward).
+    * 2: params kept gathered from forward through backward; grads reduce-scattered.
+    * 1: the same as 2. ZeRO-1 (replicated grads, sharded optimizer state) has no FSDP2 mode and
+      torch's ``ZeroRedundancyOptimizer`` works on plain tensors only (not our TP DTensors), so
+      mesh.zero=1 runs ZeRO-2, which shards more and communicates the same bytes.
+    * 0: ``dp_mesh`` is the HSDP mesh (replicate = dp, shard = 1): every rank holds every parameter
+      and optimizer state, and the grads are all-reduced once per FSDP unit, overlapped with
+      backward. Why not torch DDP: it does not take TP's DTensor parameters, and DCP would then
+      see plain tensors whose checkpoint does not reshard into FSDP layouts; FSDP2's HSDP keeps
+      DTensors (``(Replicate, Shard(0))``), so TP, PP, DCP resharding and elastic resizes work as
+      they do for ZeRO-3. (``_composable.replicate`` is the same FSDP2 machinery on a 1-D mesh,
+      but private and experimental.)
 
     Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``orchestrator.mesh.fsdp_units``);
     blocks left out of every unit are sharded with the root. Neither the parameter names nor their
     dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
     # fp64 parameters are their own compute dtype and reduce in fp64 (train.dtype = "float64": runs
-    # compared with the reference at 1e-9); else 16/32-bit compute over fp32 master weights.
-    reduce = torch.float64 if param_dtype == torch.float64 else torch.float32
+    # compared with the reference at 1e-9); else 16/32-bit compute over fp32 master weights, reduced
+    # in train.grad_reduce.
+    reduce = torch.float64 if param_dtype == torch.float64 else reduce_dtype
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
     # Pinned host memory only where there is a device to copy to and from.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -90,6 +104,7 @@ def parallelize_stage(
     fsdp_unit_bytes: int = 0,
     compile: bool = False,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """TP/SP when tp > 1, compile when asked, then FSDP2 when ``shard_over_dp``
     (``orchestrator.mesh.fsdp_applies``, which is true whenever ``cpu_offload`` is)."""
@@ -99,7 +114,7 @@ def parallelize_stage(
         apply_compile(stage, family)
     if shard_over_dp:
         apply_fsdp(stage, dp_mesh, family, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes,
-                   cpu_offload=cpu_offload)
+                   cpu_offload=cpu_offload, reduce_dtype=reduce_dtype)
     return stage
 
 

@@ -29,6 +29,7 @@ from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
+from workers.compression import powersgd_applies, setup_dp_reduction
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -59,16 +60,20 @@ class RankRuntime:
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 parallelize=lambda m: parallelize_stage(
-                    m, self.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
+                    dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
                     compile=train.compile, cpu_offload=spec.cpu_offload,
+                    reduce_dtype=DTYPES[train.grad_reduce],
                 ),
             )
             self.stages[index] = Stage(
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
             )
             self.optimizers.append(build_optimizer(module, train))
+        # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
@@ -100,6 +105,7 @@ class RankRuntime:
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
+        self._snapshots = None  # checkpoints.memory.SnapshotTaker, made at the first snapshot
         self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
@@ -161,8 +167,9 @@ class RankRuntime:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
             # a NaN/inf gradient anywhere, or a rank's non-finite loss (poisoned into its gradient
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
-            norm = clip_grad_norm(self.params, self.spec.train.grad_clip, self.executor.pp_group,
-                                  self.tied.not_in_norm)
+            world = self.groups.world_group if self.groups.shape.world > 1 else None
+            norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
+                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
             if math.isfinite(norm):
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
                 self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
@@ -188,6 +195,7 @@ class RankRuntime:
             skipped=not finite or bool(bad),
             bad=bad,
             own_s=time.thread_time() - own0,
+            dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
         )
 
     def _poison_grads(self) -> None:
@@ -281,6 +289,36 @@ class RankRuntime:
         point = load_training_state(
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
+        )
+        if self.loss_scale is not None and point.loss_scale:
+            self.loss_scale.load_state_dict(point.loss_scale)
+        return point.step
+
+    # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
+    def take_snapshot(self, step: int):
+        """This rank's shard of step ``step`` copied into host memory (what a checkpoint would write)."""
+        from checkpoints.memory import SnapshotTaker
+        from checkpoints.state import TrainingState
+
+        if self._ckpt_state is None:  # shared with checkpoints: the same verified fast state dicts
+            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
+        if self._snapshots is None:  # plans once per generation (checkpoints/memory.py)
+            self._snapshots = SnapshotTaker()
+        state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
+                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
+        return self._snapshots.take(state, step=step, rank=self.groups.world_rank)
+
+    def load_snapshot(self, snapshots) -> int:
+        """Load the snapshots of every rank of the mesh that took them (resharding into this
+        generation's mesh, collectively, as ``load_checkpoint``) and return their step."""
+        from checkpoints.memory import MemoryReader
+        from checkpoints.reader import load_training_state
+
+        self._wait_checkpoint_staging()
+        reader = MemoryReader(snapshots)
+        point = load_training_state(
+            f"in-memory snapshot of step {reader.step}", self.model_parts(), self.optimizers,
+            restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)

@@ -50,10 +50,12 @@ def free_ports(count: int) -> list[int]:
 
 
 class RayCluster:
-    def __init__(self, root: Path, *, num_cpus: int, autoscaling_config: dict | None = None) -> None:
+    def __init__(self, root: Path, *, num_cpus: int, autoscaling_config: dict | None = None,
+                 head_env: dict | None = None) -> None:
         self.root = root
         self.num_cpus = num_cpus
         self.autoscaling_config = autoscaling_config
+        self.head_env = head_env or {}  # the head's `ray start` only (e.g. autoscaler v2's switches)
         self.token_path = root / "auth_token"
         self.token_path.write_text(secrets.token_hex(32))
         self.temp_dir = root / "ray"
@@ -85,17 +87,23 @@ class RayCluster:
                f"--metrics-export-port={self.metrics_port}",
                "--min-worker-port=0", "--max-worker-port=0",  # OS-chosen: no clash with other clusters
                f"--num-cpus={self.num_cpus}", "--num-gpus=0", "--disable-usage-stats"]
-        env = dict(self.env)
+        env = {**self.env, **self.head_env}
         if self.autoscaling_config is not None:
-            config = dict(self.autoscaling_config)
-            config["provider"] = {**config["provider"], "gcs_address": self.gcs_address}
-            path = self.root / "autoscaling.json"
-            path.write_text(json.dumps(config))
-            cmd.append(f"--autoscaling-config={path}")
+            cmd.append(f"--autoscaling-config={self.write_autoscaling_config(self.autoscaling_config)}")
             # Ray's fake multi-node provider: the autoscaler "launches" nodes as local raylets.
             env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
         self._spawn(cmd, env, self.root / "head.log")
         self._wait_ready(timeout_s)
+
+    def write_autoscaling_config(self, config: dict) -> Path:
+        """Write the launcher config the autoscaler reads (autoscaler v2 re-reads it every round, so
+        a test may change e.g. a node type's max_workers while the cluster runs)."""
+        config = {**config, "provider": {**config["provider"], "gcs_address": self.gcs_address}}
+        path = self.root / "autoscaling.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config))
+        tmp.replace(path)  # never a half-written file for the autoscaler to read
+        return path
 
     def _spawn(self, cmd: list[str], env: dict, log: Path) -> None:
         with open(log, "ab") as out:

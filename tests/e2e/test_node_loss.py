@@ -12,6 +12,10 @@ the worker node's `ray start` gets SIGTERM mid-run.
   deadline, here 20 s, and stops once the node is idle): a preemption notice. The driver saves at
   the next step boundary and re-forms without the node: no failure, no step trained twice, the
   survivors keep their processes, losses equal.
+* The node drains with 1 s of notice (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=1): too short for a save.
+  If the driver sees the notice at all before the node goes (it polls every elastic.drain_poll_s),
+  its `preemption` event says "fallback"; either way the node's loss takes the failure path, the run
+  shrinks and finishes, and losses equal one process's.
 """
 
 from __future__ import annotations
@@ -69,12 +73,13 @@ def wait_for(metrics: Path, driver, log: Path, done, what: str, timeout_s: float
     return recs
 
 
-def start(cluster: RayCluster, tmp_path: Path, steps: int, drain_s: float):
+def start(cluster: RayCluster, tmp_path: Path, steps: int, drain_s: float, extra: tuple[str, ...] = ()):
     """The worker node (its SIGTERM drain timeout ``drain_s``) and the driver on the head, once two
     steps trained; checks the store is on the head and a rank on the worker."""
     worker = cluster.add_node(2, env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(drain_s)})
     metrics, log = tmp_path / "m.jsonl", tmp_path / "driver.log"
-    overrides = OVERRIDES + [f"train.steps={steps}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={metrics}"]
+    overrides = OVERRIDES + [*extra, f"train.steps={steps}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                             f"metrics.path={metrics}"]
     driver = cluster.driver([a for o in overrides for a in ("--set", o)], log)
     wait_for(metrics, driver, log, lambda recs: any(r.get("step", 0) >= 2 and "loss" in r for r in recs),
              "step 2")
@@ -122,7 +127,7 @@ def test_worker_node_sigterm_drains_and_the_run_evacuates_it(cluster, tmp_path):
         _, actors = placement(cluster)
         # The survivors kept their processes: every rank alive now ran on the head before.
         assert {pid for _, pid in actors["RankActor"]} <= on_head, (actors, on_head)
-        worker.wait(timeout=60)  # the drained node stopped by itself once idle (no deadline reached)
+        worker.wait(timeout=60)  # `ray start` stopped its node by itself, at its drain timeout (F19)
         stopped_in = time.monotonic() - signalled
         rc = driver.wait(timeout=900)
     finally:
@@ -141,3 +146,29 @@ def test_worker_node_sigterm_drains_and_the_run_evacuates_it(cluster, tmp_path):
     print(f"SIGTERM drain: notice at step {preemption['step']} with {preemption['deadline_s']:.1f}s left, "
           f"re-formed at dp={rebuild['dp']} in {rebuild['recovery_s']:.1f}s, node gone {stopped_in:.1f}s "
           "after the signal")
+
+
+@pytest.mark.timeout(1200)
+def test_worker_node_sigterm_with_1s_drain_falls_back_to_the_failure_path(cluster, tmp_path):
+    steps = 40
+    # Polled at every step boundary, so the 1 s notice is usually seen before the node goes.
+    worker, driver, metrics, log, overrides, _ = start(cluster, tmp_path, steps, drain_s=1,
+                                                       extra=("elastic.drain_poll_s=0.001",))
+    try:
+        worker.send_signal(signal.SIGTERM)
+        rc = driver.wait(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert rc == 0, log.read_text()[-4000:]
+    recs = records(metrics)
+    preemptions = [r for r in recs if r.get("event") == "preemption"]
+    assert all(p["action"] == "fallback" and "shorter than" in p["reason"] for p in preemptions), preemptions
+    failure, = [r for r in recs if r.get("event") == "failure"]
+    assert failure["ranks"]
+    rebuild, = [r for r in recs if r.get("event") == "rebuild"]
+    assert rebuild["dp"] < 4
+    assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
+    assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None, overrides, steps)
+    print(f"SIGTERM with a 1 s drain: notice seen: {bool(preemptions)}, failure at step {failure['step']}, "
+          f"rebuilt at dp={rebuild['dp']} from step {rebuild['resumed_from_step']}")

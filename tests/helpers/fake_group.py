@@ -36,7 +36,7 @@ from orchestrator.messages import (
     WriteAck,
 )
 
-COLLECTIVE = ("join_generation", "train_step", "save_checkpoint", "load_checkpoint")
+COLLECTIVE = ("join_generation", "train_step", "save_checkpoint", "load_checkpoint", "load_snapshot")
 KICKED = "RuntimeError: Connection closed by peer (kicked)"
 
 
@@ -54,6 +54,10 @@ class FakeRank:
         self.loaded: list[str] = []
         self.bad_at: dict[int, str] = {}  # step -> StepResult.bad (scripted on the group: every rank)
         self.own_s = 0.4  # StepResult.own_s (a straggler: set it higher)
+        # In-memory snapshots (workers/snapshots.py): own (gen, step) -> record; held (gen, step, owner).
+        self.own: dict[tuple[int, int], dict] = {}
+        self.held: dict[tuple[int, int, int], dict] = {}
+        self.snapshots_loaded: list[list[dict]] = []
 
     def ping(self) -> tuple[int, str, str]:
         return self.pid, self.node_ip, f"node-{self.node_ip}"
@@ -92,6 +96,33 @@ class FakeRank:
         self.loaded.append(path)
         return parse_step(os.path.basename(path))
 
+    def snapshot(self, generation: int, step: int, keep: tuple = ()) -> float:
+        keys = {tuple(k) for k in keep} | {(generation, step)}
+        self.own = {k: v for k, v in self.own.items() if k in keys}
+        self.own[(generation, step)] = {"generation": generation, "step": step, "rank": self.world_rank}
+        return 0.001
+
+    def snapshot_blob(self, generation: int, step: int) -> dict:
+        return self.own[(generation, step)]
+
+    def keep_snapshot(self, generation: int, step: int, owner: int, snap, keep: tuple = ()) -> int:
+        snap = _resolved(snap)  # Ray resolves a ref passed as an argument
+        keys = {tuple(k) for k in keep} | {(generation, step)}
+        self.held = {k: v for k, v in self.held.items() if k[:2] in keys}
+        self.held[(generation, step, owner)] = dict(snap)
+        return 64
+
+    def give_snapshot(self, generation: int, step: int, owner: int) -> dict:
+        mine = self.own.get((generation, step))
+        if mine is not None and mine["rank"] == owner:
+            return mine
+        return self.held[(generation, step, owner)]
+
+    def load_snapshot(self, *snaps) -> int:
+        snaps = [_resolved(s) for s in snaps]
+        self.snapshots_loaded.append(snaps)
+        return snaps[0]["step"]
+
     def status(self) -> WorkerStatus:
         return WorkerStatus(world_rank=self.world_rank, pid=self.pid, generation=self.generation,
                             busy=False, step=self.step, error=None)
@@ -101,6 +132,15 @@ class FakeRank:
 
     def arm_fault(self, *args) -> None:  # the real actor's test hook; faults here are armed on the group
         pass
+
+
+def _resolved(value: Any) -> Any:
+    """What Ray hands a method for a ref passed as an argument: the value, or the call's error."""
+    if isinstance(value, FakeCall):
+        if value.state not in ("done", "later"):
+            raise RuntimeError(f"argument {value.method} of actor {value.actor} is {value.state}")
+        return value.value
+    return value
 
 
 class FakeCall:
@@ -265,7 +305,11 @@ class FakeWorkerGroup:
             return
         fault = self._take_fault(call, rank)
         if fault is None:
-            call.value = getattr(rank, call.method)(*call.args)
+            try:
+                call.value = getattr(rank, call.method)(*call.args)
+            except (KeyError, RuntimeError) as exc:  # the method raised (e.g. a ref argument failed)
+                call.state, call.error = "failed", f"{type(exc).__name__}: {exc}"
+                return
             if call.method == "wait_checkpoint" and self.slow_writes:
                 call.state = "later"
             return
@@ -297,7 +341,8 @@ class FakeWorkerGroup:
         where = {"train_step": lambda: call.args[0], "save_checkpoint": lambda: call.args[1],
                  "wait_checkpoint": lambda: rank.saving_step,
                  "join_generation": lambda: call.args[0].generation,
-                 "load_checkpoint": lambda: rank.generation}.get(call.method, lambda: None)()
+                 "load_checkpoint": lambda: rank.generation, "load_snapshot": lambda: rank.generation,
+                 "snapshot": lambda: call.args[1], "keep_snapshot": lambda: call.args[1]}.get(call.method, lambda: None)()
         if at is not None and at != where:
             return None
         del self._faults[(call.method, call.actor)]

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.config import JobConfig, load_config, microbatches_per_replica
-from orchestrator.mesh import MeshShape, balanced_split, stage_param_counts
+from orchestrator.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
 from orchestrator.messages import StepResult
 from orchestrator.schedule import Action, make_schedule
 from tests.helpers.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
@@ -156,6 +156,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         virtual_stages=v,
         collective_timeout_s=job.collective_timeout_s,
         use_gpu=False,
+        dp_replicate=replicate_degree(cfg.mesh.zero, shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
         **model_fields(cfg, resuming=False),
     )
     groups = build_process_groups(
@@ -166,6 +167,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         world_rank=rank,
         timeout_s=job.collective_timeout_s,
         device=torch.device("cpu"),
+        replicate=spec.dp_replicate,
     )
     runtime = RankRuntime(spec, groups)
     finish = job.instrument(runtime) if job.instrument is not None else None

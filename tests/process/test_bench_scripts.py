@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble) are marked slow.
+pipeline_bubble, preemption) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -114,6 +114,20 @@ def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
     assert result["activation_memory"]["goal_met"] is True  # byte counts, not timings: deterministic
     assert set(result["goals"]) == {"bubble_within_5_points_pp2", "bubble_within_5_points_pp4",
                                     "interleaved_faster", "gpipe_holds_more_activations"}
+
+
+@pytest.mark.slow  # two multi-node Rays, a 20 s drain deadline and Ray Train's restart: minutes
+@pytest.mark.timeout(900)
+def test_preemption_quick_writes_json(tmp_path: Path) -> None:
+    result = _run_script("preemption.py", tmp_path / "preemption.json", timeout=890)
+    assert result["benchmark"] == "preemption" and result["quick"] is True
+    em, rt = result["elastimesh"], result["ray_train"]
+    # Figures, not timings: elastimesh evacuated the drained node's ranks before it went, losing no step.
+    assert em["action"] == "evacuate" and len(em["victim_ranks"]) == 2 and em["new_dp"] == 2
+    assert em["steps_lost"] == 0 and em["steps_logged_twice"] == 0 and em["failures"] == 0
+    assert em["drain_to_next_step_done_s"] > 0 and rt["drain_to_next_step_done_s"] > 0
+    assert rt["new_world"] == 2 and rt["steps_lost"] is not None and rt["fit_error"] is None
+    assert result["ratio_drain_to_next_step"] > 0 and isinstance(result["goal_met"], bool)
 
 
 @pytest.mark.timeout(180)

@@ -12,8 +12,11 @@ from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_lo
 
 pytestmark = pytest.mark.ray
 
+# These (and tests/ray/test_elastic_rebuild.py) prove recovery from committed checkpoints; from
+# in-memory snapshots: tests/ray/test_snapshots.py.
 BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
-        "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"]
+        "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6",
+        "checkpoint.memory_every=0"]
 
 
 def _run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_rank: int, at_step: int,

@@ -69,12 +69,12 @@ def test_defaults_are_the_tiny_job() -> None:
 
 
 def test_all_keys_and_aliases() -> None:
-    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 67
+    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 72
     assert "checkpoint.async" in ALL_KEYS and "checkpoint.async_write" not in ALL_KEYS
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
     assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)
     checkpoint_keys = list(config_to_dict(JobConfig())["checkpoint"])
-    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume", "init_from"]
+    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume", "init_from", "memory_every"]
 
 
 def test_every_section_is_frozen_and_pickles() -> None:

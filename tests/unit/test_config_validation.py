@@ -55,7 +55,10 @@ def test_must_be_positive(key: str, value: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "key", "fragments"),
     [
-        (["mesh.zero=1"], "mesh.zero", ["mesh.zero=1 is not allowed", "2, 3"]),
+        (["mesh.zero=4"], "mesh.zero", ["mesh.zero=4 is not allowed", "0, 1, 2, 3"]),
+        (["mesh.dp=4", "mesh.dp_replicate=3"], "mesh.dp_replicate", ["must divide mesh.dp=4"]),
+        (["mesh.zero=0", "mesh.dp_replicate=2"], "mesh.dp_replicate", ["needs mesh.zero >= 1"]),
+        (['train.grad_reduce="float16"'], "train.grad_reduce", ["float32", "bfloat16"]),
         (["train.dtype=float8"], "train.dtype", ['"float32", "bfloat16", "float16"']),
         (["mesh.cpu_offload=true", "mesh.zero=2"], "mesh.cpu_offload", ["needs mesh.zero=3"]),
         (["pipeline.schedule=zb"], "pipeline.schedule", ['"1f1b", "gpipe", "interleaved_1f1b"']),

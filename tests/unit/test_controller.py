@@ -83,6 +83,8 @@ class Run:
         self.ckpt = tmp_path / "ckpt"
         self.cfg = load_config(None, [
             "mesh.dp=4", "mesh.tp=1", "mesh.pp=1", "train.steps=6", "checkpoint.every=2",
+            # These tests are about storage checkpoints; in-memory snapshots: test_controller_snapshots.py.
+            "checkpoint.memory_every=0",
             f"checkpoint.dir={self.ckpt}", f"metrics.path={self.metrics_path}", *overrides])
         self.group = FakeWorkerGroup(self.cfg.mesh.world if actors is None else actors, capacity=capacity)
         self.clock = Clock()

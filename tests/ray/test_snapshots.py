@@ -1,0 +1,111 @@
+"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/snapshots.py) on a local
+multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
+resharded into the smaller mesh, the losses the single-process reference's, the survivors never
+restarted; a rank killed together with the holder of its snapshot falls back to storage, and the
+rebuild event says which.
+
+Its own cluster, as tests/ray/test_elastic_nodes.py: a CPU-less head (driver, store host) and two
+2-CPU worker nodes, so the ring puts every snapshot's holder on the other node.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.config import load_config
+from tests.ray.conftest import make_group
+from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+STEPS = 6
+OVERRIDES = [TEST_LR, "model.seq_len=32", "model.n_layers=2", "train.global_batch_size=8",
+             "train.micro_batch_size=2", f"train.steps={STEPS}", "mesh.dp=4", "mesh.pp=1", "mesh.tp=1",
+             "checkpoint.every=2", "checkpoint.memory_every=1", "elastic.collective_timeout_s=60",
+             "elastic.grow_check_s=3600"]  # no growing back onto the freed slots: one rebuild to look at
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        pytest.skip("another Ray is connected in this process")
+    nodes = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
+    for _ in range(2):
+        nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def head_store(cluster):
+    from orchestrator.store_provider import StoreProvider
+
+    provider = StoreProvider()
+    provider.address()
+    yield provider
+    provider.close()
+
+
+def _run(tmp_path, head_store, victims_of, at: int):
+    """Train with a SIGKILL of the actors ``victims_of(controller)`` names, right after their first
+    forward of step ``at`` (the snapshot of ``at - 1`` settled first)."""
+    overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    group = make_group(4)
+    try:
+        controller = make_controller(load_config(None, overrides), group, head_store)
+        controller.step()
+        armed = []
+
+        def kill(c, step):
+            if step == at - 1:
+                c.snapshots.settle(c.group)  # so that step at - 1 is snapshot (never skipped)
+            if step == at and not armed:
+                c.snapshots.settle(c.group)  # the snapshot of step at - 1 reached its holders
+                c.ckpt.finish(c.group, c.generation, step - 1)  # and the checkpoint in flight committed
+                armed.extend(victims_of(c))
+                for actor in armed:
+                    c.group.call([actor], "arm_fault", (at, "kill", 0.0, "forward"), timeout_s=10)
+
+        controller.step_hooks.append(kill)
+        pids = dict(group.pids)
+        summary = controller.run()
+        assert summary.final_step == STEPS and summary.restarts == 1
+        survivors = {a: p for a, p in pids.items() if a not in armed}
+        assert {a: group.pids[a] for a in survivors} == survivors  # never restarted
+        path = tmp_path / "m.jsonl"
+        assert_matches_reference(last_losses(path), mesh_params(controller), overrides, STEPS)
+        trained = [r["step"] for r in map(json.loads, open(path)) if "loss" in r and "event" not in r]
+        rebuilds = events(path, "rebuild")
+        assert len(rebuilds) == 1, [e for e in map(json.loads, open(path)) if "event" in e]
+        rebuild = rebuilds[0]
+        return rebuild, trained, controller
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_rank_is_restored_from_snapshots_with_one_step_rerun(cluster, head_store, tmp_path):
+    rebuild, trained, controller = _run(tmp_path, head_store, lambda c: [c.generation.members[1]], at=4)
+    assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("snapshot", 3)
+    assert trained == [1, 2, 3, 4, 5, 6]  # only step 4 (failed, never logged) re-run; storage: 3 too
+    assert rebuild["dp"] == 2  # 3 survivors: dp=4's snapshots resharded into dp=2
+
+
+@pytest.mark.timeout(420)
+def test_a_rank_and_its_snapshots_holder_killed_fall_back_to_storage(cluster, head_store, tmp_path):
+    def rank_and_holder(c):
+        holders = c.snapshots._holders
+        return [c.generation.members[1], c.generation.members[holders[1]]]
+
+    rebuild, trained, controller = _run(tmp_path, head_store, rank_and_holder, at=4)
+    assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("storage", 2)
+    assert trained == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained twice

@@ -1,0 +1,56 @@
+"""The pure decisions of in-memory snapshots (orchestrator/snapshots.py): who holds whose snapshot,
+whether a set can restore a run, snapshot or storage."""
+
+from orchestrator.snapshots import backup_ring, choose_source, covered, host_bytes_per_rank, providers
+
+
+def test_ring_prefers_another_node():
+    members = {r: 10 + r for r in range(6)}
+    node = {10: "a", 11: "a", 12: "a", 13: "b", 14: "b", 15: "b"}
+    ring = backup_ring(members, node)
+    assert sorted(ring) == sorted(ring.values()) == list(range(6))  # a permutation: one holder each
+    assert all(node[members[r]] != node[members[h]] for r, h in ring.items())
+
+
+def test_ring_uneven_nodes_and_one_node_and_one_rank():
+    members = {0: 0, 1: 1, 2: 2}
+    ring = backup_ring(members, {0: "a", 1: "a", 2: "b"})
+    assert ring == {0: 2, 2: 1, 1: 0}
+    assert backup_ring(members, {0: "a", 1: "a", 2: "a"}) == {0: 1, 1: 2, 2: 0}
+    assert backup_ring({0: 5}, {5: "a"}) == {}
+
+
+def test_covered_needs_every_shard_alive_somewhere():
+    members = {0: 10, 1: 11, 2: 12, 3: 13}
+    holders = {0: 2, 2: 1, 1: 3, 3: 0}
+    assert covered(members, holders, {10, 11, 12, 13})
+    assert covered(members, holders, {10, 12, 13})  # rank 1 lost: its copy is on rank 3
+    assert providers(members, holders, {10, 12, 13}) == {0: 10, 1: 13, 2: 12, 3: 13}
+    assert not covered(members, holders, {10, 12})  # ranks 1 and its holder 3 lost
+    assert covered(members, holders, {11, 13}) is False  # rank 0 and its holder 2 lost
+    assert not covered(members, {}, set(members.values()))  # no ring: nothing was held
+
+
+def test_choose_source():
+    assert choose_source(4, 2) == "snapshot"
+    assert choose_source(4, 4) == "snapshot"  # as new, and no storage read
+    assert choose_source(3, 4) == "storage"
+    assert choose_source(None, 0) == "storage"
+    assert host_bytes_per_rank(100) == 400
+
+
+def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
+    from orchestrator.config import load_config
+    from orchestrator.plan import describe, make_plan
+    from orchestrator.plan_render import render
+
+    def info(*overrides):
+        cfg = load_config(None, ["mesh.dp=2", "mesh.tp=1", *overrides])
+        return describe(cfg, make_plan(cfg))
+
+    on = info(f"checkpoint.dir={tmp_path}")
+    mem = on["memory_per_rank"][0]
+    assert on["snapshot_host_per_rank"] == {0: 4 * (mem["grads"] + mem["optimizer"])}
+    assert "in-memory snapshots (checkpoint.memory_every)" in render(on)
+    assert info(f"checkpoint.dir={tmp_path}", "checkpoint.memory_every=0")["snapshot_host_per_rank"] is None
+    assert info()["snapshot_host_per_rank"] is None and "in-memory snapshots: off" in render(info())
