@@ -103,12 +103,15 @@ def run_campaign(args, tmp: Path) -> dict:
             print(f"step {step}: {kind}: {what}", flush=True)
 
         controller.step_hooks.append(inject)
+        done_at: list[tuple[int, float]] = []  # (step, when its record was written)
+        controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
         error = None
+        t_run = time.time()
         try:
             summary = controller.run()
         except Exception as exc:  # the campaign reports a run that did not survive; it does not hide it
             error, summary = f"{type(exc).__name__}: {exc}", None
-        wall = time.time() - t0
+        wall = {"run_s": time.time() - t_run, "with_startup_s": time.time() - t0}
         params = mesh_params(controller) if summary is not None else None
         campaign.finish()
         controller.metrics.close()
@@ -118,10 +121,22 @@ def run_campaign(args, tmp: Path) -> dict:
         provider.close()
         ray.shutdown()
         nodes.shutdown()
-    return report(args, cfg, overrides, campaign, tmp, summary, error, wall, params)
+    return report(args, cfg, overrides, campaign, tmp, summary, error, wall, params, done_at, t_run)
 
 
-def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: float, params) -> dict:
+def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: float) -> dict:
+    """Seconds from each fault's injection to the first step completed after it that was not a
+    re-run (training at full progress again), summed by kind."""
+    out: dict[str, float] = {}
+    for f in injected:
+        best = max((s for s, t in done_at if t < f["time"]), default=0)
+        after = [t for s, t in done_at if t > f["time"] and s > best]
+        if after:
+            out[f["kind"]] = round(out.get(f["kind"], 0.0) + after[0] - f["time"], 2)
+    return out
+
+
+def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict, params, done_at, t_run) -> dict:
     import numpy as np
 
     from checkpoints.catalog import list_checkpoints
@@ -159,10 +174,15 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: floa
         "steps_rerun": rerun, "restarts": summary.restarts if summary else None,
         "generations": summary.generations if summary else None,
         "events": dict(events), "rebuilds_restored_from": dict(restored),
-        "useful_step_time_s": useful, "wall_s": wall, "goodput": useful / wall if wall else None,
+        "recoveries": [{k: r.get(k) for k in ("event", "generation", "dp", "reason", "restored_from",
+                                              "resumed_from_step", "restore_s", "recovery_s")}
+                       for r in records if r.get("event") in ("rebuild", "grow")],
+        "fault_to_progress_s_by_kind": lost_time(campaign.injected, done_at, t_run),
+        "useful_step_time_s": useful, "wall_s": wall,
+        "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
         "goal_goodput": GOAL_GOODPUT,
         "goal_met": bool(survived and not corrupt and diff is not None and diff <= GOAL_PARAM
-                         and useful / wall >= GOAL_GOODPUT),
+                         and useful / wall["run_s"] >= GOAL_GOODPUT),
         "machine": machine(load_average=load_average()),
     }
 
