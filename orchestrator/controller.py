@@ -166,9 +166,10 @@ class Controller(RankHealth):
         if step in self.resize_requests:
             self._resize_requested(self.resize_requests.pop(step))
             return
+        adopted = self._adopt_started()
         if self._preempted_at(step) or self._evict_stragglers(step):
             return
-        if self._grow_due():
+        if self._grow_due() or adopted:
             self._refill_spares()  # spares first: a grow never takes them (orchestrator/policies.py)
             self._adopt_new_actors()
             decision = self.scaling.grow(self.generation.shape.dp, len(self.group.live_ids))
@@ -324,10 +325,10 @@ class Controller(RankHealth):
 
     def _adopt_new_actors(self) -> None:
         """Start actors on resources that appeared (autoscaler, replacement node), never blocking."""
-        count = self.scaling.actors_to_adopt(len(self.group.live_ids), self.group.free_slots)
+        count = self.scaling.actors_to_adopt(len(self.group.live_ids) + self.group.starting, self.group.free_slots)
         if count:
-            try:
-                self.group.add(count, wait_s=10.0)
+            try:  # taken in by _adopt_started once they answer: the next grow check uses them
+                self.group.start_background(count)
             except Exception as exc:  # resources vanished again: try at the next check
                 logger.info("grow: could not start actors yet (%s)", exc)
 

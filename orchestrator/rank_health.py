@@ -33,7 +33,6 @@ from orchestrator.stragglers import StragglerWatch
 
 logger = logging.getLogger(__name__)
 
-SPARE_WAIT_S = 10.0  # placement wait for a new spare: short, retried at the next grow check
 
 
 class RankHealth:
@@ -109,22 +108,30 @@ class RankHealth:
         self.stragglers.forget(set(members.values()))
 
     def _refill_spares(self) -> None:
-        """Ask for the spares missing beyond the current mesh (a short wait; retried later)."""
+        """Ask for the spares missing beyond the current mesh, without waiting: they are started in the
+        background and taken in by ``_adopt_started`` once they answer."""
         wanted = self.cfg.elastic.spares
         if not wanted or self.generation is None:
             return
-        missing = wanted - (len(self.group.live_ids) - self.generation.shape.world)
+        missing = wanted - (len(self.group.live_ids) - self.generation.shape.world) - self.group.starting
         if missing <= 0:
             return
         try:
-            started_ids = self.group.add(missing, wait_s=SPARE_WAIT_S, strategy="SPREAD")
-            self.spare_ids += started_ids
-            self._warm(started_ids)
-            started = True
-        except WorkerGroupStartupError as exc:
-            logger.info("spares: could not start %d yet (%s)", missing, exc)
-            started = False
-        self.metrics.event("spare_requested", count=missing, started=started)
+            self.group.start_background(missing, strategy="SPREAD")
+        except WorkerGroupStartupError as exc:  # e.g. a placement group could not even be created
+            logger.info("spares: could not ask for %d yet (%s)", missing, exc)
+            return
+        self.metrics.event("spare_requested", count=missing)
+
+    def _adopt_started(self) -> bool:
+        """At each step boundary: actors started in the background that answered become live, outside
+        the mesh (spares, or capacity for a grow: True, so the grow check runs now)."""
+        ready = self.group.adopt_started()
+        if ready:
+            self.spare_ids += ready
+            self._warm(ready)
+            self.metrics.event("actors_ready", actors=ready)
+        return bool(ready)
 
     def _warm(self, actors: list[int]) -> None:
         """Have new spares import the training code now (``RankActor.warm``); not waited for."""

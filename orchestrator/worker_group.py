@@ -65,6 +65,7 @@ class WorkerGroup:
         self._next_id = 0
         # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/bundles.py).
         self._bundles = BundleLedger()
+        self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bundle(self) -> dict[str, float]:
@@ -74,47 +75,17 @@ class WorkerGroup:
         return b
 
     def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
-        """Start ``count`` new actors, in vacated bundles that are placed and then in a new placement
-        group (``strategy``: "PACK" keeps a mesh's ranks together; hot spares ask for "SPREAD", so
-        that as far as Ray can they land on other nodes than the ranks they back); returns their
-        actor ids.
+        """Start ``count`` new actors and wait for them, in vacated bundles that are placed and then in
+        a new placement group (``strategy``: "PACK" keeps a mesh's ranks together; hot spares ask for
+        "SPREAD", so that as far as Ray can they land on other nodes than the ranks they back);
+        returns their actor ids.
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
-        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
-
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
-        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
-        while self._reserved and len(slots) < count:
-            slots.append(self._reserved.pop(0))
-        fresh = count - len(slots)
-        if fresh:
-            pg = placement_group([self.bundle()] * fresh, strategy=strategy)
-            if not self._wait_placed(pg, fresh, wait_s):
-                remove_placement_group(pg)
-                raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
-            self._pgs.append(pg)
-            slots += [(pg, index) for index in range(fresh)]
-        # One long-lived thread runs all of a rank's training work (the "train" group); the default
-        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
-        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
-        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
-        # See workers/actor.py TRAIN_GROUP for why.
-        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
-        ids = []
-        for pg, index in slots:
-            actor_id = self._next_id
-            self._next_id += 1
-            self._bundles.assign(actor_id, pg, index)
-            self.actors[actor_id] = remote_cls.options(
-                num_cpus=self.resources.cpus,
-                num_gpus=self.resources.gpus,
-                max_concurrency=5,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index
-                ),
-            ).remote(actor_id, **self.actor_kwargs)
-            ids.append(actor_id)
+        handles = self._create(self._slots(count, strategy, wait_s))
+        self.actors.update(handles)
+        ids = list(handles)
         outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
         if not outcome.ok:
             # Leave no half-started actors behind: callers count live_ids as ranks to form.
@@ -122,9 +93,89 @@ class WorkerGroup:
             raise WorkerGroupStartupError(
                 f"workers failed to start: {outcome.dead or outcome.failed or outcome.pending}"
             )
-        for actor_id, (pid, ip, node) in outcome.results.items():
-            self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = pid, ip, node
+        for actor_id, answer in outcome.results.items():
+            self._started(actor_id, answer)
         return ids
+
+    def start_background(self, count: int, *, strategy: str = "PACK") -> None:
+        """Begin starting ``count`` actors and return at once; ``adopt_started`` hands each over once it
+        answers. Spares and grows start this way so that the step loop never waits for a node to boot
+        or an actor to import torch (a pending placement group is also what an autoscaler acts on).
+        One that has not answered within resources.placement_timeout_s + 120 s is given up."""
+        deadline = time.monotonic() + self.placement_timeout_s + 120.0
+        for actor_id, handle in self._create(self._slots(count, strategy, None)).items():
+            self._starting[actor_id] = (handle, handle.ping.remote(), deadline)
+
+    @property
+    def starting(self) -> int:
+        """Actors begun by ``start_background`` that have not answered yet."""
+        return len(self._starting)
+
+    def adopt_started(self) -> list[int]:
+        """The background-started actors that answered since the last call, now live (never blocks)."""
+        ready = []
+        for actor_id, (handle, ref, deadline) in list(self._starting.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done and time.monotonic() < deadline:
+                continue
+            del self._starting[actor_id]
+            try:
+                answer = ray.get(ref, timeout=0) if done else None
+            except Exception as exc:  # it died while starting
+                logger.info("actor %d failed to start: %s", actor_id, error_line(exc))
+                answer = None
+            if answer is None:
+                ray.kill(handle, no_restart=True)
+                self._bundles.release(actor_id)
+                continue
+            self.actors[actor_id] = handle
+            self._started(actor_id, answer)
+            ready.append(actor_id)
+        return ready
+
+    def _slots(self, count: int, strategy: str, wait_s: float | None) -> list[tuple[Any, int]]:
+        """Bundles for ``count`` actors: vacated placed ones, reserved ones, then a new placement group
+        (waited for up to ``wait_s``; None: not waited for, the actors queue until it is placed)."""
+        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
+        while self._reserved and len(slots) < count:
+            slots.append(self._reserved.pop(0))
+        fresh = count - len(slots)
+        if fresh:
+            pg = placement_group([self.bundle()] * fresh, strategy=strategy)
+            if wait_s is not None and not self._wait_placed(pg, fresh, wait_s):
+                remove_placement_group(pg)
+                raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
+            self._pgs.append(pg)
+            slots += [(pg, index) for index in range(fresh)]
+        return slots
+
+    def _create(self, slots: list[tuple[Any, int]]) -> dict[int, Any]:
+        """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
+        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
+
+        # One long-lived thread runs all of a rank's training work (the "train" group); the default
+        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
+        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
+        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
+        # See workers/actor.py TRAIN_GROUP for why.
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
+        handles = {}
+        for pg, index in slots:
+            actor_id = self._next_id
+            self._next_id += 1
+            self._bundles.assign(actor_id, pg, index)
+            handles[actor_id] = remote_cls.options(
+                num_cpus=self.resources.cpus,
+                num_gpus=self.resources.gpus,
+                max_concurrency=5,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            ).remote(actor_id, **self.actor_kwargs)
+        return handles
+
+    def _started(self, actor_id: int, answer: tuple[int, str, str]) -> None:
+        self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = answer
 
     def _wait_placed(self, pg, count: int, wait_s: float) -> bool:
         """Wait up to ``wait_s`` for the bundles. A pending placement group is also what an autoscaler
@@ -160,7 +211,7 @@ class WorkerGroup:
 
     def kill(self, actor_ids: list[int]) -> None:
         for actor_id in actor_ids:
-            handle = self.actors.pop(actor_id, None)
+            handle = self.actors.pop(actor_id, None) or self._starting.pop(actor_id, (None,))[0]
             if handle is not None:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
@@ -209,7 +260,7 @@ class WorkerGroup:
         return fits + len(self.placed_vacancies()) + len(self._reserved)
 
     def shutdown(self) -> None:
-        self.kill(list(self.actors))
+        self.kill(list(self.actors) + list(self._starting))
         for pg in self._pgs:
             try:
                 remove_placement_group(pg)

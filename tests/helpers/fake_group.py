@@ -165,6 +165,7 @@ class FakeWorkerGroup:
         self.draining: dict[str, float | None] = {}  # what draining_nodes() answers (scripted)
         self.node_ip = node_ip
         self.capacity = capacity
+        self.pending_starts = 0  # start_background: asked for, not placed yet
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
         self.log: list[tuple[str, int, tuple]] = []  # (method, actor, args) of every call, in order
         self.killed: list[int] = []
@@ -207,6 +208,19 @@ class FakeWorkerGroup:
                                           f"for {self.capacity})")
         self.capacity -= count
         return self._start(count)
+
+    def start_background(self, count: int, *, strategy: str = "PACK") -> None:
+        self.pending_starts += count  # placed (and answering) once the fake cluster has room
+
+    @property
+    def starting(self) -> int:
+        return self.pending_starts
+
+    def adopt_started(self) -> list[int]:
+        placed = min(self.pending_starts, self.capacity)
+        self.pending_starts -= placed
+        self.capacity -= placed
+        return self._start(placed)
 
     def free_slots(self) -> int:
         return self.capacity

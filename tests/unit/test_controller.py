@@ -417,13 +417,17 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     r.steps(4)  # start, steps 1-3 (no grow check yet: the clock stands still)
     assert r.c.generation.shape.dp == 2 and r.committed() == []
     r.clock.t = 10.0
-    assert r.c.step() == State.RUNNING  # the step-4 boundary: grow
-    assert r.group.live_ids == [0, 1, 2, 3] and r.committed() == [2, 3]
-    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 4)
+    assert r.c.step() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
+    assert r.group.live_ids == [0, 1] and r.group.starting == 2 and r.c.next_step == 5
+    assert r.c.step() == State.RUNNING  # the step-5 boundary: they answered, so grow now
+    assert r.group.live_ids == [0, 1, 2, 3] and r.committed()[-1] == 4  # the save in flight, then 4
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 5)
+    ready, = r.events("actors_ready")
+    assert ready["actors"] == [2, 3]
     r.clock.t = 12.0
     r.steps(1)
     grow, = r.events("grow")
-    assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 3, 2.0)
+    assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 4, 2.0)
     assert not r.events("rebuild")
 
 

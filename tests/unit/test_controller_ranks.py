@@ -121,9 +121,12 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
     promoted, = r.events("spare_promoted")
     assert promoted["actors"] == [spare]
     assert r.c.restarts == 0 and 2 in r.committed()
-    requested, = r.events("spare_requested")
-    assert requested == {**requested, "count": 1, "started": True} and len(r.c.group.live_ids) == 6 - 1
-    r.steps(6)
+    requested, = r.events("spare_requested")  # begun in the background, taken in at the next boundary
+    assert requested["count"] == 1 and len(r.c.group.live_ids) == 4 and r.c.group.starting == 1
+    r.steps(1)
+    ready, = r.events("actors_ready")
+    assert len(r.c.group.live_ids) == 5 and r.c.spare_ids == ready["actors"]
+    r.steps(5)
     assert r.c.step() == State.FINISHED and sorted(r.c.losses) == list(range(1, 9))
 
 
@@ -144,7 +147,8 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     promoted, = r.events("spare_promoted")
     assert promoted["actors"] == [spare] and promoted["generation"] == 2
     requested, = r.events("spare_requested")
-    assert requested["count"] == 1 and requested["started"]
+    assert requested["count"] == 1 and r.group.starting == 1
+    assert r.c.step() == State.RUNNING  # the next boundary takes the new spare in (step 3 trains)
     assert [a for a, _ in r.group.calls("warm")] == [spare, r.c.spare_ids[0]]  # both spares warmed
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5
@@ -154,19 +158,20 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     assert r.c.state == State.FINISHED and r.c.generation.shape.dp == 4
 
 
-def test_spare_that_cannot_be_placed_is_asked_for_again_later(make):
+def test_spare_that_cannot_be_placed_yet_waits_without_stalling_the_steps(make):
     r = make("train.steps=6", "elastic.spares=1", "elastic.grow_check_s=1", actors=5, capacity=0)
     r.steps(1)
     r.group.fail("train_step", r.c.generation.members[0], "die", at=2)
     r.steps(1)
     assert r.c.step() == State.REBUILDING and r.c.step() == State.RUNNING
     assert r.c.generation.shape.dp == 4
-    assert [e["started"] for e in r.events("spare_requested")] == [False]
-    r.group.capacity = 1
-    r.clock.t += 5  # the next grow check asks again
+    assert [e["count"] for e in r.events("spare_requested")] == [1] and r.group.starting == 1
+    r.clock.t += 5
+    r.steps(1)  # nothing placed yet: the request stays pending, it is not asked for twice
+    assert len(r.events("spare_requested")) == 1 and len(r.group.live_ids) == 4
+    r.group.capacity = 1  # a node joins: the pending actor is placed and answers
     r.steps(1)
-    assert [e["started"] for e in r.events("spare_requested")] == [False, True]
-    assert len(r.group.live_ids) == 5
+    assert len(r.events("actors_ready")) == 1 and len(r.group.live_ids) == 5 and r.group.starting == 0
 
 
 def test_spares_are_kept_out_of_a_grow():
