@@ -60,7 +60,9 @@ def overrides_for(args, tmp: Path) -> list[str]:
         "checkpoint.every=5", "checkpoint.keep=3", "checkpoint.memory_every=1",
         f"checkpoint.dir={tmp / 'ckpt'}", f"metrics.path={tmp / 'metrics.jsonl'}",
         "elastic.spares=1", "elastic.min_dp=1", "elastic.max_restarts=100",
-        "elastic.step_timeout_s=20", "elastic.collective_timeout_s=20", "elastic.rebuild_timeout_s=120",
+        # A hung rank is found by the step timeout: a few times the step, not the default minutes.
+        f"elastic.step_timeout_s={args.step_timeout}", f"elastic.collective_timeout_s={args.step_timeout + 5}",
+        "elastic.rebuild_timeout_s=120",
         "elastic.grow_check_s=2", "elastic.drain_poll_s=0.001",
         "elastic.straggler_factor=3", "elastic.straggler_steps=3", "elastic.evict_stragglers=true",
     ]
@@ -177,6 +179,8 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
         "recoveries": [{k: r.get(k) for k in ("event", "generation", "dp", "reason", "restored_from",
                                               "resumed_from_step", "restore_s", "recovery_s")}
                        for r in records if r.get("event") in ("rebuild", "grow")],
+        "failures": [{k: r.get(k) for k in ("step", "ranks", "reason", "time")}
+                     for r in records if r.get("event") == "failure"],
         "fault_to_progress_s_by_kind": lost_time(campaign.injected, done_at, t_run),
         "useful_step_time_s": useful, "wall_s": wall,
         "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
@@ -192,6 +196,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=9, help="steps between faults")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-timeout", type=float, default=10.0, help="elastic.step_timeout_s")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
