@@ -10,7 +10,11 @@ Per generation the script reads every step's ``step_time_s`` from the metrics JS
 * ``step2_ratio``: the generation's 2nd step time / the median of its steps from the 4th on (goal
   <= 1.3: the first step pays one-time costs (FSDP lazy init, allocator warm-up, DTensor caches);
   from the second on a generation should run at full speed);
-* ``step1_ratio`` for information.
+* ``step1_ratio`` for information;
+* ``cpu_step2_ratio``: the same ratio of the slowest rank's *CPU* seconds of the step (its step
+  thread's ``thread_time``, ``StepResult.own_s``), which other processes on a loaded machine do not
+  inflate: a wall ratio above it means the step waited (for a peer, or for a core), not that it
+  did more work.
 
     python bench/full_speed.py [--zero {0,1,2,3}] [--steps-per-gen N] [--quick] [--out PATH]
 
@@ -41,6 +45,7 @@ QUICK = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_siz
 def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
     import ray
 
+    import orchestrator.controller as controller_mod
     from orchestrator.config import load_config
     from tests.ray.conftest import make_group
     from tests.ray.harness import make_controller
@@ -52,6 +57,13 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
         f"mesh.dp={DP}", "mesh.tp=1", f"mesh.zero={zero}", f"train.steps={steps}", f"checkpoint.every={10 * steps}",
         f"checkpoint.dir={os.path.join(workdir, 'ckpt')}", f"metrics.path={mpath}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
+    # The step records carry wall times only; add the slowest rank's CPU seconds (bench-side only).
+    plain_record = controller_mod.step_record
+
+    def record_with_cpu(step, results, **kw):
+        return {**plain_record(step, results, **kw), "cpu_s": max(r.own_s for r in results)}
+
+    controller_mod.step_record = record_with_cpu
     t0 = time.time()
     with local_ray():
         host = StoreHost.remote()
@@ -64,19 +76,23 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
             controller.metrics.close()
         finally:
             group.shutdown()
+            controller_mod.step_record = plain_record
     records = [json.loads(line) for line in open(mpath)]
     by_gen: dict[int, list[tuple[int, float]]] = {}
     for r in records:
         if "step_time_s" in r:
-            by_gen.setdefault(r["generation"], []).append((r["step"], r["step_time_s"]))
+            by_gen.setdefault(r["generation"], []).append((r["step"], r["step_time_s"], r.get("cpu_s")))
     gens = []
     for g, steps_of in sorted(by_gen.items()):
-        times = [t for _, t in sorted(steps_of)]
+        times = [t for _, t, _ in sorted(steps_of)]
+        cpu = [c for _, _, c in sorted(steps_of)]
         steady = statistics.median(times[3:]) if len(times) > 3 else float("nan")
+        cpu_steady = statistics.median(cpu[3:]) if len(cpu) > 3 else float("nan")
         gens.append({"generation": g, "dp": next(r["dp"] for r in records if r.get("generation") == g
                                                   and "step_time_s" in r),
-                     "steps": [s for s, _ in sorted(steps_of)], "step_time_s": times, "steady_s": steady,
-                     "step1_ratio": times[0] / steady, "step2_ratio": times[1] / steady})
+                     "steps": [s for s, _, _ in sorted(steps_of)], "step_time_s": times, "steady_s": steady,
+                     "step1_ratio": times[0] / steady, "step2_ratio": times[1] / steady,
+                     "cpu_s": cpu, "cpu_steady_s": cpu_steady, "cpu_step2_ratio": cpu[1] / cpu_steady})
     return {"generations": gens, "final_step": summary.final_step, "total_wall_s": time.time() - t0}
 
 
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     write_result(args.out, result)
-    per = ", ".join(f"gen{g['generation']} dp={g['dp']}: step2 {g['step2_ratio']:.2f}x step1 {g['step1_ratio']:.2f}x"
+    per = ", ".join(f"gen{g['generation']} dp={g['dp']}: step2 {g['step2_ratio']:.2f}x (cpu {g['cpu_step2_ratio']:.2f}x) "
+                    f"step1 {g['step1_ratio']:.2f}x"
                     for g in out["generations"])
     print(f"full_speed (zero={args.zero}): {per} of steady; goal <= {GOAL_RATIO}: "
           f"{'met' if result['goal_met'] else 'NOT met'}")

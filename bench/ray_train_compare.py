@@ -64,6 +64,7 @@ def _median_from(per_step: dict[int, float], first: int = 3) -> float:
 def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     import ray
 
+    import orchestrator.controller as controller_mod
     from orchestrator.config import load_config
     from orchestrator.launch import run_job
 
@@ -73,18 +74,29 @@ def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     cfg = load_config(None, overrides + [f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}",
                                          f"metrics.path={mpath}"])
     assert not ray.is_initialized()
+    # Step records carry wall times only; add the slowest rank's CPU seconds of the step (its step
+    # thread's thread_time, StepResult.own_s), bench-side only (the controller runs in this process).
+    plain_record = controller_mod.step_record
+    controller_mod.step_record = lambda step, results, **kw: {
+        **plain_record(step, results, **kw), "cpu_s": max(r.own_s for r in results)}
     t0 = time.time()
-    summary = run_job(cfg, progress=False)
+    try:
+        summary = run_job(cfg, progress=False)
+    finally:
+        controller_mod.step_record = plain_record
     t_end = time.time()
     records = [json.loads(line) for line in open(mpath)]
     tps = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
     step_time = {r["step"]: r["step_time_s"] for r in records if "step_time_s" in r}
+    cpu = {r["step"]: r["cpu_s"] for r in records if "cpu_s" in r}
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     start_ev = next((r for r in records if r.get("event") == "start"), None)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     out = {
         "tokens_per_s_median": _median_from(tps),
         "step_time_s_median": _median_from(step_time),
+        "step_time_s_min": min(v for s, v in step_time.items() if s >= 3),
+        "cpu_s_median": _median_from(cpu),
         "tokens_per_s_by_step": tps,
         "losses": losses,
         "final_step": summary.final_step,
@@ -109,12 +121,12 @@ def _train_loop(config: dict) -> None:
     loop = DDPLoop(config["overrides"])
     log = []
     for step in range(1, config["steps"] + 1):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         share = loop.step(step)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         loss_t = torch.tensor([share])
         dist.all_reduce(loss_t)  # outside the timed region: only for the loss comparison
-        log.append({"step": step, "t0": time.time() - (t1 - t0), "t1": time.time(), "dt": t1 - t0,
+        log.append({"step": step, "t0": time.time() - (t1 - t0), "t1": time.time(), "dt": t1 - t0, "cpu": c1 - c0,
                     "loss": float(loss_t)})
     with open(os.path.join(config["logdir"], f"rank{loop.rank}.json"), "w") as f:
         json.dump(log, f)
@@ -146,10 +158,13 @@ def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     dt = {rec["step"]: max(lg[i]["dt"] for lg in logs) for i, rec in enumerate(logs[0])}
     tps = {s: tokens / v for s, v in dt.items()}
+    cpu = {rec["step"]: max(lg[i]["cpu"] for lg in logs) for i, rec in enumerate(logs[0])}
     loop_wall = max(lg[-1]["t1"] for lg in logs) - min(lg[0]["t0"] for lg in logs)
     return {
         "tokens_per_s_median": _median_from(tps),
         "step_time_s_median": _median_from(dt),
+        "step_time_s_min": min(v for s, v in dt.items() if s >= 3),
+        "cpu_s_median": _median_from(cpu),
         "tokens_per_s_by_step": tps,
         "losses": {rec["step"]: rec["loss"] for rec in logs[0]},
         "ray_init_s": t_init - t0,
@@ -165,6 +180,10 @@ def _best(runs: list[dict]) -> dict:
     ranked = sorted(runs, key=lambda r: r["tokens_per_s_median"])
     best = dict(ranked[len(ranked) // 2])
     best["tokens_per_s_median_of_repeats"] = [r["tokens_per_s_median"] for r in runs]
+    # Load-robust cross-checks: the median over repeats of each run's median step CPU seconds, and
+    # the fastest step of all repeats (what the step costs when nothing else competes).
+    best["cpu_s_median_of_repeats"] = statistics.median(r["cpu_s_median"] for r in runs)
+    best["step_time_s_min_of_repeats"] = min(r["step_time_s_min"] for r in runs)
     return best
 
 
@@ -204,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         "ray_train": rt,
         "ratio_tokens_per_s": ratio,
         "ratio_tokens_per_s_by_variant": ratios,
+        # Load-robust cross-checks (> 1: elastimesh does the step with less CPU / faster at best).
+        "ratio_cpu_per_step_by_variant": {n: rt["cpu_s_median_of_repeats"] / em_["cpu_s_median_of_repeats"]
+                                          for n, em_ in sides.items()},
+        "ratio_min_step_time_by_variant": {n: rt["step_time_s_min_of_repeats"] / em_["step_time_s_min_of_repeats"]
+                                           for n, em_ in sides.items()},
         "ratio_loop_tokens_per_s": (em.get("loop_tokens_per_s_lower_bound", 0) / rt["loop_tokens_per_s"]),
         "ratio_total_wall": em["total_wall_s"] / rt["total_wall_s"],
         "loss_max_rel_diff": max_rel,
@@ -216,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     by_variant = ", ".join(f"{n} {sides[n]['tokens_per_s_median']:,.0f} tok/s ({r:.2f}x)" for n, r in ratios.items())
     print(f"ray_train_compare: elastimesh {by_variant} vs Ray Train {rt['tokens_per_s_median']:,.0f} tok/s "
           f"(goal >= {GOAL_RATIO} at {headline}: {'met' if result['goal_met'] else 'NOT met'}); "
-          f"wall {em['total_wall_s']:.1f}s vs {rt['total_wall_s']:.1f}s; loss max rel diff {max_rel}")
+          f"wall {em['total_wall_s']:.1f}s vs {rt['total_wall_s']:.1f}s; loss max rel diff {max_rel}; "
+          f"CPU/step ratio {result['ratio_cpu_per_step_by_variant']}, min-step ratio "
+          f"{result['ratio_min_step_time_by_variant']}; load {result['machine']['loadavg_at_end']}")
     return 0
 
 

@@ -154,6 +154,22 @@ def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
     return dp > 1 or dtype not in ("float32", "float64") or cpu_offload
 
 
+def ddp_applies(zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str = "float32",
+                cpu_offload: bool = False, grad_compression: str = "none") -> bool:
+    """Whether ZeRO-0 runs through torch's ``DistributedDataParallel`` instead of FSDP2's HSDP:
+    the rule the ranks and the plan share (docs/design.md, Data-parallel strategies).
+
+    Only where DDP computes exactly what HSDP(replicate=dp, shard=1) does: plain (non-TP) parameters,
+    one stage per rank, fp32 compute reduced in fp32 (or fp64), no offload and no PowerSGD (which
+    runs on FSDP2's all-reduce hook). There FSDP2 still all-gathers and reduce-scatters over its
+    one-rank shard axis every step besides the dp all-reduce, and pays its per-unit Python hooks;
+    DDP's bucketed all-reduce overlapped with backward does not (bench/ray_train_compare.py).
+    """
+    precision_ok = dtype == "float64" or (dtype == "float32" and grad_reduce == "float32")
+    return (zero == 0 and dp > 1 and pp == 1 and tp == 1 and precision_ok and not cpu_offload
+            and grad_compression != "powersgd")
+
+
 def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     """Group a stage's blocks (by position) into FSDP units of at least ``min_unit_bytes`` each.
 

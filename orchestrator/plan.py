@@ -14,6 +14,7 @@ from orchestrator.config_validate import resolve_model
 from orchestrator.mesh import (
     MeshShape,
     balanced_split,
+    ddp_applies,
     fsdp_applies,
     fsdp_units,
     layer_ranges,
@@ -168,7 +169,9 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload)
+    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload) and not ddp_applies(
+        cfg.mesh.zero, shape.dp, shape.pp, shape.tp, cfg.train.dtype, cfg.train.grad_reduce, cfg.mesh.cpu_offload,
+        cfg.train.grad_compression)
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,

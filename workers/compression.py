@@ -6,9 +6,9 @@ FSDP2's gradients instead of FSDP2's own all-reduce. How: the stage is then shar
 *one-rank* shard mesh (no replicate axis: FSDP2 itself communicates nothing over dp), and FSDP2's
 ``set_all_reduce_hook`` hands each unit's flat gradient buffer to ``_PowerSGD``, which presents it to
 the DDP hook as a bucket (the hook reads only ``buffer()``, ``gradients()``, ``index()`` and
-``is_last()``; ``_Bucket`` is that duck type) and waits for its future. Why not torch DDP: it takes
-no DTensor parameters (TP), and its checkpoints would not reshard (docs/design.md, Data-parallel
-strategies). The compressor state (error feedback, warm-start P/Q) lives in the generation's
+``is_last()``; ``_Bucket`` is that duck type) and waits for its future (on FSDP2 so that PowerSGD
+works with TP's DTensor parameters too). Plain ZeRO-0 on dp alone runs through torch's DDP
+(``wrap_ddp``, docs/design.md, Data-parallel strategies). The compressor state (error feedback, warm-start P/Q) lives in the generation's
 ``RankRuntime``: every resize starts it afresh, like a new DDP job; it is not checkpointed.
 
 Bytes: ``ByteCounter`` sums ``nbytes`` of every tensor the hook's all-reduces send (it stands in
@@ -142,9 +142,36 @@ def fsdp_units_of(module: nn.Module) -> list[nn.Module]:
     return [*units, module] if isinstance(module, FSDPModule) else units
 
 
-def setup_dp_reduction(stages: list[nn.Module], spec, groups) -> ByteCounter | None:
+class FixedBytes:
+    """ZeRO-0 under DDP: every parameter's gradient is all-reduced once per step, so a step's dp
+    bytes are the parameters' bytes (counted once, not by a Python comm hook on DDP's hot path)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.bytes = nbytes
+
+    def take(self) -> int:
+        return self.bytes
+
+
+def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """ZeRO-0 on plain dp (``orchestrator.mesh.ddp_applies``): torch's DDP over ``group``, bucketed
+    all-reduces overlapped with backward. DDP averages over dp as FSDP2 does, so the loss scaling of
+    ``workers.pipeline.StepData`` is unchanged; its parameters are plain tensors, which DCP saves once
+    (replicas deduplicated) and reshards into FSDP2/TP layouts and back (docs/design.md)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # No buffer sync in forward: the buffers (RoPE tables) are computed, identical on every rank.
+    # Gradients as views of DDP's buckets: no copy into the bucket and back after the all-reduce.
+    return DistributedDataParallel(module, process_group=group, forward_sync_buffers=False,
+                                   gradient_as_bucket_view=True)
+
+
+def setup_dp_reduction(stages: list[nn.Module], spec, groups, ddp: bool = False) -> ByteCounter | FixedBytes | None:
     """ZeRO-0 with dp > 1: count the dp bytes, and with ``train.grad_compression="powersgd"`` attach
     the compressor (the stages were then sharded over the one-rank shard mesh: ``powersgd_applies``)."""
+    if ddp:
+        return FixedBytes(sum(p.numel() * p.element_size() for m in stages for p in m.parameters()
+                              if p.requires_grad))
     if not powersgd_applies(spec, groups.shape.dp) and not (spec.zero == 0 and groups.shape.dp > 1):
         return None
     units = [u for stage in stages for u in fsdp_units_of(stage)]

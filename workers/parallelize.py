@@ -64,11 +64,9 @@ def apply_fsdp(
       mesh.zero=1 runs ZeRO-2, which shards more and communicates the same bytes.
     * 0: ``dp_mesh`` is the HSDP mesh (replicate = dp, shard = 1): every rank holds every parameter
       and optimizer state, and the grads are all-reduced once per FSDP unit, overlapped with
-      backward. Why not torch DDP: it does not take TP's DTensor parameters, and DCP would then
-      see plain tensors whose checkpoint does not reshard into FSDP layouts; FSDP2's HSDP keeps
-      DTensors (``(Replicate, Shard(0))``), so TP, PP, DCP resharding and elastic resizes work as
-      they do for ZeRO-3. (``_composable.replicate`` is the same FSDP2 machinery on a 1-D mesh,
-      but private and experimental.)
+      backward. FSDP2's HSDP keeps DTensors (``(Replicate, Shard(0))``), so TP, PP, DCP resharding
+      and elastic resizes work as they do for ZeRO-3. On plain dp (no TP/PP) ZeRO-0 is torch's DDP
+      instead and this function is not called (``orchestrator.mesh.ddp_applies``, docs/design.md).
 
     Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``orchestrator.mesh.fsdp_units``);
     blocks left out of every unit are sharded with the root. Neither the parameter names nor their

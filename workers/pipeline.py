@@ -42,6 +42,9 @@ class Stage:
     is_first: bool
     is_last: bool
     last_backward_mb: int = -1
+    # ZeRO-0 under torch DDP (workers.compression.wrap_ddp): the wrapper that forwards run through;
+    # ``module`` stays the bare stage (names, checkpoints, eval and the optimizer use it).
+    ddp: nn.Module | None = None
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     grad_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -159,7 +162,13 @@ class Executor:
                 stage.inputs[mb] = posting.recv(index).requires_grad_()
             elif op == Op.FORWARD:
                 x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
-                out = stage.module(x)
+                if stage.ddp is not None:
+                    # All-reduce on the step's last backward only (DDP's no_sync, as FSDP's
+                    # set_requires_gradient_sync in _backward); DDP reads the flag in forward.
+                    stage.ddp.require_backward_grad_sync = mb == stage.last_backward_mb
+                    out = stage.ddp(x)
+                else:
+                    out = stage.module(x)
                 if stage.is_last:
                     with loss_context(out):  # TP: vocab-sharded logits (workers.parallelize)
                         loss_sum = self.loss_fn(out, data.targets[mb])

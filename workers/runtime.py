@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from orchestrator.mesh import fsdp_applies, layer_ranges
+from orchestrator.mesh import ddp_applies, fsdp_applies, layer_ranges
 from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
@@ -29,7 +29,7 @@ from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
-from workers.compression import powersgd_applies, setup_dp_reduction
+from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -52,6 +52,9 @@ class RankRuntime:
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.family, self.shape = runtime_family(spec)
+        # ZeRO-0 on plain dp (no TP/PP): torch's DDP, not FSDP2's HSDP (orchestrator.mesh.ddp_applies).
+        use_ddp = ddp_applies(spec.zero, shape.dp, shape.pp, shape.tp, train.dtype, train.grad_reduce,
+                              spec.cpu_offload, train.grad_compression) and spec.virtual_stages == 1
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
             # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
@@ -62,18 +65,19 @@ class RankRuntime:
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
                     dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
-                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload),
+                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload) and not use_ddp,
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
                     compile=train.compile, cpu_offload=spec.cpu_offload,
                     reduce_dtype=DTYPES[train.grad_reduce],
                 ),
             )
             self.stages[index] = Stage(
-                index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1
+                index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1,
+                ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
             )
             self.optimizers.append(build_optimizer(module, train))
         # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups)
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups, ddp=use_ddp)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]

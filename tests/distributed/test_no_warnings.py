@@ -58,8 +58,9 @@ def record_warnings(runtime):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("shape", "extra"), [((2, 1, 2), ()), ((2, 2, 2), ()),
-                                              ((1, 2, 2), ('train.dtype="bfloat16"',))],
-                         ids=["dp2-tp2", "dp2-pp2-tp2", "pp2-tp2-bf16"])
+                                              ((1, 2, 2), ('train.dtype="bfloat16"',)),
+                                              ((2, 1, 1), ("mesh.zero=0",))],
+                         ids=["dp2-tp2", "dp2-pp2-tp2", "pp2-tp2-bf16", "dp2-zero0-ddp"])
 def test_default_steps_print_no_warnings(shape, extra):
     """FSDP2 + SP + PP ((2, 2, 2); (1, 2, 2) in bf16, which always goes through FSDP2) is where
     docs/design.md F15 saw FSDP2's "returned a view tensor": no stage output is a view now."""

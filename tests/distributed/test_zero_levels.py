@@ -3,7 +3,7 @@
 Same harness and tolerances as test_mesh_equivalence.py (``run_mesh`` vs ``ReferenceTrainer``:
 per-step loss within 1e-5 relative, final parameters within 1e-5 absolute), fewer steps: every
 level here is FSDP2 (docs/design.md, Data-parallel strategies), so what is new is the mesh
-(ZeRO-0: (replicate=dp, shard=1); HSDP: (replicate=2, shard=2)) and the reshard flag.
+(ZeRO-0: (replicate=dp, shard=1), or torch DDP on plain dp; HSDP: (replicate=2, shard=2)) and the reshard flag.
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ def _worker_pool():
 
 
 def _placements(runtime):
-    """An ``instrument`` hook: (mesh dims, placements) of the first parameter of each stage."""
+    """An ``instrument`` hook: (mesh dims, placements) of the first parameter of each stage, or
+    "ddp" for a stage run through torch's DDP (plain replicated parameters)."""
     out = []
     for stage in runtime.executor.stages.values():
         p = next(stage.module.parameters())
+        if stage.ddp is not None:
+            out.append("ddp")
+            continue
         out.append((p.device_mesh.ndim, tuple(type(pl).__name__ for pl in p.placements)))
     return lambda: out
 
@@ -39,7 +43,9 @@ def _placements(runtime):
 def test_zero_level_matches_reference(shape, zero) -> None:
     dp, pp, tp = shape
     run = run_mesh(dp, pp, tp, (*SMALL, f"mesh.zero={zero}"), STEPS, instrument=_placements)
-    if zero == 0:  # replicated over dp: (replicate=dp, shard=1), plus tp when tp > 1
+    if zero == 0 and pp == 1 and tp == 1:  # plain dp: torch's DDP (orchestrator.mesh.ddp_applies)
+        assert all(stages == ["ddp"] for stages in run.extras.values()), run.extras
+    elif zero == 0:  # replicated over dp: (replicate=dp, shard=1), plus tp when tp > 1
         for stages in run.extras.values():
             for ndim, placements in stages:
                 assert ndim == 2 + (tp > 1) and placements[0] == "Replicate", stages
