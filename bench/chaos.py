@@ -3,7 +3,7 @@
     python bench/chaos.py [--steps N] [--every K] [--seed S] [--quick] [--out PATH]
 
 One real ``Controller`` on ``RankActor``s spread over a local multi-node Ray (``ray.cluster_utils.Cluster``:
-a CPU-less head for the driver and the store host, three 2-slot worker nodes) trains a tiny model in
+a CPU-less head for the driver and the store host, ``--nodes`` 2-slot worker nodes) trains a tiny model in
 float64 with in-memory snapshots every step, storage checkpoints every 5 steps, a hot spare and
 straggler eviction on. Every ``--every`` steps, from a step hook at the boundary, one fault of the
 kinds in ``bench/chaos_faults.py`` is injected (their order is a seeded shuffle in which every kind
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -84,7 +85,7 @@ def run_campaign(args, tmp: Path) -> dict:
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
     campaign = cf.Campaign(nodes, None, tmp / "ckpt")
-    for _ in range(3):
+    for _ in range(args.nodes):
         campaign.add_node()
     ray.init(address=nodes.address, log_to_driver=False)
     provider = StoreProvider()
@@ -107,6 +108,9 @@ def run_campaign(args, tmp: Path) -> dict:
         controller.step_hooks.append(inject)
         done_at: list[tuple[int, float]] = []  # (step, when its record was written)
         controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
+        pool: list[tuple] = []  # (step, live actors, starting, dp): how the pool kept up
+        controller.metrics.step_listeners.append(
+            lambda rec: pool.append((rec["step"], len(group.live_ids), group.starting, rec["dp"])))
         error = None
         t_run = time.time()
         try:
@@ -123,7 +127,11 @@ def run_campaign(args, tmp: Path) -> dict:
         provider.close()
         ray.shutdown()
         nodes.shutdown()
-    return report(args, cfg, overrides, campaign, tmp, summary, error, wall, params, done_at, t_run)
+    result = report(args, cfg, overrides, campaign, tmp, summary, error, wall, params, done_at, t_run)
+    result["pool"] = pool
+    if args.metrics_copy:
+        shutil.copy(tmp / "metrics.jsonl", args.metrics_copy)
+    return result
 
 
 def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: float) -> dict:
@@ -196,6 +204,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=9, help="steps between faults")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=4, help="2-slot worker nodes (5 actors: dp=4 + 1 spare)")
+    p.add_argument("--metrics-copy", type=Path, help="keep the run's metrics JSONL here")
     p.add_argument("--step-timeout", type=float, default=10.0, help="elastic.step_timeout_s")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
