@@ -173,6 +173,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     events = Counter(r["event"] for r in records if "event" in r)
     restored = Counter(r.get("restored_from", "?") for r in records if r.get("event") == "rebuild")
     return {
+        "benchmark": "chaos", "quick": bool(args.quick),
         "config": {"steps": args.steps, "every": args.every, "seed": args.seed, "overrides": overrides},
         "faults": len(campaign.injected), "faults_by_kind": dict(kinds), "kinds": len(kinds),
         "injected": campaign.injected,
