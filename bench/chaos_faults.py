@@ -10,8 +10,8 @@ The kinds (the issue's list): ``kill_step`` (SIGKILL after a rank's first forwar
 (SIGKILL inside the rank's background checkpoint write), ``kill_rebuild`` (a rank dies, and another
 rank dies while the next generation joins), ``hang`` (SIGSTOP: the step times out), ``node_removal``
 (a node hosting ranks vanishes without notice), ``drain`` (a preemption notice with a deadline, the
-node removed at the deadline), ``straggler`` (one rank burns extra CPU in each of its next steps until
-it is evicted: the straggler score is a rank's own CPU time, orchestrator/stragglers.py), ``store_kill`` (the rendezvous store's actor is killed), ``truncate_ckpt`` (a shard file of
+node removed at the deadline), ``straggler`` (one rank sleeps inside its forward in each of its next steps
+until it is evicted: workers/compute_clock.py), ``store_kill`` (the rendezvous store's actor is killed), ``truncate_ckpt`` (a shard file of
 the newest committed checkpoint is cut in half: it must be found invalid and never resumed from).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 NODE_CPUS = 2
 REPLACE_AFTER_S = 2.0
 DRAIN_DEADLINE_S = 20.0
-STRAGGLER_CPU_S = 0.5
+STRAGGLER_SLEEP_S = 0.5
 
 
 @dataclass
@@ -147,9 +147,9 @@ def drain(c: Campaign, controller, step: int, rng) -> str:
 def straggler(c: Campaign, controller, step: int, rng) -> str:
     victim = _member(controller, rng)
     steps = controller.cfg.elastic.straggler_steps + 3
-    controller.group.call([victim], "arm_fault", (step, "slow", STRAGGLER_CPU_S, "step", steps),
+    controller.group.call([victim], "arm_fault", (step, "sleep", STRAGGLER_SLEEP_S, "step", steps),
                           timeout_s=10)
-    return f"actor {victim}: burns {STRAGGLER_CPU_S} CPU-s more in each of steps {step}..{step + steps - 1}"
+    return f"actor {victim}: sleeps {STRAGGLER_SLEEP_S} s in each of steps {step}..{step + steps - 1}"
 
 
 def store_kill(c: Campaign, controller, step: int, rng) -> str:
