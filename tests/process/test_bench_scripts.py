@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble, preemption) are marked slow.
+pipeline_bubble, preemption, chaos) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -128,6 +128,19 @@ def test_preemption_quick_writes_json(tmp_path: Path) -> None:
     assert em["drain_to_next_step_done_s"] > 0 and rt["drain_to_next_step_done_s"] > 0
     assert rt["new_world"] == 2 and rt["steps_lost"] is not None and rt["fit_error"] is None
     assert result["ratio_drain_to_next_step"] > 0 and isinstance(result["goal_met"], bool)
+
+
+@pytest.mark.slow  # a multi-node Ray, 9 faults (one a 20 s drain) over 60 steps: minutes
+@pytest.mark.timeout(900)
+def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
+    result = _run_script("chaos.py", tmp_path / "chaos.json", timeout=890)
+    assert result["benchmark"] == "chaos" and result["quick"] is True
+    # One fault of each of the 9 kinds, all survived; the damaged checkpoint was found invalid and no
+    # other committed checkpoint is corrupt; the fp64 run equals the failure-free fp64 reference.
+    assert result["kinds"] == 9 and result["survived"] and result["error"] is None
+    assert result["truncated_on_purpose"] == result["truncated_found_invalid"] and not result["corrupt_committed"]
+    assert result["max_param_diff"] is not None and result["max_param_diff"] <= 1e-9
+    assert 0 < result["goodput"] <= 1
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,225 @@
+"""A seeded fault campaign: one run, dp=4 + 1 hot spare, >= 200 steps, >= 20 faults of >= 7 kinds.
+
+    python bench/chaos.py [--steps N] [--every K] [--seed S] [--quick] [--out PATH]
+
+One real ``Controller`` on ``RankActor``s spread over a local multi-node Ray (``ray.cluster_utils.Cluster``:
+a CPU-less head for the driver and the store host, ``--nodes`` 2-slot worker nodes) trains a tiny model in
+float64 with in-memory snapshots every step, storage checkpoints every 5 steps, a hot spare and
+straggler eviction on. Every ``--every`` steps, from a step hook at the boundary, one fault of the
+kinds in ``bench/chaos_faults.py`` is injected (their order is a seeded shuffle in which every kind
+appears at least twice). A lost node is replaced ``REPLACE_AFTER_S`` later, as an autoscaler would.
+
+The JSON says, against the issue's goals:
+* ``faults_by_kind``; ``survived``: the run reached its last step (goal: every fault survived);
+* ``committed_checkpoints``: every committed step directory of the run is valid, except those the
+  ``truncate_ckpt`` faults damaged on purpose, which must be found invalid (goal: 0 corrupt);
+* ``max_param_diff``: final parameters vs a failure-free float64 run in one process (goal <= 1e-9);
+* ``steps_rerun``: step records logged again after a failure (the work lost);
+* ``goodput``: the time of the steps that counted (each step's last record) / the run's wall time
+  (goal >= 0.8). On a 2-core machine, with a tiny model, a recovery costs many steps' time, so this
+  figure depends on the step time: ``--d-model``, ``--layers`` and ``--seq-len`` make steps longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from common import load_average, machine, parser, write_result
+
+import chaos_faults as cf
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+GOAL_PARAM, GOAL_GOODPUT = 1e-9, 0.8
+MODEL = ["model.n_heads=4", "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=1e-3",
+         "train.dtype=float64"]
+
+
+def fault_plan(steps: int, every: int, seed: int) -> dict[int, str]:
+    """step -> kind: one fault every ``every`` steps from step ``every``, every kind at least twice when
+    there are enough slots, in a seeded order; none in the last ``every`` steps (so each is survived
+    inside the run)."""
+    slots = list(range(every, steps - every + 1, every))
+    kinds = list(cf.KINDS)
+    order = kinds * (len(slots) // len(kinds)) + kinds[: len(slots) % len(kinds)]
+    random.Random(seed).shuffle(order)
+    return dict(zip(slots, order))
+
+
+def overrides_for(args, tmp: Path) -> list[str]:
+    return MODEL + [
+        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.seq_len={args.seq_len}",
+        f"train.steps={args.steps}", "mesh.dp=4", "mesh.pp=1", "mesh.tp=1",
+        "checkpoint.every=5", "checkpoint.keep=3", "checkpoint.memory_every=1",
+        f"checkpoint.dir={tmp / 'ckpt'}", f"metrics.path={tmp / 'metrics.jsonl'}",
+        "elastic.spares=1", "elastic.min_dp=1", "elastic.max_restarts=100",
+        # A hung rank is found by the step timeout: a few times the step, not the default minutes.
+        f"elastic.step_timeout_s={args.step_timeout}", f"elastic.collective_timeout_s={args.step_timeout + 5}",
+        "elastic.rebuild_timeout_s=120",
+        "elastic.grow_check_s=2", "elastic.drain_poll_s=0.001",
+        "elastic.straggler_factor=3", "elastic.straggler_steps=3", "elastic.evict_stragglers=true",
+    ]
+
+
+def run_campaign(args, tmp: Path) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.config import load_config
+    from orchestrator.store_provider import StoreProvider
+    from tests.ray.conftest import make_group
+    from tests.ray.harness import make_controller, mesh_params
+
+    overrides = overrides_for(args, tmp)
+    cfg = load_config(None, overrides)
+    plan = fault_plan(args.steps, args.every, args.seed)
+    rng = random.Random(args.seed + 1)
+    nodes = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
+    campaign = cf.Campaign(nodes, None, tmp / "ckpt")
+    for _ in range(args.nodes):
+        campaign.add_node()
+    ray.init(address=nodes.address, log_to_driver=False)
+    provider = StoreProvider()
+    campaign.provider = provider
+    group = None
+    t0 = time.time()
+    try:
+        group = make_group(cfg.mesh.world + cfg.elastic.spares)
+        controller = make_controller(cfg, group, provider)
+
+        def inject(c, step):
+            campaign.tick()
+            kind = plan.get(step)
+            if kind is None or any(f["step"] == step for f in campaign.injected):
+                return
+            what = cf.KINDS[kind](campaign, c, step, rng)
+            campaign.injected.append({"step": step, "kind": kind, "what": what, "time": time.time()})
+            print(f"step {step}: {kind}: {what}", flush=True)
+
+        controller.step_hooks.append(inject)
+        done_at: list[tuple[int, float]] = []  # (step, when its record was written)
+        controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
+        pool: list[tuple] = []  # (step, live actors, starting, dp): how the pool kept up
+        controller.metrics.step_listeners.append(
+            lambda rec: pool.append((rec["step"], len(group.live_ids), group.starting, rec["dp"])))
+        error = None
+        t_run = time.time()
+        try:
+            summary = controller.run()
+        except Exception as exc:  # the campaign reports a run that did not survive; it does not hide it
+            error, summary = f"{type(exc).__name__}: {exc}", None
+        wall = {"run_s": time.time() - t_run, "with_startup_s": time.time() - t0}
+        params = mesh_params(controller) if summary is not None else None
+        campaign.finish()
+        controller.metrics.close()
+    finally:
+        if group is not None:
+            group.shutdown()
+        provider.close()
+        ray.shutdown()
+        nodes.shutdown()
+    result = report(args, cfg, overrides, campaign, tmp, summary, error, wall, params, done_at, t_run)
+    result["pool"] = pool
+    if args.metrics_copy:
+        shutil.copy(tmp / "metrics.jsonl", args.metrics_copy)
+    return result
+
+
+def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: float) -> dict:
+    """Seconds from each fault's injection to the first step completed after it that was not a
+    re-run (training at full progress again), summed by kind."""
+    out: dict[str, float] = {}
+    for f in injected:
+        best = max((s for s, t in done_at if t < f["time"]), default=0)
+        after = [t for s, t in done_at if t > f["time"] and s > best]
+        if after:
+            out[f["kind"]] = round(out.get(f["kind"], 0.0) + after[0] - f["time"], 2)
+    return out
+
+
+def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict, params, done_at, t_run) -> dict:
+    import numpy as np
+
+    from checkpoints.catalog import list_checkpoints
+    from tests.ray.harness import reference
+
+    records = [json.loads(line) for line in open(tmp / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r and "event" not in r]
+    seen, rerun, last = set(), 0, {}
+    for r in steps:
+        rerun += r["step"] in seen
+        seen.add(r["step"])
+        last[r["step"]] = r
+    useful = sum(r["step_time_s"] for r in last.values())
+    ckpts = [i for i in list_checkpoints(str(tmp / "ckpt")) if i.committed]
+    corrupt = [i.path for i in ckpts if not i.valid and i.path not in campaign.truncated]
+    damaged_found = [p for p in campaign.truncated if any(i.path == p and not i.valid for i in ckpts)
+                     or not os.path.exists(p)]
+    diff = None
+    if params is not None:
+        _, ref_params = reference(tuple(overrides), cfg.train.steps)
+        diff = max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params)
+    kinds = Counter(f["kind"] for f in campaign.injected)
+    survived = summary is not None and summary.final_step == cfg.train.steps
+    events = Counter(r["event"] for r in records if "event" in r)
+    restored = Counter(r.get("restored_from", "?") for r in records if r.get("event") == "rebuild")
+    return {
+        "benchmark": "chaos", "quick": bool(args.quick),
+        "config": {"steps": args.steps, "every": args.every, "seed": args.seed, "overrides": overrides},
+        "faults": len(campaign.injected), "faults_by_kind": dict(kinds), "kinds": len(kinds),
+        "injected": campaign.injected,
+        "survived": survived, "error": error,
+        "survived_faults": f"{len(campaign.injected) if survived else 0}/{len(campaign.injected)}",
+        "committed_checkpoints": len(ckpts), "corrupt_committed": corrupt,
+        "truncated_on_purpose": campaign.truncated, "truncated_found_invalid": damaged_found,
+        "max_param_diff": diff, "goal_param_diff": GOAL_PARAM,
+        "steps_rerun": rerun, "restarts": summary.restarts if summary else None,
+        "generations": summary.generations if summary else None,
+        "events": dict(events), "rebuilds_restored_from": dict(restored),
+        "recoveries": [{k: r.get(k) for k in ("event", "generation", "dp", "reason", "restored_from",
+                                              "resumed_from_step", "restore_s", "recovery_s")}
+                       for r in records if r.get("event") in ("rebuild", "grow")],
+        "failures": [{k: r.get(k) for k in ("step", "ranks", "reason", "time")}
+                     for r in records if r.get("event") == "failure"],
+        "fault_to_progress_s_by_kind": lost_time(campaign.injected, done_at, t_run),
+        "useful_step_time_s": useful, "wall_s": wall,
+        "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
+        "goal_goodput": GOAL_GOODPUT,
+        "goal_met": bool(survived and not corrupt and diff is not None and diff <= GOAL_PARAM
+                         and useful / wall["run_s"] >= GOAL_GOODPUT),
+        "machine": machine(load_average=load_average()),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__, "chaos", "60 steps, a fault every 6 steps (a smoke run, not the campaign)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--every", type=int, default=9, help="steps between faults")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=4, help="2-slot worker nodes (5 actors: dp=4 + 1 spare)")
+    p.add_argument("--metrics-copy", type=Path, help="keep the run's metrics JSONL here")
+    p.add_argument("--step-timeout", type=float, default=10.0, help="elastic.step_timeout_s")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=32)
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.every = 60, 6
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        result = run_campaign(args, Path(tmp))
+    write_result(args.out, result)
+    print(json.dumps({k: result[k] for k in ("faults", "kinds", "survived_faults", "corrupt_committed",
+                                             "max_param_diff", "steps_rerun", "goodput", "goal_met")}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The fault kinds of ``bench/chaos.py`` and the cluster they are injected into.
+
+Each kind is a function ``(campaign, controller, step) -> str`` run from a controller step hook at the
+boundary before ``step``; it arms or does the fault and returns a line saying what it did. The
+campaign (``Campaign``) holds the multi-node Ray cluster (``ray.cluster_utils.Cluster``: a CPU-less head
+for the driver and the store host, worker nodes of ``NODE_CPUS`` slots) and brings capacity back after
+a node is lost, as an autoscaler would: a replacement node joins ``REPLACE_AFTER_S`` later.
+
+The kinds (the issue's list): ``kill_step`` (SIGKILL after a rank's first forward), ``kill_ckpt_write``
+(SIGKILL inside the rank's background checkpoint write), ``kill_rebuild`` (a rank dies, and another
+rank dies while the next generation joins), ``hang`` (SIGSTOP: the step times out), ``node_removal``
+(a node hosting ranks vanishes without notice), ``drain`` (a preemption notice with a deadline, the
+node removed at the deadline), ``straggler`` (one rank sleeps inside its forward in each of its next steps
+until it is evicted: workers/compute_clock.py), ``store_kill`` (the rendezvous store's actor is killed), ``truncate_ckpt`` (a shard file of
+the newest committed checkpoint is cut in half: it must be found invalid and never resumed from).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NODE_CPUS = 2
+REPLACE_AFTER_S = 2.0
+DRAIN_DEADLINE_S = 20.0
+STRAGGLER_SLEEP_S = 0.5
+
+
+@dataclass
+class Campaign:
+    """The cluster, the store provider and what the faults did (for the report)."""
+
+    nodes: object  # ray.cluster_utils.Cluster
+    provider: object  # orchestrator.store_provider.StoreProvider
+    ckpt_dir: Path
+    worker_nodes: list = field(default_factory=list)
+    injected: list[dict] = field(default_factory=list)
+    truncated: list[str] = field(default_factory=list)  # checkpoint paths we damaged on purpose
+    timers: list[threading.Timer] = field(default_factory=list)
+    replacements: list[float] = field(default_factory=list)  # when a replacement node is due
+
+    def add_node(self):
+        node = self.nodes.add_node(num_cpus=NODE_CPUS)
+        self.worker_nodes.append(node)
+        return node
+
+    def node_of(self, controller, actor: int):
+        node_id = controller.group.node_ids.get(actor)
+        return next((n for n in self.worker_nodes if n.node_id == node_id), None)
+
+    def remove_node(self, controller, node) -> None:
+        """A node vanishes: its worker processes die with it, then a replacement joins later."""
+        pids = [controller.group.pids[a] for a, n in controller.group.node_ids.items()
+                if n == node.node_id and a in controller.group.pids]
+        for pid in pids:
+            if pid > 0:  # never os.kill(0 or -1, ...)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if node in self.worker_nodes:
+            self.worker_nodes.remove(node)
+            self.nodes.remove_node(node, allow_graceful=False)
+        self.replacements.append(time.time() + REPLACE_AFTER_S)
+
+    def tick(self) -> None:
+        """At each step boundary (the driver's main thread: Ray's ``Cluster.add_node`` installs a
+        signal handler, which only the main thread may): add the replacement nodes that are due."""
+        now = time.time()
+        for due in [t for t in self.replacements if t <= now]:
+            self.replacements.remove(due)
+            self.add_node()
+
+    def later(self, delay_s: float, fn, *args) -> None:
+        timer = threading.Timer(delay_s, fn, args)
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def finish(self) -> None:
+        for timer in self.timers:
+            timer.join()
+
+
+def _member(controller, rng, *, not_node=None) -> int:
+    members = sorted(controller.generation.members.values())
+    return rng.choice(members)
+
+
+def kill_step(c: Campaign, controller, step: int, rng) -> str:
+    victim = _member(controller, rng)
+    controller.group.call([victim], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
+    return f"actor {victim}: SIGKILL after its first forward of step {step}"
+
+
+def kill_ckpt_write(c: Campaign, controller, step: int, rng) -> str:
+    every = controller.cfg.checkpoint.every
+    at = ((step + every - 1) // every) * every  # the next step whose checkpoint is written
+    victim = _member(controller, rng)
+    controller.group.call([victim], "arm_fault", (at, "kill", 0.0, "ckpt_write"), timeout_s=10)
+    return f"actor {victim}: SIGKILL inside the write of step {at}'s checkpoint shard"
+
+
+def kill_rebuild(c: Campaign, controller, step: int, rng) -> str:
+    first, second = rng.sample(sorted(controller.generation.members.values()), 2)
+    nxt = controller.generation.number + 1
+    controller.group.call([first], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
+    controller.group.call([second], "arm_fault", (nxt, "kill", 0.0, "join"), timeout_s=10)
+    return f"actor {first}: SIGKILL in step {step}; actor {second}: SIGKILL joining generation {nxt}"
+
+
+def hang(c: Campaign, controller, step: int, rng) -> str:
+    victim = _member(controller, rng)
+    controller.group.call([victim], "arm_fault", (step, "hang", 0.0, "forward"), timeout_s=10)
+    return f"actor {victim}: SIGSTOP after its first forward of step {step}"
+
+
+def node_removal(c: Campaign, controller, step: int, rng) -> str:
+    node = c.node_of(controller, _member(controller, rng))
+    if node is None:
+        return "no worker node hosts a rank: skipped"
+    c.remove_node(controller, node)
+    return f"node {node.node_id[:8]} removed without notice"
+
+
+def drain(c: Campaign, controller, step: int, rng) -> str:
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    node = c.node_of(controller, _member(controller, rng))
+    if node is None:
+        return "no worker node hosts a rank: skipped"
+    gcs = ray._raylet.GcsClient(address=c.nodes.address)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = gcs.drain_node(node.node_id, reason, "chaos: preempted",
+                                   int((time.time() + DRAIN_DEADLINE_S) * 1000))
+    if not accepted:
+        return f"drain of node {node.node_id[:8]} refused: {why}"
+    c.later(DRAIN_DEADLINE_S, c.remove_node, controller, node)
+    return f"node {node.node_id[:8]} drained with {DRAIN_DEADLINE_S:.0f} s notice, removed at the deadline"
+
+
+def straggler(c: Campaign, controller, step: int, rng) -> str:
+    victim = _member(controller, rng)
+    steps = controller.cfg.elastic.straggler_steps + 3
+    controller.group.call([victim], "arm_fault", (step, "sleep", STRAGGLER_SLEEP_S, "step", steps),
+                          timeout_s=10)
+    return f"actor {victim}: sleeps {STRAGGLER_SLEEP_S} s in each of steps {step}..{step + steps - 1}"
+
+
+def store_kill(c: Campaign, controller, step: int, rng) -> str:
+    import ray
+
+    if c.provider.handle is None:
+        return "no store host: skipped"
+    ray.kill(c.provider.handle, no_restart=True)
+    # The store is asked for only when a generation forms: make the next one form now.
+    victim = _member(controller, rng)
+    controller.group.call([victim], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
+    return f"store host killed; actor {victim}: SIGKILL in step {step} so a generation forms without it"
+
+
+def truncate_ckpt(c: Campaign, controller, step: int, rng) -> str:
+    from checkpoints.catalog import latest_valid
+
+    info = latest_valid(str(c.ckpt_dir), run_id=controller.ckpt.run_id)
+    if info is None:
+        return "no committed checkpoint yet: skipped"
+    shards = sorted(p for p in Path(info.path).iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0)
+    victim = rng.choice(shards)
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+    c.truncated.append(info.path)
+    return f"{victim.name} of step {info.step} cut from {size} to {size // 2} bytes"
+
+
+KINDS = {f.__name__: f for f in (kill_step, kill_ckpt_write, kill_rebuild, hang, node_removal, drain,
+                                  straggler, store_kill, truncate_ckpt)}
