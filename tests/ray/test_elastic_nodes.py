@@ -15,7 +15,7 @@ import time
 import pytest
 
 from orchestrator.config import load_config
-from tests.ray.conftest import make_group
+from tests.ray.conftest import make_group, multinode_ray
 from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
@@ -30,19 +30,8 @@ OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.mi
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.skip("another Ray is connected in this process")
-    # Metrics collection off: after a node loss Ray's metric export (GCS + a dashboard agent) burns
-    # a core for tens of seconds, which on a 2-core box starves the ranks (measured, see the report).
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
-    workers = [nodes.add_node(num_cpus=2) for _ in range(2)]
-    ray.init(address=nodes.address, log_to_driver=False)
-    yield nodes, workers
-    ray.shutdown()
-    nodes.shutdown()
+    with multinode_ray(2) as (nodes, workers):
+        yield nodes, workers
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.store_provider import StoreProvider
-from tests.ray.conftest import make_group
+from tests.ray.conftest import make_group, multinode_ray
 from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
 
 ray = pytest.importorskip("ray")
@@ -40,20 +40,11 @@ OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.mi
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.skip("another Ray is connected in this process")
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
-    nodes.add_node(num_cpus=2)  # stays
-    ray.init(address=nodes.address, log_to_driver=False)
-    provider = StoreProvider()  # on the driver's node: the head
-    provider.address()
-    yield nodes, provider
-    provider.close()
-    ray.shutdown()
-    nodes.shutdown()
+    with multinode_ray(1) as (nodes, _):  # a 2-CPU node that stays; each test adds its victim
+        provider = StoreProvider()  # on the driver's node: the head
+        provider.address()
+        yield nodes, provider
+        provider.close()
 
 
 def drain(nodes, node_id: str, deadline_s: float) -> None:

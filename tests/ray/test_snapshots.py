@@ -15,7 +15,7 @@ import json
 import pytest
 
 from orchestrator.config import load_config
-from tests.ray.conftest import make_group
+from tests.ray.conftest import make_group, multinode_ray
 from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
@@ -31,18 +31,8 @@ OVERRIDES = [TEST_LR, "model.seq_len=32", "model.n_layers=2", "train.global_batc
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.skip("another Ray is connected in this process")
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
-    for _ in range(2):
-        nodes.add_node(num_cpus=2)
-    ray.init(address=nodes.address, log_to_driver=False)
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    with multinode_ray(2) as (nodes, _):
+        yield nodes
 
 
 @pytest.fixture(scope="module")
