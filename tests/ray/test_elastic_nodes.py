@@ -109,6 +109,11 @@ def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, t
                 nodes.remove_node(victim_node, allow_graceful=False)
             if step == 6 and not added and c.generation.shape.dp == 1:
                 added.append(nodes.add_node(num_cpus=2))
+            elif added and c.generation.shape.dp == 1 and c.group.starting:
+                # The actors for the grow start in the background (the steps never wait for them):
+                # on a busy 2-core box that can outlast the last steps, so pace the steps until
+                # they answer, as a longer step would (bounded by the test's timeout).
+                time.sleep(0.5)
 
         controller.step_hooks.append(node_events)
         summary = controller.run()
