@@ -17,12 +17,12 @@ the newest committed checkpoint is cut in half: it must be found invalid and nev
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common import remove_node
 
 NODE_CPUS = 2
 REPLACE_AFTER_S = 2.0
@@ -56,15 +56,9 @@ class Campaign:
         """A node vanishes: its worker processes die with it, then a replacement joins later."""
         pids = [controller.group.pids[a] for a, n in controller.group.node_ids.items()
                 if n == node.node_id and a in controller.group.pids]
-        for pid in pids:
-            if pid > 0:  # never os.kill(0 or -1, ...)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         if node in self.worker_nodes:
             self.worker_nodes.remove(node)
-            self.nodes.remove_node(node, allow_graceful=False)
+            remove_node(self.nodes, node, pids)
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:

@@ -10,6 +10,7 @@ Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and th
 * :func:`local_ray`: an embedded local Ray (8 CPU slots, no dashboard), shut down afterwards.
 * :func:`bench_config` / :func:`rank_runtime`: a job config and one rank's ``RankRuntime`` with its
   1F1B action list, built as a rank actor would but without Ray (pp = 1).
+* :func:`remove_node`: a local ``Cluster`` node vanishes, taking the listed processes with it.
 * :func:`spawn_ranks`: one spawned process per rank around a parent ``TCPStore``; a rank that fails
   reports its traceback so the parent fails at once instead of waiting for the timeout.
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -119,6 +121,18 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     runtime = RankRuntime(spec, groups)
     microbatches = cfg.train.global_batch_size // (mesh.dp * cfg.train.micro_batch_size)
     return runtime, make_schedule("1f1b", 1, microbatches, 1)[0]
+
+
+def remove_node(nodes, node, pids) -> None:
+    """``node`` of a local ``ray.cluster_utils.Cluster`` goes as a real node would: the processes in
+    ``pids`` (its workers, which on one machine would outlive its raylet) die with it."""
+    for pid in pids:
+        if pid > 0:  # never os.kill(0 or -1, ...)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    nodes.remove_node(node, allow_graceful=False)
 
 
 def _rank_main(target: Callable[..., dict], rank: int, port: int, args: tuple, queue) -> None:

@@ -11,6 +11,7 @@ clipping and the ``lr_at`` warm-up + cosine, exactly as ``workers.runtime.RankRu
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 
 
@@ -41,6 +42,26 @@ class DDPLoop:
     def inner(self):
         """The unwrapped module (for state dicts)."""
         return getattr(self.model, "module", self.model)
+
+    def report_checkpoint(self, step: int) -> None:
+        """``ray.train.report`` the step, rank 0 with a checkpoint of model + optimizer + step (what the
+        Ray Train loops of bench/recovery.py and bench/preemption.py resume from)."""
+        import shutil
+        import tempfile
+
+        import torch
+
+        import ray.train
+        from ray.train import Checkpoint
+
+        if self.rank != 0:
+            ray.train.report({"step": step})
+            return
+        d = tempfile.mkdtemp()
+        torch.save({"model": self.inner.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step},
+                   os.path.join(d, "state.pt"))
+        ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+        shutil.rmtree(d, ignore_errors=True)
 
     def step(self, step: int, before_microbatch: Callable[[int], None] | None = None) -> float:
         """One optimizer step; returns this replica's share of the global-mean loss."""

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -50,7 +49,7 @@ import time
 from contextlib import contextmanager
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import ROOT, load_average, machine, parser, write_result
+from common import ROOT, load_average, machine, parser, remove_node, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -90,17 +89,6 @@ def drain(nodes, node_id: str, deadline_s: float) -> float:
     return t
 
 
-def remove(nodes, victim, pids) -> None:
-    """The node goes at its deadline: what still runs there dies with it."""
-    for pid in pids:
-        if pid > 0:  # never os.kill(0 or -1, ...)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    nodes.remove_node(victim, allow_graceful=False)
-
-
 # -- elastimesh ------------------------------------------------------------------------------------
 def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
     from orchestrator.config import load_config
@@ -128,7 +116,7 @@ def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
 
             def notice() -> None:
                 marks["drain"] = drain(nodes, victim.node_id, deadline_s)
-                timers.append(threading.Timer(deadline_s, remove, (nodes, victim, victim_pids)))
+                timers.append(threading.Timer(deadline_s, remove_node, (nodes, victim, victim_pids)))
                 timers[-1].start()
 
             def hook(c, step: int) -> None:  # at the boundary before `step`: step - 1 is done
@@ -184,14 +172,10 @@ def _read(logdir: str, name: str) -> list[dict]:
 
 
 def _train_loop(config: dict) -> None:
-    import shutil
-    import tempfile as _tf
-
     import torch
 
     import ray
     import ray.train
-    from ray.train import Checkpoint
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop
@@ -224,14 +208,7 @@ def _train_loop(config: dict) -> None:
             if rank == 0:
                 _log(logdir, "jit.jsonl", attempt=attempt, step=step, deadline_ms=info.deadline_ms)
         if jit or step % config["ckpt_every"] == 0:
-            if rank == 0:
-                d = _tf.mkdtemp()
-                torch.save({"model": loop.inner.state_dict(), "optimizer": loop.optimizer.state_dict(),
-                            "step": step}, os.path.join(d, "state.pt"))
-                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
-                shutil.rmtree(d, ignore_errors=True)
-            else:
-                ray.train.report({"step": step})
+            loop.report_checkpoint(step)
 
 
 def run_ray_train(deadline_s: float, workdir: str) -> dict:
@@ -255,7 +232,7 @@ def run_ray_train(deadline_s: float, workdir: str) -> dict:
                     pids = [s["pid"] for s in _read(logdir, "starts.jsonl") if s["node"] == victim.node_id]
                     open(os.path.join(logdir, "drained"), "w").close()
                     marks["drain"] = drain(nodes, victim.node_id, deadline_s)
-                    removal.append(threading.Timer(deadline_s, remove, (nodes, victim, pids)))
+                    removal.append(threading.Timer(deadline_s, remove_node, (nodes, victim, pids)))
                     removal[0].start()
                     return
                 time.sleep(0.02)

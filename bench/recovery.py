@@ -134,13 +134,9 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
 
 # -- Ray Train -------------------------------------------------------------------------------------
 def _train_loop(config: dict) -> None:
-    import shutil
-    import tempfile as _tf
-
     import torch
 
     import ray.train
-    from ray.train import Checkpoint
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop
@@ -174,14 +170,7 @@ def _train_loop(config: dict) -> None:
             f.write(json.dumps({"attempt": attempt, "rank": rank, "world": world, "step": step,
                                 "time": time.time()}) + "\n")
         if step % config["ckpt_every"] == 0:
-            if rank == 0:
-                d = _tf.mkdtemp()
-                torch.save({"model": loop.inner.state_dict(), "optimizer": loop.optimizer.state_dict(),
-                            "step": step}, os.path.join(d, "state.pt"))
-                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
-                shutil.rmtree(d, ignore_errors=True)
-            else:
-                ray.train.report({"step": step})
+            loop.report_checkpoint(step)
 
 
 def run_ray_train(steps: int, workdir: str) -> dict:
