@@ -54,12 +54,15 @@ class MeshRunError(RuntimeError):
 def _worker_main(worker_id: int, inbox: Any, outbox: Any) -> None:
     """A pool worker: run jobs from ``inbox`` until ``None``; every outcome goes to ``outbox``."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    import faulthandler
     import logging
     import warnings
 
     import torch
 
     torch.set_num_threads(1)
+    # A native crash (SIGABRT/SIGSEGV) then leaves every thread's Python stack in the test's stderr.
+    faulthandler.enable(all_threads=True)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     # FSDP2 + SP + our stage outputs: harmless here, nothing modifies a stage output in place (docs/design.md, F15).
