@@ -32,21 +32,7 @@ Every transition, and the test that covers it:
   ``test_rebuild_that_breaks_with_nobody_lost_stops``; but a join that broke because the rendezvous
   store was lost is retried with a re-hosted store: ``test_join_broken_by_a_lost_store_rehosts_it``
 
-Preemption notices (a node announced as draining; orchestrator/preemption.py), at a step boundary:
-
-* RUNNING -> RUNNING (time for a save: the step is committed, the node's actors dropped, the mesh
-  re-formed without them; no failure, no restart counted, no step re-run):
-  ``test_drain_with_time_for_a_save_evacuates_at_the_step_boundary``
-* RUNNING -> RUNNING (too short for a save: an event says so, training goes on) then
-  RUNNING -> REBUILDING when the node dies, not counted against the budget:
-  ``test_drain_too_short_for_a_save_falls_back_to_the_failure_path``
-* RUNNING -> RUNNING (a drain of spares only: dropped, the mesh stays):
-  ``test_drain_of_spares_only_keeps_the_mesh``
-
-A stop signal (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest):
-
-* RUNNING -> FINISHED at the next step boundary, the step committed first, resume_step after it:
-  ``test_stop_request_saves_the_step_and_finishes``
+Preemption notices and stop requests: tests/unit/test_controller_preemption.py.
 
 (That importing the controller loads neither Ray nor torch is checked in a fresh interpreter:
 tests/process/test_fresh_interpreters.py.)
@@ -54,73 +40,12 @@ tests/process/test_fresh_interpreters.py.)
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
-from orchestrator.config import load_config
-from orchestrator.controller import Controller, State
+from orchestrator.controller import State
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed
-from orchestrator.metrics import MetricsLog
-from tests.helpers.fake_group import FakeWorkerGroup
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Run:
-    """A controller on a fake group, with its metrics file and checkpoint root in tmp."""
-
-    def __init__(self, tmp_path, overrides, actors: int | None, capacity: int) -> None:
-        self.metrics_path = tmp_path / "m.jsonl"
-        self.ckpt = tmp_path / "ckpt"
-        self.cfg = load_config(None, [
-            "mesh.dp=4", "mesh.tp=1", "mesh.pp=1", "train.steps=6", "checkpoint.every=2",
-            # These tests are about storage checkpoints; in-memory snapshots: test_controller_snapshots.py.
-            "checkpoint.memory_every=0",
-            f"checkpoint.dir={self.ckpt}", f"metrics.path={self.metrics_path}", *overrides])
-        self.group = FakeWorkerGroup(self.cfg.mesh.world if actors is None else actors, capacity=capacity)
-        self.clock = Clock()
-        self.metrics = MetricsLog(self.cfg.metrics, progress_total=None, ray_metrics=False)
-        self.c = Controller(self.cfg, self.group, metrics=self.metrics, store_address=("127.0.0.1", 29500),
-                            use_gpu=False, data_path="builtin", clock=self.clock)
-
-    def steps(self, n: int, state: State = State.RUNNING) -> None:
-        for _ in range(n):
-            assert self.c.step() == state, self.c.error
-
-    def records(self) -> list[dict]:
-        return [json.loads(line) for line in open(self.metrics_path)]
-
-    def events(self, kind: str) -> list[dict]:
-        return [r for r in self.records() if r.get("event") == kind]
-
-    def committed(self) -> list[int]:
-        return [i.step for i in list_checkpoints(str(self.ckpt)) if i.valid]
-
-    def close(self) -> None:
-        self.c.ckpt.close()
-        self.metrics.close()
-
-
-@pytest.fixture
-def make(tmp_path):
-    runs = []
-
-    def make(*overrides, actors=None, capacity=0) -> Run:
-        runs.append(Run(tmp_path, overrides, actors, capacity))
-        return runs[-1]
-
-    yield make
-    for run in runs:
-        run.close()
+from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
 
 
 def test_start_forms_generation_one(make):
@@ -429,75 +354,3 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     grow, = r.events("grow")
     assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 4, 2.0)
     assert not r.events("rebuild")
-
-
-
-def on_node_b(r, *actors):
-    for actor in actors:
-        r.group.node_ids[actor] = "node-b"
-
-
-def test_drain_with_time_for_a_save_evacuates_at_the_step_boundary(make):
-    r = make("train.steps=8")
-    r.steps(4)  # generation 1 and steps 1-3 (checkpoint of step 2 committed)
-    on_node_b(r, 3)
-    pids = {a: r.group.pids[a] for a in (0, 1, 2)}
-    r.group.draining = {"node-b": 20.0, "node-x": 5.0}  # node-x holds nothing of ours
-    r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING  # the boundary before step 4: save 3, re-form without rank 3
-    preemption, = r.events("preemption")
-    assert {k: preemption[k] for k in ("nodes", "ranks", "deadline_s", "step", "action")} == \
-        {"nodes": ["node-b"], "ranks": [3], "deadline_s": 20.0, "step": 4, "action": "evacuate"}
-    assert 3 in r.group.killed and r.committed()[-1] == 3
-    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 2, 4)
-    r.c.run()
-    assert r.c.state == State.FINISHED and r.c.restarts == 0 and not r.events("failure")
-    rebuild, = r.events("rebuild")
-    assert (rebuild["reason"], rebuild["resumed_from_step"]) == ("preemption", 3)
-    trained = [x["step"] for x in r.records() if "loss" in x]
-    assert trained == list(range(1, 9))  # no step trained twice
-    assert {a: r.group.pids[a] for a in (0, 1, 2)} == pids  # survivors kept their processes
-
-
-def test_drain_too_short_for_a_save_falls_back_to_the_failure_path(make):
-    r = make("train.steps=8", "elastic.max_restarts=0")
-    r.steps(4)
-    on_node_b(r, 3)
-    r.group.draining = {"node-b": 1.0}  # the fake's saves measure 0.12 s: a save needs 1.18 s
-    r.group.fail("train_step", 3, "die", at=5)  # the node goes during step 5
-    r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING  # step 4 trained as usual
-    preemption, = r.events("preemption")
-    assert preemption["action"] == "fallback" and "shorter than" in preemption["reason"]
-    assert r.c.step() == State.REBUILDING  # step 5: the node's loss takes the failure path
-    failure, = r.events("failure")
-    assert failure["ranks"] == [3]
-    r.c.run()  # max_restarts=0, yet not ERRORED: a preempted node's loss is not a fault
-    assert r.c.state == State.FINISHED and r.c.restarts == 0
-
-
-def test_drain_of_spares_only_keeps_the_mesh(make):
-    r = make(actors=5)
-    r.steps(2)
-    spare = 4
-    assert spare not in r.c.generation.members.values()
-    on_node_b(r, spare)
-    r.group.draining = {"node-b": 0.5}
-    r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING
-    preemption, = r.events("preemption")
-    assert preemption["ranks"] == [] and preemption["action"] == "evacuate"
-    assert r.group.killed == [spare] and r.c.generation.number == 1 and r.c.next_step == 3
-
-
-def test_stop_request_saves_the_step_and_finishes(make):
-    r = make("train.steps=8")
-    r.steps(4)  # steps 1-3 trained; the save of step 2 committed
-    stop = []
-    r.c.stop_requested = lambda: bool(stop)
-    stop.append(15)
-    assert r.c.step() == State.FINISHED  # at the boundary before step 4
-    assert r.committed()[-1] == 3 and r.c.summary().resume_step == 4 and r.c.summary().final_step == 3
-    stopped, = r.events("stopped")
-    assert (stopped["step"], stopped["resume_step"]) == (3, 4)
-    assert [x["step"] for x in r.records() if "loss" in x] == [1, 2, 3] and not r.events("done")

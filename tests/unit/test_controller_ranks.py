@@ -13,7 +13,7 @@ from checkpoints.catalog import list_checkpoints
 from orchestrator.bad_steps import BadSteps, bad_reason
 from orchestrator.controller import State
 from orchestrator.messages import StepResult
-from tests.unit.test_controller import make  # noqa: F401  (the fixture)
+from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
 
 
 def _result(rank: int, bad: str = "") -> StepResult:

@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from orchestrator.controller import State
-from tests.unit.test_controller import Run
+from tests.helpers.controller_run import Run
 
 
 @pytest.fixture

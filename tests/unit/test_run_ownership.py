@@ -16,7 +16,7 @@ from checkpoints.catalog import latest_valid, list_checkpoints
 from checkpoints.layout import MANIFEST
 from orchestrator.controller import State
 from orchestrator.errors import UserInputError
-from tests.unit.test_controller import Run
+from tests.helpers.controller_run import Run
 
 
 def _committed(root) -> dict[int, str]:
