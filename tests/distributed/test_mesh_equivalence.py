@@ -149,6 +149,13 @@ def exit_on_rank_one(runtime):
     return None
 
 
+def abort_on_rank_one(runtime):
+    """An ``instrument`` hook whose rank 1 aborts as a native heap check would (SIGABRT)."""
+    if runtime.groups.world_rank == 1:
+        os.abort()
+    return None
+
+
 def hang_on_rank_one(runtime):
     """An ``instrument`` hook whose rank 1 never comes back."""
     if runtime.groups.world_rank == 1:
@@ -187,3 +194,14 @@ def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: fl
         assert error.died == {1: 3}
     else:
         assert error.raised == () and error.missing == (0, 1)
+
+
+@pytest.mark.timeout(120)
+def test_harness_re_runs_once_after_a_native_crash_then_fails() -> None:
+    """A rank killed by SIGABRT (docs/design.md, F20) gets one re-run in fresh processes, with a
+    warning; crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    with pytest.warns(UserWarning, match="crashed in native code") as caught, \
+            pytest.raises(MeshRunError, match=r"ranks died \(rank -> exit code\): \{1: -6\}") as info:
+        run_mesh(2, 1, 1, SMALL, 1, instrument=abort_on_rank_one, collective_timeout_s=60)
+    assert info.value.died == {1: -6}
+    assert len([w for w in caught if "native code" in str(w.message)]) == 1
