@@ -33,21 +33,21 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from orchestrator.boundary_exits import BoundaryExits
 from orchestrator.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.config import JobConfig
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
 from orchestrator.evaluation import Evaluator
 from orchestrator.failure_policy import FailurePolicy, Phase, Raise, diagnose
-from orchestrator.generation import GenerationRecord, RunSummary, runtime_spec
+from orchestrator.generation import GenerationRecord, RunSummary, State, runtime_spec
 from orchestrator.mesh import MeshShape
 from orchestrator.messages import CallOutcome, JoinSpec, RuntimeSpec, StepResult
 from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.placement import place_ranks
 from orchestrator.plan import MeshPlan, make_plan
-from orchestrator.policies import ResizeDecision, ScalingPolicy, TooFewWorkers
+from orchestrator.policies import ResizeDecision, ScalingPolicy, carry_out
 from orchestrator.preemption import PreemptionWatcher
 from orchestrator.rank_health import RankHealth
 from orchestrator.recovery import settle
@@ -60,15 +60,7 @@ if TYPE_CHECKING:  # the Ray-backed group; tests drive the controller with a fak
 logger = logging.getLogger(__name__)
 
 
-class State(StrEnum):
-    INITIALIZING = "initializing"
-    RUNNING = "running"
-    REBUILDING = "rebuilding"
-    FINISHED = "finished"
-    ERRORED = "errored"
-
-
-class Controller(RankHealth):
+class Controller(RankHealth, BoundaryExits):
     def __init__(
         self,
         cfg: JobConfig,
@@ -143,7 +135,7 @@ class Controller(RankHealth):
             if self.state == State.INITIALIZING:
                 self._form(self.scaling.start())
             elif self.state == State.REBUILDING:
-                self._form(_carry_out(self.scaling.after_failure(len(self.group.live_ids))))
+                self._form(carry_out(self.scaling.after_failure(len(self.group.live_ids))))
             elif self.state == State.RUNNING:
                 self._running()
         except TrainingFailed as exc:
@@ -258,45 +250,6 @@ class Controller(RankHealth):
         """Actor id -> gloo listening endpoints in the current generation, as far as reported."""
         return {actor: info.gloo_listeners for actor, info in self.generation.infos.items()}
 
-    def _stop(self, step: int) -> None:
-        """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
-        saved = bool(self.ckpt.user_dir)  # without it nothing outlives the run: a rerun starts over
-        (self.ckpt.save_now if saved else self.ckpt.finish)(self.group, self.generation, step)
-        self.resume_step = (self.ckpt.last_committed if saved else 0) + 1
-        self.metrics.event("stopped", step=step, resume_step=self.resume_step)
-        self.state = State.FINISHED
-
-    # -- preemption notices (orchestrator/preemption.py; docs/design.md, Preemption and stopping) -
-    def _preempted_at(self, step: int) -> bool:
-        """Act on drain notices at the step boundary; True when the mesh was re-formed."""
-        if not self.preemptions.due(self.clock()):
-            return False
-        notice = self.preemptions.check(
-            self.group.draining_nodes(), actor_nodes=self.group.node_ids, members=self.generation.members,
-            step=step, save_measured_s=self.ckpt.save_measured_s)
-        if notice is None:
-            return False
-        self._preempted |= notice.actors
-        self.metrics.event("preemption", **notice.event())
-        if notice.action != "evacuate":
-            return False  # too short for a save: the node's loss takes the failure path
-        if notice.ranks:
-            self._recovery_begins()
-            try:
-                self.ckpt.save_now(self.group, self.generation, step - 1)
-            except TrainingFailed:
-                # A rank died mid-save (the node went early): the failure path, if someone was lost.
-                polled = self.group.call(list(self.generation.members.values()), "status", timeout_s=3.0)
-                if polled.ok:
-                    raise  # everyone alive: storage failed, which stops the run
-                self._fail(Phase.STEP, polled)
-                return True
-        self.group.kill(sorted(notice.actors))  # before the node goes: nothing left to fail there
-        if not notice.ranks:
-            return False  # only spares were there: the mesh stays
-        self._form(_carry_out(self.scaling.after_preemption(len(self.group.live_ids))))
-        return True
-
     # -- planned resizes --------------------------------------------------------------------------
     def _begin_resize(self) -> None:
         """Before a planned resize: commit a checkpoint of the current step (finishing any save in
@@ -314,7 +267,7 @@ class Controller(RankHealth):
                 self.group.add(missing, wait_s=self.cfg.resources.placement_timeout_s)
             except WorkerGroupStartupError as exc:
                 logger.warning("resize to dp=%d: %s", dp, exc)
-        self._form(_carry_out(self.scaling.requested(dp, len(self.group.live_ids))))
+        self._form(carry_out(self.scaling.requested(dp, len(self.group.live_ids))))
 
     def _grow_due(self) -> bool:
         now = self.clock()
@@ -377,13 +330,6 @@ class Controller(RankHealth):
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
         return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,
                             mask_eos_id=self.mask_eos_id, resuming=self.ckpt.resume_point() is not None)
-
-
-def _carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
-    """A scaling decision that must form a mesh: ``TooFewWorkers`` stops the run."""
-    if isinstance(decision, TooFewWorkers):
-        raise TrainingFailed(decision.message)
-    return decision
 
 
 def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:

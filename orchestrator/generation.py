@@ -1,4 +1,5 @@
-"""What the driver records of a generation and of a run, and what it tells each rank to build.
+"""What the driver records of a generation and of a run, and what it tells each rank to build; and the
+controller's ``State`` (the run's state machine, orchestrator/controller.py).
 
 Three different "generation" types exist, one per side: ``GenerationRecord`` here (the driver's record
 of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
@@ -8,11 +9,20 @@ of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from orchestrator.config import JobConfig
 from orchestrator.mesh import MeshShape, replicate_degree
 from orchestrator.messages import RankInfo, RuntimeSpec
 from orchestrator.plan import MeshPlan, model_fields
+
+
+class State(StrEnum):
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    REBUILDING = "rebuilding"
+    FINISHED = "finished"
+    ERRORED = "errored"
 
 
 @dataclass

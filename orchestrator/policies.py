@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config import ConfigError, JobConfig, check_mesh, dp_bounds
+from orchestrator.errors import TrainingFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +128,10 @@ class ScalingPolicy:
         """Grow to a larger dp when the live actors allow one, else keep the mesh."""
         target = grow_target(self.cfg, current_dp, live_actors - self.spares)
         return NoResize() if target is None else ResizeDecision(dp=target, reason="grow")
+
+
+def carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
+    """A scaling decision that must form a mesh: ``TooFewWorkers`` stops the run."""
+    if isinstance(decision, TooFewWorkers):
+        raise TrainingFailed(decision.message)
+    return decision
