@@ -60,14 +60,20 @@ LEGS = [  # (dp, pp, tp), overrides
 
 @pytest.mark.timeout(360)
 def test_checkpoint_round_trip_zero0_zero3_hsdp_zero0(tmp_path):
-    root, load, losses, run = str(tmp_path), None, [], None
-    for i, (shape, extra) in enumerate(LEGS):
+    assert_legs_match_one_process(LEGS, str(tmp_path))
+
+
+def assert_legs_match_one_process(legs, root: str) -> None:
+    """Two steps per leg, each leg loading the checkpoint the one before saved: together they equal
+    one process's 2 * len(legs) steps (losses and final parameters, 1e-5)."""
+    load, losses, run = None, [], None
+    for i, (shape, extra) in enumerate(legs):
         first, last = 2 * i + 1, 2 * i + 2
         run = run_mesh(*shape, (*SMALL, *extra), 2, first_step=first,
-                       collect_params=i == len(LEGS) - 1, instrument=LoadTrainSave(load, root, last))
+                       collect_params=i == len(legs) - 1, instrument=LoadTrainSave(load, root, last))
         losses += run.losses
         load = os.path.join(root, step_dir_name(last))
-    ref = reference(SMALL, 2 * len(LEGS))
+    ref = reference(SMALL, 2 * len(legs))
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=0)
     for name, expected in ref.params.items():
         np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
@@ -81,15 +87,5 @@ def test_powersgd_layout_checkpoints_round_trip(tmp_path):
     """PowerSGD's layout (FSDP2 over the one-rank shard axis) saves and loads like the others, and
     its compressor starts afresh in every generation: its first two steps are plain all-reduces, so
     two-step legs powersgd -> ZeRO-3 (2,1,2) -> powersgd equal one process's six steps exactly."""
-    root, load, losses, run = str(tmp_path), None, [], None
-    legs = [((2, 1, 1), PSGD), ((2, 1, 2), ("mesh.zero=3",)), ((2, 1, 1), PSGD)]
-    for i, (shape, extra) in enumerate(legs):
-        first, last = 2 * i + 1, 2 * i + 2
-        run = run_mesh(*shape, (*SMALL, *extra), 2, first_step=first,
-                       collect_params=i == len(legs) - 1, instrument=LoadTrainSave(load, root, last))
-        losses += run.losses
-        load = os.path.join(root, step_dir_name(last))
-    ref = reference(SMALL, 2 * len(legs))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_legs_match_one_process([((2, 1, 1), PSGD), ((2, 1, 2), ("mesh.zero=3",)), ((2, 1, 1), PSGD)],
+                                  str(tmp_path))
