@@ -124,6 +124,9 @@ class TrainConfig:
                                         "DDP PowerSGD hook, error feedback reset on every resize); "
                                         "needs mesh.zero=0", choices=("none", "powersgd"))
     powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
+    powersgd_plain_steps: int = key(2, "steps of each generation all-reduced uncompressed before "
+                                       "PowerSGD starts (torch's start_powerSGD_iter; it suggests ~10% "
+                                       "of the run)", ge=2)
 
 
 @dataclass(**_SECTION)

@@ -106,15 +106,17 @@ class _PowerSGD:
 
 
 def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int, counter: ByteCounter,
-                    seed: int) -> powerSGD_hook.PowerSGDState:
+                    seed: int, plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
     """PowerSGD (``rank``) on every FSDP unit of this rank, one state for all (bucket = unit index).
 
-    ``start_powerSGD_iter=2``: the hook's own minimum with error feedback; its first two steps are
-    uncompressed all-reduces. The last unit of the list (the stage root, reduced last) closes a step.
+    ``start_powerSGD_iter=plain_steps`` (``train.powersgd_plain_steps``, >= 2: the hook's own minimum
+    with error feedback): the state's first ``plain_steps`` steps are uncompressed all-reduces;
+    deferring compression narrows the loss gap (docs/design.md, PowerSGD). The last unit of the list
+    (the stage root, reduced last) closes a step.
     """
     _CountingDist.counter = counter
     state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=2, random_seed=seed,
+                                        start_powerSGD_iter=plain_steps, random_seed=seed,
                                         # > 0: an all-zero gradient block must not orthogonalise to NaN
                                         orthogonalization_epsilon=1e-8)
     for i, unit in enumerate(units):
@@ -179,7 +181,8 @@ def setup_dp_reduction(stages: list[nn.Module], spec, groups, ddp: bool = False)
         return None
     counter = ByteCounter()
     if powersgd_applies(spec, groups.shape.dp):
-        attach_powersgd(units, groups.dp_group, spec.train.powersgd_rank, counter, spec.train.seed)
+        attach_powersgd(units, groups.dp_group, spec.train.powersgd_rank, counter, spec.train.seed,
+                        spec.train.powersgd_plain_steps)
     else:
         attach_counter(units, counter)
     return counter

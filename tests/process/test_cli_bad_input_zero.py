@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(120)
         (['train.grad_compression="powersgd"', "mesh.zero=3"], ["train.grad_compression", "needs mesh.zero=0"]),
         (['train.grad_compression="topk"'], ["train.grad_compression", "none", "powersgd"]),
         (["mesh.zero=0", "train.powersgd_rank=0"], ["train.powersgd_rank"]),
+        (["mesh.zero=0", "train.powersgd_plain_steps=1"], ["train.powersgd_plain_steps", ">= 2"]),
     ],
 )
 def test_train_rejects_bad_strategy(overrides, needles):
