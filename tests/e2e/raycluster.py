@@ -277,3 +277,45 @@ def running_cluster(prefix: str, **kwargs):
     finally:
         c.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- what the e2e tests share besides the cluster -----------------------------------------------
+
+
+def records(path: Path) -> list[dict]:
+    """The records of a metrics JSONL file so far ([] before it exists)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(metrics: Path, driver: subprocess.Popen, log: Path, done, what: str, timeout_s: float = 600,
+             poll_s: float = 0.5) -> list[dict]:
+    """Poll ``metrics`` until ``done(records)``; fail with the driver's log if it exits first or the
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not done(recs := records(metrics)):
+        assert driver.poll() is None, f"driver exited before {what}:\n" + log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {what} in time: {recs[-3:]}\n{log.read_text()[-2000:]}"
+        time.sleep(poll_s)
+    return recs
+
+
+def fake_autoscaling_config(name: str, worker_max: int, head_cpus: int, provider: dict) -> dict:
+    """A full launcher config for Ray's fake multi-node provider (the autoscaler does not merge Ray's
+    defaults itself): a head of ``head_cpus`` CPUs and up to ``worker_max`` 2-CPU workers."""
+    return {
+        "cluster_name": name,
+        "max_workers": worker_max,
+        "provider": provider,
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus, "GPU": 0}, "node_config": {}, "max_workers": 0},
+            "cpu_worker": {"resources": {"CPU": 2, "object_store_memory": 300 * 1024**2}, "node_config": {},
+                           "min_workers": 0, "max_workers": worker_max},
+        },
+        "head_node_type": "ray.head.default",
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 5,
+        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
+        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+    }

@@ -18,36 +18,20 @@ libtorch_cpu.so"). Real nodes have disks of their own and never race like that.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster, running_cluster
+from tests.e2e.raycluster import RayCluster, fake_autoscaling_config, records, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 HEAD_CPUS = 1
-# The launcher config the autoscaler reads (a full one: it does not merge Ray's defaults itself).
-AUTOSCALING = {
-    "cluster_name": "elastimesh-e2e",
-    "max_workers": 1,
-    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
-                 "disable_node_updaters": True, "disable_launch_config_check": True},
-    "available_node_types": {
-        "ray.head.default": {"resources": {"CPU": HEAD_CPUS, "GPU": 0}, "node_config": {}, "max_workers": 0},
-        "cpu_worker": {"resources": {"CPU": 2, "object_store_memory": 300 * 1024**2}, "node_config": {},
-                       "min_workers": 0, "max_workers": 1},
-    },
-    "head_node_type": "ray.head.default",
-    "upscaling_speed": 1.0,
-    "idle_timeout_minutes": 5,
-    "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
-    "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
-    "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-    "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-}
+# The fake multi-node provider by its own type name (the v1 monitor knows its defaults).
+AUTOSCALING = fake_autoscaling_config("elastimesh-e2e", 1, HEAD_CPUS, {
+    "type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+    "disable_launch_config_check": True})
 
 ALIVE_NODES = "import ray\nray.init(log_to_driver=False)\nprint('NODES=%d' % sum(n['Alive'] for n in ray.nodes()))\n"
 
@@ -78,7 +62,7 @@ def test_job_requests_capacity_and_grows_onto_the_new_node(cluster, tmp_path):
     # Grown: a `grow` event to dp=2 and a few steps trained at dp=2 in that new generation.
     deadline = time.monotonic() + 900
     while True:
-        recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        recs = records(metrics)
         grows = [r for r in recs if r.get("event") == "grow"]
         steps = [r for r in recs if "loss" in r]
         if grows and sum(r["generation"] == grows[0]["generation"] for r in steps) >= 3:

@@ -21,15 +21,12 @@ deadline, which tests/ray/test_preemption.py and tests/e2e/test_node_loss.py (a 
 
 from __future__ import annotations
 
-import json
 import math
 import signal
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import running_cluster
+from tests.e2e.raycluster import fake_autoscaling_config, records, running_cluster, wait_for
 from tests.ray.harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -40,28 +37,11 @@ HEAD_CPUS = 1
 
 
 def autoscaling(worker_max: int) -> dict:
-    """The launcher config (a full one: the autoscaler does not merge Ray's defaults itself)."""
-    return {
-        "cluster_name": "elastimesh-e2e-v2",
-        "max_workers": worker_max,
-        # Ray's fake provider named as an "external" one: the v2 monitor merges the provider type's
-        # default config, and the wheel lacks fake_multinode's (fake_multi_node/example.yaml).
-        "provider": {"type": "external", "module": FAKE_PROVIDER, "use_node_id_as_ip": True,
-                     "disable_node_updaters": True, "disable_launch_config_check": True,
-                     "launch_multiple": True, "head_node_id": FAKE_HEAD_NODE_ID},
-        "available_node_types": {
-            "ray.head.default": {"resources": {"CPU": HEAD_CPUS, "GPU": 0}, "node_config": {}, "max_workers": 0},
-            "cpu_worker": {"resources": {"CPU": 2, "object_store_memory": 300 * 1024**2}, "node_config": {},
-                           "min_workers": 0, "max_workers": worker_max},
-        },
-        "head_node_type": "ray.head.default",
-        "upscaling_speed": 1.0,
-        "idle_timeout_minutes": 5,
-        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
-        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
-        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
-    }
+    # Ray's fake provider named as an "external" one: the v2 monitor merges the provider type's
+    # default config, and the wheel lacks fake_multinode's (fake_multi_node/example.yaml).
+    return fake_autoscaling_config("elastimesh-e2e-v2", worker_max, HEAD_CPUS, {
+        "type": "external", "module": FAKE_PROVIDER, "use_node_id_as_ip": True, "disable_node_updaters": True,
+        "disable_launch_config_check": True, "launch_multiple": True, "head_node_id": FAKE_HEAD_NODE_ID})
 
 
 HEAD_ENV = {"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
@@ -70,19 +50,6 @@ HEAD_ENV = {"RAY_enable_autoscaler_v2": "1", "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_
 OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
              "mesh.dp=1", "mesh.tp=1", "elastic.max_dp=2", "elastic.grow_check_s=2", "checkpoint.every=4"]
 STEPS = 2000  # more than it trains: the test stops it (a stop commits and exits 0)
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def wait_for(metrics: Path, driver, log: Path, done, what: str, timeout_s: float = 900) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while not done(recs := records(metrics)):
-        assert driver.poll() is None, f"driver exited before {what}:\n" + log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {what} in time: {recs[-3:]}\n{log.read_text()[-2000:]}"
-        time.sleep(1)
-    return recs
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +70,7 @@ def test_autoscaler_v2_adds_a_node_the_job_grows_then_takes_it_away(cluster, tmp
             grows = [r for r in recs if r.get("event") == "grow"]
             return grows and sum(r.get("generation") == grows[0]["generation"] for r in recs if "loss" in r) >= 3
 
-        recs = wait_for(metrics, driver, log, grown, "growth to dp=2")
+        recs = wait_for(metrics, driver, log, grown, "growth to dp=2", timeout_s=900, poll_s=1)
         grow = next(r for r in recs if r.get("event") == "grow")
         assert grow["dp"] == 2
         # Take it away: the node type's max_workers drops to 0, so v2 terminates the node.
@@ -115,7 +82,8 @@ def test_autoscaler_v2_adds_a_node_the_job_grows_then_takes_it_away(cluster, tmp
             gen = max((r["generation"] for r in recs if r.get("event") == "rebuild"), default=None)
             return gen is not None and sum(r.get("generation") == gen for r in recs if "loss" in r) >= 3 and later
 
-        recs = wait_for(metrics, driver, log, shrunk, "a generation without the removed node")
+        recs = wait_for(metrics, driver, log, shrunk, "a generation without the removed node", timeout_s=900,
+                        poll_s=1)
         driver.send_signal(signal.SIGTERM)  # stop: commits the step and exits 0
         rc = driver.wait(timeout=300)
     finally:

@@ -20,14 +20,13 @@ the worker node's `ray start` gets SIGTERM mid-run.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster, running_cluster
+from tests.e2e.raycluster import RayCluster, records, running_cluster, wait_for
 from tests.ray.harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -40,10 +39,6 @@ PLACEMENT = (
     "for n in list_nodes(): print('NODE', n.node_id, n.is_head_node)\n"
     "for a in list_actors(filters=[('state', '=', 'ALIVE')]): print('ACTOR', a.class_name, a.node_id, a.pid)\n"
 )
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @pytest.fixture
@@ -62,15 +57,6 @@ def placement(cluster: RayCluster) -> tuple[str, dict[str, list[tuple[str, int]]
         elif kind == "ACTOR":
             actors.setdefault(rest[0], []).append((rest[1], int(rest[2])))
     return head, actors
-
-
-def wait_for(metrics: Path, driver, log: Path, done, what: str, timeout_s: float = 600) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while not done(recs := records(metrics)):
-        assert driver.poll() is None, f"driver exited before {what}:\n" + log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {what} in time: {recs[-3:]}"
-        time.sleep(0.5)
-    return recs
 
 
 def start(cluster: RayCluster, tmp_path: Path, steps: int, drain_s: float, extra: tuple[str, ...] = ()):

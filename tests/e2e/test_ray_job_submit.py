@@ -13,15 +13,13 @@ on, no autoscaler). Each test submits with `--working-dir` the repository, as RE
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.raycluster import RayCluster, running_cluster
+from tests.e2e.raycluster import RayCluster, records, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -32,10 +30,6 @@ DEFAULT_STEPS = 20  # the built-in job's train.steps
 def cluster():
     with running_cluster("em-e2e-", num_cpus=4) as c:
         yield c
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def steps_of(recs: list[dict]) -> list[dict]:
