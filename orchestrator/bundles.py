@@ -88,7 +88,8 @@ class BundleLedger:
         docstring), oldest first."""
         if not self.vacant:
             return []
-        alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in set(draining)}
+        draining = set(draining)
+        alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining}
         ours = set(self.nodes.values())
         out = []
         for v in self.vacant:
