@@ -9,7 +9,10 @@ must happen before the next generation can form, and fast (seconds, not ``collec
 2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
    takes ~5 s: docs/design.md, F3);
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
-   ``RankActor.kick``) and wait for their calls to return; one that still does not is killed too.
+   ``RankActor.kick``) and wait for their calls to return, kicking again every ``REKICK_S`` those
+   still inside: a survivor still leaving the last generation when the kick came reaches the
+   rendezvous only afterwards and blocks there for the whole store timeout unless kicked again
+   (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
 """
@@ -17,6 +20,8 @@ The survivors' processes are never restarted: that is the point of the elastic d
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 STATUS_POLL_S = 3.0  # a live actor answers status() on its second thread well within this
 KICK_S = 10.0
+REKICK_S = 1.0  # how often survivors that have not returned from the broken call are kicked again
 
 
 @dataclass
@@ -72,15 +78,14 @@ def settle(
     group.kill_now(dead)
     live = set(group.live_ids)
     survivors = [a for a in members if a not in dead and a in live]
+    # Only survivors' listeners: a dead rank's port may already belong to another process.
+    alive = [ep for a in survivors for ep in listeners.get(a, ())]
     if survivors:
-        # Only survivors' listeners: a dead rank's port may already belong to another process.
-        alive = [ep for a in survivors for ep in listeners.get(a, ())]
         group.call(survivors, "kick", (alive,), timeout_s=KICK_S)
     # Let the freed survivors finish their (failed) call so their threads are idle again.
     still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
     if still:
-        late = group.collect(still, wait_s)
-        never = set(late.pending) | set(late.dead)
+        never = _wait_returned(group, still, alive, wait_s)
         if never:
             logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
             found.reasons.update({a: "did not return after the kick" for a in never})
@@ -88,6 +93,22 @@ def settle(
         dead |= never
     found.lost = dead
     return found
+
+
+def _wait_returned(group: WorkerGroup, still: dict, alive: list, wait_s: float) -> set[int]:
+    """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
+    kicking again every ``REKICK_S`` the ones still inside (see the module docstring); the actors that
+    died meanwhile or never returned. Bounded by rounds as well as by the clock."""
+    lost: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    for _ in range(max(1, math.ceil(wait_s / REKICK_S))):
+        late = group.collect(still, max(0.1, min(REKICK_S, deadline - time.monotonic())))
+        lost |= set(late.dead)
+        still = late.pending_refs
+        if not still or time.monotonic() >= deadline:
+            break
+        group.call(sorted(set(still.values())), "kick", (alive,), timeout_s=KICK_S)
+    return lost | set(still.values())
 
 
 def reason_line(reasons: dict[int, str]) -> str:

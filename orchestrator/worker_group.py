@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -34,6 +34,16 @@ from orchestrator.messages import CallOutcome
 logger = logging.getLogger(__name__)
 
 LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
+
+
+WORKER_DIED = "its worker process has died"  # Ray's cause when the node's raylet saw the worker die
+
+
+def worker_process_died(exc: BaseException) -> bool:
+    """Whether Ray reported an actor's death as its worker process dying (the raylet on its node
+    reported it, so that node was up then), not its node dying, a preemption, or an unknown cause."""
+    return (isinstance(exc, ActorDiedError) and not exc.preempted and WORKER_DIED in str(exc)
+            and "node has died" not in str(exc))
 
 
 def error_line(exc: BaseException) -> str:
@@ -66,6 +76,8 @@ class WorkerGroup:
         # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/bundles.py).
         self._bundles = BundleLedger()
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
+        # Actors Ray reported dead of their worker process: their bundle may be refilled at once.
+        self._worker_died: set[int] = set()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bundle(self) -> dict[str, float]:
@@ -216,7 +228,8 @@ class WorkerGroup:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
             self.node_ids.pop(actor_id, None)
-            self._bundles.release(actor_id)
+            self._bundles.release(actor_id, node_was_up=actor_id in self._worker_died)
+            self._worker_died.discard(actor_id)
 
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``
@@ -309,6 +322,8 @@ class WorkerGroup:
                     outcome.results[actor_id] = ray.get(ref, timeout=10)
                 except RayActorError as exc:
                     outcome.dead[actor_id] = type(exc).__name__
+                    if worker_process_died(exc):
+                        self._worker_died.add(actor_id)
                 except Exception as exc:  # the method raised: latched for the controller
                     outcome.failed[actor_id] = error_line(exc)
             if stop_early is not None and stop_early(outcome):

@@ -1,0 +1,85 @@
+"""``orchestrator.recovery.settle`` kicks again the survivors that have not returned from a broken call
+(a scripted group; no Ray, no processes).
+
+Measured in the chaos bench (a rank killed, then another while the next generation joins): the kick
+reached one survivor while it was still leaving the last generation; it then entered the rendezvous,
+waited there for the dead rank, and returned only at the store timeout (15 s). A kick frees only a
+rank already inside the rendezvous, so the ones still inside the call are kicked again.
+"""
+
+from __future__ import annotations
+
+from orchestrator import recovery
+from orchestrator.messages import CallOutcome, WorkerStatus
+
+
+class LateJoiners:
+    """A broken ``join_generation`` fan-out: ``late[actor]`` kicks pass before that survivor is inside
+    the rendezvous (a kick before then frees nothing); the next kick frees it."""
+
+    def __init__(self, members: list[int], dead: int, late: dict[int, int]) -> None:
+        self.live = set(members) - {dead}
+        self.late = dict(late)
+        self.returned: set[int] = set()
+        self.kicks: list[list[int]] = []
+        self.killed: list[int] = []
+        self.collect_timeouts: list[float] = []
+
+    @property
+    def live_ids(self) -> list[int]:
+        return sorted(self.live)
+
+    def kill_now(self, actor_ids) -> None:
+        self.killed += sorted(actor_ids)
+        self.live -= set(actor_ids)
+
+    def call(self, actor_ids, method: str, args=(), *, timeout_s: float) -> CallOutcome:
+        out = CallOutcome()
+        for actor in actor_ids:
+            if method == "kick":
+                if self.late.get(actor, 0) > 0:
+                    self.late[actor] -= 1  # still leaving the last generation: nothing to shut yet
+                else:
+                    self.returned.add(actor)  # its rendezvous fails at once
+            out.results[actor] = WorkerStatus(world_rank=0, pid=1, generation=1, busy=True, step=0, error=None) \
+                if method == "status" else 1
+        if method == "kick":
+            self.kicks.append(sorted(actor_ids))
+        return out
+
+    def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
+        self.collect_timeouts.append(timeout_s)
+        out = CallOutcome()
+        for ref, actor in refs.items():
+            if actor in self.returned:
+                out.failed[actor] = "RuntimeError: kicked"
+            else:
+                out.pending.append(actor)
+                out.pending_refs[ref] = actor
+        return out
+
+
+def broken_join(members: list[int], dead: int) -> CallOutcome:
+    out = CallOutcome(dead={dead: "ActorDiedError"})
+    out.pending = [a for a in members if a != dead]
+    out.pending_refs = {f"ref{a}": a for a in out.pending}
+    return out
+
+
+def test_a_survivor_that_reached_the_rendezvous_after_the_kick_is_kicked_again():
+    group = LateJoiners([0, 1, 2, 3], dead=3, late={2: 1})
+    found = recovery.settle(group, broken_join([0, 1, 2, 3], 3), [0, 1, 2, 3], listeners={}, wait_s=20,
+                            hang_reason="hung")
+    assert found.lost == {3}  # before: actor 2 was waited for until the store timeout (here: killed)
+    assert group.kicks == [[0, 1, 2], [2]]
+    assert group.killed == [3]
+    assert max(group.collect_timeouts) <= recovery.REKICK_S
+
+
+def test_a_survivor_that_never_returns_is_killed_at_the_deadline():
+    group = LateJoiners([0, 1, 2], dead=2, late={1: 10**6})
+    found = recovery.settle(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={}, wait_s=3,
+                            hang_reason="hung")
+    assert found.lost == {1, 2}
+    assert found.reasons[1] == "did not return after the kick"
+    assert len(group.kicks) <= 1 + 3 / recovery.REKICK_S  # bounded even when no time passes
