@@ -17,6 +17,7 @@ overwrite each other's. A cluster without an autoscaler only stores it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from orchestrator.config import JobConfig, dp_bounds
@@ -63,6 +64,7 @@ class CapacityRequest:
     def __init__(self, request_fn: Callable[[list[Bundle]], None] = _ray_request) -> None:
         self._request_fn = request_fn
         self.bundles: list[Bundle] = []
+        self._lock = threading.Lock()
 
     def ask(self, bundles: list[Bundle], *, fits_now: int | None = None) -> None:
         self._request_fn(bundles)
@@ -74,9 +76,11 @@ class CapacityRequest:
             )
 
     def release(self) -> None:
-        if not self.bundles:
-            return
-        self.bundles = []
+        """Withdraw the request, once: a stop signal's thread and the run's ``finally`` may both call."""
+        with self._lock:
+            if not self.bundles:
+                return
+            self.bundles = []
         try:
             self._request_fn([])
         except Exception as exc:  # the cluster may already be gone; nothing is left to scale then

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import ray
@@ -117,9 +118,21 @@ class StopRequest:
     def __init__(self) -> None:
         self.graceful = False
         self.signum: int | None = None
+        # Run at once, on a thread of their own, when a graceful stop is asked for: what must not wait
+        # for the step boundary. `ray job stop` SIGKILLs the job RAY_JOB_STOP_WAIT_TIME_S (3 s by
+        # default) after its SIGTERM, which a step plus the save may outlast; the autoscaler request
+        # must be withdrawn even then, or idle nodes are kept (tests/e2e/test_autoscale_grow.py).
+        self.on_stop: list[Callable[[], None]] = []
 
     def __call__(self) -> bool:
         return self.signum is not None
+
+    def _asked(self, signum: int) -> None:
+        self.signum = signum
+        for callback in self.on_stop:
+            # Not in the handler itself: it runs between the main thread's bytecodes, maybe inside a
+            # Ray call; a daemon thread never holds the exit up.
+            threading.Thread(target=callback, name="elastimesh-on-stop", daemon=True).start()
 
 
 @contextmanager
@@ -137,7 +150,7 @@ def stop_on_signals(stop: StopRequest):
     def handler(signum, _frame):
         name = signal.Signals(signum).name
         if stop.graceful and stop.signum is None:
-            stop.signum = signum
+            stop._asked(signum)
             logger.warning("stopping: got %s (e.g. `ray job stop`, Ctrl-C): saving at the next step "
                            "boundary, then exiting; a second signal exits at once", name)
             return
@@ -240,6 +253,7 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
             eval_mask_eos_id=boundary_eos(cfg.data.mask_document_boundaries, eval_source) if eval_source else None,
         )
         controller.stop_requested = stop
+        stop.on_stop.append(capacity.release)
         stop.graceful = True  # from now on a signal saves at the next step boundary first
         return controller.run()
     finally:

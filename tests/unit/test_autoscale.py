@@ -60,6 +60,20 @@ def test_request_is_made_then_withdrawn_once():
     assert calls == [[GPU] * 4, []]
 
 
+def test_withdrawn_once_when_a_stop_thread_and_the_run_end_race():
+    import threading
+
+    calls = []
+    request = CapacityRequest(calls.append)
+    request.ask([CPU] * 2)
+    threads = [threading.Thread(target=request.release) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [[CPU] * 2, []]
+
+
 def test_withdrawing_on_a_gone_cluster_warns_instead_of_raising(caplog):
     def refuse(bundles):
         if not bundles:

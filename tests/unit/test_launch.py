@@ -92,6 +92,22 @@ def test_while_training_the_first_signal_asks_for_a_stop_and_the_second_exits(st
     assert info.value.code == 128 + second and outside == []
 
 
+def test_a_graceful_stop_runs_its_on_stop_callbacks_at_once_on_a_thread(stand_in):
+    """What must not wait for the step boundary (the autoscaler request's withdrawal: `ray job stop`
+    SIGKILLs 3 s after its SIGTERM by default) runs as soon as the signal comes, off the main thread."""
+    import threading
+
+    ran = threading.Event()
+    threads = []
+    stop = StopRequest()
+    stop.graceful = True
+    stop.on_stop.append(lambda: (threads.append(threading.current_thread()), ran.set()))
+    with stop_on_signals(stop):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ran.wait(5.0), "the on-stop callback did not run"
+        assert stop() and threads and threads[0] is not threading.main_thread()
+
+
 def test_systemexit_from_inside_ray_calls_keeps_the_signal_code():
     # Ray's ray.wait re-raises a SystemExit raised by a signal handler as SystemExit(1).
     with pytest.raises(SystemExit) as info:
