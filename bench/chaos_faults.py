@@ -10,9 +10,10 @@ The kinds (the issue's list): ``kill_step`` (SIGKILL after a rank's first forwar
 (SIGKILL inside the rank's background checkpoint write), ``kill_rebuild`` (a rank dies, and another
 rank dies while the next generation joins), ``hang`` (SIGSTOP: the step times out), ``node_removal``
 (a node hosting ranks vanishes without notice), ``drain`` (a preemption notice with a deadline, the
-node removed at the deadline), ``straggler`` (one rank sleeps inside its forward in each of its next steps
-until it is evicted: workers/compute_clock.py), ``store_kill`` (the rendezvous store's actor is killed), ``truncate_ckpt`` (a shard file of
-the newest committed checkpoint is cut in half: it must be found invalid and never resumed from).
+node removed at the deadline), ``straggler`` (one rank sleeps inside its forward in each of its next
+steps until it is evicted: workers/compute_clock.py), ``store_kill`` (the rendezvous store's actor is
+killed), ``truncate_ckpt`` (a shard file of the newest committed checkpoint is cut in half: it must be
+found invalid and never resumed from).
 """
 
 from __future__ import annotations

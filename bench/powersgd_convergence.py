@@ -28,6 +28,7 @@ at a time on a busy machine. ``--quick``: 20 steps, the default config, plain an
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 import numpy as np
@@ -122,8 +123,6 @@ def main() -> None:
     steps = 20 if args.quick else args.steps
     previous = {}
     if args.out.exists():
-        import json
-
         previous = json.loads(args.out.read_text())
     runs = {(r["config"], r["variant"], r["steps"]): r for r in previous.get("runs", [])}
     try:

@@ -34,7 +34,6 @@ from orchestrator.stragglers import StragglerWatch
 logger = logging.getLogger(__name__)
 
 
-
 class RankHealth:
     def _init_rank_health(self) -> None:
         self.bad_steps = BadSteps(self.cfg.train.max_bad_steps, self.ckpt.skipped_steps)  # one set: saved, restored

@@ -11,8 +11,8 @@ only (docs/design.md, Stragglers).
 
 A rank's score is its own time over the median of its peers' — the ranks at the same pipeline
 position (they run the same layers), or every other rank when it has none. Above
-``elastic.straggler_factor`` (and at least ``MIN_EXCESS_S`` slower) for ``elastic.straggler_steps`` steps in a row it is reported once;
-it is reported again only after a step at a normal pace. Scores follow actors, not world ranks, so
+``elastic.straggler_factor`` (and at least ``MIN_EXCESS_S`` slower) for ``elastic.straggler_steps``
+steps in a row it is reported once; it is reported again only after a step at a normal pace. Scores follow actors, not world ranks, so
 a re-formed mesh keeps no stale streaks of departed actors (``forget``).
 """
 

@@ -130,16 +130,15 @@ class WorkerGroup:
             done, _ = ray.wait([ref], timeout=0)
             if not done and time.monotonic() < deadline:
                 continue
-            del self._starting[actor_id]
             try:
                 answer = ray.get(ref, timeout=0) if done else None
             except Exception as exc:  # it died while starting
                 logger.info("actor %d failed to start: %s", actor_id, error_line(exc))
                 answer = None
             if answer is None:
-                ray.kill(handle, no_restart=True)
-                self._bundles.release(actor_id)
+                self.kill([actor_id])  # given up: its bundle is vacant again
                 continue
+            del self._starting[actor_id]
             self.actors[actor_id] = handle
             self._started(actor_id, answer)
             ready.append(actor_id)

@@ -8,8 +8,9 @@ FSDP2's gradients instead of FSDP2's own all-reduce. How: the stage is then shar
 the DDP hook as a bucket (the hook reads only ``buffer()``, ``gradients()``, ``index()`` and
 ``is_last()``; ``_Bucket`` is that duck type) and waits for its future (on FSDP2 so that PowerSGD
 works with TP's DTensor parameters too). Plain ZeRO-0 on dp alone runs through torch's DDP
-(``wrap_ddp``, docs/design.md, Data-parallel strategies). The compressor state (error feedback, warm-start P/Q) lives in the generation's
-``RankRuntime``: every resize starts it afresh, like a new DDP job; it is not checkpointed.
+(``wrap_ddp``, docs/design.md, Data-parallel strategies). The compressor state (error feedback,
+warm-start P/Q) lives in the generation's ``RankRuntime``: every resize starts it afresh, like a new
+DDP job; it is not checkpointed.
 
 Bytes: ``ByteCounter`` sums ``nbytes`` of every tensor the hook's all-reduces send (it stands in
 for ``torch.distributed`` inside the two hook modules), and under plain ZeRO-0 FSDP2's all-reduce

@@ -25,11 +25,11 @@ from orchestrator.schedule import Action, stages_of_rank
 from workers import data as data_lib
 from workers.groups import RankGroups
 from workers.models.build import build_local_stage
-from workers.compute_clock import ComputeClock
 from workers.models.family import runtime_family
 from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
+from workers.compute_clock import ComputeClock
 from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -53,9 +53,10 @@ class RankRuntime:
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.family, self.shape = runtime_family(spec)
-        # ZeRO-0 on plain dp (no TP/PP): torch's DDP, not FSDP2's HSDP (orchestrator.mesh.ddp_applies).
+        # ZeRO-0 on plain dp (no TP/PP, so one stage): torch's DDP, not FSDP2's HSDP; the plan's rule
+        # too (orchestrator.mesh.ddp_applies).
         use_ddp = ddp_applies(spec.zero, shape.dp, shape.pp, shape.tp, train.dtype, train.grad_reduce,
-                              spec.cpu_offload, train.grad_compression) and spec.virtual_stages == 1
+                              spec.cpu_offload, train.grad_compression)
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
             # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
@@ -116,10 +117,10 @@ class RankRuntime:
         self._save_call_s = 0.0
         self.source = data_lib.open_source(spec.data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
-        # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient / CPU seconds burnt at the
-        # start of the next step, as a straggler would.
+        # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
+        # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
         self.inject_nan_grad = False
-        self.inject_busy_s = 0.0  # straggler faults: CPU burnt / slept inside a block's forward
+        self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
 
     # -- training ---------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class FakeRank:
         self.saving_step: int | None = None
         self.loaded: list[str] = []
         self.bad_at: dict[int, str] = {}  # step -> StepResult.bad (scripted on the group: every rank)
-        self.own_s = 0.4  # StepResult.own_s and forward_s (a straggler: set it higher)
+        self.forward_s = 0.4  # StepResult.forward_s, what stragglers are scored on (set it higher for one)
         # In-memory snapshots (workers/snapshots.py): own (gen, step) -> record; held (gen, step, owner).
         self.own: dict[tuple[int, int], dict] = {}
         self.held: dict[tuple[int, int, int], dict] = {}
@@ -76,8 +76,8 @@ class FakeRank:
         # Each rank reports 1/world of the loss, so the step's loss is the step number.
         bad = self.bad_at.get(step, "")
         return StepResult(step=step, world_rank=self.world_rank, ok=True, loss=step / self.world,
-                          step_time_s=0.5, compute_s=0.4, bad=bad, skipped=bool(bad), own_s=self.own_s,
-                          forward_s=self.own_s)
+                          step_time_s=0.5, compute_s=0.4, bad=bad, skipped=bool(bad), own_s=self.forward_s,
+                          forward_s=self.forward_s)
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)

@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble, preemption, chaos) are marked slow.
+pipeline_bubble, preemption, chaos, powersgd_convergence) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -181,3 +181,18 @@ def test_gpu_bench_peak_lookup_and_flops_formula() -> None:
     layer = 4 * 2048**2 + 3 * 2048 * 5632 + 2 * 2048
     assert n == 16 * layer + 2048 + 32000 * 2048  # blocks, final norm, head (no embedding table)
     assert per_token == 6 * n + 12 * 16 * 2048 * 2048
+
+
+@pytest.mark.slow  # two 20-step runs of spawned gloo ranks at dp=2 (~10 s idle)
+@pytest.mark.timeout(300)
+def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
+    # No loss threshold: a 20-step gap says nothing about convergence (the 200-step figures are the
+    # bench's and the slow test's in tests/distributed/test_powersgd.py).
+    result = _run_script("powersgd_convergence.py", tmp_path / "powersgd.json", timeout=280)
+    assert result["benchmark"] == "powersgd_convergence" and result["quick"] is True
+    assert {(r["variant"], r["steps"]) for r in result["runs"]} == {("plain", 20), ("r2", 20)}
+    (row,) = result["summary"]
+    assert row["variant"] == "r2" and row["plain_loss"] > 0 and row["powersgd_loss"] > 0
+    # measured bytes: rank 2 sends far fewer on compressed steps, and the plain steps count in the mean
+    assert row["bytes_ratio"] >= 4 and 1 < row["bytes_ratio_mean"] < row["bytes_ratio"]
+    assert isinstance(row["met"], bool)

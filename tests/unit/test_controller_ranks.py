@@ -94,7 +94,7 @@ def test_straggler_reported_after_straggler_steps_and_kept_without_eviction(make
     r = make("train.steps=8", "elastic.straggler_steps=2", "elastic.straggler_factor=2.0")
     r.steps(1)
     slow = r.c.generation.members[2]
-    r.group.ranks[slow].own_s = 1.0  # 2.5x the others' 0.4
+    r.group.ranks[slow].forward_s = 1.0  # 2.5x the others' 0.4
     r.steps(3)  # steps 1..3: reported after the second slow step
     event, = r.events("straggler")
     assert (event["rank"], event["actor"], event["factor"]) == (2, slow, 2.5) and event["node"] == "10.0.0.1"
@@ -110,7 +110,7 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
     assert r.c.generation.shape.dp == 4 and len(r.c.spare_ids) == 1
     spare, = r.c.spare_ids
     slow = r.c.generation.members[1]
-    r.group.ranks[slow].own_s = 2.0
+    r.group.ranks[slow].forward_s = 2.0
     r.steps(2)  # steps 1, 2: reported at step 2
     assert r.events("straggler") and r.c.next_step == 3
     r.steps(1)  # the boundary before step 3: step 2 committed, the straggler dropped, the spare in
@@ -189,7 +189,7 @@ def test_straggler_not_evicted_when_the_mesh_would_fall_below_min_dp(make):
              "elastic.evict_stragglers=true")
     r.steps(1)
     slow = r.c.generation.members[0]
-    r.group.ranks[slow].own_s = 3.0
+    r.group.ranks[slow].forward_s = 3.0
     r.steps(4)
     assert r.events("straggler") and not r.events("evict") and not r.group.killed
     assert r.c.step() == State.FINISHED
