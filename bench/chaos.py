@@ -32,9 +32,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import load_average, machine, parser, write_result
-
 import chaos_faults as cf
+from common import load_average, machine, parser, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -73,8 +72,8 @@ def run_campaign(args, tmp: Path) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.config import load_config
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
+    from orchestrator.config.load import load_config
     from tests.ray.conftest import make_group
     from tests.ray.harness import make_controller, mesh_params
 

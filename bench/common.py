@@ -87,7 +87,7 @@ def local_ray() -> Iterator[None]:
 def bench_config(model: dict[str, Any], *, dp: int = 1, tp: int = 1, steps: int, global_batch: int,
                  micro_batch: int):
     """A job config at (dp, pp=1, tp), ZeRO-3, with ``model.*`` overrides."""
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     overrides = [f"mesh.dp={dp}", "mesh.pp=1", f"mesh.tp={tp}", "mesh.zero=3", f"train.steps={steps}",
                  f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro_batch}"]
@@ -103,9 +103,9 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     """
     import torch
 
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.schedule import make_schedule
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import RuntimeSpec
+    from meshspeak.schedule import make_schedule
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 

@@ -40,7 +40,7 @@ BATCH_CHARS = 1 << 20
 def make_inputs(folder: Path, mb: float, vocab: int) -> tuple[list[str], Path, Path]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from workers.data.source import BUILTIN_FILE
+    from meshdata.source import BUILTIN_FILE
 
     paragraphs = [p for p in BUILTIN_FILE.read_text().split("\n\n") if p.strip()]
     rng = random.Random(0)
@@ -82,7 +82,7 @@ def baseline(tokenizer_path: Path, docs: list[str]) -> tuple[float, int]:
 
 
 def ours(corpus: Path, tok_dir: Path, out: Path) -> tuple[float, int]:
-    from workers.data import prepare
+    from meshdata import prepare
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 class DDPLoop:
     def __init__(self, overrides: list[str]) -> None:
-        import torch
-
         import ray.train
         import ray.train.torch
-        from orchestrator.config import load_config
-        from workers import data as data_lib
-        from workers.model import build_stage
+        import torch
+
+        import meshdata as data_lib
+        from meshmodels.gpt_model import build_stage
+        from orchestrator.config.load import load_config
         from workers.optim import build_optimizer
 
         torch.set_num_threads(1)
@@ -49,9 +49,8 @@ class DDPLoop:
         import shutil
         import tempfile
 
-        import torch
-
         import ray.train
+        import torch
         from ray.train import Checkpoint
 
         if self.rank != 0:
@@ -67,8 +66,8 @@ class DDPLoop:
         """One optimizer step; returns this replica's share of the global-mean loss."""
         import torch
 
-        from workers import data as data_lib
-        from workers.model import lm_loss_sum
+        import meshdata as data_lib
+        from meshmodels.gpt_model import lm_loss_sum
         from workers.optim import lr_at, set_lr
 
         train, seq_len = self.train, self.model_cfg.seq_len

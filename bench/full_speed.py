@@ -45,8 +45,8 @@ QUICK = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_siz
 def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
     import ray
 
-    import orchestrator.controller as controller_mod
-    from orchestrator.config import load_config
+    import orchestrator.control.controller as controller_mod
+    from orchestrator.config.load import load_config
     from tests.ray.conftest import make_group
     from tests.ray.harness import make_controller
     from workers.store import StoreHost

@@ -82,7 +82,8 @@ class OneRank:
 
     def __init__(self, overrides: list[str], device: torch.device, steps: int) -> None:
         from common import rank_runtime
-        from orchestrator.config import load_config
+
+        from orchestrator.config.load import load_config
 
         self.cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1", f"train.steps={steps}"])
         OneRank._generation += 1
@@ -148,7 +149,7 @@ def part_cpu_vs_cuda(dry: bool, steps: int = 10) -> dict:
 # -- (b) -------------------------------------------------------------------------------------------
 def model_flops_per_token(cfg) -> tuple[int, float]:
     """(parameters without the embedding table, training FLOPs per token: 6 N + 12 L d s)."""
-    from workers.model import GPT
+    from meshmodels.gpt_model import GPT
 
     with torch.device("meta"):
         model = GPT(cfg.model)

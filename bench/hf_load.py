@@ -62,7 +62,7 @@ def write_model(directory: str, sizes: dict[str, int]) -> dict[str, int]:
     import torch
     from safetensors.torch import save_file
 
-    from workers.models.family import load_family
+    from meshmodels.family import load_family
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -138,10 +138,10 @@ class BuildAndLoad:
         import torch
         import torch.distributed as dist
 
-        from orchestrator.config import load_config
-        from orchestrator.mesh import MeshShape
-        from orchestrator.messages import RuntimeSpec
-        from orchestrator.plan import make_plan, model_fields
+        from meshspeak.mesh import MeshShape
+        from meshspeak.messages import RuntimeSpec
+        from orchestrator.config.load import load_config
+        from orchestrator.plan.mesh_plan import make_plan, model_fields
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 

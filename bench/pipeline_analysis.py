@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import statistics
 
-from orchestrator.schedule import Action, Op, message_key
-from orchestrator.schedule_sim import simulate
+from meshspeak.schedule import Action, Op, message_key
+from meshspeak.schedule_sim import simulate
 
 WARMUP_STEPS = 2  # steps 1-2 are left out of every figure
 

@@ -31,9 +31,10 @@ import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import load_average, machine, parser, write_result
-from orchestrator.schedule import peak_in_flight, theoretical_bubble
 from pipeline_analysis import WARMUP_STEPS, bubble_stats
 from pipeline_probes import memory_probe, timing_probe
+
+from meshspeak.schedule import peak_in_flight, theoretical_bubble
 from tests.helpers.world import run_mesh, shutdown_pool
 
 # d_model 256, seq 256, 2 sequences per microbatch: one 2-layer stage costs ~35 ms F / ~75 ms B on one

@@ -91,8 +91,8 @@ def drain(nodes, node_id: str, deadline_s: float) -> float:
 
 # -- elastimesh ------------------------------------------------------------------------------------
 def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
-    from orchestrator.config import load_config
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
+    from orchestrator.config.load import load_config
     from tests.ray.conftest import make_group
     from tests.ray.harness import make_controller
 
@@ -172,10 +172,9 @@ def _read(logdir: str, name: str) -> list[dict]:
 
 
 def _train_loop(config: dict) -> None:
-    import torch
-
     import ray
     import ray.train
+    import torch
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop

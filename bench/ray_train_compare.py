@@ -64,8 +64,8 @@ def _median_from(per_step: dict[int, float], first: int = 3) -> float:
 def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     import ray
 
-    import orchestrator.controller as controller_mod
-    from orchestrator.config import load_config
+    import orchestrator.control.controller as controller_mod
+    from orchestrator.config.load import load_config
     from orchestrator.launch import run_job
 
     # One file per run: the metrics file is appended to, and an earlier run's "start" event would
@@ -136,7 +136,7 @@ def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     cfg = load_config(None, overrides)
     logdir = os.path.join(workdir, "raytrain_logs")

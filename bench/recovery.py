@@ -64,7 +64,7 @@ def _pid_dead(pid: int) -> bool:
 def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     import ray
 
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from tests.ray.conftest import make_group
     from tests.ray.harness import make_controller
     from workers.store import StoreHost
@@ -134,9 +134,8 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
 
 # -- Ray Train -------------------------------------------------------------------------------------
 def _train_loop(config: dict) -> None:
-    import torch
-
     import ray.train
+    import torch
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.family import FamilyBase
+from meshmodels.family import FamilyBase
 
 
 @dataclass(frozen=True)

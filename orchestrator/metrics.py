@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshspeak.lr_schedule import lr_at
+from meshspeak.mesh import MeshShape
+from meshspeak.messages import StepResult
 from orchestrator.errors import UserInputError
-from orchestrator.lr_schedule import lr_at
-from orchestrator.mesh import MeshShape
-from orchestrator.messages import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def check_outputs(cfg) -> None:
             _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
                        "set metrics.tensorboard_dir to a writable directory, or unset it")
     if cfg.profile_steps:  # the ranks write the traces; on one machine this is their directory too
-        from workers.profiling import profile_dir
+        from meshspeak.profile import profile_dir
 
         _check_dir("metrics.profile_dir", profile_dir(cfg), "set metrics.profile_dir to a writable directory")
 

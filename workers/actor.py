@@ -29,8 +29,8 @@ import traceback
 import ray
 import torch
 
-from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
-from orchestrator.schedule import Action
+from meshspeak.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
+from meshspeak.schedule import Action
 from workers.profiling import profiled_step
 from workers.snapshots import SnapshotStore
 

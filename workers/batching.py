@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchestrator.schedule import Action, Op
-from workers import data as data_lib
-from workers.data.masks import counted, mask_targets
+import meshdata as data_lib
+from meshdata.masks import counted, mask_targets
+from meshspeak.schedule import Action, Op
 from workers.pipeline import StepData
 
 FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from orchestrator.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
+from meshspeak.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
 from workers.device import apply_nccl_env, backend_for
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from orchestrator.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
+from meshspeak.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
 
 
 def build_optimizer(module: nn.Module, train) -> torch.optim.AdamW:

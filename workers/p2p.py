@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from orchestrator.p2p_rounds import Batch
-from orchestrator.schedule import Action, Op
+from meshspeak.p2p_rounds import Batch
+from meshspeak.schedule import Action, Op
 
 COMM_OPS = (Op.RECV_F, Op.RECV_B, Op.SEND_F, Op.SEND_B)
 

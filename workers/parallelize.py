@@ -28,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from orchestrator.mesh import fsdp_units
+from meshspeak.mesh import fsdp_units
 
 
 def apply_tp(stage: nn.Module, tp_mesh: DeviceMesh, family) -> None:

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from orchestrator.messages import ActionTiming
-from orchestrator.p2p_rounds import Batch
-from orchestrator.schedule import Action, Op, message_key
-from workers.model import lm_loss_sum
+from meshmodels.gpt_model import lm_loss_sum
+from meshspeak.messages import ActionTiming
+from meshspeak.p2p_rounds import Batch
+from meshspeak.schedule import Action, Op, message_key
 from workers.p2p import StepPosting, Transport
 from workers.parallelize import loss_context, uses_fsdp
 

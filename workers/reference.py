@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers import data as data_lib
-from workers.models.build import build_local_stage
-from workers.models.family import resolve_model
-from workers.data.masks import counted, mask_targets
+import meshdata as data_lib
+from meshdata.masks import counted, mask_targets
+from meshmodels.build import build_local_stage
+from meshmodels.family import resolve_model
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
@@ -30,7 +30,7 @@ class ReferenceTrainer:
             dtype=torch.float64 if train.dtype == "float64" else None,
         )
         if init_from:  # Hugging Face weights instead of the (seed, name) init
-            from workers.models.hf_io import load_hf
+            from meshmodels.hf_io import load_hf
 
             load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)

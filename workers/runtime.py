@@ -19,22 +19,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from orchestrator.mesh import ddp_applies, fsdp_applies, layer_ranges
-from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
-from orchestrator.schedule import Action, stages_of_rank
-from workers import data as data_lib
-from workers.groups import RankGroups
-from workers.models.build import build_local_stage
-from workers.models.family import runtime_family
-from workers.models.hf_io import load_hf
-from workers.models.tied import TiedGrads
+import meshdata as data_lib
+from meshmodels.build import build_local_stage
+from meshmodels.family import runtime_family
+from meshmodels.hf_io import load_hf
+from meshspeak.mesh import ddp_applies, fsdp_applies, layer_ranges
+from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
+from meshspeak.schedule import Action, stages_of_rank
 from workers.batching import eval_forward, step_data
-from workers.compute_clock import ComputeClock
 from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
+from workers.compute_clock import ComputeClock
+from workers.groups import RankGroups
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
+from workers.tied import TiedGrads
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class RankRuntime:
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
         """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
-        from orchestrator.p2p_rounds import rank_batches
+        from meshspeak.p2p_rounds import rank_batches
 
         return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
                             self.groups.coords.pp, tuple(actions))

@@ -39,7 +39,7 @@ def nan_on_rank_3_at_step_3(runtime):
 def _reference_skipping(skip: set[int]):
     import torch
 
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, list(SMALL))

@@ -55,7 +55,7 @@ def commit_run(root: str, run, overrides, step: int) -> str:
     files: dict[str, int] = {}
     for acks in run.extras.values():
         files.update(acks[0].files)
-    from orchestrator.config import config_to_dict
+    from meshspeak.sections import config_to_dict
 
     return commit(root, CheckpointManifest(
         step=step, generation=1, mesh=run.shape.as_dict(), model_fingerprint="test", data_cursor=step * 6,
@@ -67,8 +67,8 @@ def commit_run(root: str, run, overrides, step: int) -> str:
 def test_init_from_then_export_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
+    from meshmodels.export import export_checkpoint
     from tests.helpers.hf_models import save_tiny_llama
-    from workers.models.export import export_checkpoint
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
@@ -101,9 +101,9 @@ def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    import meshdata as data_lib
+    from meshmodels.export import export_checkpoint
     from tests.helpers.hf_models import save_tiny_llama
-    from workers import data as data_lib
-    from workers.models.export import export_checkpoint
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, bias=True, layers=2)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.plan import describe, make_plan
+from orchestrator.plan.mesh_plan import describe, make_plan
 from tests.helpers.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")

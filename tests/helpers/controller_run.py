@@ -9,8 +9,8 @@ import json
 import pytest
 
 from checkpoints.catalog import list_checkpoints
-from orchestrator.config import load_config
-from orchestrator.controller import Controller, State
+from orchestrator.config.load import load_config
+from orchestrator.control.controller import Controller, State
 from orchestrator.metrics import MetricsLog
 from tests.helpers.fake_group import FakeWorkerGroup
 

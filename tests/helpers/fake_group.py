@@ -24,8 +24,7 @@ import os
 from typing import Any
 
 from checkpoints.layout import DCP_METADATA, parse_step
-from orchestrator.errors import WorkerGroupStartupError
-from orchestrator.messages import (
+from meshspeak.messages import (
     CallOutcome,
     JoinSpec,
     RankInfo,
@@ -35,6 +34,7 @@ from orchestrator.messages import (
     WorkerStatus,
     WriteAck,
 )
+from orchestrator.errors import WorkerGroupStartupError
 
 COLLECTIVE = ("join_generation", "train_step", "save_checkpoint", "load_checkpoint", "load_snapshot")
 KICKED = "RuntimeError: Connection closed by peer (kicked)"

@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import JobConfig, load_config, microbatches_per_replica
-from orchestrator.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
-from orchestrator.messages import StepResult
-from orchestrator.schedule import Action, make_schedule
+from meshspeak.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
+from meshspeak.messages import StepResult
+from meshspeak.schedule import Action, make_schedule
+from meshspeak.sections import JobConfig, microbatches_per_replica
+from orchestrator.config.load import load_config
 from tests.helpers.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
 
 __all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
@@ -89,7 +90,7 @@ def part_params(model_cfg) -> dict[str, int]:
     built on the meta device through its family."""
     import torch
 
-    from workers.models.family import resolve_model
+    from meshmodels.family import resolve_model
 
     resolved = resolve_model(model_cfg)
     with torch.device("meta"):
@@ -108,7 +109,7 @@ def stage_layers(cfg: JobConfig) -> tuple[int, ...]:
     if cfg.pipeline.layers:
         return tuple(cfg.pipeline.layers)
     counts = part_params(cfg.model)
-    from workers.models.family import resolve_model
+    from meshmodels.family import resolve_model
 
     n_layers = resolve_model(cfg.model).shape.n_layers
     costs = stage_param_counts(n_layers, counts["layer"], counts["embed"], counts["head"])
@@ -136,9 +137,9 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch
     import torch.distributed as dist
 
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.plan import model_fields
-    from workers.data.masks import mask_eos_for
+    from meshdata.masks import mask_eos_for
+    from meshspeak.messages import RuntimeSpec
+    from orchestrator.plan.mesh_plan import model_fields
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -323,7 +324,7 @@ def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
 def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
     import torch
 
-    from workers.data.masks import mask_eos_for
+    from meshdata.masks import mask_eos_for
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])

@@ -170,7 +170,7 @@ def test_gpu_bench_peak_lookup_and_flops_formula() -> None:
         import gpu
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == gpu.peak_flops("NVIDIA H200") == 989e12
     assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12

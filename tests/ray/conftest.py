@@ -32,7 +32,7 @@ def store_address(ray_local):
 
 
 def make_group(count: int):
-    from orchestrator.worker_group import ActorResources, WorkerGroup
+    from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 
     group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=60)
     group.add(count)

@@ -7,14 +7,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from orchestrator.config import load_config
-from orchestrator.controller import Controller
+from orchestrator.config.load import load_config
+from orchestrator.control.controller import Controller
 from orchestrator.metrics import MetricsLog
 
 
 def make_controller(cfg, group, store_address, data_path: str = "builtin") -> Controller:
-    from workers.data import open_source
-    from workers.data.masks import boundary_eos
+    from meshdata import open_source
+    from meshdata.masks import boundary_eos
 
     metrics = MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False)
     eval_path = open_source(cfg.eval.path).name if cfg.eval.path else ""

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from tests.ray.conftest import make_group
 from tests.ray.harness import TEST_LR, events, make_controller
 

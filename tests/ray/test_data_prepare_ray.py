@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from meshdata import DataError, prepare
+from meshdata.index import SIDECAR
 from tests.unit.test_data_prepare import make_tokenizer
-from workers.data import DataError, prepare
-from workers.data.index import SIDECAR
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

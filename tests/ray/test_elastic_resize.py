@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from tests.ray.conftest import make_group
 from tests.ray.harness import (
     TEST_LR,

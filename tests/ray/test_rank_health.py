@@ -11,15 +11,13 @@
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
-import time
-
 import numpy as np
-
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from tests.ray.conftest import make_group
 from tests.ray.harness import (
     TEST_LR,

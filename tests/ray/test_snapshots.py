@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from tests.ray.conftest import make_group, multinode_ray
 from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
@@ -37,7 +37,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def head_store(cluster):
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
 
     provider = StoreProvider()
     provider.address()

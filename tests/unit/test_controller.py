@@ -43,7 +43,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints.layout import step_dir_name
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed
 from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
 

@@ -3,7 +3,7 @@ rebuilt generation trained its first step. Uses ``make`` and ``Run`` of ``tests/
 
 from __future__ import annotations
 
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
 
 

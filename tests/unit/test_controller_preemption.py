@@ -21,7 +21,7 @@ A stop signal (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest):
 
 from __future__ import annotations
 
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from checkpoints.layout import step_dir_name
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from tests.helpers.controller_run import Run
 
 
@@ -109,7 +109,7 @@ def test_rebuild_restores_twice_from_the_same_set_when_forming_fails(make):
 
 
 def test_one_node_warns_once_and_off_takes_no_snapshot(make, caplog):
-    with caplog.at_level(logging.WARNING, logger="orchestrator.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.saves.snapshots"):
         r = make()
         r.group.fail("train_step", 1, "die", at=3)
         r.steps(3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from workers.models.export import copy_tokenizer_files
+from meshmodels.export import copy_tokenizer_files
 
 
 def test_tokenizer_files_beside_the_shards_are_copied(tmp_path):

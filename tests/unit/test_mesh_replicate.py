@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.mesh import MeshShape, hsdp_group_ranks, replicate_degree
+from meshspeak.mesh import MeshShape, hsdp_group_ranks, replicate_degree
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import psutil
 import torch
 from torch import nn
 
-from orchestrator.config import load_config
-from workers.models.build import build_local_stage
-from workers.models.family import resolve_model
+from meshmodels.build import build_local_stage
+from meshmodels.family import resolve_model
+from orchestrator.config.load import load_config
 
 SHARDS = 8
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.p2p_rounds import batch_ops, nccl_batches, rank_batches, strict_deadlock
-from orchestrator.schedule import Op, make_schedule, stages_of_rank
+from meshspeak.p2p_rounds import batch_ops, nccl_batches, rank_batches, strict_deadlock
+from meshspeak.schedule import Op, make_schedule, stages_of_rank
 from workers.p2p import Message, Transport
 from workers.pipeline import Executor, Stage, StepData
 

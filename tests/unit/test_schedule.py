@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from orchestrator.schedule import (
+from meshspeak.schedule import (
     Action,
     Op,
     gpipe,
@@ -20,7 +20,7 @@ from orchestrator.schedule import (
     stages_of_rank,
     theoretical_bubble,
 )
-from orchestrator.schedule_sim import ScheduleDeadlock, ScheduleError, simulate
+from meshspeak.schedule_sim import ScheduleDeadlock, ScheduleError, simulate
 
 PPS = (1, 2, 3, 4, 8)
 MICROBATCHES = (1, 2, 4, 8, 16)
