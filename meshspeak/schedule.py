@@ -10,11 +10,18 @@ Vocabulary:
   * ``pp`` pipeline ranks, ``virtual_stages`` (v) model chunks per rank, ``num_stages = pp * v``.
   * Stage ``s`` lives on pp rank ``s % pp``: rank ``r`` holds stages ``r, r + pp, r + 2pp, ...``
     (Megatron's interleaved placement; with v == 1 it is simply stage == rank).
+  * ``placement`` "v" (the zbv schedule, 2 stages per rank) instead puts stage ``s`` on rank ``s``
+    for ``s < pp`` and on rank ``2pp - 1 - s`` after: rank ``r`` holds stages ``r`` and ``2pp-1-r``,
+    so rank 0 holds the first and the last stage and rank pp-1 the two middle ones.
   * Every F/B is wrapped in its communication: RECV_F right before an F, SEND_F right after it,
     RECV_B right before a B, SEND_B right after it. The executor posts sends asynchronously and
-    blocks on receives, so a list is runnable iff the simulator finds no cycle of waits.
+    blocks on receives, so a list is runnable iff the simulator finds no cycle of waits. Neighbouring
+    stages on one rank (the V's turn) hand over in memory: no message, no action.
   * The first stage has no RECV_F/SEND_B; the last stage has no SEND_F/RECV_B because the loss is
     computed inside its F and its B starts from that loss.
+  * Zero-bubble schedules (``meshspeak.zero_bubble``) split a B into I (the gradient of the stage's
+    input, wrapped in B's communication) and W (its weights' gradient, no communication), which can
+    run later, in what would have been a bubble.
 
 No torch, no ray: pure stdlib.
 """
@@ -25,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-SCHEDULE_NAMES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULE_NAMES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb-h1", "zbv")
+ZERO_BUBBLE: tuple[str, ...] = ("zb-h1", "zbv")  # the schedules whose backwards are split into I and W
+PLACEMENTS: tuple[str, ...] = ("loop", "v")
 
 
 class Op(StrEnum):
@@ -33,6 +42,8 @@ class Op(StrEnum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # zero-bubble: the gradient of the stage's input only (sent upstream)
+    BACKWARD_WEIGHT = "W"  # zero-bubble: the gradient of the stage's weights, after its I
     RECV_F = "RECV_F"  # receive the activation entering `stage` for `microbatch` from stage - 1
     SEND_F = "SEND_F"  # send the activation leaving `stage` to stage + 1
     RECV_B = "RECV_B"  # receive the gradient of `stage`'s output from stage + 1
@@ -72,18 +83,37 @@ def message_key(action: Action) -> MessageKey:
     raise ValueError(f"{action} is not a communication action")
 
 
-def stage_to_rank(stage: int, pp: int) -> int:
-    """The pp rank that holds ``stage`` (interleaved placement: stage modulo pp)."""
+# Ops that compute (the rest communicate), and those that end a stage's work on a microbatch.
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+GRAD_INPUT_OPS = (Op.BACKWARD, Op.BACKWARD_INPUT)  # produce the gradient SEND_B sends
+
+
+def placement_of(schedule: str) -> str:
+    """How ``schedule`` places stages on pp ranks: "v" for zbv, else "loop" (stage modulo pp)."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def stage_to_rank(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pp rank that holds ``stage``: stage modulo pp ("loop"), or the V of zbv ("v", 2pp stages)."""
     if pp < 1 or stage < 0:
         raise ValueError(f"need pp >= 1 and stage >= 0, got pp={pp} stage={stage}")
-    return stage % pp
+    if placement == "loop":
+        return stage % pp
+    if placement != "v" or stage >= 2 * pp:
+        raise ValueError(f"placement {placement!r} has no stage {stage} at pp={pp} (\"v\": 2pp stages)")
+    return stage if stage < pp else 2 * pp - 1 - stage
 
 
-def stages_of_rank(rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """The stages held by pp rank ``rank``, in model order: ``[rank, rank + pp, ...]``."""
+def stages_of_rank(rank: int, pp: int, virtual_stages: int = 1, placement: str = "loop") -> list[int]:
+    """The stages held by pp rank ``rank``, in model order: ``[rank, rank + pp, ...]`` ("loop") or
+    ``[rank, 2pp - 1 - rank]`` ("v", which needs ``virtual_stages == 2``)."""
     _check_shape(pp, 1, virtual_stages)
     if not 0 <= rank < pp:
         raise ValueError(f"pp rank must be in [0, {pp}), got {rank}")
+    if placement == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"the V placement holds 2 stages per rank, got virtual_stages={virtual_stages}")
+        return [rank, 2 * pp - 1 - rank]
     return [rank + chunk * pp for chunk in range(virtual_stages)]
 
 
@@ -188,20 +218,26 @@ def interleaved_one_f_one_b(pp: int, num_microbatches: int, virtual_stages: int)
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule named by ``pipeline.schedule``: "1f1b", "gpipe" or "interleaved_1f1b".
+    """The schedule named by ``pipeline.schedule``: "1f1b", "gpipe", "interleaved_1f1b", "zb-h1" or
+    "zbv" (the last two: ``meshspeak.zero_bubble``).
 
-    With ``pp == 1`` every schedule is plain gradient accumulation, ``F0 B0 F1 B1 ...``: there is no
-    pipeline to fill, and freeing each microbatch's activations before the next forward is free.
+    With ``pp == 1`` every schedule but the zero-bubble ones is plain gradient accumulation,
+    ``F0 B0 F1 B1 ...``: there is no pipeline to fill, and freeing each microbatch's activations
+    before the next forward is free.
 
     Raises:
-        ValueError: unknown name, ``virtual_stages > 1`` with a non-interleaved schedule, or the
-            constraints of the chosen schedule (see each function).
+        ValueError: unknown name, ``virtual_stages`` other than the schedule's (1; >= 2 for
+            interleaved_1f1b; 2 for zbv), or the constraints of the chosen schedule (see each function).
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(
             f"pipeline.schedule={name!r} is not known: choose one of {', '.join(SCHEDULE_NAMES)}"
         )
     _check_shape(pp, num_microbatches, virtual_stages)
+    if name in ZERO_BUBBLE:
+        from meshspeak import zero_bubble  # it builds on this module's helpers
+
+        return zero_bubble.make(name, pp, num_microbatches, virtual_stages)
     if virtual_stages > 1 and name != "interleaved_1f1b":
         raise ValueError(
             f"pipeline.virtual_stages={virtual_stages} needs pipeline.schedule='interleaved_1f1b', "
@@ -215,17 +251,19 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most microbatches whose F is done but whose B is not, summed over the rank's stages.
+    """Most microbatches whose F is done but whose B (or W) is not, summed over the rank's stages.
 
     Activation memory of a rank scales with this number (times the per-stage activation size),
-    which is what ``elastimesh plan`` uses for its estimate.
+    which is what ``elastimesh plan`` uses for its estimate. A split backward holds a microbatch
+    until its W: the I frees only what the input gradient alone needed, so this counts the upper
+    bound.
     """
     in_flight = peak = 0
     for action in actions:
         if action.op == Op.FORWARD:
             in_flight += 1
             peak = max(peak, in_flight)
-        elif action.op == Op.BACKWARD:
+        elif action.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
             in_flight -= 1
     return peak
 
@@ -251,21 +289,30 @@ def _check_shape(pp: int, num_microbatches: int, virtual_stages: int) -> None:
         )
 
 
-def _forward(stage: int, microbatch: int, num_stages: int) -> list[Action]:
-    """F with its comms: the input arrives right before it, the output leaves right after."""
+def _forward(stage: int, microbatch: int, num_stages: int, rank_of=None) -> list[Action]:
+    """F with its comms: the input arrives right before it, the output leaves right after.
+
+    ``rank_of(stage)`` (None: every stage on its own rank) tells which neighbours share this
+    stage's rank: those hand over in memory, without a message.
+    """
     actions = [Action(stage, Op.FORWARD, microbatch)]
-    if stage > 0:
+    if stage > 0 and not _same_rank(stage, stage - 1, rank_of):
         actions.insert(0, Action(stage, Op.RECV_F, microbatch))
-    if stage < num_stages - 1:
+    if stage < num_stages - 1 and not _same_rank(stage, stage + 1, rank_of):
         actions.append(Action(stage, Op.SEND_F, microbatch))
     return actions
 
 
-def _backward(stage: int, microbatch: int, num_stages: int) -> list[Action]:
-    """B with its comms; the last stage's B starts from its own loss, so it receives nothing."""
-    actions = [Action(stage, Op.BACKWARD, microbatch)]
-    if stage < num_stages - 1:
+def _backward(stage: int, microbatch: int, num_stages: int, rank_of=None, op: Op = Op.BACKWARD) -> list[Action]:
+    """B (or a zero-bubble I) with its comms; the last stage's starts from its own loss, so it
+    receives nothing."""
+    actions = [Action(stage, op, microbatch)]
+    if stage < num_stages - 1 and not _same_rank(stage, stage + 1, rank_of):
         actions.insert(0, Action(stage, Op.RECV_B, microbatch))
-    if stage > 0:
+    if stage > 0 and not _same_rank(stage, stage - 1, rank_of):
         actions.append(Action(stage, Op.SEND_B, microbatch))
     return actions
+
+
+def _same_rank(a: int, b: int, rank_of) -> bool:
+    return rank_of is not None and rank_of(a) == rank_of(b)
