@@ -30,7 +30,7 @@ __all__ = [
 
 # Allowed values of the enum-like keys (the rules between keys use them too).
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb-h1", "zbv")
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("float32", "bfloat16")
 BUILTIN_DATA = "builtin"
@@ -120,8 +120,10 @@ class TrainConfig:
 
 @dataclass(**_SECTION)
 class PipelineConfig:
-    schedule: str = key("1f1b", "pipeline schedule", choices=SCHEDULES)
-    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 only for interleaved_1f1b", ge=1)
+    schedule: str = key("1f1b", "pipeline schedule; zb-h1 and zbv split each backward into input and "
+                                "weight gradients (zero bubble, Qi et al. 2024)", choices=SCHEDULES)
+    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 for interleaved_1f1b, 2 for zbv (its V), "
+                                 "else 1", ge=1)
     # TOML has no null, so an empty list also means "balanced".
     layers: tuple[int, ...] | None = key(None, "layers per stage in stage order (pp * virtual_stages "
                                                "entries); empty = balanced by parameter count")

@@ -25,7 +25,7 @@ from meshmodels.family import runtime_family
 from meshmodels.hf_io import load_hf
 from meshspeak.mesh import ddp_applies, fsdp_applies, layer_ranges
 from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
-from meshspeak.schedule import Action, stages_of_rank
+from meshspeak.schedule import Action, placement_of, stages_of_rank
 from workers.batching import eval_forward, step_data
 from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
 from workers.compute_clock import ComputeClock
@@ -57,7 +57,8 @@ class RankRuntime:
         # too (orchestrator.mesh.ddp_applies).
         use_ddp = ddp_applies(spec.zero, shape.dp, shape.pp, shape.tp, train.dtype, train.grad_reduce,
                               spec.cpu_offload, train.grad_compression)
-        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
+        placement = placement_of(spec.schedule)  # zbv: the V (meshspeak/schedule.py)
+        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages, placement):
             first, end = ranges[index]
             # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
             module = build_local_stage(
@@ -107,6 +108,7 @@ class RankRuntime:
             recv_lookahead=4 if groups.backend == "gloo" else 0,
             nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
             loss_fn=self.family.loss_sum,
+            placement=placement,
         )
         # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
         self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
