@@ -155,6 +155,35 @@ def test_interleaved_rules() -> None:
     assert microbatches_per_replica(ok.train, ok.mesh.dp) == 4
 
 
+def test_zero_bubble_rules(tmp_path) -> None:
+    base = ["mesh.pp=2", "mesh.dp=1", "mesh.tp=1", "model.n_layers=4", "train.global_batch_size=8",
+            "train.micro_batch_size=1"]  # fmt: skip
+    err = error_for(*base, "pipeline.schedule=zbv")  # not set for the user: it sizes pipeline.layers
+    assert err.key == "pipeline.virtual_stages" and "set pipeline.virtual_stages=2" in str(err)
+    err = error_for(*base, "pipeline.schedule=zb-h1", "pipeline.virtual_stages=2")
+    assert err.key == "pipeline.virtual_stages"
+    err = error_for(*base, "pipeline.schedule=zb-h1", "mesh.pp=1")
+    assert err.key == "pipeline.schedule" and "needs mesh.pp >= 2" in str(err)
+    err = error_for(*base, "pipeline.schedule=zb-h1", "train.global_batch_size=1")
+    assert err.key == "train.global_batch_size" and "at least mesh.pp=2 microbatches" in str(err)
+    for name, v in (("zb-h1", 1), ("zbv", 2)):
+        sched = (f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}")
+        err = error_for(*base, *sched, "train.activation_checkpointing=true")
+        assert err.key == "train.activation_checkpointing" and "recompute" in str(err)
+        err = error_for(*base, *sched, "train.compile=true")
+        assert err.key == "train.compile"
+        assert load_config(None, [*base, *sched]).pipeline.schedule == name
+    # Tied embeddings (a Llama config.json with tie_word_embeddings): fine on zb-h1, not in zbv's V.
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, '
+        '"num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 256, "rms_norm_eps": 1e-5, '
+        '"tie_word_embeddings": true}')
+    tied = [f"model.from_hf={tmp_path}", "model.seq_len=32", *[o for o in base if "n_layers" not in o]]
+    assert load_config(None, [*tied, "pipeline.schedule=zb-h1"]).pipeline.schedule == "zb-h1"
+    err = error_for(*tied, "pipeline.schedule=zbv", "pipeline.virtual_stages=2")
+    assert err.key == "pipeline.schedule" and "tok_embeddings.weight" in str(err) and "zb-h1" in str(err)
+
+
 def test_pipeline_layers_rules() -> None:
     base = ["mesh.pp=2", "mesh.dp=1"]
     err = error_for(*base, "pipeline.layers=[4]")
