@@ -223,10 +223,11 @@ def zero_bubble_main(args, torch) -> None:
                    "quick": args.quick, "layers_per_pp_rank": 2},  # fmt: skip
     }
     try:
-        print("zero bubble vs 1F1B and interleaved", flush=True)
-        report["zero_bubble"] = zero_bubble_sweep(MODEL, MICRO, *ZB_SHAPES[args.quick], steps, 1 if args.quick else 2)
         print("activation memory 1F1B vs ZB-H1 (pp=2, m=8)", flush=True)
         report["activation_memory"] = activation_memory(3, ("1f1b", "zb-h1"))
+        print(f"ZB-H1 / 1F1B saved-bytes peak {report['activation_memory']['zb_h1_over_1f1b']:.3f}", flush=True)
+        print("zero bubble vs 1F1B and interleaved", flush=True)
+        report["zero_bubble"] = zero_bubble_sweep(MODEL, MICRO, *ZB_SHAPES[args.quick], steps, 1 if args.quick else 2)
     finally:
         shutdown_pool()
     report["goals"] = {

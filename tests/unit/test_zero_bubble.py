@@ -235,7 +235,7 @@ def test_plan_shows_the_v_and_the_simulated_bubble():
                              "pipeline.virtual_stages=2", "train.global_batch_size=8", "train.micro_batch_size=1"])
     info = describe(cfg, make_plan(cfg))
     assert [s["pp_rank"] for s in info["stages"]] == [0, 1, 1, 0]
-    assert info["bubble_estimate"] == pytest.approx(simulate(zbv(2, 4), 2, 2, placement="v").bubble_fraction)
+    assert info["bubble_estimate"] == pytest.approx(simulate(zbv(2, 8), 2, 2, placement="v").bubble_fraction)
     # Rank 0 holds the loss's stage (logits) and both ranks 2pp = 4 half-stage microbatches at the peak.
     assert [info["memory_per_rank"][r]["peak_microbatches_in_flight"] for r in (0, 1)] == [4, 4]
     assert info["memory_per_rank"][0]["activations"] > info["memory_per_rank"][1]["activations"]
