@@ -21,7 +21,8 @@ as ``meshspeak.schedule``; the simulator (``meshspeak.schedule_sim``) proves the
   chunk 1, a steady state alternating chunk 0 and chunk 1 F-I-W, and a cool-down of I's with the
   W's left at the end. It is built for ``max(m, 2pp - 1)`` microbatches and the actions of the
   extra ones are dropped (the paper needs ``m >= 2pp - 1`` to fill the V; dropping only removes work,
-  and the simulator checks every (pp, m) the config accepts).
+  and the simulator checks every (pp, m) the config accepts). With equal F, I and W costs its idle
+  time is ``(pp - 1) / (6m)`` of its compute for ``m >= 2pp - 1``, half of ZB-H1's.
 
 Why written here rather than taken from torch: torch's schedules are lists for its own runtime
 (``_Action`` with its own communication pass); ours are the driver's data, wrapped in our
