@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 
-
 def timing_probe(runtime):
     """Record each Executor.run's absolute start/end (perf_counter) and process CPU seconds."""
     executor = runtime.executor
@@ -62,7 +61,12 @@ def memory_probe(runtime):
             state["live"] += nbytes
             state["peak"] = max(state["peak"], state["live"])
         state["refs"][key] = (count + 1, nbytes)
-        return Saved(tensor, key)
+        # Detached: a saved output of a node would otherwise reference that node (through its
+        # grad_fn) from what the node saves, a cycle Python cannot collect. A backward with
+        # retain_graph=False breaks it by releasing what it ran through; a zero-bubble I
+        # (retain_graph=True) and its W leave nodes on the input path unreleased, and those would
+        # stay alive for good and be counted (workers/split_backward.py).
+        return Saved(tensor.detach(), key)
 
     def unpack(packed):
         return packed.tensor if isinstance(packed, Saved) else packed
