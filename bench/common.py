@@ -2,7 +2,7 @@
 
 Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and they import this module as
 ``common``; importing it puts the repository root on ``sys.path`` too (for ``orchestrator``, ``workers``,
-``tests.helpers``). Heavy imports (torch, ray) happen inside the functions that need them.
+``testbed``). Heavy imports (torch, ray) happen inside the functions that need them.
 
 * :func:`parser` / :func:`write_result`: ``--quick`` and ``--out`` (default ``bench/results/NAME.json``)
   and the JSON file every script writes (indented, parent directories created).

@@ -83,10 +83,11 @@ def baseline(tokenizer_path: Path, docs: list[str]) -> tuple[float, int]:
 
 def ours(corpus: Path, tok_dir: Path, out: Path) -> tuple[float, int]:
     from meshdata import prepare
+    from orchestrator.cluster.prepare_tasks import RayFanOut
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    meta = prepare([str(corpus)], str(out), tokenizer=str(tok_dir), parallel=True)
+    meta = prepare([str(corpus)], str(out), tokenizer=str(tok_dir), parallel=True, fan_out=RayFanOut())
     return time.perf_counter() - t0, meta["num_tokens"]
 
 

@@ -204,7 +204,7 @@ def transformers_load(model_dir: str) -> dict:
 
 
 def run_mesh_job(job) -> list[dict]:
-    from tests.helpers.rank_pool import _Pool
+    from testbed.rank_pool import _Pool
 
     pool = _Pool()  # fresh processes: nothing left over from another run
     try:

@@ -1,7 +1,7 @@
 """Pipeline benchmark: measured 1F1B bubble vs theory, interleaved vs 1F1B, activation memory 1F1B vs GPipe.
 
 Usage: ``python bench/pipeline_bubble.py [--quick] [--out PATH]``; writes ``bench/results/pipeline_bubble.json``
-and prints a short summary. Runs real local gloo meshes (``tests.helpers.world.run_mesh``: the
+and prints a short summary. Runs real local gloo meshes (``testbed.world.run_mesh``: the
 ``RankRuntime`` ranks and the driver's schedules), dp=1, tp=1.
 
 1. Bubble, pp in {2, 4} x m in {4, 8, 16}, 1F1B, ``n_layers = 2 pp`` with ``pipeline.layers`` = 2 per
@@ -35,7 +35,7 @@ from pipeline_analysis import WARMUP_STEPS, bubble_stats
 from pipeline_probes import memory_probe, timing_probe
 
 from meshspeak.schedule import peak_in_flight, theoretical_bubble
-from tests.helpers.world import run_mesh, shutdown_pool
+from testbed.world import run_mesh, shutdown_pool
 
 # d_model 256, seq 256, 2 sequences per microbatch: one 2-layer stage costs ~35 ms F / ~75 ms B on one
 # idle core, against <1 ms to send the 512 KB boundary activation, so compute dominates communication.

@@ -5,7 +5,7 @@ Usage: ``python bench/powersgd_convergence.py [--config NAME ...] [--variant NAM
 run. Issue #19's goal: PowerSGD at rank 2 ends within 5% of the uncompressed final loss after 200 steps
 on the built-in corpus, and sends >= 4x fewer bytes per step.
 
-Each run is a real local gloo mesh at dp = 2 (``tests.helpers.world.run_mesh``: ``RankRuntime`` ranks,
+Each run is a real local gloo mesh at dp = 2 (``testbed.world.run_mesh``: ``RankRuntime`` ranks,
 ``mesh.zero=0``), as tests/distributed/test_powersgd.py runs it. A *config* fixes the model, batch and
 learning rate (``CONFIGS``); a *variant* is uncompressed (``plain``) or PowerSGD with a rank, where
 given ``train.powersgd_plain_steps`` (uncompressed steps first: ``r2_plain50``), and where given torch
@@ -36,7 +36,7 @@ import numpy as np
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import RESULTS, environment, load_average, parser, write_result
 from powersgd_probes import powersgd_knobs
-from tests.helpers.world import run_mesh, shutdown_pool
+from testbed.world import run_mesh, shutdown_pool
 
 GOAL_GAP, GOAL_BYTES = 0.05, 4.0
 TAIL = 10  # steps averaged for the final loss

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from meshmodels.gpt_model import lm_loss_sum
 from meshspeak.messages import ActionTiming
 from meshspeak.p2p_rounds import Batch
-from meshspeak.schedule import Action, Op, message_key
+from meshspeak.schedule import Action, Op
 from workers.p2p import StepPosting, Transport
 from workers.parallelize import loss_context, uses_fsdp
 

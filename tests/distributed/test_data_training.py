@@ -17,7 +17,7 @@ import pytest
 from meshdata import open_source, prepare
 from meshdata.masks import mask_eos_for
 from tests.distributed.test_mesh_equivalence import assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 from tests.unit.test_data_prepare import make_tokenizer
 
 STEPS = 4

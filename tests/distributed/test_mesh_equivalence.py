@@ -1,6 +1,6 @@
 """Every mesh layout and pipeline schedule trains exactly like one process.
 
-Each test trains 10 fp32 steps on a local (dp, pp, tp) gloo mesh (``tests.helpers.world.run_mesh``:
+Each test trains 10 fp32 steps on a local (dp, pp, tp) gloo mesh (``testbed.world.run_mesh``:
 ``build_process_groups`` + ``RankRuntime`` + the driver's schedule, ranks kept in a shared worker pool)
 and compares with the single-process ``ReferenceTrainer`` on the same config: every step's global loss
 within 1e-5 relative, and every final parameter (same name set) within 1e-5 absolute. A small model
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from orchestrator.plan.mesh_plan import describe, make_plan
-from tests.helpers.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
+from testbed.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")
 SCHEDULE_BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")

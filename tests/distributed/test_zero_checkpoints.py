@@ -17,7 +17,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from tests.distributed.test_mesh_equivalence import SMALL
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

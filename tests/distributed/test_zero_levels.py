@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.distributed.test_mesh_equivalence import SMALL, _id, assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 STEPS = 4
 SHAPES = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 1)]

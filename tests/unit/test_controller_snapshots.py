@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from orchestrator.control.controller import State
-from tests.helpers.controller_run import Run
+from testbed.controller_run import Run
 
 
 @pytest.fixture

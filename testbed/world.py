@@ -8,7 +8,7 @@ unsharded final parameters of the whole model and every rank's ``StepResult`` s.
 per (overrides, steps) in a session.
 
 Processes
-    Ranks live in ``tests.helpers.rank_pool``'s shared pool of forked processes (one intra-op thread
+    Ranks live in ``testbed.rank_pool``'s shared pool of forked processes (one intra-op thread
     each), re-used across runs: every run is a new generation in the same processes, as the elastic
     actors re-form. A failed or timed-out run raises :class:`MeshRunError` with each failed rank's
     traceback and kills the pool (the next run starts a new one): failures never hang. A run whose rank
@@ -38,7 +38,7 @@ from meshspeak.messages import StepResult
 from meshspeak.schedule import Action, make_schedule
 from meshspeak.sections import JobConfig, microbatches_per_replica
 from orchestrator.config.load import load_config
-from tests.helpers.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
+from testbed.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
 
 __all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
 
