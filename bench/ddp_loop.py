@@ -1,10 +1,10 @@
 """The Ray Train side of the bench comparisons: the same model, samples and update as elastimesh, under DDP.
 
 Used inside ``TorchTrainer`` workers by bench/ray_train_compare.py and bench/recovery.py (after they put
-the repository root on ``sys.path``). The model is ``workers.model.build_stage`` over all layers (same
+the repository root on ``sys.path``). The model is ``meshmodels.gpt_model.build_stage`` over all layers (same
 seed, so the same initial weights as every elastimesh mesh), wrapped by ``ray.train.torch.prepare_model``
 (DDP, gloo on CPU); each replica takes its contiguous part of the same global batch
-(``workers.data.replica_microbatches``); AdamW from ``workers.optim.build_optimizer``, global-norm
+(``meshdata.order.replica_microbatches``); AdamW from ``workers.optim.build_optimizer``, global-norm
 clipping and the ``lr_at`` warm-up + cosine, exactly as ``workers.runtime.RankRuntime`` does.
 """
 

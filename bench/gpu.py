@@ -25,7 +25,7 @@ on process groups made by ``build_process_groups``; part d the real ``Controller
     (``bench/gpu_mesh.py``).
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (gloo instead of NCCL, compile with the
-"aot_eager" backend instead of inductor, no MFU): a smoke run for CI (tests/unit/test_bench_scripts.py),
+"aot_eager" backend instead of inductor, no MFU): a smoke run for CI (tests/process/test_bench_scripts.py),
 not a measurement. Part d needs Ray and takes minutes on CPU, so the dry run skips it unless
 ``--ray`` is given.
 """

@@ -17,12 +17,13 @@ Processes
 Stage split
     ``pipeline.layers`` when set, else ``balanced_split`` over per-layer parameter counts with the
     embedding added to the first layer and the final norm + head to the last
-    (``orchestrator.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
-    meta device: the same rule ``orchestrator.plan`` uses for the driver.
+    (``meshspeak.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
+    meta device: the same rule ``orchestrator.plan.mesh_plan`` uses for the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import signal
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from meshspeak.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
+from meshspeak.mesh import MeshShape, balanced_split, stage_param_counts
 from meshspeak.messages import StepResult
 from meshspeak.schedule import Action, make_schedule
 from meshspeak.sections import JobConfig, microbatches_per_replica
@@ -138,8 +139,8 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch.distributed as dist
 
     from meshdata.masks import mask_eos_for
-    from meshspeak.messages import RuntimeSpec
-    from orchestrator.plan.mesh_plan import model_fields
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -147,22 +148,12 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     cfg = load_config(None, list(job.overrides))
     shape = MeshShape(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     v = cfg.pipeline.virtual_stages
-    spec = RuntimeSpec(
-        model=cfg.model,
-        train=cfg.train,
-        data_path=cfg.data.path,
-        zero=cfg.mesh.zero,
-        fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
-        mask_eos_id=mask_eos_for(cfg.data),
-        schedule=cfg.pipeline.schedule,
-        cpu_offload=cfg.mesh.cpu_offload,
-        layers_per_stage=job.layers_per_stage,
-        virtual_stages=v,
-        collective_timeout_s=job.collective_timeout_s,
-        use_gpu=False,
-        dp_replicate=replicate_degree(cfg.mesh.zero, shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
-        **model_fields(cfg, resuming=False),
-    )
+    # The driver's own construction (one decision of the data-parallel strategy, etc.); the stage
+    # split and the process groups' timeout are the test's.
+    spec = dataclasses.replace(
+        runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                     mask_eos_id=mask_eos_for(cfg.data), resuming=False),
+        layers_per_stage=job.layers_per_stage, collective_timeout_s=job.collective_timeout_s)
     groups = build_process_groups(
         store_addr="127.0.0.1",
         store_port=store_port,
@@ -171,7 +162,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         world_rank=rank,
         timeout_s=job.collective_timeout_s,
         device=torch.device("cpu"),
-        replicate=spec.dp_replicate,
+        replicate=spec.dp.replicate,
     )
     runtime = RankRuntime(spec, groups)
     finish = job.instrument(runtime) if job.instrument is not None else None
