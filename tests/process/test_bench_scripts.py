@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble, preemption, chaos, powersgd_convergence) are marked slow.
+pipeline_bubble, preemption, chaos, powersgd_convergence, powersgd_ddp_oracle) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -224,3 +224,18 @@ def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
     # measured bytes: rank 2 sends far fewer on compressed steps, and the plain steps count in the mean
     assert row["bytes_ratio"] >= 4 and 1 < row["bytes_ratio_mean"] < row["bytes_ratio"]
     assert isinstance(row["met"], bool)
+
+
+@pytest.mark.slow  # two 20-step runs of 2 spawned gloo ranks under torch's DDP (~30 s idle)
+@pytest.mark.timeout(300)
+def test_powersgd_ddp_oracle_quick_writes_json(tmp_path: Path) -> None:
+    # No loss threshold here either (20 steps); what is checked: the oracle is torch's DDP with one
+    # bucket, its hook compresses as much as elastimesh's adapter (the same PowerSGDState settings).
+    result = _run_script("powersgd_ddp_oracle.py", tmp_path / "oracle.json", "--mesh-results",
+                         str(tmp_path / "none.json"), timeout=280)
+    assert result["benchmark"] == "powersgd_ddp_oracle" and result["quick"] is True
+    assert {(r["variant"], r["steps"]) for r in result["runs"]} == {("plain", 20), ("r2", 20)}
+    assert all("," not in str(r["bucket_sizes"]) for r in result["runs"])
+    (row,) = result["summary"]
+    assert row["ddp_plain_loss"] > 0 and row["ddp_powersgd_loss"] > 0 and row["elastimesh_gap"] is None
+    assert row["ddp_bytes_ratio"] >= 4  # rank 2 on the default model: 21.7x, as bench/results/powersgd.json
