@@ -4,7 +4,8 @@
     python bench/gpu.py --dry-run [--ray] [--out PATH]
 
 Writes ``bench/results/gpu.json`` (or ``--out``; a dry run: ``gpu_dry_run.json``). Each part runs the
-real rank code (``RankRuntime`` on process groups made by ``build_process_groups``; part d the real ``Controller`` on Ray actors):
+real rank code (``RankRuntime`` on process groups made by ``build_process_groups``; part d the real
+``Controller`` on Ray actors):
 
 (a) ``cpu_vs_cuda``: a tiny model, 10 fp32 steps on one rank on the CPU (gloo) and on one GPU
     (NCCL); every step's loss within 1e-4 relative. TF32 is switched off for this comparison (it

@@ -1,7 +1,7 @@
 """Run the model-family meshes again and again in the test pool, to catch a rare native crash.
 
     python -m tests.helpers.stress_meshes --log DIR [--only hf-dp1-pp1-tp2 ...] [--hours H] [--runs N]
-        [--steps N] [--pool-per-pass] [--malloc-check] [--perturb BYTE] [--asan]
+        [--steps N] [--pool-per-pass] [--malloc-check] [--perturb BYTE] [--asan] [--valgrind DIR]
 
 docs/design.md, F20: CI once saw a pooled rank die of SIGABRT ("malloc(): unaligned tcache chunk
 detected") in ``tests/distributed/test_model_families.py``. This runs that module's meshes (in its
@@ -16,7 +16,8 @@ every rank inherits it): ``--malloc-check`` preloads glibc's ``libc_malloc_debug
 ``MALLOC_CHECK_=3`` (glibc >= 2.34 needs the preload for it); ``--perturb`` sets ``MALLOC_PERTURB_``
 (freed memory filled with that byte, fresh memory with its complement); ``--asan`` preloads
 AddressSanitizer's runtime (its allocator's quarantine, and its checks of the ranges that the
-intercepted libc calls - memcpy, read/readv/recv - touch).
+intercepted libc calls - memcpy, read/readv/recv - touch); ``--valgrind DIR`` runs the pool's fork
+server, so every rank, under memcheck (every invalid read or write, ~50x slower; logs in DIR).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> int:
     p.add_argument("--malloc-check", action="store_true")
     p.add_argument("--perturb", type=int, default=0)
     p.add_argument("--asan", action="store_true")
+    p.add_argument("--valgrind", type=Path, default=None,
+                   help="run the pool's fork server (so every rank) under valgrind memcheck, logs in this dir")
     args = p.parse_args()
     env = _environment(args)
     if env and os.environ.get("_STRESS_REEXEC") != "1":
@@ -75,6 +78,23 @@ def main() -> int:
     from tests.helpers.world import MeshRunError, reference, run_mesh, shutdown_pool
 
     world._native_crash = lambda error: False  # no re-run: every crash is counted
+    collective_timeout, run_timeout = 60.0, None
+    if args.valgrind:
+        # The fork server is a fresh interpreter started from multiprocessing's executable: a wrapper
+        # that execs valgrind puts it, and every rank forked from it, under memcheck (~50x slower).
+        import multiprocessing
+
+        from tests.helpers import rank_pool
+
+        args.valgrind.mkdir(parents=True, exist_ok=True)
+        wrapper = args.valgrind / "python-under-valgrind.sh"
+        wrapper.write_text("#!/bin/sh\nPYTHONMALLOC=malloc exec valgrind --tool=memcheck --trace-children=no "
+                           f"--log-file={args.valgrind}/vg-%p.log --num-callers=40 --error-limit=no "
+                           f"{sys.executable} \"$@\"\n")
+        wrapper.chmod(0o755)
+        multiprocessing.set_executable(str(wrapper))
+        rank_pool.WORKER_START_TIMEOUT_S = 3600.0
+        collective_timeout, run_timeout = 1800.0, 7200.0
     hf_dir = tempfile.mkdtemp(prefix="stress-llama-")
     save_tiny_llama(hf_dir, tie=True, bias=True, layers=2)
     hf = (f"model.from_hf={hf_dir}", f"checkpoint.init_from={hf_dir}", *HF_BATCH)
@@ -105,7 +125,7 @@ def main() -> int:
             row = {"case": name, "pass": passes, "t": time.time()}
             try:
                 run = run_mesh(dp, pp, tp, overrides, steps, instrument=tied_copy if pp > 1 else None,
-                               timeout=max(240.0, 8.0 * steps))
+                               timeout=run_timeout or max(240.0, 8.0 * steps), collective_timeout_s=collective_timeout)
                 assert_matches_reference(run, reference(overrides, steps))
                 row["outcome"] = "ok"
             except MeshRunError as error:
