@@ -20,7 +20,7 @@ from pathlib import Path
 GROUND = "meshspeak"
 PRODUCT = (GROUND, "orchestrator", "workers", "meshmodels", "meshdata", "checkpoints")
 # Where Ray may be imported: the cluster package, the launcher, the sweep, and the rank side.
-RAY_HOMES = ("orchestrator.cluster", "orchestrator.launch", "orchestrator.sweep.tuner", "workers")
+RAY_HOMES = ("orchestrator.cluster", "orchestrator.launch", "orchestrator.sweep", "workers")
 MAX_LAZY_WORKER_IMPORTERS = 4  # orchestrator modules that may import workers/ lazily (design doc)
 MAX_TOP_LEVEL_ORCHESTRATOR = 12
 MAX_LINES = 400
