@@ -74,8 +74,8 @@ def run_campaign(args, tmp: Path) -> dict:
 
     from orchestrator.cluster.store_provider import StoreProvider
     from orchestrator.config.load import load_config
-    from tests.ray.conftest import make_group
-    from tests.ray.harness import make_controller, mesh_params
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller, mesh_params
 
     overrides = overrides_for(args, tmp)
     cfg = load_config(None, overrides)
@@ -149,7 +149,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     import numpy as np
 
     from checkpoints.catalog import list_checkpoints
-    from tests.ray.harness import reference
+    from testbed.ray_harness import reference
 
     records = [json.loads(line) for line in open(tmp / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r and "event" not in r]

@@ -24,7 +24,7 @@ from pipeline_analysis import bubble_stats
 from pipeline_probes import timing_probe
 
 from meshspeak.schedule import peak_in_flight, theoretical_bubble
-from tests.helpers.world import run_mesh
+from testbed.world import run_mesh
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb-h1", "zbv")
 

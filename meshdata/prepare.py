@@ -1,10 +1,11 @@
 """``elastimesh data prepare INPUT... [--tokenizer TOK] --out DIR``: text -> Parquet token shards.
 
-Each document becomes one row ``tokens: list<int32>`` (``workers.data.tokenizer`` says what a row
+Each document becomes one row ``tokens: list<int32>`` (``meshdata.tokenizer`` says what a row
 holds; the byte tokenizer splits a document into rows of at most ``MAX_ROW_TOKENS``, which changes
-nothing in the concatenated stream). The input is cut into units (``workers.data.inputs``); each unit
-is tokenized by one task — a Ray task when Ray is used (the local Ray by default, the cluster at
-``RAY_ADDRESS`` when set), else in this process — which returns finished Parquet files as bytes, so
+nothing in the concatenated stream). The input is cut into units (``meshdata.inputs``); each unit
+is tokenized by one task — a Ray task when the caller hands a fan-out (the CLI does:
+``orchestrator.cluster.prepare_tasks``; the local Ray by default, the cluster at ``RAY_ADDRESS`` when
+set), else in this process — which returns finished Parquet files as bytes, so
 ``--out`` only needs to be writable here, not on the cluster's nodes. Shards are written in input
 order as ``shard-00000.parquet``, ... of at most ``shard_tokens`` tokens (a longer single document
 gets a shard of its own), in row groups of about ``ROW_GROUP_TOKENS`` (the unit a trainer reads).
@@ -22,9 +23,9 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,14 @@ MAX_ROW_TOKENS = 65536  # byte tokenizer only: keeps a row (and a Parquet page) 
 ROW_GROUP_TOKENS = 65536  # what a trainer fetches to read one window: small keeps random reads cheap
 SHARD_TOKENS = 8_000_000
 BATCH_CHARS = 1 << 20  # texts handed to the tokenizer per batch call
+
+
+class FanOut(Protocol):
+    """Runs ``tokenize_unit`` over units somewhere else (e.g. as Ray tasks) and yields
+    (unit index, result) as they finish; ``workers()`` is how many run at once."""
+
+    def workers(self) -> int: ...
+    def __call__(self, units: list[Unit], job: Job) -> Iterator[tuple[int, UnitResult]]: ...
 
 
 @dataclass(frozen=True)
@@ -171,10 +180,13 @@ class _ShardBuilder:
 
 def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, text_key: str = "text",
             text_column: str = "text", encoding: str = "utf-8", shard_tokens: int = SHARD_TOKENS,
-            parallel: bool | None = None, progress: bool = False, unit_bytes: int | None = None) -> dict:
+            parallel: bool | None = None, progress: bool = False, unit_bytes: int | None = None,
+            fan_out: FanOut | None = None) -> dict:
     """Tokenize ``inputs`` into shards under ``out_dir``; returns the sidecar dict.
 
-    ``parallel``: True = Ray tasks, False = this process, None = Ray when there is more than one unit.
+    ``fan_out`` runs units as tasks elsewhere (the CLI passes ``orchestrator.cluster.prepare_tasks.
+    RayFanOut``: this package never imports Ray). ``parallel``: True = through ``fan_out``, False =
+    this process, None = through ``fan_out`` when there is more than one unit.
     """
     if shard_tokens < 1:
         raise DataError(f"data prepare: --shard-tokens {shard_tokens} must be >= 1", key=KEY)
@@ -189,17 +201,22 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     job = Job(spec, text_key, text_column, encoding, shard_tokens)
     if unit_bytes is None:  # ~4 units per worker for balance, each within [1 MB, UNIT_BYTES]
         total = sum(os.path.getsize(f) for f in files)
-        unit_bytes = int(min(UNIT_BYTES, max(2**20, total / (4 * _workers()))))
+        workers = fan_out.workers() if fan_out is not None else (os.cpu_count() or 1)
+        unit_bytes = int(min(UNIT_BYTES, max(2**20, total / (4 * workers))))
     units = plan_units(files, text_column, unit_bytes)
     if not units or all(u.size == 0 for u in units):
         raise DataError("data prepare: every input file is empty; pass files with text", key=KEY)
-    use_ray = len(units) > 1 if parallel is None else parallel
+    use_fan_out = len(units) > 1 if parallel is None else parallel
+    if use_fan_out and fan_out is None:
+        if parallel:
+            raise ValueError("prepare(parallel=True) needs a fan_out to run the units on")
+        use_fan_out = False
 
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     try:
-        meta = _run(units, job, out, written, use_ray, progress)
+        meta = _run(units, job, out, written, fan_out if use_fan_out else None, progress)
         if meta["num_tokens"] == 0:
             raise DataError("data prepare: the inputs hold no text (every document is empty); pass files "
                             "with text", key=KEY)
@@ -223,21 +240,14 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     return meta
 
 
-def _workers() -> int:
-    """CPUs the tasks will get: the connected Ray cluster's, else this machine's."""
-    ray = sys.modules.get("ray")  # never import Ray just to ask: small prepares run without it
-    if ray is not None and ray.is_initialized():
-        return max(1, int(ray.cluster_resources().get("CPU", 1)))
-    return os.cpu_count() or 1
-
-
-def _run(units: list[Unit], job: Job, out: Path, written: list[Path], use_ray: bool, progress: bool) -> dict:
+def _run(units: list[Unit], job: Job, out: Path, written: list[Path], fan_out: FanOut | None,
+         progress: bool) -> dict:
     files: list[str] = []
     shards: dict[str, dict] = {}
     totals = {"documents": 0, "tokens": 0}
     bar = _Progress(sum(u.size for u in units), progress)
     try:
-        results = _ray_results(units, job) if use_ray else ((i, tokenize_unit(u, job)) for i, u in enumerate(units))
+        results = fan_out(units, job) if fan_out is not None else ((i, tokenize_unit(u, job)) for i, u in enumerate(units))
         pending: dict[int, UnitResult] = {}
         next_unit = 0
         for i, res in results:
@@ -260,44 +270,6 @@ def _run(units: list[Unit], job: Job, out: Path, written: list[Path], use_ray: b
     spec = job.tokenizer
     return {"format": FORMAT_VERSION, "tokenizer": spec.sidecar(), "vocab_size": spec.vocab_size,
             "documents": totals["documents"], "num_tokens": totals["tokens"], "files": files, "shards": shards}
-
-
-def _ray_results(units: list[Unit], job: Job) -> Iterator[tuple[int, UnitResult]]:
-    """Run the units as Ray tasks, at most two per CPU in flight; yields (unit index, result) as done."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        address = os.environ.get("RAY_ADDRESS")
-        env = {"env_vars": {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-        if address:
-            ray.init(address=address, runtime_env=env, log_to_driver=True)
-        else:
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
-                     log_to_driver=True)
-    try:
-        task = ray.remote(num_cpus=1, max_retries=2)(tokenize_unit)
-        job_ref = ray.put(job)
-        limit = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        todo = list(enumerate(units))[::-1]
-        running: dict = {}
-        while todo or running:
-            while todo and len(running) < limit:
-                i, u = todo.pop()
-                running[task.remote(u, job_ref)] = i
-            ready, _ = ray.wait(list(running), num_returns=1)
-            for ref in ready:
-                i = running.pop(ref)
-                try:
-                    yield i, ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, DataError):
-                        raise DataError(str(cause), key=cause.key) from None
-                    raise
-    finally:
-        if started:
-            ray.shutdown()
 
 
 class _Progress:

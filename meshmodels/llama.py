@@ -15,7 +15,6 @@ this file stays free of torch so the driver can plan with it.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -288,20 +287,3 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
         if match:
             return template.format(**match.groupdict())
     return None
-
-
-def llama3_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None):
-    """RoPE inverse frequencies as transformers computes them (default, or ``llama3`` rescaled)."""
-    import torch
-
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    if llama3 is None:
-        return inv
-    factor, low, high, old = llama3
-    low_wavelen, high_wavelen = old / low, old / high
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)

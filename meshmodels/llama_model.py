@@ -8,11 +8,14 @@ to Hugging Face names. The math follows transformers' ``LlamaForCausalLM`` opera
 Tied embeddings: there is no ``output`` module; the last stage computes logits with
 ``tok_embeddings.weight``. With pp > 1 the last stage holds its own ``tok_embeddings`` (same name, so
 a checkpoint keeps one tensor) and the runtime sums the two copies' gradients each step
-(``workers/models/tied.py``). Under TP the weight is vocab-sharded, so the logits are computed
+(``workers/tied.py``). Under TP the weight is vocab-sharded, so the logits are computed
 vocab-sharded and gathered, as ``ColwiseParallel(output_layouts=Replicate())`` does for ``output``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +23,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshmodels.gpt_model import Block as GPTBlock
-from meshmodels.gpt_model import FeedForward, RMSNorm
-from meshmodels.llama import LlamaShape, llama3_inv_freq
+from meshmodels.gpt_model import RMSNorm
+
+if TYPE_CHECKING:  # annotations only: the family (meshmodels/llama.py) imports this module to build
+    from meshmodels.llama import LlamaShape
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,3 +112,20 @@ class LlamaStage(nn.Module):
             h = self.norm(h)
             h = self.output(h) if self.output is not None else tied_logits(h, self.tok_embeddings.weight)
         return h
+
+
+def llama3_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None):
+    """RoPE inverse frequencies as transformers computes them (default, or ``llama3`` rescaled)."""
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    if llama3 is None:
+        return inv
+    factor, low, high, old = llama3
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

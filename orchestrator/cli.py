@@ -170,10 +170,11 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "data":
         from meshdata import prepare
+        from orchestrator.cluster.prepare_tasks import RayFanOut
 
         info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
                        text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
-                       progress=not args.no_progress and sys.stderr.isatty())
+                       progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut())
         sys.stdout.write(f"wrote {info['documents']} documents, {info['num_tokens']} tokens in "
                          f"{len(info['files'])} shard(s) to {args.out}\n")
         return 0

@@ -16,7 +16,7 @@ communication actions, i.e. lookahead 0 on gloo, the slower variant measured the
 
 NCCL (``batched=True``): the messages go out in lockstep batches (``batch_isend_irecv``, as
 ``torch.distributed.pipelining`` posts them), planned from every rank's list by
-``orchestrator.p2p_rounds.nccl_batches``: a rank's k-th batch holds exactly the partners of its
+``meshspeak.p2p_rounds.nccl_batches``: a rank's k-th batch holds exactly the partners of its
 peers' k-th batches, so no NCCL stream can wait on a peer stuck behind it. The plan is posted before
 the action it names; a SEND action is then a no-op and a RECV waits for its batch. Why unbatched
 NCCL would deadlock, and the model the plan is checked in: that module's docstring.

@@ -17,7 +17,7 @@ import pytest
 from meshdata import open_source, prepare
 from meshdata.masks import mask_eos_for
 from tests.distributed.test_mesh_equivalence import assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 from tests.unit.test_data_prepare import make_tokenizer
 
 STEPS = 4
@@ -55,7 +55,7 @@ def eval_after_training(path: str, batches: int, runtime):
 
 
 def mesh_eval_loss(extras: dict) -> float:
-    """What orchestrator/evaluation.py computes from the ranks' answers."""
+    """What orchestrator/control/evaluation.py computes from the ranks' answers."""
     batches = len(next(iter(extras.values())))
     total = count = 0.0
     for b in range(batches):

@@ -22,7 +22,7 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from tests.helpers.world import mesh_config, run_mesh
+from testbed.world import mesh_config, run_mesh
 from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def test_init_from_then_export_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
     from meshmodels.export import export_checkpoint
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
@@ -103,7 +103,7 @@ def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
 
     import meshdata as data_lib
     from meshmodels.export import export_checkpoint
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, bias=True, layers=2)
@@ -152,8 +152,8 @@ def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
     parameter: steps 3-4 and the final weights equal one process's uninterrupted run."""
     import numpy as np
 
-    from tests.helpers.hf_models import save_tiny_llama
-    from tests.helpers.world import reference
+    from testbed.hf_models import save_tiny_llama
+    from testbed.world import reference
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)

@@ -33,8 +33,8 @@ from orchestrator.config.load import load_config
 from orchestrator.control.controller import State
 from orchestrator.errors import TrainingFailed
 from orchestrator.saves import checkpointing
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 

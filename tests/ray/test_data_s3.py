@@ -19,9 +19,9 @@ import pytest
 
 from checkpoints.catalog import list_checkpoints
 from orchestrator.config.load import load_config
-from tests.helpers.s3 import FaultProxy, MotoS3
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, events, last_losses, make_controller
+from testbed.s3 import FaultProxy, MotoS3
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, events, last_losses, make_controller
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]

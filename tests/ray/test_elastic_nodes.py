@@ -15,8 +15,8 @@ import time
 import pytest
 
 from orchestrator.config.load import load_config
-from tests.ray.conftest import make_group, multinode_ray
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from testbed.ray_cluster import make_group, multinode_ray
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
 

@@ -7,8 +7,8 @@ import pytest
 
 from orchestrator.cluster.store_provider import StoreProvider
 from orchestrator.config.load import load_config
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
 
 ray = pytest.importorskip("ray")
 

@@ -13,7 +13,7 @@ from checkpoints.catalog import list_checkpoints
 from meshspeak.messages import StepResult
 from orchestrator.control.controller import State
 from orchestrator.recovery.bad_steps import BadSteps, bad_reason
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 
 def _result(rank: int, bad: str = "") -> StepResult:

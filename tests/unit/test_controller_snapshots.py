@@ -1,7 +1,7 @@
 """In-memory snapshots through the controller on a fake worker group (no processes): every step each
 rank's snapshot is relayed to its holder; after a failure the run restores from them when every
 shard has a live copy, else from storage, and the rebuild event says which
-(orchestrator/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
+(orchestrator/saves/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from orchestrator.control.controller import State
-from tests.helpers.controller_run import Run
+from testbed.controller_run import Run
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The llama family against transformers (the oracle): logits and step-1 loss on tiny perturbed models.
 
-Each variant is built offline with transformers, its weights perturbed (``tests/helpers/hf_models``),
+Each variant is built offline with transformers, its weights perturbed (``testbed/hf_models.py``),
 saved with ``save_pretrained``; elastimesh shapes the model from ``config.json`` (``model.from_hf``),
 loads the safetensors through DCP's ``HuggingFaceStorageReader`` (``checkpoint.init_from``'s path) and
 must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off.
@@ -19,7 +19,7 @@ from meshmodels.build import build_local_stage  # noqa: E402
 from meshmodels.family import resolve_model  # noqa: E402
 from meshmodels.hf_io import load_hf  # noqa: E402
 from orchestrator.config.load import load_config  # noqa: E402
-from tests.helpers.hf_models import save_tiny_llama  # noqa: E402
+from testbed.hf_models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 

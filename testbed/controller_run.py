@@ -1,6 +1,6 @@
 """A controller on a fake worker group, for the controller's unit tests: ``Run`` (the controller, its
 metrics file and checkpoint root in tmp, a settable clock) and the ``make`` fixture that builds them
-and closes them after the test (``tests/helpers/fake_group.py`` scripts the ranks and their faults)."""
+and closes them after the test (``testbed/fake_group.py`` scripts the ranks and their faults)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from checkpoints.catalog import list_checkpoints
 from orchestrator.config.load import load_config
 from orchestrator.control.controller import Controller, State
 from orchestrator.metrics import MetricsLog
-from tests.helpers.fake_group import FakeWorkerGroup
+from testbed.fake_group import FakeWorkerGroup
 
 
 class Clock:
