@@ -4,7 +4,7 @@ Parallelism", ICLR 2024, sections 3 and 6).
 Both split each backward into I, the gradient of the stage's input (what the previous stage waits
 for: it carries B's RECV_B/SEND_B), and W, the gradient of the stage's weights (needed only by the
 optimizer step, so it can run later, where 1F1B would sit idle). Same vocabulary and executor model
-as ``meshspeak.schedule``; the simulator (``meshspeak.schedule_sim``) proves them deadlock-free.
+as ``meshspeak.actions``; the simulator (``meshspeak.schedule_sim``) proves them deadlock-free.
 
 * ZB-H1 (``zb_h1``), one stage per rank: 1F1B's warm-up (``pp - r - 1`` forwards on rank ``r``) and
   steady F/I pairs, but rank ``r`` holds back its first ``r`` W's and runs them in the cool-down,
@@ -13,7 +13,7 @@ as ``meshspeak.schedule``; the simulator (``meshspeak.schedule_sim``) proves the
   F, I and W costs the bubble is ``(pp - 1) / (3m + pp - 1)`` of the step, a third of 1F1B's
   ``3(pp - 1)`` idle units per rank (the paper's ``(p - 1)(T_F + T_B - T_W)`` vs
   ``(p - 1)(T_F + T_B + T_W)``).
-* ZB-V (``zbv``), two stages per rank in a V (``schedule.stages_of_rank(..., placement="v")``): the
+* ZB-V (``zbv``), two stages per rank in a V (``actions.stages_of_rank(..., placement="v")``): the
   forward runs down the ranks on chunk 0 and back up on chunk 1, so rank 0 holds the first and the
   last stage and the loss's backward starts on the rank that started the forward. The phases follow
   the paper's Figure 8 (and ``torch.distributed.pipelining.ScheduleZBVZeroBubble``, which orders the
@@ -26,7 +26,7 @@ as ``meshspeak.schedule``; the simulator (``meshspeak.schedule_sim``) proves the
 
 Why written here rather than taken from torch: torch's schedules are lists for its own runtime
 (``_Action`` with its own communication pass); ours are the driver's data, wrapped in our
-communication actions and checked by our simulator (meshspeak/schedule.py's module docstring).
+communication actions and checked by our simulator (meshspeak/actions.py's module docstring).
 
 No torch, no ray: pure stdlib.
 """
@@ -35,14 +35,14 @@ from __future__ import annotations
 
 from functools import partial
 
-from meshspeak.schedule import (
+from meshspeak.actions import (
     ZERO_BUBBLE,
     Action,
     Op,
     Schedule,
-    _backward,
-    _check_shape,
-    _forward,
+    backward_actions,
+    check_shape,
+    forward_actions,
     stage_to_rank,
 )
 
@@ -68,7 +68,7 @@ def _need_pipeline(name: str, pp: int) -> None:
 
 def zb_h1(pp: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with each B split into I and W, rank ``r``'s first ``r`` W's held back."""
-    _check_shape(pp, num_microbatches, 1)
+    check_shape(pp, num_microbatches, 1)
     _need_pipeline("zb-h1", pp)
     m = num_microbatches
     schedule: Schedule = []
@@ -78,14 +78,14 @@ def zb_h1(pp: int, num_microbatches: int) -> Schedule:
         weights = iter(range(m))  # W's run in microbatch order
 
         def input_grad(k: int) -> None:
-            actions.extend(_backward(rank, k, pp, op=Op.BACKWARD_INPUT))
+            actions.extend(backward_actions(rank, k, pp, op=Op.BACKWARD_INPUT))
             if k >= rank:  # the first `rank` W's wait for the cool-down
                 actions.append(Action(rank, Op.BACKWARD_WEIGHT, next(weights)))
 
         for mb in range(warmup):  # warm-up
-            actions += _forward(rank, mb, pp)
+            actions += forward_actions(rank, mb, pp)
         for i in range(m - warmup):  # steady state: F of mb warmup+i, I (and maybe a W)
-            actions += _forward(rank, warmup + i, pp)
+            actions += forward_actions(rank, warmup + i, pp)
             input_grad(i)
         for k in range(m - warmup, m):  # cool-down
             input_grad(k)
@@ -96,7 +96,7 @@ def zb_h1(pp: int, num_microbatches: int) -> Schedule:
 
 def zbv(pp: int, num_microbatches: int) -> Schedule:
     """ZB-V over ``2 pp`` stages in the V placement (see the module docstring for the phases)."""
-    _check_shape(pp, num_microbatches, 2)
+    check_shape(pp, num_microbatches, 2)
     _need_pipeline("zbv", pp)
     m = num_microbatches
     full = max(m, 2 * pp - 1)
@@ -147,9 +147,9 @@ def zbv(pp: int, num_microbatches: int) -> Schedule:
             if mb >= m:  # a microbatch only there to fill the V: dropped
                 continue
             if op == Op.FORWARD:
-                actions += _forward(stage, mb, num_stages, rank_of)
+                actions += forward_actions(stage, mb, num_stages, rank_of)
             elif op == Op.BACKWARD_INPUT:
-                actions += _backward(stage, mb, num_stages, rank_of, op=Op.BACKWARD_INPUT)
+                actions += backward_actions(stage, mb, num_stages, rank_of, op=Op.BACKWARD_INPUT)
             else:
                 actions.append(Action(stage, op, mb))
         schedule.append(actions)

@@ -56,7 +56,7 @@ class RankRuntime:
         # The data-parallel strategy comes decided in the spec (meshspeak/dp_plan.py): DDP, FSDP2 or none.
         dp_plan = spec.dp
         use_ddp = dp_plan.wrapper == "ddp"
-        placement = placement_of(spec.schedule)  # zbv: the V (meshspeak/schedule.py)
+        placement = placement_of(spec.schedule)  # zbv: the V (meshspeak/actions.py)
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages, placement):
             first, end = ranges[index]
             # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
