@@ -35,15 +35,19 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import construct_reverse_graph, get_param_groups
+from torch.distributed.tensor import DTensor
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
 class WeightPass:
-    """The W of one (stage, microbatch): call ``run()`` once."""
+    """The W of one (stage, microbatch): call ``run()`` once. ``kept_bytes``: the intermediate
+    gradients it holds from its I until it runs (memory a 1F1B backward frees at once; the saved
+    activations it holds besides are the forward's, counted by whoever counts those)."""
 
-    def __init__(self, run: Callable[[], None]) -> None:
+    def __init__(self, run: Callable[[], None], kept_bytes: int = 0) -> None:
         self._run = run
+        self.kept_bytes = kept_bytes
 
     def run(self) -> None:
         run, self._run = self._run, None
@@ -103,7 +107,19 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     finally:
         for handle in handles:
             handle.remove()
-    return grad_input, WeightPass(lambda: _weights(groups, context))
+    return grad_input, WeightPass(lambda: _weights(groups, context), _kept_bytes(groups))
+
+
+def _kept_bytes(groups: list[dict]) -> int:
+    """Bytes of the distinct storages behind the kept gradients (a TP DTensor's: its local shard's)."""
+    storages = {}
+    for group in groups:
+        for kept in group["grads"]:
+            for grad in kept or ():
+                if grad is not None:
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _weights(groups: list[dict], context) -> None:

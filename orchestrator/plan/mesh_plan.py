@@ -192,7 +192,8 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         "bubble_estimate": bubble_estimate(plan),
         "data_parallel": dataclasses.asdict(plan.dp),
         "stages": [
-            {"stage": s, "pp_rank": stage_to_rank(s, shape.pp, placement_of(plan.schedule_name)), "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
+            {"stage": s, "pp_rank": stage_to_rank(s, shape.pp, placement_of(plan.schedule_name)),
+             "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
              "fsdp_units": stage_fsdp_units(cfg, plan, s) if uses_fsdp else None}
             for s, (a, b) in enumerate(ranges)
         ],

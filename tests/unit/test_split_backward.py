@@ -63,6 +63,9 @@ def test_input_then_weights_equal_one_backward(loss: bool, microbatches: int) ->
         got_x, weights = backward_input(out.square().sum() if loss else out, None if loss else g, inp)
         torch.testing.assert_close(got_x, gx, rtol=0, atol=1e-6)
         assert all(p.grad is None for p in block.parameters())  # I leaves the weights alone
+        # What the pending W holds besides the forward's saved tensors: at least the gradient
+        # reaching `down`'s output (batch x seq x d floats), counted for the memory bench.
+        assert weights.kept_bytes >= gx.numel() * gx.element_size()
         pending.append(weights)
     for weights in pending:
         weights.run()
