@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_mesh_equivalence import STEPS, assert_matches_reference
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.mesh_cases import STEPS, mesh_id
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
 POSNORM = ('model.family="examples.posnorm_family:PosNormFamily"', "model.d_model=32", "model.n_heads=4",
@@ -27,7 +28,7 @@ def _worker_pool():
 @pytest.mark.timeout(300)
 def test_example_user_family_at_2x2x2_matches_one_process() -> None:
     run = run_mesh(2, 2, 2, POSNORM, STEPS)
-    assert_matches_reference(run, reference(POSNORM, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(POSNORM, STEPS))
 
 
 # --- llama from Hugging Face weights ------------------------------------------------------------
@@ -63,14 +64,14 @@ def tied_copy(runtime):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)],
-                         ids=lambda s: "dp{}-pp{}-tp{}".format(*s))
+                         ids=mesh_id)
 def test_llama_from_hf_matches_one_process(hf_dir, shape) -> None:
     import numpy as np
 
     dp, pp, tp = shape
     overrides = (f"model.from_hf={hf_dir}", f"checkpoint.init_from={hf_dir}", *HF_BATCH)
     run = run_mesh(dp, pp, tp, overrides, STEPS, instrument=tied_copy if pp > 1 else None)
-    assert_matches_reference(run, reference(overrides, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(overrides, STEPS))
     if pp > 1:  # the last stage's copy of the tied embedding stayed bit-identical to the first stage's
         copies = [e["copy"] for e in run.extras.values() if e and "copy" in e]
         assert len(copies) == dp * tp
@@ -83,4 +84,4 @@ def test_llama_random_init_at_2x2x2_matches_one_process(hf_dir) -> None:
     """Shape from config.json, weights drawn shard by shard (init_slice): still the one-process weights."""
     overrides = (f"model.from_hf={hf_dir}", *HF_BATCH)
     run = run_mesh(2, 2, 2, overrides, STEPS)
-    assert_matches_reference(run, reference(overrides, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(overrides, STEPS))
