@@ -39,6 +39,15 @@ class _WorldJob:
     def __call__(self, rank: int, store_port: int, generation: int) -> Any:
         import torch.distributed as dist
 
+        from workers.groups import clear_dtensor_caches
+
+        # The pool's processes outlive a world. DTensor caches sharding decisions per mesh, and a mesh
+        # equals an earlier world's one with the same shape and axis names ("dp", "tp"), so a cached
+        # decision would hand back the old mesh and its destroyed groups ("Could not resolve the process
+        # group registered under the name 6"). The runtime avoids it with fresh axis names per mesh
+        # (workers/groups.py, _axis_names); a test's own meshes don't, so the caches go here (fn runs on
+        # this thread, the one whose per-thread caches count).
+        clear_dtensor_caches()
         base = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=STORE_TIMEOUT)
         # A fresh prefix per run: the pool's store outlives every run, and group names restart at 0
         # after destroy_process_group, so a reused prefix would meet the last run's keys (docs/design.md, F4).
@@ -48,6 +57,7 @@ class _WorldJob:
             return self.fn(rank, self.world, *self.args)
         finally:
             dist.destroy_process_group()
+            clear_dtensor_caches()  # nor keep this world's meshes (and their groups) alive
 
 
 @dataclass(frozen=True)

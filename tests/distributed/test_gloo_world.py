@@ -57,7 +57,8 @@ def test_run_world_returns_results_by_rank_in_the_same_processes() -> None:
 def test_run_world_reports_the_failing_rank_and_does_not_hang() -> None:
     with pytest.raises(MeshRunError, match="injected failure on rank 1") as info:
         run_world(2, raise_on_rank_one, timeout=120)
-    assert "Traceback" in str(info.value) and info.value.raised == (1,)
+    # Rank 1's group went down with it, so rank 0's barrier fails too (or it is killed in the grace time).
+    assert "Traceback" in str(info.value) and 1 in info.value.raised
     assert run_world(2, sum_of_ranks, 1)[1][:3] == (1, 2, 1.0)  # the next run gets fresh processes
 
 
