@@ -19,7 +19,8 @@ import functools
 import numpy as np
 import pytest
 
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
          "train.global_batch_size=4", "train.micro_batch_size=1")
@@ -35,10 +36,7 @@ def _worker_pool():
 @pytest.mark.parametrize("dp", [1, 2])
 def test_cpu_offload_matches_reference(dp):
     run = run_mesh(dp, 1, 1, (*SMALL, "mesh.cpu_offload=true"), steps=4)
-    ref = reference(SMALL, 4)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(run.losses, run.params, reference(SMALL, 4))
 
 
 def _checksum(runtime) -> float:
@@ -139,7 +137,4 @@ def test_tp_loss_is_vocab_parallel_and_matches_reference():
 @pytest.mark.timeout(900)
 def test_compiled_blocks_train_like_the_eager_reference():
     run = run_mesh(1, 1, 1, (*SMALL, "train.compile=true"), steps=3, timeout=840)
-    ref = reference(SMALL, 3)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(run.losses, run.params, reference(SMALL, 3))

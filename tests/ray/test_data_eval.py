@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import TEST_LR, events, make_controller
+from testbed.ray_harness import events, make_controller
+from testbed.reference import TEST_LR
 
 pytestmark = pytest.mark.ray
 

@@ -5,6 +5,7 @@ model is exit 2 before any actor)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
