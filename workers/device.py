@@ -49,6 +49,11 @@ def cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
         gpu_ids: the GPUs Ray assigned to this actor (``ray.get_gpu_ids()``); empty outside Ray,
             where ``LOCAL_RANK`` (torchrun's convention) or 0 is used.
         visible: ``CUDA_VISIBLE_DEVICES`` (None when unset).
+
+    Raises:
+        DeviceError: the assigned GPU is not among the visible ones. Guessing GPU 0 would put this
+            rank on a GPU Ray gave another rank (two ranks on one device: out of memory, or NCCL
+            refusing duplicate GPUs), so the mismatch is reported instead.
     """
     if not gpu_ids:
         return int(os.environ.get("LOCAL_RANK", 0))
@@ -56,7 +61,10 @@ def cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
     if visible is None or not visible.strip():
         return int(assigned)
     listed = [v.strip() for v in visible.split(",")]
-    return listed.index(assigned) if assigned in listed else 0
+    if assigned not in listed:
+        raise DeviceError(f"resources.use_gpu: Ray assigned GPU {assigned} but CUDA_VISIBLE_DEVICES={visible!r} "
+                          "does not list it: leave CUDA_VISIBLE_DEVICES to Ray on the worker nodes")
+    return listed.index(assigned)
 
 
 def no_cuda_reason() -> str | None:

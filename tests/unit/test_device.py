@@ -44,6 +44,12 @@ def test_cuda_index_is_the_assigned_gpu_among_the_visible_ones(gpu_ids, visible,
     assert cuda_index(gpu_ids, visible) == index
 
 
+@pytest.mark.parametrize(("gpu_ids", "visible"), [([3], "0,1"), ([1], "GPU-a,GPU-b"), (["GPU-c"], "0")])
+def test_an_assigned_gpu_that_is_not_visible_is_an_error_not_gpu_0(gpu_ids, visible):
+    with pytest.raises(DeviceError, match=f"Ray assigned GPU {gpu_ids[0]} but CUDA_VISIBLE_DEVICES"):
+        cuda_index(gpu_ids, visible)
+
+
 def test_cuda_index_outside_ray_is_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert cuda_index([], "0,1,2,3") == 2
