@@ -9,8 +9,8 @@ peers of a replica read the same windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
 order: a fixed set of windows) forward only through the same pipeline actions, without the backward
-ones. Dropping actions cannot deadlock a schedule that was deadlock-free with them: a forward
-receive's matching send is still preceded only by forward work on its sender.
+ones (``orchestrator.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
+from every rank's forward-only list: ``orchestrator.p2p_rounds.rank_batches``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchestrator.schedule import Action, Op
+from orchestrator.schedule import Action, forward_only
 from workers import data as data_lib
 from workers.data.masks import counted, mask_targets
 from workers.pipeline import StepData
-
-FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)
-
 
 def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None) -> tuple[StepData, int]:
     """(StepData, global count of counted targets) for this replica's microbatches."""
@@ -57,7 +54,7 @@ def eval_forward(runtime, path: str, batch: int, actions: list[Action], eos: int
     per = g // dp
     ids = np.arange(batch * g, (batch + 1) * g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
     data, total = step_data(runtime, source, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
-    forward = [a for a in actions if a.op in FORWARD_OPS]
+    forward = forward_only(actions)
     with torch.no_grad():
         loss, _, _ = runtime.executor.run(forward, data)
     reports = runtime.num_stages - 1 in runtime.stages and groups.coords.tp == 0
