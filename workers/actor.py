@@ -33,6 +33,7 @@ from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, Step
 from orchestrator.schedule import Action
 from workers.profiling import profiled_step
 from workers.snapshots import SnapshotStore
+from workers.write_faults import dcp_write_function, die_inside_next_dcp_write
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 STEP_FAULTS = ("nan", "slow", "sleep")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
+# Delays that widen a race on purpose (kind "sleep"; ``at`` is a step): "snapshot" sleeps ``delay_s``
+# before the snapshot of step ``at`` reads the state; "eval" sleeps ``delay_s`` inside the first
+# block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then).
+SLEEP_POINTS = ("snapshot", "eval")
 
 
 class RankActor:
@@ -86,6 +91,7 @@ class RankActor:
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         self._step_faults: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
+        self._sleeps: dict[str, tuple[int, float]] = {}  # SLEEP_POINTS point -> (at, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
@@ -185,6 +191,8 @@ class RankActor:
         """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
         if self.runtime is None:
             raise RuntimeError("eval_step before join_generation")
+        if batch == 0:  # test hook (arm_fault "sleep" at "eval"): consumed by the first block's forward
+            self.runtime.compute_clock.sleep_s = self._take_sleep("eval", self.step)
         return self.runtime.eval_step(path, batch, actions, mask_eos_id)
 
     @_train
@@ -195,7 +203,7 @@ class RankActor:
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         fault = self._take_fault("ckpt_write", step)
         if fault is not None:
-            _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
         return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
     def wait_checkpoint(self) -> WriteAck:
@@ -214,6 +222,7 @@ class RankActor:
         Snapshots other than ``keep`` and this one are dropped."""
         t0 = time.perf_counter()
         key = (generation, step)
+        time.sleep(self._take_sleep("snapshot", step))  # test hook: 0 unless armed
         try:
             if self.runtime is None or generation != self.generation:
                 raise RuntimeError(f"snapshot of generation {generation} while in {self.generation}")
@@ -247,15 +256,19 @@ class RankActor:
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
         ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow", "sleep": see
-        there) take ``where="step"``. Bad arguments raise, so a test never arms nothing."""
+        there) take ``where="step"``; "sleep" also takes a ``SLEEP_POINTS`` point (see there). Bad
+        arguments raise, so a test never arms nothing."""
         if kind in STEP_FAULTS and where == "step" and steps >= 1:
             self._step_faults[kind] = (at, steps, delay_s)
+            return
+        if kind == "sleep" and where in SLEEP_POINTS:
+            self._sleeps[where] = (at, delay_s)
             return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
         if where == "ckpt_write":
-            _dcp_write_function()  # fail now, not silently at the write, if torch moved it
+            dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._faults[where] = (at, kind, delay_s)
 
     @_train
@@ -265,8 +278,12 @@ class RankActor:
 
     def _leave(self) -> None:
         if self.runtime is not None:
+            from workers.device import release_memory
+
+            device = self.runtime.groups.device
             self.runtime.destroy()
             self.runtime = None
+            release_memory(device)  # before the next generation allocates its own
         self.generation, self.world_rank = -1, -1
 
     def kick(self, peers: list[tuple[str, int]]) -> int:
@@ -295,6 +312,15 @@ class RankActor:
                 local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
         return shutdown_gloo_sockets(local, remote)
+
+    def _take_sleep(self, where: str, at: int) -> float:
+        """The armed ``SLEEP_POINTS`` delay at ``where`` for ``at`` (once), else 0."""
+        armed = self._sleeps.get(where)
+        if armed is None or armed[0] != at:
+            return 0.0
+        del self._sleeps[where]
+        logger.warning("fault injection: sleep %.2fs at %s %d", armed[1], where, at)
+        return armed[1]
 
     def _take_fault(self, where: str, at: int) -> tuple[int, str, float] | None:
         fault = self._faults.get(where)
@@ -353,31 +379,4 @@ class RankActor:
             step=self.step,
             error=self.error,
         )
-
-
-def _dcp_write_function():
-    """DCP's per-item file write (private; looked up so a torch upgrade fails the fault test loudly)."""
-    from torch.distributed.checkpoint import filesystem
-
-    if not callable(getattr(filesystem, "_write_item", None)):
-        raise RuntimeError("torch.distributed.checkpoint.filesystem._write_item is gone: update the "
-                           "ckpt_write fault injection in workers/actor.py")
-    return filesystem._write_item
-
-
-def _die_inside_next_dcp_write(sig: int) -> None:
-    """Make this process receive ``sig`` on DCP's writer thread, after the first item of the next
-    shard is on disk: the shard file is then partial and the rank never acks it."""
-    from torch.distributed.checkpoint import filesystem
-
-    real = _dcp_write_function()
-
-    def write_then_die(*args, **kwargs):
-        result = real(*args, **kwargs)
-        filesystem._write_item = real
-        logger.warning("fault injection: signal %d inside the checkpoint write", sig)
-        os.kill(os.getpid(), sig)
-        return result
-
-    filesystem._write_item = write_then_die
 

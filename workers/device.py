@@ -105,6 +105,22 @@ def configure_cuda() -> None:
     torch.backends.cuda.matmul.fp32_precision = "tf32"
 
 
+def release_memory(device: torch.device) -> None:
+    """Free what a generation that was just dropped still holds, before the next one is built.
+
+    FSDP2 modules, their hooks and the autograd state form reference cycles, which only the cyclic
+    GC frees, and it runs when allocation counts say so, not when the memory is needed: without
+    this a model using over half of the GPU would hold two generations at the rebuild and run out
+    of memory. ``empty_cache`` then hands the caching allocator's freed blocks back to the driver,
+    so the next generation (or another process on the GPU) can use them.
+    """
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def apply_nccl_env() -> None:
     """Set ``NCCL_ENV`` before the first NCCL process group reads it (at its construction)."""
     for name, value in NCCL_ENV.items():

@@ -1,0 +1,86 @@
+"""What the first GPU run needs from a rank, shown on local gloo ranks (issue 26).
+
+* Leaving a generation releases it: FSDP2's modules sit in reference cycles, so the actor's leave
+  runs the cyclic GC (and empties CUDA's cache on a GPU) before the next generation is built. With
+  automatic GC off, a weakref to a stage module and to a parameter is dead right after
+  ``RankActor._leave``.
+* ``mesh.cpu_offload``: every parameter's local shard is on the CPU when FSDP2 first runs (its lazy
+  init refuses any other device under ``CPUOffloadPolicy``), whatever device the rank computes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.helpers.rank_pool import shared_pool, shutdown_pool
+from tests.helpers.world import mesh_config, stage_layers
+
+SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
+         "train.global_batch_size=4", "train.micro_batch_size=1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worker_pool():
+    yield
+    shutdown_pool()
+
+
+def build_runtime(rank: int, store_port: int, generation: int, dp: int, overrides: tuple[str, ...]):
+    """(runtime, this rank's action list) for a (dp, 1, 1) mesh, as the actor builds it."""
+    import torch
+
+    from orchestrator.config import microbatches_per_replica
+    from orchestrator.mesh import MeshShape
+    from orchestrator.messages import RuntimeSpec
+    from orchestrator.plan import model_fields
+    from orchestrator.schedule import make_schedule
+    from workers.groups import build_process_groups
+    from workers.runtime import RankRuntime
+
+    cfg = mesh_config(dp, 1, 1, overrides)
+    shape = MeshShape(dp, 1, 1)
+    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=cfg.mesh.zero,
+                       fsdp_unit_mb=cfg.mesh.fsdp_unit_mb, mask_eos_id=None, schedule=cfg.pipeline.schedule,
+                       cpu_offload=cfg.mesh.cpu_offload, layers_per_stage=stage_layers(cfg), virtual_stages=1,
+                       collective_timeout_s=60.0, use_gpu=False, dp_replicate=1,
+                       **model_fields(cfg, resuming=False))
+    groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
+                                  shape=shape, world_rank=rank, timeout_s=60.0, device=torch.device("cpu"))
+    actions = make_schedule(cfg.pipeline.schedule, 1, microbatches_per_replica(cfg.train, dp), 1)[0]
+    return RankRuntime(spec, groups), actions
+
+
+@dataclass(frozen=True)
+class _LeaveReleases:
+    def __call__(self, rank: int, store_port: int, generation: int) -> dict:
+        import gc
+        import weakref
+
+        from workers.actor import RankActor
+
+        actor = RankActor(rank)
+        gc.collect()
+        gc.disable()  # only the leave may collect: what it leaves alive stays alive
+        try:
+            actor.runtime, actions = build_runtime(rank, store_port, generation, 2, SMALL)
+            actor.runtime.train_step(1, actions)
+            stage = next(iter(actor.runtime.stages.values())).module
+            refs = {"module": weakref.ref(stage), "parameter": weakref.ref(actor.runtime.params[0])}
+            fsdp = type(stage).__name__
+            del stage
+            actor._leave()
+            return {"alive": sorted(k for k, r in refs.items() if r() is not None), "class": fsdp}
+        finally:
+            gc.enable()
+
+
+@pytest.mark.timeout(240)
+def test_leaving_a_generation_releases_its_modules():
+    pool = shared_pool()
+    pool.ensure(2)
+    out = pool.run(_LeaveReleases(), 2, 180)
+    for rank in (0, 1):
+        assert out[rank]["class"].startswith("FSDP")  # the cycles to free are FSDP2's
+        assert out[rank]["alive"] == [], rank
