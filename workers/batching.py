@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from orchestrator.schedule import Action, forward_only
 from workers import data as data_lib
 from workers.data.masks import counted, mask_targets
+from workers.optim import checked_all_reduce
 from workers.pipeline import StepData
 
 def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None) -> tuple[StepData, int]:
@@ -39,7 +39,8 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
     total = local * dp  # unmasked: every replica holds the same number of targets
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
-        dist.all_reduce(count, group=groups.dp_group)
+        # Checked: the count scales every gradient (workers.optim.checked_all_reduce).
+        checked_all_reduce(count, groups.dp_group, runtime.spec.collective_timeout_s)
         total = int(count.item())
     total = max(1, total)
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total

@@ -64,6 +64,7 @@ class RankRuntime:
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
+                cpu_offload=spec.cpu_offload,
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
                     dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
@@ -170,7 +171,8 @@ class RankRuntime:
         finite = True
         bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
-            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group,
+                                     self.spec.collective_timeout_s)
             scaler.update(finite)
         if finite:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
@@ -178,7 +180,8 @@ class RankRuntime:
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
             world = self.groups.world_group if self.groups.shape.world > 1 else None
             norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
-                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
+                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
+                                  timeout_s=self.spec.collective_timeout_s)
             if math.isfinite(norm):
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
                 self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates

@@ -84,3 +84,52 @@ def test_leaving_a_generation_releases_its_modules():
     for rank in (0, 1):
         assert out[rank]["class"].startswith("FSDP")  # the cycles to free are FSDP2's
         assert out[rank]["alive"] == [], rank
+
+
+@dataclass(frozen=True)
+class _OffloadBuild:
+    """Build a stage for a compute device that is not the host ("meta" stands in for CUDA here)
+    with mesh.cpu_offload; report where the shards are and run FSDP2's own check from its lazy init."""
+
+    def __call__(self, rank: int, store_port: int, generation: int) -> dict:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from orchestrator.mesh import MeshShape
+        from workers.groups import build_process_groups
+        from workers.models.build import build_local_stage
+        from workers.models.family import resolve_model
+        from workers.parallelize import parallelize_stage
+
+        cfg = mesh_config(2, 1, 1, (*SMALL, "mesh.cpu_offload=true"))
+        resolved = resolve_model(cfg.model)
+        groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
+                                      shape=MeshShape(2, 1, 1), world_rank=rank, timeout_s=60.0,
+                                      device=torch.device("cpu"))
+        try:
+            module = build_local_stage(
+                resolved.family, resolved.shape, range(resolved.shape.n_layers), device=torch.device("meta"),
+                seed=0, cpu_offload=True,
+                parallelize=lambda m: parallelize_stage(
+                    m, resolved.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=3,
+                    param_dtype=torch.float32, shard_over_dp=True, cpu_offload=True))
+            devices = {name: (p.to_local() if isinstance(p, DTensor) else p).device.type
+                       for name, p in module.named_parameters()}
+            checked = 0
+            for sub in module.modules():
+                if hasattr(sub, "_get_fsdp_state") and sub._get_fsdp_state()._fsdp_param_group is not None:
+                    sub._get_fsdp_state()._fsdp_param_group._validate_cpu_offload_params()  # raises if not
+                    checked += 1
+            return {"devices": devices, "checked": checked}
+        finally:
+            groups.destroy()
+
+
+@pytest.mark.timeout(240)
+def test_offloaded_parameters_are_made_on_the_host_before_fsdp_initialises():
+    pool = shared_pool()
+    pool.ensure(2)
+    out = pool.run(_OffloadBuild(), 2, 180)
+    for rank in (0, 1):
+        assert out[rank]["devices"] and set(out[rank]["devices"].values()) == {"cpu"}, out[rank]["devices"]
+        assert out[rank]["checked"] >= 2  # the blocks' groups and the root's

@@ -129,3 +129,35 @@ def test_loss_scale_follows_gradscalers_rule():
     restored = DynamicLossScale()
     restored.load_state_dict(scale.state_dict())
     assert restored.state_dict() == {"scale": 2.0, "growth_tracker": 0}
+
+
+def test_a_failed_decision_all_reduce_raises_instead_of_handing_back_the_unreduced_value(monkeypatch):
+    """What NCCL does when the watchdog or the kick aborts an all-reduce: the call had returned at
+    once, the work ends with an error and the tensor still holds this rank's own value. The grad
+    norm and the fp16 overflow decision wait on the work with a timeout (which makes NCCL's wait
+    block the host and rethrow) and raise; neither hands back a value to step on."""
+    from datetime import timedelta
+
+    from torch import nn
+
+    from workers import optim
+    from workers.loss_scale import DynamicLossScale
+
+    waits = []
+
+    class AbortedWork:
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            raise RuntimeError("NCCL communicator was aborted on rank 0")
+
+    monkeypatch.setattr(optim.dist, "all_reduce",
+                        lambda tensor, op=None, group=None, async_op=False: AbortedWork() if async_op else None)
+    monkeypatch.setattr(optim.dist, "get_world_size", lambda group=None: 2)
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    with pytest.raises(RuntimeError, match="aborted"):
+        optim.clip_grad_norm([param], 1.0, group=object(), timeout_s=7.0)
+    with pytest.raises(RuntimeError, match="aborted"):
+        DynamicLossScale().unscale_([param], torch.device("cpu"), object(), timeout_s=7.0)
+    assert waits == [timedelta(seconds=7.0)] * 2
+    assert torch.equal(param.grad, torch.full((3,), 2.0 / 2.0**16))  # unscaled locally, never stepped
