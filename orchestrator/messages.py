@@ -55,6 +55,9 @@ class JoinSpec:
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
     earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
+    ``store_secret`` (128 random bits per run, kept out of ``repr`` and logs) is put in front of
+    every key: the store has no authentication, and the secret travels only inside Ray's
+    (token-authenticated) calls (README, Trust boundary).
     """
 
     generation: int
@@ -63,6 +66,7 @@ class JoinSpec:
     store_addr: str
     store_port: int
     store_prefix: str
+    store_secret: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

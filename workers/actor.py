@@ -95,6 +95,7 @@ class RankActor:
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
+        self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
         self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
 
     def ping(self) -> tuple[int, str, str]:
@@ -143,6 +144,7 @@ class RankActor:
                     store_addr=gen.store_addr,
                     store_port=gen.store_port,
                     store_prefix=gen.store_prefix,
+                    store_secret=gen.store_secret,
                     generation=gen.generation,
                     shape=gen.shape,
                     world_rank=gen.world_rank,
@@ -158,6 +160,7 @@ class RankActor:
             finally:
                 self._joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
+            self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
             return RankInfo(
@@ -296,7 +299,9 @@ class RankActor:
         blocked in the rendezvous itself (waiting in the store for a peer that died before
         registering), so then the connection to the store is shut down too, and on gloo the
         connections of listeners opened since the join began (on NCCL those may be NCCL's
-        bootstrap: left alone); the join then raises and leaves nothing behind.
+        bootstrap: left alone); the join then raises and leaves nothing behind. On NCCL a group's
+        communicator is made at its first collective, which reads its NCCL id from the store, so
+        there the store connection is shut down after the join too (workers/groups.py).
         """
         from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
@@ -311,6 +316,8 @@ class RankActor:
             if self._backend == "gloo":
                 local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
+        elif self._backend == "nccl" and self._store is not None:
+            remote.add(endpoint(*self._store))
         return shutdown_gloo_sockets(local, remote)
 
     def _take_sleep(self, where: str, at: int) -> float:

@@ -7,8 +7,8 @@ train a GPU-sized model on the CPU at a thousandth of the speed, or join NCCL pe
 Ray hides the other GPUs of the node from an actor (``CUDA_VISIBLE_DEVICES`` = its own), so the
 local index is usually 0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every GPU stays
 visible and the index is the one Ray assigned (``cuda_index``). The rank binds it with
-``torch.cuda.set_device`` before anything touches CUDA, and ``workers.groups`` passes it as the
-process group's ``device_id``, so NCCL's communicators are created eagerly on that GPU.
+``torch.cuda.set_device`` before anything touches CUDA: NCCL's communicators, made lazily at each
+group's first collective (``workers.groups``), are then made on that GPU.
 
 What a CUDA rank sets process-wide (``select_device``): TF32 for fp32 matmuls (the tensor cores'
 fp32 path, ~10 significant bits kept in the products, fp32 accumulation; what bf16 training already
@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 # (3) tears the process down, and 0 leaves a timed-out op blocked for good. An elastic survivor must
 # raise, leave the generation and join the next one in the same process, so only 2 fits (the
 # driver's kick aborts the communicators at once instead of after the timeout: workers.groups).
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+# TORCH_NCCL_USE_COMM_NONBLOCKING=1: a communicator being made can be aborted (workers.groups'
+# docstring); torch's default is blocking unless device_id is given, which we do not give.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
 
 
 class DeviceError(RuntimeError):
