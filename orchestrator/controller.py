@@ -332,8 +332,10 @@ class Controller(RankHealth, BoundaryExits):
         self._refill_spares()
 
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
+        resuming = self.ckpt.resume_point() is not None
+        snapshot = self.snapshots.active and self.snapshots.usable(set(self.group.live_ids)) is not None
         return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,
-                            mask_eos_id=self.mask_eos_id, resuming=self.ckpt.resume_point() is not None)
+                            mask_eos_id=self.mask_eos_id, resuming=resuming, load_follows=resuming or snapshot)
 
 
 def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:

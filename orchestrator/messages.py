@@ -46,6 +46,9 @@ class RuntimeSpec:
     # HSDP replica groups of this generation (orchestrator.mesh.replicate_degree): dp for ZeRO-0, else
     # from mesh.dp_replicate and the generation's dp; the ranks build their mesh from it.
     dp_replicate: int = 1
+    # The driver loads a checkpoint or in-memory snapshot right after the join: the ranks skip the
+    # random init it would overwrite (and refuse to train if no load came: workers/runtime.py).
+    load_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,8 @@ class StepResult:
     # straggler score compares (workers/compute_clock.py, orchestrator/stragglers.py).
     forward_s: float = 0.0
     dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
+    # train.compile: graphs this rank compiled again in the step (workers/compile_stats.py); None: off
+    recompiles: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

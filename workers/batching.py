@@ -24,6 +24,18 @@ from workers.data.masks import counted, mask_targets
 from workers.optim import checked_all_reduce
 from workers.pipeline import StepData
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A microbatch's tokens on ``device``. On CUDA through pinned memory, copied asynchronously: a
+    pageable source makes the copy synchronous (the driver stages it through its own pinned buffer),
+    so every microbatch would stall the host until the GPU caught up. The pinned block is not reused
+    before the copy ends (torch's caching host allocator records the copy's stream). On the CPU the
+    array's memory is used as it is (no copy)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None) -> tuple[StepData, int]:
     """(StepData, global count of counted targets) for this replica's microbatches."""
     groups, seq_len = runtime.groups, runtime.spec.model.seq_len
@@ -34,8 +46,8 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
         x, y = data_lib.microbatch_tokens(source, ids, seq_len)
         y = mask_targets(x, y, eos)
         local += counted(y)
-        inputs.append(torch.from_numpy(x).to(groups.device))
-        targets.append(torch.from_numpy(y).to(groups.device))
+        inputs.append(to_device(x, groups.device))
+        targets.append(to_device(y, groups.device))
     total = local * dp  # unmasked: every replica holds the same number of targets
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)

@@ -22,6 +22,7 @@ from torch import nn
 from orchestrator.mesh import ddp_applies, fsdp_applies, layer_ranges
 from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
 from orchestrator.schedule import Action, stages_of_rank
+from workers import compile_stats
 from workers import data as data_lib
 from workers.groups import RankGroups
 from workers.models.build import build_local_stage
@@ -62,7 +63,8 @@ class RankRuntime:
             # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
-                activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                activation_checkpointing=train.activation_checkpointing,
+                init=not spec.init_from and not spec.load_follows,  # a load overwrites it anyway
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 cpu_offload=spec.cpu_offload,
                 parallelize=lambda m: parallelize_stage(
@@ -82,7 +84,8 @@ class RankRuntime:
         # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
         self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups, ddp=use_ddp)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
-        self.compute_clock = ComputeClock(b for st in self.stages.values() for b in self.family.blocks(st.module))
+        self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
+                                          device=groups.device)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
@@ -121,6 +124,9 @@ class RankRuntime:
         # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
         # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
         self.inject_nan_grad = False
+        # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
+        # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
+        self._awaiting_load = spec.load_follows
         self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
 
@@ -143,7 +149,13 @@ class RankRuntime:
 
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
         """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        self._check_loaded()
         return eval_forward(self, path, batch, actions, mask_eos_id)
+
+    def _check_loaded(self) -> None:
+        if self._awaiting_load:
+            raise RuntimeError("the parameters were left uninitialised for a checkpoint or snapshot load "
+                               "that never came: this generation cannot train")
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
@@ -151,7 +163,11 @@ class RankRuntime:
         A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
         optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
         """
+        self._check_loaded()
         t0 = time.perf_counter()
+        compiled = self.spec.train.compile
+        if compiled:
+            compile_stats.PROCESS.start()
         own0 = time.thread_time()
         self.compute_clock.take()  # drop what an eval forward counted since the last step
         self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
@@ -167,6 +183,9 @@ class RankRuntime:
         loss_bad = holds_loss and not math.isfinite(loss)
         if loss_bad or self.inject_nan_grad:
             self.inject_nan_grad = False
+        # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
+        # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
+        self._awaiting_load = spec.load_follows
             self._poison_grads()
         finite = True
         bad = ""
@@ -209,6 +228,7 @@ class RankRuntime:
             own_s=time.thread_time() - own0,
             forward_s=self.compute_clock.take(),
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
+            recompiles=compile_stats.PROCESS.stop() if compiled else None,
         )
 
     def _poison_grads(self) -> None:
@@ -305,6 +325,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return point.step
 
     # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
@@ -335,6 +356,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return point.step
 
     def destroy(self) -> None:

@@ -6,6 +6,8 @@
   ``RankActor._leave``.
 * ``mesh.cpu_offload``: every parameter's local shard is on the CPU when FSDP2 first runs (its lazy
   init refuses any other device under ``CPUOffloadPolicy``), whatever device the rank computes on.
+* A rebuild that the driver resumes (``RuntimeSpec.load_follows``) skips the random init the load
+  would overwrite, refuses to train before the load came, and after it holds the saved parameters.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def _worker_pool():
     shutdown_pool()
 
 
-def build_runtime(rank: int, store_port: int, generation: int, dp: int, overrides: tuple[str, ...]):
+def build_runtime(rank: int, store_port: int, generation: int, dp: int, overrides: tuple[str, ...], *,
+                  load_follows: bool = False, prefix: str | None = None):
     """(runtime, this rank's action list) for a (dp, 1, 1) mesh, as the actor builds it."""
     import torch
 
@@ -44,10 +47,11 @@ def build_runtime(rank: int, store_port: int, generation: int, dp: int, override
     spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=cfg.mesh.zero,
                        fsdp_unit_mb=cfg.mesh.fsdp_unit_mb, mask_eos_id=None, schedule=cfg.pipeline.schedule,
                        cpu_offload=cfg.mesh.cpu_offload, layers_per_stage=stage_layers(cfg), virtual_stages=1,
-                       collective_timeout_s=60.0, use_gpu=False, dp_replicate=1,
+                       collective_timeout_s=60.0, use_gpu=False, dp_replicate=1, load_follows=load_follows,
                        **model_fields(cfg, resuming=False))
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
-                                  shape=shape, world_rank=rank, timeout_s=60.0, device=torch.device("cpu"))
+                                  shape=shape, world_rank=rank, timeout_s=60.0, device=torch.device("cpu"),
+                                  store_prefix=prefix)
     actions = make_schedule(cfg.pipeline.schedule, 1, microbatches_per_replica(cfg.train, dp), 1)[0]
     return RankRuntime(spec, groups), actions
 
@@ -76,11 +80,11 @@ class _LeaveReleases:
             gc.enable()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_leaving_a_generation_releases_its_modules():
     pool = shared_pool()
     pool.ensure(2)
-    out = pool.run(_LeaveReleases(), 2, 180)
+    out = pool.run(_LeaveReleases(), 2, 600)
     for rank in (0, 1):
         assert out[rank]["class"].startswith("FSDP")  # the cycles to free are FSDP2's
         assert out[rank]["alive"] == [], rank
@@ -125,11 +129,58 @@ class _OffloadBuild:
             groups.destroy()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_offloaded_parameters_are_made_on_the_host_before_fsdp_initialises():
     pool = shared_pool()
     pool.ensure(2)
-    out = pool.run(_OffloadBuild(), 2, 180)
+    out = pool.run(_OffloadBuild(), 2, 600)
     for rank in (0, 1):
         assert out[rank]["devices"] and set(out[rank]["devices"].values()) == {"cpu"}, out[rank]["devices"]
         assert out[rank]["checked"] >= 2  # the blocks' groups and the root's
+
+
+@dataclass(frozen=True)
+class _LoadFollows:
+    path: str
+
+    def __call__(self, rank: int, store_port: int, generation: int) -> dict:
+        import numpy as np
+
+        from workers.models import build
+
+        first, actions = build_runtime(rank, store_port, generation, 2, SMALL)
+        first.train_step(1, actions)
+        first.save_checkpoint(self.path, 1)
+        first.wait_checkpoint()
+        saved = first.full_state()
+        first.destroy()
+        inits = []
+        real_init = build.init_local
+        build.init_local = lambda *a, **k: inits.append(1) or real_init(*a, **k)
+        try:
+            second, _ = build_runtime(rank, store_port, generation, 2, SMALL, load_follows=True,
+                                      prefix=f"readiness-{generation}-second")
+        finally:
+            build.init_local = real_init
+        try:
+            second.train_step(2, actions)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        second.load_checkpoint(self.path)
+        loaded = second.full_state()
+        result = second.train_step(2, actions)
+        second.destroy()
+        return {"inits": len(inits), "refused": refused, "ok": result.ok,
+                "same": sorted(saved) == sorted(loaded) and all(np.array_equal(saved[k], loaded[k]) for k in saved)}
+
+
+@pytest.mark.timeout(900)
+def test_a_resumed_rebuild_skips_the_random_init_and_trains_only_after_the_load(tmp_path):
+    pool = shared_pool()
+    pool.ensure(2)
+    out = pool.run(_LoadFollows(str(tmp_path / "step-1")), 2, 600)
+    for rank in (0, 1):
+        assert out[rank]["inits"] == 0, rank
+        assert "never came" in out[rank]["refused"], rank
+        assert out[rank]["same"] and out[rank]["ok"], rank
