@@ -183,9 +183,6 @@ class RankRuntime:
         loss_bad = holds_loss and not math.isfinite(loss)
         if loss_bad or self.inject_nan_grad:
             self.inject_nan_grad = False
-        # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
-        # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
-        self._awaiting_load = spec.load_follows
             self._poison_grads()
         finite = True
         bad = ""
