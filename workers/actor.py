@@ -1,11 +1,12 @@
 """RankActor: the thin Ray shell around one rank. Knows nothing of placement, policy or other actors.
 
-All training work (joining a generation, steps, saving and loading checkpoints, gathering the state)
-runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency group, one thread. Other calls run on
-the default group's small pool, so while the training thread is inside a step — possibly blocked in
-a collective whose peer died — the driver can still poll the actor, park a ``wait_checkpoint`` and
-tell it to free the step (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error
-inside a step is latched into the returned ``StepResult``; the driver decides what happens next.
+All training work (joining a generation, steps, held-out eval, snapshots, saving and loading
+checkpoints, gathering the state) runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency
+group, one thread. Other calls run on the default group's small pool, so while the training thread
+is inside a step — possibly blocked in a collective whose peer died — the driver can still poll the
+actor, park a ``wait_checkpoint`` and tell it to free the step (``kick``: gloo sockets shut down, NCCL
+communicators aborted). Every error inside a step is latched into the returned ``StepResult``; the
+driver decides what happens next.
 
 In-memory snapshots (``workers/snapshots.py``): ``snapshot`` and ``load_snapshot`` are training work;
 handing one out (``snapshot_blob``, ``give_snapshot``) and keeping a peer's copy (``keep_snapshot``,
@@ -190,8 +191,13 @@ class RankActor:
         finally:
             self.busy = False
 
+    @_train
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
-        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
+        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver.
+
+        Training work: it queues behind the snapshot the driver submitted just before it (not
+        awaited). On another thread FSDP2's state-dict hook, run by the snapshot, would reshard the
+        modules in the middle of the eval forward (tests/ray/test_data_eval.py)."""
         if self.runtime is None:
             raise RuntimeError("eval_step before join_generation")
         if batch == 0:  # test hook (arm_fault "sleep" at "eval"): consumed by the first block's forward
