@@ -1,7 +1,7 @@
 """A step's tensors from sample ids, with the loss normalisation every mesh shares, and held-out eval.
 
 ``step_data`` turns one replica's microbatch ids into a ``StepData``: windows read from the source,
-targets after an EOS masked (``data.mask_document_boundaries``, workers/data/masks.py), and the
+targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py), and the
 scales that make the summed loss the *global* mean over counted targets — ``grad_scale = dp /
 count`` (FSDP averages gradients over dp) and ``report_scale = 1 / count``. Without masking the count
 is ``G * seq_len``; with it, one scalar all-reduce over dp adds up every replica's count (tp and pp
@@ -9,8 +9,8 @@ peers of a replica read the same windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
 order: a fixed set of windows) forward only through the same pipeline actions, without the backward
-ones (``orchestrator.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
-from every rank's forward-only list: ``orchestrator.p2p_rounds.rank_batches``).
+ones (``meshspeak.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
+from every rank's forward-only list: ``meshspeak.p2p_rounds.rank_batches``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from orchestrator.schedule import Action, forward_only
-from workers import data as data_lib
-from workers.data.masks import counted, mask_targets
+import meshdata as data_lib
+from meshdata.masks import counted, mask_targets
+from meshspeak.schedule import Action, forward_only
 from workers.optim import checked_all_reduce
 from workers.pipeline import StepData
+
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A microbatch's tokens on ``device``. On CUDA through pinned memory, copied asynchronously: a

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.rank_pool import shared_pool, shutdown_pool
-from tests.helpers.world import mesh_config, stage_layers
+from testbed.rank_pool import shared_pool, shutdown_pool
+from testbed.world import mesh_config, stage_layers
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
          "train.global_batch_size=4", "train.micro_batch_size=1")
@@ -32,23 +32,26 @@ def _worker_pool():
 def build_runtime(rank: int, store_port: int, generation: int, dp: int, overrides: tuple[str, ...], *,
                   load_follows: bool = False, prefix: str | None = None):
     """(runtime, this rank's action list) for a (dp, 1, 1) mesh, as the actor builds it."""
+    import dataclasses
+
     import torch
 
-    from orchestrator.config import microbatches_per_replica
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.plan import model_fields
-    from orchestrator.schedule import make_schedule
+    from meshspeak.mesh import MeshShape
+    from meshspeak.schedule import make_schedule
+    from meshspeak.sections import microbatches_per_replica
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
     cfg = mesh_config(dp, 1, 1, overrides)
     shape = MeshShape(dp, 1, 1)
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=cfg.mesh.zero,
-                       fsdp_unit_mb=cfg.mesh.fsdp_unit_mb, mask_eos_id=None, schedule=cfg.pipeline.schedule,
-                       cpu_offload=cfg.mesh.cpu_offload, layers_per_stage=stage_layers(cfg), virtual_stages=1,
-                       collective_timeout_s=60.0, use_gpu=False, dp_replicate=1, load_follows=load_follows,
-                       **model_fields(cfg, resuming=False))
+    # The driver's own construction (testbed/world.py does the same); the stage split and the groups'
+    # timeout are the test's.
+    spec = dataclasses.replace(
+        runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False, mask_eos_id=None,
+                     resuming=False, load_follows=load_follows),
+        layers_per_stage=stage_layers(cfg), collective_timeout_s=60.0)
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                   shape=shape, world_rank=rank, timeout_s=60.0, device=torch.device("cpu"),
                                   store_prefix=prefix)
@@ -99,14 +102,16 @@ class _OffloadBuild:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from orchestrator.mesh import MeshShape
+        from meshmodels.build import build_local_stage
+        from meshmodels.family import resolve_model
+        from meshspeak.mesh import MeshShape
+        from orchestrator.plan.mesh_plan import make_plan
         from workers.groups import build_process_groups
-        from workers.models.build import build_local_stage
-        from workers.models.family import resolve_model
         from workers.parallelize import parallelize_stage
 
         cfg = mesh_config(2, 1, 1, (*SMALL, "mesh.cpu_offload=true"))
         resolved = resolve_model(cfg.model)
+        dp_plan = make_plan(cfg).dp  # the driver's decision: FSDP2 over dp with CPUOffloadPolicy
         groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                       shape=MeshShape(2, 1, 1), world_rank=rank, timeout_s=60.0,
                                       device=torch.device("cpu"))
@@ -115,8 +120,8 @@ class _OffloadBuild:
                 resolved.family, resolved.shape, range(resolved.shape.n_layers), device=torch.device("meta"),
                 seed=0, cpu_offload=True,
                 parallelize=lambda m: parallelize_stage(
-                    m, resolved.family, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, zero=3,
-                    param_dtype=torch.float32, shard_over_dp=True, cpu_offload=True))
+                    m, resolved.family, dp_plan, dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh,
+                    param_dtype=torch.float32))
             devices = {name: (p.to_local() if isinstance(p, DTensor) else p).device.type
                        for name, p in module.named_parameters()}
             checked = 0
@@ -146,7 +151,7 @@ class _LoadFollows:
     def __call__(self, rank: int, store_port: int, generation: int) -> dict:
         import numpy as np
 
-        from workers.models import build
+        from meshmodels import build
 
         first, actions = build_runtime(rank, store_port, generation, 2, SMALL)
         first.train_step(1, actions)

@@ -126,12 +126,12 @@ def test_export_imports_a_recorded_family_only_when_the_user_names_it(tmp_path, 
     from types import SimpleNamespace
 
     from checkpoints.errors import CheckpointError
-    from workers.models import export
+    from meshmodels import export
 
     imported = []
     monkeypatch.setattr("checkpoints.reader.load", lambda state, path: {"model": json.dumps(
         {"family": "evil_pkg.mod:Family", "hf_config": {"x": 1}})})
-    monkeypatch.setattr("workers.models.family.load_family", lambda ref: imported.append(ref) or SimpleNamespace(
+    monkeypatch.setattr("meshmodels.family.load_family", lambda ref: imported.append(ref) or SimpleNamespace(
         shape_from_hf=lambda config, stub, where: "shape"))
     manifest = SimpleNamespace(model_config={})
     with pytest.raises(CheckpointError, match="--family evil_pkg.mod:Family"):

@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import (
+from meshspeak.schema import ConfigError
+from meshspeak.sections import (
     ALL_KEYS,
     SECTIONS,
-    ConfigError,
     JobConfig,
-    check_mesh,
     config_to_dict,
     dp_bounds,
-    load_config,
     microbatches_per_replica,
     replace_mesh,
 )
-from orchestrator.config_fingerprint import model_diff, model_fingerprint
+from orchestrator.config.fingerprint import model_diff, model_fingerprint
+from orchestrator.config.load import load_config
+from orchestrator.config.validate import check_mesh
 
 
 def _toml_value(value: object) -> str:

@@ -4,6 +4,7 @@ model is exit 2 before any actor)."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 
 import pytest
@@ -11,12 +12,12 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import DCP_METADATA, step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from orchestrator.checkpointing import CheckpointCoordinator
-from orchestrator.config import config_to_dict, load_config
-from orchestrator.config_fingerprint import model_fingerprint
+from meshdata import open_source, prepare
+from meshspeak.sections import config_to_dict
+from orchestrator.config.fingerprint import model_fingerprint
+from orchestrator.config.load import load_config
 from orchestrator.errors import UserInputError
-from workers.data import open_source, prepare
-
+from orchestrator.saves.checkpointing import CheckpointCoordinator
 
 
 class _Events:
@@ -27,13 +28,14 @@ class _Events:
 def _committed(root: Path, cfg, identity: str) -> None:
     step = root / step_dir_name(5)
     step.mkdir(parents=True)
-    (step / DCP_METADATA).write_bytes(b"m" * 10)
+    metadata = pickle.dumps({"fake": "metadata"})  # imports nothing: passes the driver's .metadata check
+    (step / DCP_METADATA).write_bytes(metadata)
     (step / "__0_0.distcp").write_bytes(b"s" * 20)
     commit(str(root), CheckpointManifest(
         step=5, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint=model_fingerprint(cfg),
         data_cursor=5 * cfg.train.global_batch_size, global_batch_size=cfg.train.global_batch_size, world_size=1,
         ranks_acked=[0], model_config=config_to_dict(cfg)["model"], data_identity=identity,
-        files={DCP_METADATA: 10, "__0_0.distcp": 20}))
+        files={DCP_METADATA: len(metadata), "__0_0.distcp": 20}))
 
 
 def test_resume_follows_data_content_not_path(tmp_path):

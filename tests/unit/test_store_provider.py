@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from orchestrator.store_provider import FixedStore, StoreSource, host_candidates, one_machine
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from orchestrator.cluster.store_provider import FixedStore, StoreSource, host_candidates, one_machine
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 from workers.store import bind_host, listen_on
 
 HEAD = {"node:__internal_head__": 1.0, "CPU": 3.0}
@@ -62,8 +62,8 @@ def test_the_store_binds_loopback_or_a_private_node_address_never_a_public_one()
 
 
 def test_every_rendezvous_key_carries_the_runs_secret_and_no_repr_shows_it(monkeypatch):
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import JoinSpec
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import JoinSpec
     from workers import groups
 
     secret = "ab" * 16
@@ -93,7 +93,7 @@ def test_every_rendezvous_key_carries_the_runs_secret_and_no_repr_shows_it(monke
 def test_the_controller_hands_every_rank_its_runs_128_bit_secret(make, monkeypatch):
     """One secret per run (16 random bytes, hex), the same for every rank and generation, another for
     the next run; it reaches the ranks only as the JoinSpec argument of a (Ray) call."""
-    from tests.helpers import fake_group
+    from testbed import fake_group
 
     seen = []
     real = fake_group.FakeRank.join_generation
