@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import construct_reverse_graph, get_param_groups
-from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
@@ -111,15 +111,27 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
 
 
 def _kept_bytes(groups: list[dict]) -> int:
-    """Bytes of the distinct storages behind the kept gradients (a TP DTensor's: its local shard's)."""
+    """Bytes of the distinct storages behind the kept gradients. A tensor subclass that wraps others
+    (a TP DTensor, the async-collective result a TP backward can hand over) has no storage of its own:
+    its inner tensors' are counted."""
     storages = {}
     for group in groups:
         for kept in group["grads"]:
             for grad in kept or ():
                 if grad is not None:
-                    local = grad.to_local() if isinstance(grad, DTensor) else grad
-                    storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                    for storage in _plain_storages(grad):
+                        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def _plain_storages(t: torch.Tensor):
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # DTensor's also name its DeviceMesh
+        for inner in (getattr(t, name) for name in names):
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_storages(inner)
+    else:
+        yield t.untyped_storage()
 
 
 def _weights(groups: list[dict], context) -> None:
