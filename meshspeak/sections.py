@@ -186,6 +186,15 @@ class MetricsConfig:
     profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
                                  "on every rank, one file per rank and step; empty = off")
     profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
+    # Experiment trackers (orchestrator/tracking/): optional extras, written from the driver only.
+    mlflow_uri: str = key("", "MLflow tracking URI (a directory, file://, http(s)://, databricks): the "
+                              "config as params, steps and events as metrics; empty = off "
+                              "(pip install 'elastimesh[mlflow]')")
+    mlflow_experiment: str = key("elastimesh", "MLflow experiment the run goes into")
+    wandb_project: str = key("", "Weights & Biases project: the config, steps and events; files under "
+                                 "wandb/ beside metrics.path; empty = off (pip install 'elastimesh[wandb]')")
+    wandb_mode: str = key("online", 'W&B mode: "offline" writes the run only locally (`wandb sync` '
+                                    "uploads it later)", choices=("online", "offline"))
 
 
 @dataclass(**_SECTION)

@@ -1,4 +1,4 @@
-"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, ckpt list|inspect, data prepare.
+"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, report, ckpt list|inspect, data prepare.
 
 Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
                       "allowed values, meaning) as README shows it")
     _add_tune(sub)
+    report = sub.add_parser("report", help="goodput table, figures and an HTML page from a run's metrics JSONL")
+    report.add_argument("metrics", help="the run's metrics.path: a file or a URI (s3://...); a run still going too")
+    report.add_argument("--out", help="directory for report.html, report.json and the PNGs (default: report/)")
     ckpt = sub.add_parser("ckpt", help="list or inspect checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
@@ -76,8 +79,10 @@ def _add_tune(sub) -> None:
     p.add_argument("config", nargs="?", help="job TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--search", action="append", default=[], metavar="KEY=SPACE",
-                   help="choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b) (upper bound excluded)")
-    p.add_argument("--samples", type=int, default=1, help="trials to run")
+                   help="grid(a,b,...) (every value), choice(a,b,...) (drawn at random), uniform(a,b), "
+                   "loguniform(a,b) or randint(a,b) (upper bound excluded)")
+    p.add_argument("--samples", type=int, default=1, help="trials to run (with grid(...): repeats of the grid)")
+    p.add_argument("--verbose", action="store_true", help="also print Ray Tune's own per-trial status tables")
     p.add_argument("--scheduler", choices=SCHEDULERS, default="fifo", help="asha: stop bad trials early")
     p.add_argument("--grace-steps", type=int, default=0, help="ASHA's first rung (default: steps / 4)")
     p.add_argument("--search-alg", choices=SEARCH_ALGS, default="random",
@@ -151,6 +156,10 @@ def _dispatch(args) -> int:
         from orchestrator.sweep.tuner import tune_command
 
         return tune_command(args)
+    if args.command == "report":
+        from orchestrator.report.command import report_command
+
+        return report_command(args)
     if args.command == "ckpt":
         from checkpoints.catalog import list_checkpoints
         from checkpoints.inspect_view import describe, format_table, require_root
