@@ -172,7 +172,8 @@ def _opens(rec: dict) -> bool:
 
 def _resizes(session: list[dict]) -> dict[int, str]:
     """Record index -> "grow" / "resize" for the records of a re-forming that no fault record opened:
-    those after the last step (or eval) record before a new generation's first step."""
+    those after the last step (or eval) record before a new generation's first step; and ->
+    "eviction" for the checkpoint records of the save an ``evict`` record follows."""
     out: dict[int, str] = {}
     prev = None  # index of the previous step record
     for j, rec in enumerate(session):
@@ -186,6 +187,12 @@ def _resizes(session: list[dict]) -> dict[int, str]:
             kind = "grow" if found and (found[0]["event"] == "grow" or found[0].get("reason") == "grow") else "resize"
             out.update(dict.fromkeys(range(begin + 1, j + 1), kind))
         prev = j
+    for j, rec in enumerate(session):  # an eviction saves the step first: that save is part of it
+        if rec.get("event") == "evict":
+            k = j
+            while k > 0 and session[k - 1].get("event") == "checkpoint" and session[k - 1].get("step") == rec.get("step"):
+                k -= 1
+            out.update(dict.fromkeys(range(k, j), "eviction"))
     return out
 
 
@@ -225,7 +232,7 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
             ledger.restarts += 1
         if event == "preemption" and rec.get("action") != "evacuate":
             preempted |= set(rec.get("ranks") or ())
-        if _opens(rec) and episode is None:
+        if _opens(rec) and episode is None:  # (an eviction's episode opened at its save, above)
             kind = "eviction" if event == "evict" else "preemption" if event == "preemption" else \
                 failure_kind(rec, preempted)
             # A preemption notice comes at the step boundary: the gap before it is ordinary.
