@@ -18,6 +18,8 @@ def require_matplotlib() -> None:
 
 
 def report_command(args) -> int:
+    import logging
+
     from rich.console import Console
 
     from orchestrator.report.goodput import account
@@ -25,6 +27,9 @@ def report_command(args) -> int:
     from orchestrator.report.plots import write_figures
     from orchestrator.report.read import read_records
 
+    # The report logs nothing itself; keep the libraries' INFO lines (fsspec, botocore, matplotlib's
+    # font cache) off stderr, which holds the error line only.
+    logging.getLogger().setLevel(logging.WARNING)
     require_matplotlib()
     records = read_records(args.metrics)
     out = args.out or "report"
