@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("config", nargs="?", help="job TOML file")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+        _add_deepspeed(p)
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
             p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     conf = sub.add_parser("config", help="print the resolved job config as TOML, or (--doc) every key")
     conf.add_argument("config", nargs="?", help="job TOML file")
     conf.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    _add_deepspeed(conf)
     conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
                       "allowed values, meaning) as README shows it")
     _add_tune(sub)
@@ -70,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--shard-tokens", type=int, default=8_000_000, help="tokens per shard at most")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _add_deepspeed(p) -> None:
+    p.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="a DeepSpeed config: its batch, ZeRO, precision, "
+                   "optimizer, scheduler, checkpointing and pipeline fields as config keys (README: DeepSpeed)")
+
+
+def _load(args):
+    """The job config of ``args`` (config, --set, --deepspeed); a DeepSpeed field with no counterpart
+    is one warning line on stderr."""
+    return load_config(args.config, args.overrides, deepspeed=getattr(args, "deepspeed", None),
+                       warn=lambda line: sys.stderr.write(f"elastimesh: warning: {line}\n"))
 
 
 def _add_tune(sub) -> None:
@@ -119,7 +133,7 @@ def _dispatch(args) -> int:
         from orchestrator.plan.mesh_plan import describe, make_plan
         from orchestrator.plan.render import render
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args)
         info = describe(cfg, make_plan(cfg))
         if args.memory_gib is not None:
             from orchestrator.plan.strategy import recommend
@@ -136,12 +150,12 @@ def _dispatch(args) -> int:
         if args.doc:
             sys.stdout.write(config_doc())
         else:
-            sys.stdout.write(dump_toml(config_to_dict(load_config(args.config, args.overrides))))
+            sys.stdout.write(dump_toml(config_to_dict(_load(args))))
         return 0
     if args.command == "train":
         from orchestrator.launch import run_job
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args)
         summary = run_job(cfg, progress=not args.no_progress and sys.stderr.isatty())
         if summary.resume_step is not None:  # stopped by a signal: one line saying where it resumes
             where = (f"committed in checkpoint.dir={cfg.checkpoint.dir}; running it again resumes from step "
