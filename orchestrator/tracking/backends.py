@@ -112,7 +112,7 @@ class WandbBackend:
         import wandb
 
         os.makedirs(self.dir, exist_ok=True)
-        self.run = wandb.init(project=self.where, id=run_id or wandb.util.generate_id(), resume="allow",
+        self.run = wandb.init(project=self.where, id=run_id, resume="allow",  # id None: W&B makes one
                               mode=self.mode, dir=self.dir, config=params, allow_val_change=True,
                               settings=wandb.Settings(silent=True, console="off", init_timeout=60))
         self.run.define_metric("train/step")

@@ -40,7 +40,11 @@ def check_trackers(metrics_cfg) -> None:
 
     for name in wanted(metrics_cfg):
         module, key = EXTRAS[name]
-        if importlib.util.find_spec(module) is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
             raise UserInputError(f"{key} needs the {module} package: pip install 'elastimesh[{name}]', "
                                  f"or unset {key}")
 
