@@ -88,12 +88,12 @@ def prepare(config_path: str | None, search: list[str], *, samples: int, schedul
                                       "'train.lr=loguniform(1e-4,1e-2)'")  # fmt: skip
     spaces = parse_search(search)
     if search_alg == "optuna":
-        _require_optuna()
         grids = [s.text for s in spaces.values() if s.kind == "grid"]
         if grids:  # Tune's OptunaSearch refuses grid_search values
             raise ConfigError("--search-alg", f"--search {grids[0]!r}: --search-alg optuna samples every key "
                                               "itself and takes no grid(...): use choice(...) with optuna, or the "
                                               "default random search")  # fmt: skip
+        _require_optuna()
     stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "tiny"
     sweep = Sweep(cfg, spaces, samples, scheduler, search_alg, max_concurrent, seed, grace_steps,
                   os.path.abspath(directory or os.path.join("sweeps", stem)))
