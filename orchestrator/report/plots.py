@@ -48,6 +48,11 @@ def _mark_events(ax, records: list[dict], t0: float) -> None:
             seen.add(kind)
 
 
+def _legend_outside(ax) -> None:
+    """Right of the axes: inside, the legend hid the lines at the top (the world size back at its peak)."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+
+
 def _steps(records: list[dict]) -> list[dict]:
     return [r for r in records if is_step(r) and isinstance(r.get("time"), (int, float))]
 
@@ -74,7 +79,7 @@ def throughput_figure(ax, records: list[dict], t0: float) -> None:
             color="#2ca02c", label="tokens/s")
     _mark_events(ax, records, t0)
     ax.set(xlabel="wall time (s)", ylabel="tokens/s", title="throughput over wall time")
-    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    _legend_outside(ax)
 
 
 def mesh_figure(ax, records: list[dict], t0: float) -> None:
@@ -82,13 +87,15 @@ def mesh_figure(ax, records: list[dict], t0: float) -> None:
               and (is_step(r) or r.get("event") in ("start", "rebuild", "grow")) and "dp" in r]
     if points:
         xs = [x for x, _ in points]
-        for axis, color in (("dp", "#1f77b4"), ("pp", "#ff7f0e"), ("tp", "#9467bd")):
-            ax.step(xs, [r.get(axis, 1) for _, r in points], where="post", color=color, label=axis)
+        # world first, wide and pale: with pp = tp = 1 the dp line lies on it and must stay visible
         ax.step(xs, [r.get("dp", 1) * r.get("pp", 1) * r.get("tp", 1) for _, r in points], where="post",
-                color="#000000", lw=2, label="world")
+                color="#000000", lw=4, alpha=0.3, label="world")
+        for axis, color, style in (("dp", "#1f77b4", "-"), ("pp", "#ff7f0e", "--"), ("tp", "#9467bd", ":")):
+            ax.step(xs, [r.get(axis, 1) for _, r in points], where="post", color=color, ls=style, label=axis)
     _mark_events(ax, records, t0)
     ax.set(xlabel="wall time (s)", ylabel="ranks", title="mesh size over wall time")
-    ax.legend(loc="upper right", fontsize=7, ncol=5)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    _legend_outside(ax)
 
 
 def events_figure(ax, records: list[dict], t0: float) -> None:
