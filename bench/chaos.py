@@ -147,19 +147,16 @@ def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: flo
 
 def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict, params, done_at, t_run) -> dict:
     import numpy as np
+    from rich.console import Console
 
     from checkpoints.catalog import list_checkpoints
-    from testbed.ray_harness import reference
-
     from orchestrator.report.goodput import account
+    from orchestrator.report.page import render_table
     from orchestrator.report.read import read_records
+    from testbed.reference import reference
 
     records = read_records(str(tmp / "metrics.jsonl"))
     ledger = account(records)  # the goodput accounting of `elastimesh report`, printed as it does
-    from rich.console import Console
-
-    from orchestrator.report.page import render_table
-
     Console().print(render_table(ledger, "the chaos campaign's metrics"))
     rerun, useful = ledger.steps_rerun, ledger.seconds["useful"]
     ckpts = [i for i in list_checkpoints(str(tmp / "ckpt")) if i.committed]
@@ -168,7 +165,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
                      or not os.path.exists(p)]
     diff = None
     if params is not None:
-        _, ref_params = reference(tuple(overrides), cfg.train.steps)
+        ref_params = reference(overrides, cfg.train.steps).params
         diff = max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params)
     kinds = Counter(f["kind"] for f in campaign.injected)
     survived = summary is not None and summary.final_step == cfg.train.steps

@@ -173,7 +173,6 @@ def _train_loop(config: dict) -> None:
 
 
 def run_ray_train(steps: int, workdir: str) -> dict:
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

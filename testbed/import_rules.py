@@ -20,7 +20,7 @@ from pathlib import Path
 GROUND = "meshspeak"
 PRODUCT = (GROUND, "orchestrator", "workers", "meshmodels", "meshdata", "checkpoints")
 # Where Ray may be imported: the cluster package, the launcher, the sweep, and the rank side.
-RAY_HOMES = ("orchestrator.cluster", "orchestrator.launch", "orchestrator.sweep.tuner", "workers")
+RAY_HOMES = ("orchestrator.cluster", "orchestrator.launch", "orchestrator.sweep", "workers")
 MAX_LAZY_WORKER_IMPORTERS = 4  # orchestrator modules that may import workers/ lazily (design doc)
 MAX_TOP_LEVEL_ORCHESTRATOR = 12
 MAX_LINES = 400
@@ -46,11 +46,12 @@ def module_name(root: Path, path: Path) -> str:
 
 
 def source_files(root: Path) -> Iterator[Path]:
-    """Every ``.py`` file of the tree, sorted; never descends into a virtualenv or build output."""
+    # os.walk, pruned, rather than rglob then filter: a worktree's .venv holds tens of thousands of files,
+    # and walking them took the repository check past its 120 s timeout on a loaded 2-core machine.
     found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
-        found += [Path(folder) / f for f in files if f.endswith(".py")]
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in SKIP_DIRS]
+        found += [Path(folder) / n for n in names if n.endswith(".py")]
     yield from sorted(found)
 
 

@@ -106,6 +106,17 @@ class _PowerSGD:
             flat.copy_(out)
 
 
+def powersgd_state(group: dist.ProcessGroup | None, rank: int, counter: ByteCounter, seed: int,
+                   plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
+    """torch's ``PowerSGDState`` as elastimesh sets it up, its all-reduces counted by ``counter``
+    (also what bench/powersgd_ddp_oracle.py hands torch's own DDP, to compare like with like)."""
+    _CountingDist.counter = counter
+    return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                       start_powerSGD_iter=plain_steps, random_seed=seed,
+                                       # > 0: an all-zero gradient block must not orthogonalise to NaN
+                                       orthogonalization_epsilon=1e-8)
+
+
 def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int, counter: ByteCounter,
                     seed: int, plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
     """PowerSGD (``rank``) on every FSDP unit of this rank, one state for all (bucket = unit index).
@@ -115,11 +126,7 @@ def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int,
     deferring compression narrows the loss gap (docs/design.md, PowerSGD). The last unit of the list
     (the stage root, reduced last) closes a step.
     """
-    _CountingDist.counter = counter
-    state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=plain_steps, random_seed=seed,
-                                        # > 0: an all-zero gradient block must not orthogonalise to NaN
-                                        orthogonalization_epsilon=1e-8)
+    state = powersgd_state(group, rank, counter, seed, plain_steps)
     for i, unit in enumerate(units):
         unit.set_all_reduce_hook(_PowerSGD(state, _unit_shapes(unit), i, last=i == len(units) - 1))
     return state

@@ -16,6 +16,7 @@ from meshspeak.sections import config_to_dict
 from orchestrator.config.load import load_config
 from testbed.deepspeed_configs import CIFAR10, GETTING_STARTED, SEED
 
+
 def load(tmp_path: Path, doc, *overrides: str, toml: str | None = None):
     path = tmp_path / "ds.json"
     path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
