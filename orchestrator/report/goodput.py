@@ -2,7 +2,7 @@
 
 Every second of the run's wall time lands in exactly one bucket: ``useful`` (the step time of the
 steps that count: each step's last record), ``startup`` (launch to the first step), ``checkpoint``
-(the steps' checkpoint stalls and the final save), ``snapshot`` (in-memory snapshot stalls),
+(the steps' checkpoint stalls, and from the last step to ``done``: the final saves), ``snapshot`` (in-memory snapshot stalls),
 ``evaluation``, ``recovery`` by fault kind (``failure``, ``hang``, ``preemption``, ``eviction``,
 ``grow``, ``resize``, ``rollback``: detection, re-forming and reloading), ``rerun`` (steps trained
 and then lost: re-run after a recovery, or discarded as bad), ``overhead`` (the driver's time
@@ -151,16 +151,20 @@ def account(records: list[dict]) -> Ledger:
     return ledger
 
 
-def _stalls(session: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
-    """step -> the checkpoint stall / snapshot stall taken after it (events name their step)."""
-    ckpt: dict[int, float] = {}
-    snap: dict[int, float] = {}
-    for rec in session:
-        if rec.get("event") == "checkpoint":
-            ckpt[rec["step"]] = float(rec.get("stall_s") or 0.0)
-        elif rec.get("event") == "snapshot":
-            snap[rec["step"]] = float(rec.get("stall_s") or 0.0)
-    return ckpt, snap
+def _stalls(session: list[dict]) -> dict[int, tuple[float, float]]:
+    """Step record index -> (checkpoint stall, snapshot stall) taken after it: the first event of each
+    kind naming its step that comes after it and before the step's next record. Keyed by record, not
+    by step: a re-run step's first try has its own stalls (a snapshot event comes a step or two late,
+    once its relay is done, so an event is matched to the newest record of its step so far)."""
+    found: dict[int, dict[str, float]] = {}
+    newest: dict[int, int] = {}  # step -> index of its newest record so far
+    for i, rec in enumerate(session):
+        if is_step(rec):
+            newest[rec["step"]] = i
+            found[i] = {}
+        elif rec.get("event") in ("checkpoint", "snapshot") and rec.get("step") in newest:
+            found[newest[rec["step"]]].setdefault(rec["event"], float(rec.get("stall_s") or 0.0))
+    return {i: (f.get("checkpoint", 0.0), f.get("snapshot", 0.0)) for i, f in found.items()}
 
 
 def _opens(rec: dict) -> bool:
@@ -198,8 +202,12 @@ def _resizes(session: list[dict]) -> dict[int, str]:
 
 def _account_session(session: list[dict], times: list[float], final: set[int], ledger: Ledger) -> None:
     ledger.sessions += session[0].get("event") == "launch"
-    ckpt_stall, snap_stall = _stalls(session)
+    stalls = _stalls(session)
     resizes = _resizes(session)
+    # After the session's last step, a finished run only waits for its last saves to commit (their
+    # checkpoint/snapshot events come in that wait) before ``done``/``stopped``: all of it is checkpoint.
+    last_step = max((i for i, rec in enumerate(session) if is_step(rec)), default=len(session))
+    finishing = any(r.get("event") in ("done", "stopped") for r in session[last_step + 1:])
     cursor = times[0]
     started = False  # the session's first step trained: start-up is over
     episode: Recovery | None = None
@@ -226,7 +234,7 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
                 _spend(due, rest, "overhead", ledger)
             started = True
             ledger.generations = max(ledger.generations, rec.get("generation") or 0)
-            due = [["checkpoint", ckpt_stall.get(rec["step"], 0.0)], ["snapshot", snap_stall.get(rec["step"], 0.0)]]
+            due = [["checkpoint", stalls[i][0]], ["snapshot", stalls[i][1]]]
             continue
         if event == "failure":
             ledger.restarts += 1
@@ -251,9 +259,9 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
             ledger.add("startup", gap)
         elif event == "eval":
             _spend(due, gap, "evaluation", ledger)
-        elif event in ("done", "stopped"):
-            _spend(due, gap, "checkpoint", ledger)  # the final save is waited for
-            ledger.finished = True
+        elif event in ("done", "stopped") or (finishing and i > last_step):
+            _spend(due, gap, "checkpoint", ledger)  # the final saves are waited for
+            ledger.finished = ledger.finished or event in ("done", "stopped")
         elif event == "bad_step" and rec.get("reason") != "recorded":
             ledger.bad_steps += 1
             _spend(due, gap, "rerun", ledger)  # trained, then thrown away
