@@ -2,7 +2,9 @@
 
 The config is the CIFAR-10 tutorial's from DeepSpeed's documentation (verbatim in
 testbed/deepspeed_configs.py; tests/unit/test_deepspeed_config.py checks its mapping key by key); the
-TOML is written here by hand from README's mapping, not by the code under test. Both runs train 3 steps at dp=2 on an embedded local Ray.
+TOML is written here by hand from README's mapping, not by the code under test. Both runs train 3
+steps at dp=2 on an embedded local Ray; the DeepSpeed one also writes to an MLflow file store, read
+back with MLflow's client (the tracker on a real run: the resolved config as params, every step).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def train(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.CompletedPr
 def test_cifar10_deepspeed_run_equals_the_toml_run(tmp_path: Path) -> None:
     (tmp_path / "ds.json").write_text(CIFAR10)
     (tmp_path / "job.toml").write_text(TOML)
+    store = tmp_path / "mlruns"  # the DeepSpeed run also goes to MLflow: a tracker on a real run
     ds_proc, ds = train(tmp_path, "ds", "--deepspeed", str(tmp_path / "ds.json"), "--set", "mesh.tp=1",
-                        "--set", "train.steps=3")
+                        "--set", "train.steps=3", "--set", f"metrics.mlflow_uri={store}")
     _, toml = train(tmp_path, "toml", str(tmp_path / "job.toml"))
     warnings = [line for line in ds_proc.stderr.splitlines() if line.startswith("elastimesh: warning:")]
     assert len(warnings) == 2 and "warmup_type" in warnings[0] and "wall_clock_breakdown" in warnings[1]
@@ -59,3 +62,14 @@ def test_cifar10_deepspeed_run_equals_the_toml_run(tmp_path: Path) -> None:
 
     assert len(steps(ds)) == 3
     assert steps(ds) == steps(toml)  # the same math, bit for bit
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file://{store}")
+    (exp,) = [e for e in client.search_experiments() if e.name == "elastimesh"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED"
+    params = run.data.params  # the resolved config, DeepSpeed's values in it
+    assert (params["train.lr"], params["train.beta1"], params["train.global_batch_size"]) == ("0.001", "0.8", "4")
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, pytest.approx(loss)) for s, loss, *_ in steps(ds)]

@@ -123,3 +123,23 @@ def test_printed_toml_loads_to_the_same_config(tmp_path: Path) -> None:
     cfg, _ = load(tmp_path, SEED, "mesh.tp=1")
     (tmp_path / "same.toml").write_text(dump_toml(config_to_dict(cfg)))
     assert load_config(tmp_path / "same.toml") == cfg
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "config"])
+@pytest.mark.parametrize("doc,needle", [
+    ('{"train_batch_size": "32"}', "ds.json: train_batch_size: expected an integer"),
+    ('{"train_batch_size": 8, "fp16": {"enabled": "yes"}}', "ds.json: fp16.enabled: expected true or false"),
+    ('{"train_batch_size": 8,', "ds.json: invalid DeepSpeed JSON"),
+    (None, "no such DeepSpeed config file"),
+])
+def test_cli_deepspeed_bad_input_is_one_line_exit_2(command, doc, needle, capsys, tmp_path, monkeypatch):
+    from orchestrator import cli
+
+    monkeypatch.chdir(tmp_path)
+    if doc is not None:
+        (tmp_path / "ds.json").write_text(doc)
+    metrics = tmp_path / "m.jsonl"
+    assert cli.main([command, "--deepspeed", "ds.json", "--set", f"metrics.path={metrics}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("elastimesh: error:") and needle in lines[0], lines
+    assert not metrics.exists()  # refused before anything started
