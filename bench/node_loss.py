@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from common import load_average, machine, parser, write_result
 from ray_nodes import RayStartCluster
 
