@@ -9,7 +9,9 @@ every ~180 s.
 
 from __future__ import annotations
 
+import sys
 from itertools import count
+from types import SimpleNamespace
 
 import pytest
 
@@ -188,6 +190,8 @@ def fake_actors(monkeypatch):
             pg = scheduling_strategy.placement_group
             return type("R", (), {"remote": staticmethod(lambda *a, **k: Handle(pg))})
 
+    # The real RankActor module imports torch (minutes on a loaded box): the class is never used here.
+    monkeypatch.setitem(sys.modules, "workers.actor", SimpleNamespace(TRAIN_GROUP="train", RankActor=object))
     monkeypatch.setattr(worker_group.ray, "remote", lambda **_: lambda cls: Remote())
     monkeypatch.setattr(worker_group, "PlacementGroupSchedulingStrategy",
                         lambda placement_group, placement_group_bundle_index: type(
