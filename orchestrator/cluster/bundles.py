@@ -215,8 +215,7 @@ class Placements:
         for actor_id, pg in self.own.items():
             if actor_id in self.lost:
                 continue
-            node = self.nodes.get(actor_id)
-            if (node not in alive) if node else placement_group_table(pg).get("state") == "RESCHEDULING":
+            if self._on_dead_node(actor_id, pg, alive):
                 _remove(pg)
                 found.add(actor_id)
         if found:
@@ -224,6 +223,16 @@ class Placements:
                         sorted(found))
         self.lost |= found
         return found
+
+    def _on_dead_node(self, actor_id: int, pg: Any, alive: frozenset[str]) -> bool:
+        """The actor's node (where it answered from; for one that has not answered yet, where its
+        group was placed) is not alive, or Ray is re-placing its group."""
+        node = self.nodes.get(actor_id)
+        if node:
+            return node not in alive
+        table = placement_group_table(pg)
+        placed = set(table.get("bundles_to_node_id", {}).values()) - {""}
+        return table.get("state") == "RESCHEDULING" or bool(placed - alive)
 
     def shutdown(self) -> None:
         for actor_id in list(self.own):
