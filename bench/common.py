@@ -18,6 +18,7 @@ Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -104,17 +105,18 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     import torch
 
     from meshspeak.mesh import MeshShape
-    from meshspeak.messages import RuntimeSpec
     from meshspeak.schedule import make_schedule
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
     mesh = cfg.mesh
     device = device or torch.device("cpu")
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=mesh.zero,
-                       fsdp_unit_mb=mesh.fsdp_unit_mb, layers_per_stage=(cfg.model.n_layers,),
-                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=device.type == "cuda",
-                       schedule="1f1b", cpu_offload=mesh.cpu_offload)
+    # The driver's construction (orchestrator/control/generation.py), with the bench's timeout.
+    spec = dataclasses.replace(runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path,
+                                            use_gpu=device.type == "cuda", mask_eos_id=None, resuming=False),
+                               collective_timeout_s=timeout_s)
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                   shape=MeshShape(mesh.dp, 1, mesh.tp), world_rank=world_rank,
                                   timeout_s=timeout_s, device=device, store_prefix=store_prefix)

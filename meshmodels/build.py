@@ -5,7 +5,7 @@ caller apply TP and FSDP2 (parameters become DTensors whose local shards are sti
 ``to_empty`` allocates just this rank's shards, and ``init_local`` fills each from the family's
 ``init_tensor`` (a function of (seed, parameter name) only; a family with ``init_slice`` draws just
 the shard) — or the caller loads Hugging Face weights
-into them instead (``workers/models/hf_io.py``). So a rank's peak memory while building is its shards
+into them instead (``meshmodels/hf_io.py``). So a rank's peak memory while building is its shards
 plus one full parameter being initialised (or one block of rows with ``init_slice``), not the whole
 stage, and every mesh still holds exactly the weights one process builds (the single-process
 reference goes through the same two functions).

@@ -75,7 +75,7 @@ def _recorded(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any], d
 
 
 def copy_tokenizer_files(data_path: str, out: str) -> list[str]:
-    """Copy the tokenizer files ``data prepare`` put beside the shards (workers/data/tokenizer.py) into
+    """Copy the tokenizer files ``data prepare`` put beside the shards (meshdata/tokenizer.py) into
     ``out``, so the exported directory loads with its tokenizer; returns the names copied. Byte-token
     data (the built-in corpus, shards without a tokenizer) has none: nothing is copied."""
     import fsspec

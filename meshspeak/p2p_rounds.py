@@ -1,7 +1,7 @@
 """When each rank posts its point-to-point messages as NCCL batches: lockstep rounds (pure data).
 
-The action lists (``orchestrator.schedule``) are proven deadlock-free for an executor whose sends
-return at once and whose receives block (``orchestrator.schedule_sim``): gloo's model. NCCL is
+The action lists (``meshspeak.schedule``) are proven deadlock-free for an executor whose sends
+return at once and whose receives block (``meshspeak.schedule_sim``): gloo's model. NCCL is
 stricter. A rank's P2P ops queue on one stream, and a send larger than NCCL's buffers waits for the
 peer's receive; 1F1B neighbours that both send before they receive (rank r: SEND_F then RECV_B,
 rank r+1: SEND_B then RECV_F) then wait for each other for good. ``torch.distributed.pipelining``

@@ -3,7 +3,7 @@
 This module owns the *order* of work in a pipeline step. The driver builds the action lists here and
 hands each RankActor its own list; the actor executes it literally, top to bottom, and makes no
 scheduling decisions of its own. Keeping the schedule as data means it can be unit-tested, simulated
-(`orchestrator.schedule_sim`) and logged without a process group, and that an elastic rebuild only
+(`meshspeak.schedule_sim`) and logged without a process group, and that an elastic rebuild only
 has to hand out new lists.
 
 Vocabulary:

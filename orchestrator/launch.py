@@ -175,7 +175,7 @@ def stop_on_signals(stop: StopRequest):
 
 def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
     """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
-    (a Tune trial's, see orchestrator/sweep_trial.py); ``step_listeners`` get every step record."""
+    (a Tune trial's, see orchestrator/sweep/trial.py); ``step_listeners`` get every step record."""
     from meshmodels.family import check_init_from, resolve_model
 
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)

@@ -1,7 +1,7 @@
 """FakeWorkerGroup: the worker-group interface the driver's loop uses, scripted; no Ray, no processes.
 
 It implements what ``Controller``, ``CheckpointCoordinator`` and ``orchestrator.recovery.settle`` call
-on ``orchestrator.worker_group.WorkerGroup`` (submit / collect / call / add / kill / kill_now /
+on ``orchestrator.cluster.worker_group.WorkerGroup`` (submit / collect / call / add / kill / kill_now /
 free_slots / lost_ids / draining_nodes / all_done / drain / first_cause, and live_ids / pids / node_ips /
 node_ids), with in-memory ranks that answer with the real messages (RankInfo, StepResult, SaveAck, WriteAck, WorkerStatus). Checkpoint
 shards are real (tiny) files, so the real catalog validates and commits them.

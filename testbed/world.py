@@ -12,17 +12,19 @@ Processes
     each), re-used across runs: every run is a new generation in the same processes, as the elastic
     actors re-form. A failed or timed-out run raises :class:`MeshRunError` with each failed rank's
     traceback and kills the pool (the next run starts a new one): failures never hang. A run whose rank
-    died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning (docs/design.md, F20).
+    died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning, and recorded in a
+    file that tests/conftest.py prints at the end of the session (docs/design.md, F20).
 
 Stage split
     ``pipeline.layers`` when set, else ``balanced_split`` over per-layer parameter counts with the
     embedding added to the first layer and the final norm + head to the last
-    (``orchestrator.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
-    meta device: the same rule ``orchestrator.plan`` uses for the driver.
+    (``meshspeak.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
+    meta device: the same rule ``orchestrator.plan.mesh_plan`` uses for the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import signal
 import time
@@ -33,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from meshspeak.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
+from meshspeak.mesh import MeshShape, balanced_split, stage_param_counts
 from meshspeak.messages import StepResult
 from meshspeak.schedule import Action, make_schedule
 from meshspeak.sections import JobConfig, microbatches_per_replica
 from orchestrator.config.load import load_config
-from testbed.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
+from testbed.rank_pool import MeshRunError, _Pool, is_shared, record_native_crash, shared_pool, shutdown_pool
 
 __all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
 
@@ -138,8 +140,8 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch.distributed as dist
 
     from meshdata.masks import mask_eos_for
-    from meshspeak.messages import RuntimeSpec
-    from orchestrator.plan.mesh_plan import model_fields
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -147,22 +149,12 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     cfg = load_config(None, list(job.overrides))
     shape = MeshShape(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     v = cfg.pipeline.virtual_stages
-    spec = RuntimeSpec(
-        model=cfg.model,
-        train=cfg.train,
-        data_path=cfg.data.path,
-        zero=cfg.mesh.zero,
-        fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
-        mask_eos_id=mask_eos_for(cfg.data),
-        schedule=cfg.pipeline.schedule,
-        cpu_offload=cfg.mesh.cpu_offload,
-        layers_per_stage=job.layers_per_stage,
-        virtual_stages=v,
-        collective_timeout_s=job.collective_timeout_s,
-        use_gpu=False,
-        dp_replicate=replicate_degree(cfg.mesh.zero, shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
-        **model_fields(cfg, resuming=False),
-    )
+    # The driver's own construction (one decision of the data-parallel strategy, etc.); the stage
+    # split and the process groups' timeout are the test's.
+    spec = dataclasses.replace(
+        runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                     mask_eos_id=mask_eos_for(cfg.data), resuming=False),
+        layers_per_stage=job.layers_per_stage, collective_timeout_s=job.collective_timeout_s)
     groups = build_process_groups(
         store_addr="127.0.0.1",
         store_port=store_port,
@@ -171,7 +163,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         world_rank=rank,
         timeout_s=job.collective_timeout_s,
         device=torch.device("cpu"),
-        replicate=spec.dp_replicate,
+        replicate=spec.dp.replicate,
     )
     runtime = RankRuntime(spec, groups)
     finish = job.instrument(runtime) if job.instrument is not None else None
@@ -250,8 +242,11 @@ def run_mesh(
             else:
                 pool.close()
             if attempt == 1 and _native_crash(error):
+                # Recorded, never silent: tests/conftest.py prints every record at the session's end.
+                path = record_native_crash(error, f"run_mesh(dp={dp}, pp={pp}, tp={tp}, steps={steps})")
                 warnings.warn(f"run_mesh: a rank crashed in native code; re-running once in fresh processes "
-                              f"(docs/design.md, F20): {str(error).splitlines()[0]}", stacklevel=2)
+                              f"(docs/design.md, F20; recorded in {path}): {str(error).splitlines()[0]}",
+                              stacklevel=2)
                 continue
             raise
     wall = time.monotonic() - t0
@@ -294,8 +289,8 @@ _NATIVE_CRASH_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
 
 
 def _native_crash(error: BaseException) -> bool:
-    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, never
-    reproduced here; each rank's faulthandler stack is in the test's stderr)."""
+    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, not
+    reproduced in hundreds of stressed runs; each rank's faulthandler stack is in the test's stderr)."""
     return (isinstance(error, MeshRunError) and error.ended_by == "died"
             and any(code in _NATIVE_CRASH_SIGNALS for code in error.died.values()))
 

@@ -1,6 +1,6 @@
 """Optimizer and gradient clipping, shared by the mesh runtime and the single-process reference.
 
-The LR (orchestrator/lr_schedule.py) is a pure function of the step, set on every param group before
+The LR (meshspeak/lr_schedule.py) is a pure function of the step, set on every param group before
 each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
 """
 

@@ -9,7 +9,7 @@ A dead actor's call raises ``RayActorError``; that is caught only here and turne
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
 capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
-coordinator and ``orchestrator.recovery`` never import Ray and can be driven by a fake group
+coordinator and ``orchestrator.recovery.settle`` never import Ray and can be driven by a fake group
 (``testbed/fake_group.py`` implements the same methods).
 """
 

@@ -1,11 +1,11 @@
 """The controller's step-boundary exits that are no failure (driver side): a drain notice and a stop.
 
-``Controller`` inherits these methods (split out to keep orchestrator/controller.py small, as
-``orchestrator.rank_health`` is); they use its state (``cfg``, ``group``, ``generation``, ``ckpt``,
+``Controller`` inherits these methods (split out to keep orchestrator/control/controller.py small, as
+``orchestrator.control.rank_health`` is); they use its state (``cfg``, ``group``, ``generation``, ``ckpt``,
 ``metrics``, ``preemptions``, ``scaling``) and its transitions (``_form``, ``_fail``,
 ``_recovery_begins``). docs/design.md, Preemption and stopping.
 
-* A drain notice (``orchestrator.preemption``) with time for a save: the step is committed, the
+* A drain notice (``orchestrator.recovery.preemption``) with time for a save: the step is committed, the
   draining node's actors are dropped before it goes and the mesh re-forms without them; no failure,
   no restart counted, no step re-run. Too short for a save: an event says so and the node's loss later
   takes the failure path (not counted against the budget).

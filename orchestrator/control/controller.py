@@ -16,13 +16,13 @@ docstring lists the test of each transition) or with real actors (``tests/ray``)
     REBUILDING -> ERRORED        below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
-survivors (``orchestrator.recovery``), bumps the generation, re-plans the mesh from the live actors,
+survivors (``orchestrator.recovery.settle``), bumps the generation, re-plans the mesh from the live actors,
 has them re-form groups *in the same processes*, and reloads the newest state resharded into the new
 mesh: the in-memory snapshots when every shard has a live copy, else the newest committed checkpoint
-(``orchestrator.snapshots``). A failure while a generation forms takes the same path; it is retried.
+(``orchestrator.saves.snapshots``). A failure while a generation forms takes the same path; it is retried.
 
-Decisions are data: ``orchestrator.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
-or ``Raise``; ``orchestrator.policies.ScalingPolicy`` answers with ``ResizeDecision``, ``NoResize`` or
+Decisions are data: ``orchestrator.recovery.failure_policy.FailurePolicy`` answers a failure with ``Rebuild``
+or ``Raise``; ``orchestrator.control.scaling.ScalingPolicy`` answers with ``ResizeDecision``, ``NoResize`` or
 ``TooFewWorkers``. The controller carries them out. Everything it needs of the cluster goes through
 the worker group (calls, kills, the capacity probe ``free_slots``).
 """
@@ -77,7 +77,7 @@ class Controller(RankHealth, BoundaryExits):
         self.cfg = cfg
         self.group = worker_group
         self.metrics = metrics
-        # Asked at every formation: the provider re-hosts a store that died (orchestrator/store_provider.py).
+        # Asked at every formation: the provider re-hosts a store that died (orchestrator/cluster/store_provider.py).
         self.store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
         self.use_gpu = use_gpu
         self.data_path = data_path  # resolved by the caller (absolute; actors may run elsewhere)
@@ -93,8 +93,8 @@ class Controller(RankHealth, BoundaryExits):
         self.losses: dict[int, float] = {}
         self.error: TrainingFailed | None = None
         self.ckpt = CheckpointCoordinator(cfg, metrics)
-        self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/rank_health.py)
-        self.snapshots = SnapshotCoordinator(cfg, metrics)  # checkpoint.memory_every (orchestrator/snapshots.py)
+        self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/control/rank_health.py)
+        self.snapshots = SnapshotCoordinator(cfg, metrics)  # checkpoint.memory_every (orchestrator/saves/snapshots.py)
         self.scaling = ScalingPolicy(cfg)
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
@@ -162,7 +162,7 @@ class Controller(RankHealth, BoundaryExits):
         if self._preempted_at(step) or self._evict_stragglers(step):
             return
         if self._grow_due() or adopted:
-            self._refill_spares()  # spares first: a grow never takes them (orchestrator/policies.py)
+            self._refill_spares()  # spares first: a grow never takes them (orchestrator/control/scaling.py)
             self._adopt_new_actors()
             decision = self.scaling.grow(self.generation.shape.dp, len(self.group.live_ids))
             if isinstance(decision, ResizeDecision):
@@ -317,7 +317,7 @@ class Controller(RankHealth, BoundaryExits):
         self.next_step = restored.step + 1
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-                 "dp_replicate": spec.dp_replicate, "resumed_from_step": restored.step,
+                 "dp_replicate": spec.dp.replicate, "resumed_from_step": restored.step,
                  "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
                  "reason": decision.reason, "spares": len(spares)}
         if decision.reason == "start":
@@ -334,7 +334,7 @@ class Controller(RankHealth, BoundaryExits):
 
 def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:
     """World rank -> actor id for ``shape.world`` of the live actors, and the spares: TP groups inside
-    a node, then PP, then DP across nodes (orchestrator/placement.py)."""
+    a node, then PP, then DP across nodes (orchestrator/plan/placement.py)."""
     ordered = place_ranks(live, node_ips, shape).order
     return {rank: ordered[rank] for rank in range(shape.world)}, ordered[shape.world:]
 

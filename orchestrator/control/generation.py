@@ -1,5 +1,5 @@
 """What the driver records of a generation and of a run, and what it tells each rank to build; and the
-controller's ``State`` (the run's state machine, orchestrator/controller.py).
+controller's ``State`` (the run's state machine, orchestrator/control/controller.py).
 
 Three different "generation" types exist, one per side: ``GenerationRecord`` here (the driver's record
 of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from meshspeak.mesh import MeshShape, replicate_degree
+from meshspeak.mesh import MeshShape
 from meshspeak.messages import RankInfo, RuntimeSpec
 from meshspeak.sections import JobConfig
 from orchestrator.plan.mesh_plan import MeshPlan, model_fields
@@ -63,7 +63,7 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         model=cfg.model,
         train=cfg.train,
         data_path=data_path,
-        zero=cfg.mesh.zero,
+        dp=plan.dp,
         layers_per_stage=plan.layers_per_stage,
         virtual_stages=plan.virtual_stages,
         collective_timeout_s=cfg.elastic.collective_timeout_s,
@@ -73,6 +73,4 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         **model_fields(cfg, resuming=resuming),
         mask_eos_id=mask_eos_id,
         schedule=cfg.pipeline.schedule,
-        cpu_offload=cfg.mesh.cpu_offload,
-        dp_replicate=replicate_degree(cfg.mesh.zero, plan.shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
     )

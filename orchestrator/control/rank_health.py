@@ -1,9 +1,9 @@
 """The controller's rank-health transitions: bad steps, stragglers and hot spares (driver side).
 
-``Controller`` inherits these methods (split out to keep orchestrator/controller.py small); they use its
+``Controller`` inherits these methods (split out to keep orchestrator/control/controller.py small); they use its
 state (``cfg``, ``group``, ``generation``, ``ckpt``, ``metrics``) and its transitions (``_form``,
-``_fail``, ``_begin_resize``). The decisions themselves are pure: ``orchestrator.bad_steps``,
-``orchestrator.stragglers``, ``orchestrator.policies`` (docs/design.md: Bad steps, Stragglers, Hot
+``_fail``, ``_begin_resize``). The decisions themselves are pure: ``orchestrator.recovery.bad_steps``,
+``orchestrator.recovery.stragglers``, ``orchestrator.control.scaling`` (docs/design.md: Bad steps, Stragglers, Hot
 spares).
 
 * Bad steps: a step every rank skipped (loss or grad norm not finite) is logged (``bad_step``) and
@@ -56,7 +56,7 @@ class RankHealth:
             self.ckpt.after_step(self.group, self.generation, step)  # nothing to roll back to: go on
             return True
         self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
-        try:  # the newest snapshot when every shard has a live copy, else storage (orchestrator/snapshots.py)
+        try:  # the newest snapshot when every shard has a live copy, else storage (orchestrator/saves/snapshots.py)
             restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt)
         except RestoreFailed as exc:
             self._fail(Phase.LOADING, exc.outcome)

@@ -102,7 +102,7 @@ class CheckpointCoordinator:
         self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
-        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/bad_steps.py): written, and read back
+        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
         if self.user_dir:
             try:
                 ensure_writable(self.root)
@@ -323,7 +323,7 @@ class CheckpointCoordinator:
 
 
 def _data_identity(cfg: JobConfig) -> str:
-    """Content identity of the job's data (workers.data: torch-free, cached per process)."""
+    """Content identity of the job's data (meshdata: torch-free, cached per process)."""
     from meshdata import open_source
 
     return open_source(cfg.data.path).identity

@@ -55,7 +55,7 @@ def eval_after_training(path: str, batches: int, runtime):
 
 
 def mesh_eval_loss(extras: dict) -> float:
-    """What orchestrator/evaluation.py computes from the ranks' answers."""
+    """What orchestrator/control/evaluation.py computes from the ranks' answers."""
     batches = len(next(iter(extras.values())))
     total = count = 0.0
     for b in range(batches):

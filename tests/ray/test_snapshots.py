@@ -1,4 +1,4 @@
-"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/snapshots.py) on a local
+"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/saves/snapshots.py) on a local
 multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
 resharded into the smaller mesh, the losses the single-process reference's, the survivors never
 restarted; a rank killed together with the holder of its snapshot falls back to storage, and the

@@ -1,7 +1,7 @@
 """In-memory snapshots through the controller on a fake worker group (no processes): every step each
 rank's snapshot is relayed to its holder; after a failure the run restores from them when every
 shard has a live copy, else from storage, and the rebuild event says which
-(orchestrator/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
+(orchestrator/saves/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
 
 from __future__ import annotations
 

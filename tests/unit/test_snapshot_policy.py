@@ -1,4 +1,4 @@
-"""The pure decisions of in-memory snapshots (orchestrator/snapshots.py): who holds whose snapshot,
+"""The pure decisions of in-memory snapshots (orchestrator/saves/snapshots.py): who holds whose snapshot,
 whether a set can restore a run, snapshot or storage."""
 
 from orchestrator.saves.snapshots import backup_ring, choose_source, covered, host_bytes_per_rank, providers
