@@ -260,3 +260,15 @@ def shared_pool() -> _Pool:
 
 def is_shared(pool: _Pool) -> bool:
     return pool is _POOL
+
+
+def native_crash_report(path: Path) -> list[str]:
+    """The terminal summary's lines for the records in ``path`` (none: no lines)."""
+    records = read_native_crashes(path)
+    if not records:
+        return []
+    lines = [f"{len(records)} mesh run(s) re-ran after a native crash (docs/design.md, F20); records in {path}:"]
+    for r in records:
+        lines.append(f"  {r['time']} {r['test'] or '(outside a test)'} {r['run']}: died {r['died']}, "
+                     f"raised {r['raised']}, ended by {r['ended_by']}: {r['first_line']}")
+    return lines

@@ -14,25 +14,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, read_native_crashes
+from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report
 
 
 def pytest_configure(config) -> None:
     if not os.environ.get(NATIVE_CRASH_LOG_ENV):
         directory = tempfile.mkdtemp(prefix="elastimesh-native-crashes-")
         os.environ[NATIVE_CRASH_LOG_ENV] = str(Path(directory) / "native_crashes.jsonl")
-
-
-def native_crash_report(path: Path) -> list[str]:
-    """The terminal summary's lines for the records in ``path`` (none: no lines)."""
-    records = read_native_crashes(path)
-    if not records:
-        return []
-    lines = [f"{len(records)} mesh run(s) re-ran after a native crash (docs/design.md, F20); records in {path}:"]
-    for r in records:
-        lines.append(f"  {r['time']} {r['test'] or '(outside a test)'} {r['run']}: died {r['died']}, "
-                     f"raised {r['raised']}, ended by {r['ended_by']}: {r['first_line']}")
-    return lines
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -201,8 +201,7 @@ def test_harness_re_runs_once_after_a_native_crash_then_fails(tmp_path, monkeypa
     """A rank killed by SIGABRT (docs/design.md, F20) gets one re-run in fresh processes, with a
     warning and a record in the session's native-crash file (printed at the end by tests/conftest.py);
     crashing again fails the run (an exit code, as in the test above, is never re-run)."""
-    from tests.conftest import native_crash_report
-    from tests.helpers.rank_pool import NATIVE_CRASH_LOG_ENV, read_native_crashes
+    from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report, read_native_crashes
 
     log = tmp_path / "native_crashes.jsonl"
     monkeypatch.setenv(NATIVE_CRASH_LOG_ENV, str(log))

@@ -10,7 +10,7 @@ rank already inside the rendezvous, so the ones still inside the call are kicked
 from __future__ import annotations
 
 from meshspeak.messages import CallOutcome, WorkerStatus
-from orchestrator.recovery.settle import settle as recovery
+from orchestrator.recovery import settle as recovery
 
 
 class LateJoiners:
