@@ -161,7 +161,7 @@ def test_free_slots_leave_out_draining_nodes(monkeypatch):
 
 # -- issue 25: a request that cannot be placed is withdrawn -----------------------------------------
 def controller_loop(group: WorkerGroup, clock: Clock, minutes: float, spares: int, check_s: float = 5.0):
-    """What the controller does for its spares at each grow check (orchestrator/rank_health.py:
+    """What the controller does for its spares at each grow check (orchestrator/control/rank_health.py:
     ``_adopt_started`` then ``_refill_spares``), over ``minutes`` of simulated time; yields after each."""
     end = clock.t + minutes * 60
     while clock.t < end:
@@ -234,7 +234,7 @@ def test_no_room_at_all_asks_for_no_group(monkeypatch, fake_actors):
     group = new_group(monkeypatch, clock)
     for _ in controller_loop(group, clock, minutes=10, spares=2):
         pass
-    assert cluster.groups == []  # the autoscaler request stands for them (orchestrator/autoscale.py)
+    assert cluster.groups == []  # the autoscaler request stands for them (orchestrator/cluster/autoscale.py)
     cluster.room["A"] = 2  # a node's worth of room appears: both are asked for and placed
     for _ in controller_loop(group, clock, minutes=0.2, spares=2):
         pass
