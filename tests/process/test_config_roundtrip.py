@@ -7,12 +7,13 @@ Before: with ``model.from_hf`` the printed file carried the default size keys (`
 model.from_hf are both set"). Now those keys are comments holding config.json's values.
 
 Each case: ``config`` -> a file; loading the file gives the same ``JobConfig``; ``plan FILE`` exits 0.
-One real ``train`` of a printed ``from_hf`` file (one step, one rank, a local Ray) is the slow test.
+The slow test trains each printed file for one step on one rank (a local Ray).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -88,13 +89,20 @@ def test_from_hf_sizes_are_comments_with_config_json_values(hf_dir, capsys):
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_a_printed_from_hf_file_trains(hf_dir, tmp_path, capsys):
-    sets = [f"model.from_hf={hf_dir}", "mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "train.steps=1",
-            f"metrics.path={tmp_path / 'm.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+@pytest.mark.parametrize("name", ["builtin", *(p.stem for p in EXAMPLE_JOBS), "posnorm_family", "from_hf"])
+def test_a_printed_file_trains(name, hf_dir, tmp_path, capsys, monkeypatch):
+    """`train` of the printed file, one step on one rank (the file's own mesh is what `plan` checked
+    above; 8 ranks of torch are minutes on this machine), run where the file's relative output paths
+    land in ``tmp_path``."""
+    monkeypatch.chdir(REPO)
+    job, overrides = cases(hf_dir)[name]
     path = tmp_path / "job.toml"
-    path.write_text(printed(capsys, [a for o in sets for a in ("--set", o)]))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", str(path), "--no-progress"],
-                          capture_output=True, text=True, timeout=840, cwd=REPO)
+    path.write_text(printed(capsys, ([job] if job else []) + [a for o in overrides for a in ("--set", o)]))
+    sets = ["train.steps=1", "mesh.dp=1", "mesh.pp=1", "mesh.tp=1", f"metrics.path={tmp_path / 'm.jsonl'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "train", str(path), "--no-progress",
+                           *(a for o in sets for a in ("--set", o))], capture_output=True, text=True,
+                          timeout=840, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1]
