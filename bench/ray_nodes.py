@@ -62,15 +62,26 @@ class RayStartCluster:
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
         })
         self.nodes: list[subprocess.Popen] = []
+        self.failed: list[subprocess.Popen] = []  # `ray start`s that gave up (their own sessions: teardown)
         self._node(["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
                     "--dashboard-host=127.0.0.1", "--include-dashboard=true",
                     f"--ray-client-server-port={free_ports(1)[0]}"], head_cpus, {})
 
-    def add_node(self, cpus: int, env: dict | None = None) -> subprocess.Popen:
-        return self._node([f"--address={self.gcs_address}"], cpus, env or {})
+    def add_node(self, cpus: int, env: dict | None = None, attempts: int = 3) -> subprocess.Popen:
+        """A worker node. `ray start` gives a raylet 30 s (hard-coded in Ray 2.60's node.py) to register
+        with the GCS and exits otherwise, which happens on this machine under a load of ~100: try again
+        (the failed attempt's processes die with its `ray start`: Ray's kernel fate-sharing)."""
+        for attempt in range(attempts):
+            try:
+                return self._node([f"--address={self.gcs_address}"], cpus, env or {})
+            except RuntimeError:
+                self.failed.append(self.nodes.pop())
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _node(self, args: list[str], cpus: int, env: dict) -> subprocess.Popen:
-        index = len(self.nodes)
+        index = len(self.nodes) + len(self.failed)
         agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
         log = self.root / f"node{index}.log"
         cmd = ["ray", "start", "--block", *args, f"--temp-dir={self.root / f'ray{index}'}",
@@ -115,7 +126,7 @@ class RayStartCluster:
 
     def _ours(self) -> set[psutil.Process]:
         found: set[psutil.Process] = set()
-        for proc in self.nodes:
+        for proc in self.nodes + self.failed:
             try:
                 parent = psutil.Process(proc.pid)
                 found |= {parent, *parent.children(recursive=True)}
@@ -132,17 +143,17 @@ class RayStartCluster:
 
     def shutdown(self) -> None:
         leftovers = self._ours()
-        for proc in self.nodes:
+        for proc in self.nodes + self.failed:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
-        for proc in self.nodes:
+        for proc in self.nodes + self.failed:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         leftovers |= self._ours()
-        for proc in self.nodes:
+        for proc in self.nodes + self.failed:
             if proc.pid > 1:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # the session we created for it
