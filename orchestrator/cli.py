@@ -148,13 +148,13 @@ def _dispatch(args) -> int:
         sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
         return 0
     if args.command == "config":
-        from meshspeak.schema import dump_toml
-        from meshspeak.sections import config_doc, config_to_dict
+        from meshspeak.sections import config_doc
+        from orchestrator.config.load import config_toml
 
         if args.doc:
             sys.stdout.write(config_doc())
         else:
-            sys.stdout.write(dump_toml(config_to_dict(_load(args))))
+            sys.stdout.write(config_toml(_load(args)))
         return 0
     if args.command == "train":
         from orchestrator.launch import run_job

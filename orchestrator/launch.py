@@ -250,10 +250,16 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
         if cfg.elastic.spares:  # hot spares: wanted, not required (the controller asks again later)
+            room = min(cfg.elastic.spares, group.free_slots())  # never a group left pending: bundles.py
             try:
-                group.add(cfg.elastic.spares, strategy="SPREAD")
+                if room:
+                    group.add(room, strategy="SPREAD")
             except WorkerGroupStartupError as exc:
+                room = 0
                 logger.warning("elastic.spares=%d: not started yet (%s)", cfg.elastic.spares, exc)
+            if room < cfg.elastic.spares:
+                logger.info("elastic.spares=%d: %d started; the rest as the cluster makes room",
+                            cfg.elastic.spares, room)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None,
                              launched_at=launched_at, trackers=open_trackers(cfg))
         metrics.step_listeners.extend(listeners)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshspeak.schema import ConfigError, coerce, is_string_key
-from meshspeak.sections import ALL_KEYS, FIELDS, SECTIONS, JobConfig
+from meshspeak.schema import ConfigError, coerce, dump_toml, is_string_key, toml_literal
+from meshspeak.sections import ALL_KEYS, FIELDS, SECTIONS, JobConfig, config_to_dict
 from orchestrator.config.validate import validate_job
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,35 @@ def _merge_deepspeed(raw: dict[str, dict[str, object]], path: str, warn: Callabl
 
 # [model] keys that describe the architecture: with model.from_hf, config.json decides them.
 HF_SIZE_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_hidden", "norm_eps", "rope_theta")
+
+
+# Where a family's shape keeps each of them when its name differs (the llama family's ffn_dim).
+_SHAPE_FIELDS = {"ffn_hidden": ("ffn_hidden", "ffn_dim")}
+
+
+def config_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that ``load_config`` accepts back (``elastimesh config``).
+
+    With ``model.from_hf`` the architecture keys come from its config.json and must not be set (a file
+    that sets them is refused), so they are written as comments carrying config.json's values.
+    """
+    doc = config_to_dict(cfg)
+    if not cfg.model.from_hf:
+        return dump_toml(doc)
+    from meshmodels.family import resolve_model
+
+    shape = resolve_model(cfg.model).shape
+    notes = []
+    for key in HF_SIZE_KEYS:
+        doc["model"].pop(key, None)
+        value = next((getattr(shape, f) for f in _SHAPE_FIELDS.get(key, (key,)) if hasattr(shape, f)), None)
+        if value is not None:
+            notes.append(f"# {key} = {toml_literal(value)}")
+    header = f"# read from {cfg.model.from_hf}/config.json (model.from_hf), so not set here:"
+    text = dump_toml(doc)
+    model_end = text.index("[model]\n")
+    model_end = text.index("\n\n", model_end)
+    return text[:model_end] + "\n" + "\n".join([header, *notes]) + text[model_end:]
 
 
 def _check_from_hf_conflicts(model_raw: Mapping[str, object]) -> None:
