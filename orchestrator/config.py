@@ -30,7 +30,9 @@ from typing import Any
 from orchestrator.config_schema import ConfigError, coerce, doc_table, is_string_key, iter_keys, key
 from orchestrator.config_validate import (
     DTYPES,
+    GRAD_COMPRESSION,
     GRAD_REDUCE,
+    OPTIMIZERS,
     SCHEDULES,
     ZERO_STAGES,
     check_mesh,
@@ -121,12 +123,23 @@ class TrainConfig:
     grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
                                       "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
     grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
-                                        "DDP PowerSGD hook, error feedback reset on every resize); "
-                                        "needs mesh.zero=0", choices=("none", "powersgd"))
+                                        "DDP PowerSGD hook; needs mesh.zero=0); int8 / int4: blockwise "
+                                        "quantized all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1..3), "
+                                        "quantize -> all-to-all -> dequantize-reduce as ZeRO++'s qgZ; "
+                                        "error feedback reset on every resize", choices=GRAD_COMPRESSION)
     powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
     powersgd_plain_steps: int = key(2, "steps of each generation all-reduced uncompressed before "
                                        "PowerSGD starts (torch's start_powerSGD_iter; it suggests ~10% "
                                        "of the run)", ge=2)
+    quant_block: int = key(128, "int8/int4 gradient compression: values per fp32 scale (blockwise absmax); "
+                                "even for int4", ge=2)
+    optimizer: str = key("adamw", 'adamw, or "onebit_adam": DeepSpeed\'s 1-bit Adam (Adam for '
+                                  "onebit_warmup_steps, then frozen variance and 1-bit compressed momentum "
+                                  "with error feedback; needs mesh.zero=0 and grad_compression=\"none\")",
+                         choices=OPTIMIZERS)
+    onebit_warmup_steps: int = key(100, "onebit_adam: uncompressed Adam steps before the variance freezes "
+                                        "(DeepSpeed's freeze_step; it suggests 15-25% of the run); below "
+                                        "train.steps", ge=1)
 
 
 @dataclass(**_SECTION)

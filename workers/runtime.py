@@ -30,7 +30,7 @@ from workers.models.hf_io import load_hf
 from workers.models.tied import TiedGrads
 from workers.batching import eval_forward, step_data
 from workers.compute_clock import ComputeClock
-from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
+from workers.compression import own_dp_all_reduce, setup_dp_reduction, wrap_ddp
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
@@ -66,7 +66,7 @@ class RankRuntime:
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
-                    dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
+                    dp_mesh=groups.shard_mesh if own_dp_all_reduce(spec, shape.dp) else groups.dp_mesh,
                     param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload) and not use_ddp,
                     fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
                     compile=train.compile, cpu_offload=spec.cpu_offload,
@@ -77,9 +77,11 @@ class RankRuntime:
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1,
                 ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
             )
-            self.optimizers.append(build_optimizer(module, train))
-        # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups, ddp=use_ddp)
+            self.optimizers.append(build_optimizer(module, train, dp_group=groups.dp_group))
+        # The dp bytes of each step, and the gradient compression asked for (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups,
+                                           [st.ddp for st in self.stages.values() if st.ddp is not None],
+                                           self.optimizers)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
         self.compute_clock = ComputeClock(b for st in self.stages.values() for b in self.family.blocks(st.module))
         self.params: list[nn.Parameter] = [
