@@ -75,16 +75,20 @@ def onebit_all_reduce(tensors: list[torch.Tensor], errors: OnebitErrors, group: 
     signs = pack_signs(compensated)
     received = torch.empty_like(signs)
     dist.all_to_all_single(received, signs, group=group)
-    all_scales = torch.empty((n, len(tensors)), dtype=torch.float32, device=device)
-    dist.all_gather_single(all_scales, worker_scales, group=group)
+    all_scales = torch.empty(n * len(tensors), dtype=torch.float32, device=device)
+    dist.all_gather_single(all_scales, worker_scales, group=group)  # gloo: 1-D in, 1-D out
+    all_scales = all_scales.view(n, len(tensors))
     # Server: the mean of what the n ranks sent for my chunk, then sign of (that + residual).
     mine = (unpack_signs(received) * all_scales[:, segment]).sum(dim=0) / n
     compensated = errors.server.compensate(mine)
     server_scales = _segment_scales(compensated, segment, chunk_sizes)
     errors.server.update(compensated, _signs_times(compensated, server_scales[segment]))
-    gathered = torch.empty((n, signs.shape[1]), dtype=torch.uint8, device=device)
+    gathered = torch.empty(n * signs.shape[1], dtype=torch.uint8, device=device)
     dist.all_gather_single(gathered, pack_signs(compensated), group=group)
+    gathered = gathered.view(n, signs.shape[1])
+    all_scales = torch.empty(n * len(tensors), dtype=torch.float32, device=device)
     dist.all_gather_single(all_scales, server_scales, group=group)
+    all_scales = all_scales.view(n, len(tensors))
     if counter is not None:
         scale_bytes = 4 * len(tensors)
         counter.add((n - 1) * (signs.shape[1] + scale_bytes) * 2)

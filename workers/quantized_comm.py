@@ -104,10 +104,10 @@ class QuantizedReducer:
         rows = F.pad(F.pad(flat.reshape(-1), (0, n * m - numel)).view(n, m), (0, padded - m))
         mine = self._reduce_rows(rows) / n
         packed, payload_bytes = self._encode(mine.unsqueeze(0), self.server)
-        gathered = torch.empty((n, packed.shape[1]), dtype=torch.uint8, device=packed.device)
-        dist.all_gather_single(gathered, packed, group=self.group)
+        gathered = torch.empty(n * packed.shape[1], dtype=torch.uint8, device=packed.device)
+        dist.all_gather_single(gathered, packed.view(-1), group=self.group)  # gloo: 1-D in, 1-D out
         self.counter.add((n - 1) * packed.shape[1])
-        full = self._decode(gathered, payload_bytes)[:, :m].reshape(-1)[:numel]
+        full = self._decode(gathered.view(n, -1), payload_bytes)[:, :m].reshape(-1)[:numel]
         flat.copy_(full.view(flat.shape))
 
 
