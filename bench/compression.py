@@ -76,6 +76,7 @@ def main() -> None:
     p.add_argument("--config", action="append", choices=sorted(psgd.CONFIGS))
     p.add_argument("--variant", action="append", choices=sorted(psgd.VARIANTS))
     p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--run-timeout", type=float, default=14400, help="seconds per run (a loaded machine is slow)")
     args = p.parse_args()
     configs = args.config or (CONFIGS[:1] if args.quick else CONFIGS)
     variants = args.variant or (QUICK_VARIANTS if args.quick else VARIANTS)
@@ -85,7 +86,7 @@ def main() -> None:
     try:
         for config in configs:
             for variant in variants:
-                r = psgd.run_one(config, variant, steps)
+                r = psgd.run_one(config, variant, steps, timeout=args.run_timeout)
                 runs[(config, variant, steps)] = r
                 print(f"{config} {variant} steps={steps}: final loss {r['final_loss']:.4f}, bytes/step "
                       f"{r['bytes_first_step']} -> {r['bytes_compressed_step']} (mean {r['bytes_mean']:.0f}), "
