@@ -32,9 +32,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import load_average, machine, parser, write_result
-
 import chaos_faults as cf
+from common import load_average, machine, parser, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -73,10 +72,10 @@ def run_campaign(args, tmp: Path) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.config import load_config
-    from orchestrator.store_provider import StoreProvider
-    from tests.ray.conftest import make_group
-    from tests.ray.harness import make_controller, mesh_params
+    from orchestrator.cluster.store_provider import StoreProvider
+    from orchestrator.config.load import load_config
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller, mesh_params
 
     overrides = overrides_for(args, tmp)
     cfg = load_config(None, overrides)
@@ -150,7 +149,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     import numpy as np
 
     from checkpoints.catalog import list_checkpoints
-    from tests.ray.harness import reference
+    from testbed.ray_harness import reference
 
     records = [json.loads(line) for line in open(tmp / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r and "event" not in r]

@@ -2,7 +2,7 @@
 
 Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and they import this module as
 ``common``; importing it puts the repository root on ``sys.path`` too (for ``orchestrator``, ``workers``,
-``tests.helpers``). Heavy imports (torch, ray) happen inside the functions that need them.
+``testbed``). Heavy imports (torch, ray) happen inside the functions that need them.
 
 * :func:`parser` / :func:`write_result`: ``--quick`` and ``--out`` (default ``bench/results/NAME.json``)
   and the JSON file every script writes (indented, parent directories created).
@@ -18,6 +18,7 @@ Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -87,7 +88,7 @@ def local_ray() -> Iterator[None]:
 def bench_config(model: dict[str, Any], *, dp: int = 1, tp: int = 1, steps: int, global_batch: int,
                  micro_batch: int):
     """A job config at (dp, pp=1, tp), ZeRO-3, with ``model.*`` overrides."""
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     overrides = [f"mesh.dp={dp}", "mesh.pp=1", f"mesh.tp={tp}", "mesh.zero=3", f"train.steps={steps}",
                  f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro_batch}"]
@@ -103,18 +104,19 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     """
     import torch
 
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.schedule import make_schedule
+    from meshspeak.mesh import MeshShape
+    from meshspeak.schedule import make_schedule
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
     mesh = cfg.mesh
     device = device or torch.device("cpu")
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=mesh.zero,
-                       fsdp_unit_mb=mesh.fsdp_unit_mb, layers_per_stage=(cfg.model.n_layers,),
-                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=device.type == "cuda",
-                       schedule="1f1b", cpu_offload=mesh.cpu_offload)
+    # The driver's construction (orchestrator/control/generation.py), with the bench's timeout.
+    spec = dataclasses.replace(runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path,
+                                            use_gpu=device.type == "cuda", mask_eos_id=None, resuming=False),
+                               collective_timeout_s=timeout_s)
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                   shape=MeshShape(mesh.dp, 1, mesh.tp), world_rank=world_rank,
                                   timeout_s=timeout_s, device=device, store_prefix=store_prefix)

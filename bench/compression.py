@@ -23,8 +23,8 @@ the same ZeRO level, and for ``plain_z3`` plain ZeRO-0: the same math with other
 is how far two uncompressed trajectories drift apart, the floor under the others), ``bytes_ratio``
 (the baseline's bytes per step over the last step's: a compressed one) and ``bytes_ratio_mean`` (over
 the whole run, uncompressed warm-up steps included); for int8/int4 ``met`` (``|gap|`` within the goal,
-and both ratios) and ``not_worse`` (the loss at most the goal above the baseline's). ``--quick``: 20 steps of the default config, plain, int8, int4
-and 1-bit Adam with 5 warm-up steps (a smoke run).
+and both ratios) and ``not_worse`` (the loss at most the goal above the baseline's). ``--quick``: 20
+steps of the default config, plain, int8, int4 and 1-bit Adam with 5 warm-up steps (a smoke run).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import json
 
 import powersgd_convergence as psgd
 from common import environment, parser, write_result
-from tests.helpers.world import shutdown_pool
+from testbed.world import shutdown_pool
 
 GOALS = {"int8": (0.005, 3.5), "int4": (0.02, 7.0)}  # codec -> (gap max, bytes ratio min)
 TAIL = psgd.TAIL

@@ -50,8 +50,8 @@ def make_corpus(out: Path, gb: float, seed: int = 0) -> dict:
 
     import numpy as np
 
-    from workers.data.index import FORMAT_VERSION, SIDECAR
-    from workers.data.prepare import SHARD_TOKENS, UnitResult, _ShardBuilder
+    from meshdata.index import FORMAT_VERSION, SIDECAR
+    from meshdata.prepare import SHARD_TOKENS, UnitResult, _ShardBuilder
 
     target = int(gb * 2**30 / 4)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,11 +91,12 @@ def child(data_path: str, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from orchestrator.config import load_config
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import RuntimeSpec
-    from orchestrator.schedule import make_schedule
-    from workers.data.masks import mask_eos_for
+    from meshdata.masks import mask_eos_for
+    from meshspeak.mesh import MeshShape
+    from meshspeak.schedule import make_schedule
+    from orchestrator.config.load import load_config
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -109,9 +110,8 @@ def child(data_path: str, steps: int) -> dict:
     t0 = time.perf_counter()
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store.port, generation=1,
                                   shape=MeshShape(1, 1, 1), world_rank=0, timeout_s=60, device=torch.device("cpu"))
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=3,
-                       layers_per_stage=(cfg.model.n_layers,), virtual_stages=1, collective_timeout_s=60,
-                       use_gpu=False, mask_eos_id=mask_eos_for(cfg.data))
+    spec = runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                        mask_eos_id=mask_eos_for(cfg.data), resuming=False)
     runtime = RankRuntime(spec, groups)
     built_s = time.perf_counter() - t0
     rss_built = mb()
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gb = args.gb or (0.02 if args.quick else 2.0)
 
-    from workers.data import validate_source
-    from workers.data.index import SIDECAR
+    from meshdata import validate_source
+    from meshdata.index import SIDECAR
 
     tmp = None
     corpus = Path(args.corpus) if args.corpus else Path(tmp := tempfile.mkdtemp(prefix="elastimesh-bigcorpus-"))

@@ -7,7 +7,7 @@ MB) and a byte-level BPE trained offline on it (``--vocab`` tokens) are made fir
 * **tokenizers**: the text already in memory as a list of strings, ``Tokenizer.encode_batch_fast`` on
   batches of ~1 MB of text, the library's own thread pool over every core — the ceiling for encoding
   alone (no reading, no writing);
-* **prepare**: ``workers.data.prepare`` end to end — read and parse the JSON lines, encode (Ray tasks,
+* **prepare**: ``meshdata.prepare`` end to end — read and parse the JSON lines, encode (Ray tasks,
   one per core, one encode thread each), add EOS, build Parquet shards, hash and write them, write the
   sidecar — on a local Ray that is already started (its start is reported separately:
   ``ray_start_s``; ``end_to_end_ratio`` charges it to one prepare).
@@ -40,7 +40,7 @@ BATCH_CHARS = 1 << 20
 def make_inputs(folder: Path, mb: float, vocab: int) -> tuple[list[str], Path, Path]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from workers.data.source import BUILTIN_FILE
+    from meshdata.source import BUILTIN_FILE
 
     paragraphs = [p for p in BUILTIN_FILE.read_text().split("\n\n") if p.strip()]
     rng = random.Random(0)
@@ -82,11 +82,12 @@ def baseline(tokenizer_path: Path, docs: list[str]) -> tuple[float, int]:
 
 
 def ours(corpus: Path, tok_dir: Path, out: Path) -> tuple[float, int]:
-    from workers.data import prepare
+    from meshdata import prepare
+    from orchestrator.cluster.prepare_tasks import RayFanOut
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    meta = prepare([str(corpus)], str(out), tokenizer=str(tok_dir), parallel=True)
+    meta = prepare([str(corpus)], str(out), tokenizer=str(tok_dir), parallel=True, fan_out=RayFanOut())
     return time.perf_counter() - t0, meta["num_tokens"]
 
 

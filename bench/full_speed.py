@@ -1,6 +1,6 @@
 """Time to full speed: step 2 of a generation vs the steady step, after start and after each rebuild.
 
-One elastimesh run on a local Ray (``tests.ray.conftest.make_group`` + the real ``Controller``, as
+One elastimesh run on a local Ray (``testbed.ray_cluster.make_group`` + the real ``Controller``, as
 ``recovery.py``): dp=4, tp=1, a requested shrink to dp=2 and a grow back to dp=4
 (``controller.resize_requests``; each resize commits a checkpoint of the step before it and the
 next generation loads it), no periodic checkpoints (a save's staging would slow the step after it
@@ -45,10 +45,10 @@ QUICK = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_siz
 def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
     import ray
 
-    import orchestrator.controller as controller_mod
-    from orchestrator.config import load_config
-    from tests.ray.conftest import make_group
-    from tests.ray.harness import make_controller
+    import orchestrator.control.controller as controller_mod
+    from orchestrator.config.load import load_config
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
     from workers.store import StoreHost
 
     steps = 3 * per_gen

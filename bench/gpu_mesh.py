@@ -54,11 +54,11 @@ def part_nccl_mesh(dry: bool, run: bool, workdir: str) -> dict:
 
 
 def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bool = False) -> dict:
-    from orchestrator.config import load_config
-    from orchestrator.controller import Controller
+    from meshdata import open_source
+    from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
+    from orchestrator.config.load import load_config
+    from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
-    from orchestrator.worker_group import ActorResources, WorkerGroup
-    from workers.data import open_source
     from workers.reference import ReferenceTrainer
 
     dp, pp, tp = shape

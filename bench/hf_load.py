@@ -29,6 +29,7 @@ Writes ``bench/results/hf_load.json`` unless ``--out`` says otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -62,7 +63,7 @@ def write_model(directory: str, sizes: dict[str, int]) -> dict[str, int]:
     import torch
     from safetensors.torch import save_file
 
-    from workers.models.family import load_family
+    from meshmodels.family import load_family
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -138,10 +139,10 @@ class BuildAndLoad:
         import torch
         import torch.distributed as dist
 
-        from orchestrator.config import load_config
-        from orchestrator.mesh import MeshShape
-        from orchestrator.messages import RuntimeSpec
-        from orchestrator.plan import make_plan, model_fields
+        from meshspeak.mesh import MeshShape
+        from orchestrator.config.load import load_config
+        from orchestrator.control.generation import runtime_spec
+        from orchestrator.plan.mesh_plan import make_plan
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
@@ -152,9 +153,8 @@ class BuildAndLoad:
             overrides.append(f"checkpoint.init_from={self.model_dir}")
         cfg = load_config(None, overrides)
         plan = make_plan(cfg)
-        spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path="builtin", zero=3,
-                           layers_per_stage=plan.layers_per_stage, virtual_stages=1, collective_timeout_s=300,
-                           use_gpu=False, fsdp_unit_mb=0, **model_fields(cfg, resuming=False))
+        spec = dataclasses.replace(runtime_spec(cfg, plan, data_path="builtin", use_gpu=False, mask_eos_id=None,
+                                                resuming=False), collective_timeout_s=300)
         groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                       shape=MeshShape(DP, 1, TP), world_rank=rank, timeout_s=300,
                                       device=torch.device("cpu"))
@@ -204,7 +204,7 @@ def transformers_load(model_dir: str) -> dict:
 
 
 def run_mesh_job(job) -> list[dict]:
-    from tests.helpers.rank_pool import _Pool
+    from testbed.rank_pool import _Pool
 
     pool = _Pool()  # fresh processes: nothing left over from another run
     try:

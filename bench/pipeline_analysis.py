@@ -1,7 +1,7 @@
 """Analysis for bench/pipeline_bubble.py: the measured bubble of a run and where the rest went.
 
-Pure functions over a ``tests.helpers.world.MeshRun`` made with ``pipeline_probes.timing_probe``:
-the bubble over each step's pipeline window, replays of the schedule (``orchestrator.schedule_sim``,
+Pure functions over a ``testbed.world.MeshRun`` made with ``pipeline_probes.timing_probe``:
+the bubble over each step's pipeline window, replays of the schedule (``meshspeak.schedule_sim``,
 communication free) with the measured per-stage means and with every action's own duration, and
 hand-off latencies.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import statistics
 
-from orchestrator.schedule import Action, Op, message_key
-from orchestrator.schedule_sim import simulate
+from meshspeak.schedule import Action, Op, message_key
+from meshspeak.schedule_sim import simulate
 
 WARMUP_STEPS = 2  # steps 1-2 are left out of every figure
 

@@ -1,7 +1,7 @@
 """Pipeline benchmark: measured 1F1B bubble vs theory, interleaved vs 1F1B, activation memory 1F1B vs GPipe.
 
 Usage: ``python bench/pipeline_bubble.py [--quick] [--out PATH]``; writes ``bench/results/pipeline_bubble.json``
-and prints a short summary. Runs real local gloo meshes (``tests.helpers.world.run_mesh``: the
+and prints a short summary. Runs real local gloo meshes (``testbed.world.run_mesh``: the
 ``RankRuntime`` ranks and the driver's schedules), dp=1, tp=1.
 
 1. Bubble, pp in {2, 4} x m in {4, 8, 16}, 1F1B, ``n_layers = 2 pp`` with ``pipeline.layers`` = 2 per
@@ -31,10 +31,11 @@ import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import load_average, machine, parser, write_result
-from orchestrator.schedule import peak_in_flight, theoretical_bubble
 from pipeline_analysis import WARMUP_STEPS, bubble_stats
 from pipeline_probes import memory_probe, timing_probe
-from tests.helpers.world import run_mesh, shutdown_pool
+
+from meshspeak.schedule import peak_in_flight, theoretical_bubble
+from testbed.world import run_mesh, shutdown_pool
 
 # d_model 256, seq 256, 2 sequences per microbatch: one 2-layer stage costs ~35 ms F / ~75 ms B on one
 # idle core, against <1 ms to send the 512 KB boundary activation, so compute dominates communication.
@@ -213,7 +214,7 @@ def notes(report: dict) -> list[str]:
         "done where the receiver already waited; recv_of_an_already_sent_tensor_ms is the receive call "
         "itself where the send came first (gloo moves the data only once the receive is posted, so "
         "the executor posts up to 4 receives ahead on gloo; see workers/pipeline.py).",
-        "simulated_mean_costs runs orchestrator.schedule_sim with the measured mean F and B: with one cost "
+        "simulated_mean_costs runs meshspeak.schedule_sim with the measured mean F and B: with one cost "
         "for every stage it equals the theory, which checks the schedule, not the machine.",
         "interleaved_vs_1f1b_by_m: same model (4 layers), 1F1B with 2 layers per stage vs interleaved with 1 "
         "layer per virtual stage (twice the sends, half-size actions); A/B runs alternate and medians are "

@@ -5,7 +5,7 @@ Usage: ``python bench/powersgd_convergence.py [--config NAME ...] [--variant NAM
 run. Issue #19's goal: PowerSGD at rank 2 ends within 5% of the uncompressed final loss after 200 steps
 on the built-in corpus, and sends >= 4x fewer bytes per step.
 
-Each run is a real local gloo mesh at dp = 2 (``tests.helpers.world.run_mesh``: ``RankRuntime`` ranks,
+Each run is a real local gloo mesh at dp = 2 (``testbed.world.run_mesh``: ``RankRuntime`` ranks,
 ``mesh.zero=0``), as tests/distributed/test_powersgd.py runs it. A *config* fixes the model, batch and
 learning rate (``CONFIGS``); a *variant* is uncompressed (``plain``) or PowerSGD with a rank, where
 given ``train.powersgd_plain_steps`` (uncompressed steps first: ``r2_plain50``), and where given torch
@@ -34,16 +34,18 @@ import time
 import numpy as np
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import RESULTS, environment, load_average, parser, write_result
+from common import environment, load_average, parser, write_result
 from powersgd_probes import powersgd_knobs
-from tests.helpers.world import run_mesh, shutdown_pool
+
+from testbed.world import run_mesh, shutdown_pool
 
 GOAL_GAP, GOAL_BYTES = 0.05, 4.0
 TAIL = 10  # steps averaged for the final loss
 
 # model / batch / lr; the built-in corpus (byte tokens) always; warmup 10 steps of the cosine schedule.
 CONFIGS: dict[str, tuple[str, ...]] = {
-    # the defaults: d_model 64, 4 layers, seq 64, global batch 8
+    # the defaults: d_model 64, 4 layers, seq 64, global batch 8, lr 3e-3, 2 warm-up steps
+    "d64_b8_lr3e-3_warmup2": (),
     "d64_b8_lr3e-3": ("train.lr=3e-3", "train.warmup_steps=10"),
     "d64_b8_lr1e-3": ("train.lr=1e-3", "train.warmup_steps=10"),
     "d128_b16_s128_lr1e-3": ("model.d_model=128", "model.seq_len=128", "train.global_batch_size=16",

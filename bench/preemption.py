@@ -1,7 +1,7 @@
 """A node drained with notice (a spot preemption): elastimesh vs Ray Train 2.60 ``TorchTrainer`` (goal: 0 steps
 lost, drain -> next step done <= 0.1x Ray Train's).
 
-Both sides run the same model, data and math (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
+Both sides run the same model, data and math (``meshmodels.gpt_model.build_stage``, ``meshdata.order.replica_microbatches``,
 AdamW + clip + ``lr_at``; the Ray Train side is ``bench/ddp_loop.py``) at dp=4, one torch thread per worker, with a
 periodic checkpoint every 2 steps (so elastimesh measured a save before the drain). Each side gets its own
 multi-node Ray on this machine (``ray.cluster_utils.Cluster``): a CPU-less head (driver, store host, Ray Train's
@@ -11,7 +11,7 @@ after step 3 the victim is drained the way a cloud's notice drains it:
 handler do), ``--deadline`` seconds ahead (default 30 s, a GKE spot notice). At the deadline the node goes: its
 worker processes are SIGKILLed and the raylet removed.
 
-* **elastimesh**: the real ``Controller`` on 4 ``RankActor``s (``tests.ray.harness.make_controller``), default
+* **elastimesh**: the real ``Controller`` on 4 ``RankActor``s (``testbed.ray_harness.make_controller``), default
   ``elastic.drain_poll_s`` (1 s). It sees the drain at a step boundary, commits the step just trained, drops the
   victim's ranks and re-forms at dp=2 before the deadline.
 * **Ray Train**: ``TorchTrainer`` with elastic ``ScalingConfig(num_workers=(2, 4))`` and
@@ -91,10 +91,10 @@ def drain(nodes, node_id: str, deadline_s: float) -> float:
 
 # -- elastimesh ------------------------------------------------------------------------------------
 def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
-    from orchestrator.config import load_config
-    from orchestrator.store_provider import StoreProvider
-    from tests.ray.conftest import make_group
-    from tests.ray.harness import make_controller
+    from orchestrator.cluster.store_provider import StoreProvider
+    from orchestrator.config.load import load_config
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
 
     mpath = os.path.join(workdir, "em.jsonl")
     cfg = load_config(None, MODEL + [
@@ -172,10 +172,9 @@ def _read(logdir: str, name: str) -> list[dict]:
 
 
 def _train_loop(config: dict) -> None:
-    import torch
-
     import ray
     import ray.train
+    import torch
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop

@@ -1,7 +1,7 @@
 """Goal (b): dp=2 on a local Ray: elastimesh throughput vs Ray Train ``TorchTrainer`` + DDP (goal >= 1.05x).
 
-Both sides train the same model (``workers.model.build_stage`` over all layers, same seed), on the same
-samples (``workers.data.replica_microbatches``: each of the 2 replicas takes its contiguous half of the
+Both sides train the same model (``meshmodels.gpt_model.build_stage`` over all layers, same seed), on the same
+samples (``meshdata.order.replica_microbatches``: each of the 2 replicas takes its contiguous half of the
 same global batch), with the same math (AdamW from ``workers.optim.build_optimizer``, global-norm
 clipping, ``lr_at`` warm-up + cosine), one torch thread per worker, on the CPU with gloo:
 
@@ -64,8 +64,8 @@ def _median_from(per_step: dict[int, float], first: int = 3) -> float:
 def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     import ray
 
-    import orchestrator.controller as controller_mod
-    from orchestrator.config import load_config
+    import orchestrator.control.controller as controller_mod
+    from orchestrator.config.load import load_config
     from orchestrator.launch import run_job
 
     # One file per run: the metrics file is appended to, and an earlier run's "start" event would
@@ -136,7 +136,7 @@ def run_ray_train(overrides: list[str], steps: int, workdir: str) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     cfg = load_config(None, overrides)
     logdir = os.path.join(workdir, "raytrain_logs")

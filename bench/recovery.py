@@ -1,14 +1,14 @@
 """Recovery after one worker is killed: elastimesh vs Ray Train 2.60 elastic ``TorchTrainer`` (goal <= 0.25x
 restoring from storage, <= 0.05x from in-memory snapshots).
 
-Same model, data and math on both sides (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
+Same model, data and math on both sides (``meshmodels.gpt_model.build_stage``, ``meshdata.order.replica_microbatches``,
 AdamW + clip + ``lr_at``), dp=4 workers, one torch thread each, checkpoints every 2 steps, and one worker
 killed at step 5:
 
 * **elastimesh**, twice: restoring from in-memory snapshots (``checkpoint.memory_every=1``, the default
   with a checkpoint directory: the rebuild loads the peers' copies of step 4) and from storage only
   (``checkpoint.memory_every=0``: the newest committed checkpoint). Each run: embedded local Ray (``num_cpus=8``), a ``StoreHost``, 4 ``RankActor``s
-  (``tests.ray.conftest.make_group``) and the real ``Controller`` (``tests.ray.harness.make_controller``),
+  (``testbed.ray_cluster.make_group``) and the real ``Controller`` (``testbed.ray_harness.make_controller``),
   ``mesh.dp=4, tp=1, checkpoint.every=2``. The victim (rank 1) is armed with ``arm_fault(5, "kill", 0.2)``,
   i.e. it SIGKILLs itself 0.2 s into step 5. The driver polls the victim's pid every 5 ms to timestamp the
   death. Figures: ``recovery_s`` of the ``rebuild`` event (failure detected -> first step done in the new
@@ -64,9 +64,9 @@ def _pid_dead(pid: int) -> bool:
 def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     import ray
 
-    from orchestrator.config import load_config
-    from tests.ray.conftest import make_group
-    from tests.ray.harness import make_controller
+    from orchestrator.config.load import load_config
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
     from workers.store import StoreHost
 
     mpath = os.path.join(workdir, f"em{memory_every}.jsonl")
@@ -134,9 +134,8 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
 
 # -- Ray Train -------------------------------------------------------------------------------------
 def _train_loop(config: dict) -> None:
-    import torch
-
     import ray.train
+    import torch
 
     sys.path.insert(0, config["root"])
     from bench.ddp_loop import DDPLoop
@@ -174,7 +173,6 @@ def _train_loop(config: dict) -> None:
 
 
 def run_ray_train(steps: int, workdir: str) -> dict:
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

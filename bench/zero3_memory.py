@@ -143,7 +143,7 @@ def run_world(dp: int, model: dict[str, int], timeout_s: float = 300.0) -> list[
 
 def analytic_unsharded_bytes(model: dict[str, int]) -> tuple[int, int]:
     """(params, 4 bytes x params x 4): fp32 params + grads + AdamW exp_avg + exp_avg_sq."""
-    from workers.model import build_stage
+    from meshmodels.gpt_model import build_stage
 
     cfg = _config(model, 1)
     module = build_stage(cfg.model, range(cfg.model.n_layers), cfg.train.seed, False)

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import Any
 
 from checkpoints.errors import CheckpointError, ManifestError
 from checkpoints.layout import DCP_METADATA, MANIFEST, OWNER, expected_file_sizes, parse_step, step_dir_name

@@ -11,7 +11,8 @@ import json
 import logging
 import sys
 
-from orchestrator.config import ConfigError, load_config
+from meshspeak.schema import ConfigError
+from orchestrator.config.load import load_config
 
 logger = logging.getLogger("elastimesh")
 
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_tune(sub) -> None:
-    from orchestrator.sweep import SCHEDULERS, SEARCH_ALGS
+    from orchestrator.sweep.tuner import SCHEDULERS, SEARCH_ALGS
 
     p = sub.add_parser("tune", help="sweep hyper-parameters with Ray Tune, one elastic job per trial")
     p.add_argument("config", nargs="?", help="job TOML file")
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from checkpoints.errors import CheckpointError
+    from meshdata import DataError
     from orchestrator.errors import OrchestratorError
-    from workers.data import DataError
 
     try:
         return _dispatch(args)
@@ -110,13 +111,13 @@ def _fail(message: str, code: int) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "plan":
-        from orchestrator.plan import describe, make_plan
-        from orchestrator.plan_render import render
+        from orchestrator.plan.mesh_plan import describe, make_plan
+        from orchestrator.plan.render import render
 
         cfg = load_config(args.config, args.overrides)
         info = describe(cfg, make_plan(cfg))
         if args.memory_gib is not None:
-            from orchestrator.plan_strategy import recommend
+            from orchestrator.plan.strategy import recommend
 
             if args.memory_gib <= 0:
                 raise ConfigError("--memory-gib", f"--memory-gib must be > 0, got {args.memory_gib}")
@@ -124,8 +125,8 @@ def _dispatch(args) -> int:
         sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
         return 0
     if args.command == "config":
-        from orchestrator.config import config_doc, config_to_dict
-        from orchestrator.config_schema import dump_toml
+        from meshspeak.schema import dump_toml
+        from meshspeak.sections import config_doc, config_to_dict
 
         if args.doc:
             sys.stdout.write(config_doc())
@@ -147,7 +148,7 @@ def _dispatch(args) -> int:
                     summary.generations, summary.restarts)
         return 0
     if args.command == "tune":
-        from orchestrator.sweep import tune_command
+        from orchestrator.sweep.tuner import tune_command
 
         return tune_command(args)
     if args.command == "ckpt":
@@ -161,18 +162,19 @@ def _dispatch(args) -> int:
             sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
         return 0
     if args.command == "export":
-        from workers.models.export import export_checkpoint
+        from meshmodels.export import export_checkpoint
 
         info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30))
         sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
                          f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
         return 0
     if args.command == "data":
-        from workers.data import prepare
+        from meshdata import prepare
+        from orchestrator.cluster.prepare_tasks import RayFanOut
 
         info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
                        text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
-                       progress=not args.no_progress and sys.stderr.isatty())
+                       progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut())
         sys.stdout.write(f"wrote {info['documents']} documents, {info['num_tokens']} tokens in "
                          f"{len(info['files'])} shard(s) to {args.out}\n")
         return 0

@@ -19,16 +19,16 @@ import ray
 
 from checkpoints.catalog import ensure_writable
 from checkpoints.errors import CheckpointError
-from orchestrator.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
-from orchestrator.config import JobConfig
-from orchestrator.controller import Controller, RunSummary
+from meshdata import DataError, validate_source
+from meshdata.masks import boundary_eos
+from meshspeak.profile import profile_spec
+from meshspeak.sections import JobConfig
+from orchestrator.cluster.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
+from orchestrator.cluster.store_provider import StoreProvider
+from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
+from orchestrator.control.controller import Controller, RunSummary
 from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
-from orchestrator.store_provider import StoreProvider
-from orchestrator.worker_group import ActorResources, WorkerGroup
-from workers.data import DataError, validate_source
-from workers.data.masks import boundary_eos
-from workers.profiling import profile_spec
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ def stop_on_signals(stop: StopRequest):
 
 def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
     """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
-    (a Tune trial's, see orchestrator/sweep_trial.py); ``step_listeners`` get every step record."""
-    from workers.models.family import check_init_from, resolve_model
+    (a Tune trial's, see orchestrator/sweep/trial.py); ``step_listeners`` get every step record."""
+    from meshmodels.family import check_init_from, resolve_model
 
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
     source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)

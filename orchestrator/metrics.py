@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshspeak.lr_schedule import lr_at
+from meshspeak.mesh import MeshShape
+from meshspeak.messages import StepResult
 from orchestrator.errors import UserInputError
-from orchestrator.lr_schedule import lr_at
-from orchestrator.mesh import MeshShape
-from orchestrator.messages import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def check_outputs(cfg) -> None:
             _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
                        "set metrics.tensorboard_dir to a writable directory, or unset it")
     if cfg.profile_steps:  # the ranks write the traces; on one machine this is their directory too
-        from workers.profiling import profile_dir
+        from meshspeak.profile import profile_dir
 
         _check_dir("metrics.profile_dir", profile_dir(cfg), "set metrics.profile_dir to a writable directory")
 
@@ -137,30 +137,6 @@ def write_timeline(path: str, step: int, results: list[StepResult]) -> None:
     os.replace(tmp, path)
 
 
-class RayMetrics:
-    """Step metrics exported through ray.util.metrics (dashboard / Prometheus) as ``elastimesh_*``."""
-
-    def __init__(self) -> None:
-        from ray.util import metrics
-
-        self.loss = metrics.Gauge("elastimesh_loss", "global-batch mean loss of the latest step")
-        self.tps = metrics.Gauge("elastimesh_tokens_per_s", "training throughput, tokens per second")
-        self.step = metrics.Gauge("elastimesh_step", "latest completed optimizer step")
-        self.world = metrics.Gauge("elastimesh_world_size", "ranks in the current generation")
-        self.events = metrics.Counter(
-            "elastimesh_events_total", "failures, rebuilds, grows, checkpoints", tag_keys=("event",)
-        )
-
-    def on_step(self, rec: dict) -> None:
-        self.loss.set(rec["loss"])
-        self.tps.set(rec["tokens_per_s"])
-        self.step.set(rec["step"])
-        self.world.set(rec["dp"] * rec["pp"] * rec["tp"])
-
-    def on_event(self, rec: dict) -> None:
-        self.events.inc(1, tags={"event": rec["event"]})
-
-
 class MetricsLog:
     def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True) -> None:
         self.cfg = cfg
@@ -176,7 +152,9 @@ class MetricsLog:
             self._tb = SummaryWriter(cfg.tensorboard_dir)
         self._ray = None
         if ray_metrics:
-            try:
+            try:  # the Ray half lives with the cluster code (orchestrator/cluster/ray_metrics.py)
+                from orchestrator.cluster.ray_metrics import RayMetrics
+
                 self._ray = RayMetrics()
             except Exception as exc:  # metrics are best-effort; training must not depend on them
                 logger.debug("ray metrics unavailable: %s", exc)

@@ -29,8 +29,8 @@ import traceback
 import ray
 import torch
 
-from orchestrator.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
-from orchestrator.schedule import Action
+from meshspeak.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepResult, WorkerStatus, WriteAck
+from meshspeak.schedule import Action
 from workers.profiling import profiled_step
 from workers.snapshots import SnapshotStore
 
@@ -142,7 +142,7 @@ class RankActor:
                     world_rank=gen.world_rank,
                     timeout_s=spec.collective_timeout_s,
                     device=device,
-                    replicate=spec.dp_replicate,
+                    replicate=spec.dp.replicate,
                 )
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -207,7 +207,7 @@ class RankActor:
             self._maybe_fire_fault("load", self.generation)
             return self.runtime.load_checkpoint(path)
 
-    # -- in-memory snapshots (workers/snapshots.py, orchestrator/snapshots.py) ---------------------
+    # -- in-memory snapshots (workers/snapshots.py, orchestrator/saves/snapshots.py) ---------------------
     @_train
     def snapshot(self, generation: int, step: int, keep: tuple = ()) -> float:
         """Take this rank's snapshot of ``step`` (at the step boundary); returns the seconds it took.

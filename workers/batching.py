@@ -1,7 +1,7 @@
 """A step's tensors from sample ids, with the loss normalisation every mesh shares, and held-out eval.
 
 ``step_data`` turns one replica's microbatch ids into a ``StepData``: windows read from the source,
-targets after an EOS masked (``data.mask_document_boundaries``, workers/data/masks.py), and the
+targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py), and the
 scales that make the summed loss the *global* mean over counted targets — ``grad_scale = dp /
 count`` (FSDP averages gradients over dp) and ``report_scale = 1 / count``. Without masking the count
 is ``G * seq_len``; with it, one scalar all-reduce over dp adds up every replica's count (tp and pp
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from orchestrator.schedule import Action, Op
-from workers import data as data_lib
-from workers.data.masks import counted, mask_targets
+import meshdata as data_lib
+from meshdata.masks import counted, mask_targets
+from meshspeak.schedule import Action, Op
 from workers.pipeline import StepData
 
 FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)

@@ -99,6 +99,17 @@ class _PowerSGD:
             flat.copy_(out)
 
 
+def powersgd_state(group: dist.ProcessGroup | None, rank: int, counter: ByteCounter, seed: int,
+                   plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
+    """torch's ``PowerSGDState`` as elastimesh sets it up, its all-reduces counted by ``counter``
+    (also what bench/powersgd_ddp_oracle.py hands torch's own DDP, to compare like with like)."""
+    _CountingDist.counter = counter
+    return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                       start_powerSGD_iter=plain_steps, random_seed=seed,
+                                       # > 0: an all-zero gradient block must not orthogonalise to NaN
+                                       orthogonalization_epsilon=1e-8)
+
+
 def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int, counter: ByteCounter,
                     seed: int, plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
     """PowerSGD (``rank``) on every FSDP unit of this rank, one state for all (bucket = unit index).
@@ -108,11 +119,7 @@ def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int,
     deferring compression narrows the loss gap (docs/design.md, PowerSGD). The last unit of the list
     (the stage root, reduced last) closes a step.
     """
-    _CountingDist.counter = counter
-    state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=plain_steps, random_seed=seed,
-                                        # > 0: an all-zero gradient block must not orthogonalise to NaN
-                                        orthogonalization_epsilon=1e-8)
+    state = powersgd_state(group, rank, counter, seed, plain_steps)
     for i, unit in enumerate(units):
         unit.set_all_reduce_hook(_PowerSGD(state, _unit_shapes(unit), i, last=i == len(units) - 1))
     return state
@@ -151,7 +158,7 @@ class FixedBytes:
 
 
 def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-    """ZeRO-0 on plain dp (``orchestrator.mesh.ddp_applies``): torch's DDP over ``group``, bucketed
+    """ZeRO-0 on plain dp (``meshspeak.dp_plan.ddp_applies``): torch's DDP over ``group``, bucketed
     all-reduces overlapped with backward. DDP averages over dp as FSDP2 does, so the loss scaling of
     ``workers.pipeline.StepData`` is unchanged; its parameters are plain tensors, which DCP saves once
     (replicas deduplicated) and reshards into FSDP2/TP layouts and back (docs/design.md)."""
@@ -163,50 +170,51 @@ def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
                                    gradient_as_bucket_view=True)
 
 
-def setup_dp_reduction(stages: list[nn.Module], spec, groups, ddp_modules: list[nn.Module] = (),
+def setup_dp_reduction(stages: list[nn.Module], dp_plan, train, groups, ddp_modules: list[nn.Module] = (),
                        optimizers: list = ()) -> ByteCounter | FixedBytes | None:
-    """dp > 1: count the dp bytes of every step and attach the compressor ``spec.train`` asks for.
+    """As ``dp_plan`` (meshspeak/dp_plan.py) says: with ``count_dp_bytes`` (dp > 1) count the bytes of
+    every step, and attach the reduction ``dp_plan.compression`` names (``train`` holds its knobs).
 
-    ``ddp_modules``: the stages' DDP wrappers (ZeRO-0 on plain dp), else the stages are FSDP2's (under
-    ZeRO-0 with compression sharded over the one-rank shard mesh: ``own_dp_all_reduce``).
-    ``optimizers``: the stages' optimizers (1-bit Adam's warm-up hooks ask them whether it is over).
+    ``ddp_modules``: the stages' DDP wrappers (``dp_plan.wrapper == "ddp"``: the reduction is a comm
+    hook), else the stages are FSDP2's (ZeRO-0 with a reduction of ours sharded over the one-rank shard
+    mesh: ``dp_plan.fsdp_over == "shard"``). ``optimizers``: the stages' optimizers (1-bit Adam's
+    warm-up hooks ask them whether it is over; they count the compressed momentum they send).
     """
-    train, dp = spec.train, groups.shape.dp
-    quantized, onebit = train.grad_compression in BITS, train.optimizer == "onebit_adam"
-    if dp <= 1:
+    if not dp_plan.count_dp_bytes:
         return None
+    dp, reduction = groups.shape.dp, dp_plan.compression
+    quantized = reduction in BITS
     counter = ByteCounter()
-    for opt in optimizers:  # 1-bit Adam counts the compressed momentum it sends
-        if onebit:
+    if reduction == "onebit_adam":
+        for opt in optimizers:
             opt.counter = counter
-    if ddp_modules:
-        if not (quantized or onebit):
+    if dp_plan.wrapper == "ddp":
+        if reduction == "none":
             return FixedBytes(wire_bytes("all_reduce", sum(p.numel() * p.element_size() for m in stages
                                                            for p in m.parameters() if p.requires_grad), dp))
         for ddp in ddp_modules:
             if quantized:
-                ddp.register_comm_hook(DdpQuantizedState(groups.dp_group, train.grad_compression,
-                                                         train.quant_block, counter), quantized_ddp_hook)
-            else:
+                ddp.register_comm_hook(DdpQuantizedState(groups.dp_group, reduction, train.quant_block, counter),
+                                       quantized_ddp_hook)
+            else:  # 1-bit Adam (PowerSGD never runs under DDP: ddp_applies)
                 ddp.register_comm_hook(_OnebitWarmup(groups.dp_group, counter, optimizers), onebit_ddp_hook)
         return counter
     units = [u for stage in stages for u in fsdp_units_of(stage)]
     if not units:
         return None
-    if spec.zero >= 1:  # FSDP2's reduce-scatter over the shard group, then HSDP's replica all-reduce
+    if dp_plan.zero >= 1:  # FSDP2's reduce-scatter over the shard group, then HSDP's replica all-reduce
         for unit in units:
             unit.set_custom_reduce_scatter(
-                QuantizedReduceScatter(train.grad_compression, train.quant_block, counter) if quantized
+                QuantizedReduceScatter(reduction, train.quant_block, counter) if quantized
                 else CountingReduceScatter(counter))
-        if groups.replicate > 1:
-            attach_counter(units, counter, groups.replicate)
-    elif powersgd_applies(spec, dp):
+        if dp_plan.replicate > 1:
+            attach_counter(units, counter, dp_plan.replicate)
+    elif reduction == "powersgd":
         attach_powersgd(units, groups.dp_group, train.powersgd_rank, counter, train.seed, train.powersgd_plain_steps)
     elif quantized:
         for unit in units:
-            unit.set_all_reduce_hook(QuantizedAllReduce(groups.dp_group, train.grad_compression,
-                                                        train.quant_block, counter))
-    elif onebit:
+            unit.set_all_reduce_hook(QuantizedAllReduce(groups.dp_group, reduction, train.quant_block, counter))
+    elif reduction == "onebit_adam":
         hook = _OnebitWarmup(groups.dp_group, counter, optimizers)
         for unit in units:
             unit.set_all_reduce_hook(hook.reduce)
@@ -240,13 +248,3 @@ def onebit_ddp_hook(state: _OnebitWarmup, bucket):  # no annotations: DDP checks
     return dist.all_reduce(buffer.div_(state.n), group=state.group, async_op=True).get_future().then(
         lambda fut: fut.value()[0])
 
-
-def powersgd_applies(spec, dp: int) -> bool:
-    return spec.zero == 0 and dp > 1 and spec.train.grad_compression == "powersgd"
-
-
-def own_dp_all_reduce(spec, dp: int) -> bool:
-    """ZeRO-0 whose dp all-reduce is ours (PowerSGD, int8/int4, 1-bit Adam): FSDP2 then shards over the
-    one-rank shard mesh and communicates nothing over dp itself (under DDP a comm hook does it)."""
-    return spec.zero == 0 and dp > 1 and (spec.train.grad_compression != "none"
-                                          or spec.train.optimizer == "onebit_adam")

@@ -1,7 +1,7 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
 Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
-generation is ``orchestrator.generation.GenerationRecord``; the instruction to join it is a
+generation is ``orchestrator.control.generation.GenerationRecord``; the instruction to join it is a
 ``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
 group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
 every rebuild.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from orchestrator.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
+from meshspeak.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
 from workers.device import apply_nccl_env, backend_for
 
@@ -113,7 +113,7 @@ class RankGroups:
     gloo_ports: list[int] = field(default_factory=list)
     backend: str = "gloo"  # of the training groups; checkpoints always use gloo
     destroyed: bool = False
-    replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp_replicate); 1 = a 1-D dp axis
+    replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp.replicate); 1 = a 1-D dp axis
     flat_dp_group: dist.ProcessGroup | None = None  # all dp ranks, made only when replicate > 1
 
     @property

@@ -1,6 +1,6 @@
 """Optimizer and gradient clipping, shared by the mesh runtime and the single-process reference.
 
-The LR (orchestrator/lr_schedule.py) is a pure function of the step, set on every param group before
+The LR (meshspeak/lr_schedule.py) is a pure function of the step, set on every param group before
 each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
 """
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from orchestrator.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
+from meshspeak.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
 
 
 def build_optimizer(module: nn.Module, train, dp_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:

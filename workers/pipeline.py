@@ -2,7 +2,7 @@
 
 The list is executed literally, in order. Sends are posted asynchronously and waited for at the end
 of the step; receives block. The driver's schedule is proven deadlock-free under exactly that model
-(orchestrator/schedule.py's simulator). What crosses a stage boundary is the local tensor each
+(meshspeak/schedule.py's simulator). What crosses a stage boundary is the local tensor each
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
 dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: one op at
 a time, receives a few actions ahead; NCCL: lockstep batches planned from every rank's list, since
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from orchestrator.messages import ActionTiming
-from orchestrator.p2p_rounds import Batch
-from orchestrator.schedule import Action, Op, message_key
-from workers.model import lm_loss_sum
+from meshmodels.gpt_model import lm_loss_sum
+from meshspeak.messages import ActionTiming
+from meshspeak.p2p_rounds import Batch
+from meshspeak.schedule import Action, Op
 from workers.p2p import StepPosting, Transport
 from workers.parallelize import loss_context, uses_fsdp
 

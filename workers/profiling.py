@@ -12,50 +12,18 @@ needs no profiler state across calls (nothing to flush when a generation ends or
 names the rank and generation that step really ran as. A step re-run after a rebuild is profiled
 again, under the new generation's name, so nothing is overwritten.
 
-The driver builds the `ProfileSpec` (stdlib only here; torch is imported when a step is profiled).
+The driver builds the `ProfileSpec` (``meshspeak.profile``); torch is imported here only when a step is profiled.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator
 
+from meshspeak.profile import ProfileSpec, worker_name
+
 logger = logging.getLogger(__name__)
-
-TRACE_SUFFIX = ".pt.trace.json"  # what tensorboard_trace_handler appends (after a time stamp)
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileSpec:
-    first: int
-    last: int
-    out_dir: str  # absolute: the actors' working directory is not the driver's
-
-    def covers(self, step: int) -> bool:
-        return self.first <= step <= self.last
-
-
-def profile_spec(metrics, steps: int) -> ProfileSpec | None:
-    """The spec for a job's `[metrics]` section (None when profiling is off), paths made absolute."""
-    from orchestrator.config_validate import profile_range
-
-    window = profile_range(metrics.profile_steps, steps)
-    if window is None:
-        return None
-    return ProfileSpec(window[0], window[1], profile_dir(metrics))
-
-
-def profile_dir(metrics) -> str:
-    """`metrics.profile_dir`, or `profiles/` beside `metrics.path`; absolute."""
-    out_dir = metrics.profile_dir or os.path.join(os.path.dirname(metrics.path or "x"), "profiles")
-    return os.path.abspath(out_dir)
-
-
-def worker_name(rank: int, generation: int, step: int) -> str:
-    return f"rank{rank}-gen{generation}-step{step}"
 
 
 @contextmanager

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers import data as data_lib
-from workers.models.build import build_local_stage
-from workers.models.family import resolve_model
-from workers.data.masks import counted, mask_targets
+import meshdata as data_lib
+from meshdata.masks import counted, mask_targets
+from meshmodels.build import build_local_stage
+from meshmodels.family import resolve_model
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
@@ -30,13 +30,13 @@ class ReferenceTrainer:
             dtype=torch.float64 if train.dtype == "float64" else None,
         )
         if init_from:  # Hugging Face weights instead of the (seed, name) init
-            from workers.models.hf_io import load_hf
+            from meshmodels.hf_io import load_hf
 
             load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
-        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (workers.data.masks)
+        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (meshdata.masks)
 
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
@@ -63,7 +63,7 @@ class ReferenceTrainer:
         return total
 
     def eval_loss(self, path: str, batches: int, mask_eos_id: int | None = None) -> float:
-        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/evaluation.py)."""
+        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/control/evaluation.py)."""
         source = data_lib.open_source(path)
         end, mbs, seq_len = batches * self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
         total, count = 0.0, 0

@@ -19,22 +19,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from orchestrator.mesh import ddp_applies, fsdp_applies, layer_ranges
-from orchestrator.messages import RuntimeSpec, StepResult, WriteAck
-from orchestrator.schedule import Action, stages_of_rank
-from workers import data as data_lib
-from workers.groups import RankGroups
-from workers.models.build import build_local_stage
-from workers.models.family import runtime_family
-from workers.models.hf_io import load_hf
-from workers.models.tied import TiedGrads
+import meshdata as data_lib
+from meshmodels.build import build_local_stage
+from meshmodels.family import runtime_family
+from meshmodels.hf_io import load_hf
+from meshspeak.mesh import layer_ranges
+from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
+from meshspeak.schedule import Action, stages_of_rank
 from workers.batching import eval_forward, step_data
+from workers.compression import setup_dp_reduction, wrap_ddp
 from workers.compute_clock import ComputeClock
-from workers.compression import own_dp_all_reduce, setup_dp_reduction, wrap_ddp
+from workers.groups import RankGroups
 from workers.loss_scale import DynamicLossScale
 from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
+from workers.tied import TiedGrads
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +53,21 @@ class RankRuntime:
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.family, self.shape = runtime_family(spec)
-        # ZeRO-0 on plain dp (no TP/PP, so one stage): torch's DDP, not FSDP2's HSDP; the plan's rule
-        # too (orchestrator.mesh.ddp_applies).
-        use_ddp = ddp_applies(spec.zero, shape.dp, shape.pp, shape.tp, train.dtype, train.grad_reduce,
-                              spec.cpu_offload, train.grad_compression)
+        # The data-parallel strategy comes decided in the spec (meshspeak/dp_plan.py): DDP, FSDP2 or none.
+        dp_plan = spec.dp
+        use_ddp = dp_plan.wrapper == "ddp"
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
-            # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
+            # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
                 activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
                 parallelize=lambda m: parallelize_stage(
-                    m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
-                    dp_mesh=groups.shard_mesh if own_dp_all_reduce(spec, shape.dp) else groups.dp_mesh,
-                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload) and not use_ddp,
-                    fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
-                    compile=train.compile, cpu_offload=spec.cpu_offload,
-                    reduce_dtype=DTYPES[train.grad_reduce],
+                    m, self.family, dp_plan, tp_mesh=groups.tp_mesh,
+                    dp_mesh=groups.shard_mesh if dp_plan.fsdp_over == "shard" else groups.dp_mesh,
+                    param_dtype=self.param_dtype, fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                    compile=train.compile,
                 ),
             )
             self.stages[index] = Stage(
@@ -78,8 +75,8 @@ class RankRuntime:
                 ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
             )
             self.optimizers.append(build_optimizer(module, train, dp_group=groups.dp_group))
-        # The dp bytes of each step, and the gradient compression asked for (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups,
+        # The dp bytes of each step, and the reduction the plan chose (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups,
                                            [st.ddp for st in self.stages.values() if st.ddp is not None],
                                            self.optimizers)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
@@ -87,7 +84,7 @@ class RankRuntime:
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
-        # -- model-family specifics (workers/models): tied copies across stages, initial HF weights
+        # -- model-family specifics (meshmodels/): tied copies across stages, initial HF weights
         modules = {i: st.module for i, st in self.stages.items()}
         self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, groups,
                               spec.collective_timeout_s)
@@ -127,8 +124,8 @@ class RankRuntime:
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
-        """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
-        from orchestrator.p2p_rounds import rank_batches
+        """This rank's lockstep P2P batches on NCCL (meshspeak.p2p_rounds; cached per list)."""
+        from meshspeak.p2p_rounds import rank_batches
 
         return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
                             self.groups.coords.pp, tuple(actions))

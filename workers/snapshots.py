@@ -3,7 +3,7 @@
 
 They belong to the actor, not to the generation's ``RankRuntime``: a rebuild throws the runtime away,
 and the snapshots are exactly what it restores from. Keys are ``(generation, step)``; the driver
-says with every call which other keys to keep (``orchestrator/snapshots.py``), everything else is
+says with every call which other keys to keep (``orchestrator/saves/snapshots.py``), everything else is
 dropped, so an actor holds at most the newest complete set and the one in flight, of itself and of
 the one peer it backs up.
 

@@ -1,6 +1,6 @@
 """StoreHost: a tiny Ray actor that hosts the TCPStore every generation rendezvouses through.
 
-It is not a rank, so it survives any rank's death; ``orchestrator.store_provider`` pins it to the
+It is not a rank, so it survives any rank's death; ``orchestrator.cluster.store_provider`` pins it to the
 driver's node and re-hosts it if it dies anyway. Each generation uses its own key prefix (see
 workers/groups.py).
 

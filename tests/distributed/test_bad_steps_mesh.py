@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers.world import run_mesh, shutdown_pool
+from testbed.world import run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", 'train.dtype="float64"',
          "train.global_batch_size=8", "train.micro_batch_size=1")
@@ -39,7 +39,7 @@ def nan_on_rank_3_at_step_3(runtime):
 def _reference_skipping(skip: set[int]):
     import torch
 
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from workers.reference import ReferenceTrainer
 
     cfg = load_config(None, list(SMALL))

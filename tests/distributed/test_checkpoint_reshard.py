@@ -20,7 +20,7 @@ from torch import nn
 from checkpoints.catalog import commit, latest_valid
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from tests.distributed.conftest import run_world
+from testbed.spawn import run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 D_IN, HIDDEN, D_OUT, GLOBAL_BATCH, SAVED_STEP = 10, 22, 6, 8, 2

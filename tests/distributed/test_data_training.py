@@ -14,11 +14,11 @@ import json
 import numpy as np
 import pytest
 
+from meshdata import open_source, prepare
+from meshdata.masks import mask_eos_for
 from tests.distributed.test_mesh_equivalence import assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 from tests.unit.test_data_prepare import make_tokenizer
-from workers.data import open_source, prepare
-from workers.data.masks import mask_eos_for
 
 STEPS = 4
 BASE = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", "model.vocab_size=512",
@@ -45,8 +45,8 @@ def shards(tmp_path_factory) -> str:
 
 def eval_after_training(path: str, batches: int, runtime):
     """An ``instrument`` hook: after the last step, every rank runs the held-out batches."""
-    from orchestrator.config import microbatches_per_replica
-    from orchestrator.schedule import make_schedule
+    from meshspeak.schedule import make_schedule
+    from meshspeak.sections import microbatches_per_replica
 
     shape = runtime.groups.shape
     actions = make_schedule("1f1b", shape.pp, microbatches_per_replica(runtime.spec.train, shape.dp), 1)
@@ -55,7 +55,7 @@ def eval_after_training(path: str, batches: int, runtime):
 
 
 def mesh_eval_loss(extras: dict) -> float:
-    """What orchestrator/evaluation.py computes from the ranks' answers."""
+    """What orchestrator/control/evaluation.py computes from the ranks' answers."""
     batches = len(next(iter(extras.values())))
     total = count = 0.0
     for b in range(batches):
@@ -68,7 +68,7 @@ def mesh_eval_loss(extras: dict) -> float:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", [(2, 2, 1), (1, 1, 2)], ids=["dp2-pp2-tp1", "dp1-pp1-tp2"])
 def test_masked_training_on_prepared_shards_matches_reference(shards, shape):
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from workers.reference import ReferenceTrainer
 
     overrides = (*BASE, f"data.path={shards}")  # mask_document_boundaries = "auto": on, EOS known

@@ -19,7 +19,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
          "train.global_batch_size=4", "train.micro_batch_size=1")

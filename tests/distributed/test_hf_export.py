@@ -22,7 +22,7 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from tests.helpers.world import mesh_config, run_mesh
+from testbed.world import mesh_config, run_mesh
 from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def commit_run(root: str, run, overrides, step: int) -> str:
     files: dict[str, int] = {}
     for acks in run.extras.values():
         files.update(acks[0].files)
-    from orchestrator.config import config_to_dict
+    from meshspeak.sections import config_to_dict
 
     return commit(root, CheckpointManifest(
         step=step, generation=1, mesh=run.shape.as_dict(), model_fingerprint="test", data_cursor=step * 6,
@@ -67,8 +67,8 @@ def commit_run(root: str, run, overrides, step: int) -> str:
 def test_init_from_then_export_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
-    from tests.helpers.hf_models import save_tiny_llama
-    from workers.models.export import export_checkpoint
+    from meshmodels.export import export_checkpoint
+    from testbed.hf_models import save_tiny_llama
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
@@ -101,9 +101,9 @@ def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers.hf_models import save_tiny_llama
-    from workers import data as data_lib
-    from workers.models.export import export_checkpoint
+    import meshdata as data_lib
+    from meshmodels.export import export_checkpoint
+    from testbed.hf_models import save_tiny_llama
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, bias=True, layers=2)
@@ -152,8 +152,8 @@ def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
     parameter: steps 3-4 and the final weights equal one process's uninterrupted run."""
     import numpy as np
 
-    from tests.helpers.hf_models import save_tiny_llama
-    from tests.helpers.world import reference
+    from testbed.hf_models import save_tiny_llama
+    from testbed.world import reference
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)

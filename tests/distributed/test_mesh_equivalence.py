@@ -1,6 +1,6 @@
 """Every mesh layout and pipeline schedule trains exactly like one process.
 
-Each test trains 10 fp32 steps on a local (dp, pp, tp) gloo mesh (``tests.helpers.world.run_mesh``:
+Each test trains 10 fp32 steps on a local (dp, pp, tp) gloo mesh (``testbed.world.run_mesh``:
 ``build_process_groups`` + ``RankRuntime`` + the driver's schedule, ranks kept in a shared worker pool)
 and compares with the single-process ``ReferenceTrainer`` on the same config: every step's global loss
 within 1e-5 relative, and every final parameter (same name set) within 1e-5 absolute. A small model
@@ -26,8 +26,8 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.plan import describe, make_plan
-from tests.helpers.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
+from orchestrator.plan.mesh_plan import describe, make_plan
+from testbed.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")
 SCHEDULE_BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
@@ -197,11 +197,22 @@ def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: fl
 
 
 @pytest.mark.timeout(120)
-def test_harness_re_runs_once_after_a_native_crash_then_fails() -> None:
+def test_harness_re_runs_once_after_a_native_crash_then_fails(tmp_path, monkeypatch) -> None:
     """A rank killed by SIGABRT (docs/design.md, F20) gets one re-run in fresh processes, with a
-    warning; crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    warning and a record in the session's native-crash file (printed at the end by tests/conftest.py);
+    crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report, read_native_crashes
+
+    log = tmp_path / "native_crashes.jsonl"
+    monkeypatch.setenv(NATIVE_CRASH_LOG_ENV, str(log))
     with pytest.warns(UserWarning, match="crashed in native code") as caught, \
             pytest.raises(MeshRunError, match=r"ranks died \(rank -> exit code\): \{1: -6\}") as info:
         run_mesh(2, 1, 1, SMALL, 1, instrument=abort_on_rank_one, collective_timeout_s=60)
     assert info.value.died == {1: -6}
     assert len([w for w in caught if "native code" in str(w.message)]) == 1
+    (record,) = read_native_crashes(log)  # the first crash, which was re-run; the second failed the test
+    assert record["died"] == {"1": -6} and record["ended_by"] == "died"
+    assert "test_harness_re_runs_once_after_a_native_crash_then_fails" in record["test"]
+    assert record["run"] == "run_mesh(dp=2, pp=1, tp=1, steps=1)"
+    report = native_crash_report(log)
+    assert len(report) == 2 and report[0].startswith("1 mesh run(s) re-ran after a native crash")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_mesh_equivalence import STEPS, assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
 POSNORM = ('model.family="examples.posnorm_family:PosNormFamily"', "model.d_model=32", "model.n_heads=4",
@@ -39,7 +39,7 @@ HF_BATCH = ("train.global_batch_size=6", "train.micro_batch_size=1", "model.seq_
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     pytest.importorskip("transformers")
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     directory = str(tmp_path_factory.mktemp("tiny-llama"))
     save_tiny_llama(directory, tie=True, bias=True, layers=2)

@@ -1,7 +1,7 @@
 """A default job's steps warn about nothing: no two-step grad-norm reductions over dp x tp (DTensor's
 "sequential all_reduce" notice), no FSDP2 "returned a view tensor" (docs/design.md, F15).
 
-The shared rank pool silences exactly those two (tests/helpers/rank_pool.py); the ``instrument``
+The shared rank pool silences exactly those two (testbed/rank_pool.py); the ``instrument``
 here lifts that for one run and records every warning and every WARNING log record of the steps.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_mesh_equivalence import SMALL
-from tests.helpers.world import run_mesh, shutdown_pool
+from testbed.world import run_mesh, shutdown_pool
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +23,7 @@ def record_warnings(runtime):
     import logging
     import warnings
 
-    from tests.helpers.rank_pool import _QUIET_LOGGERS
+    from testbed.rank_pool import _QUIET_LOGGERS
 
     seen: list[str] = []
 

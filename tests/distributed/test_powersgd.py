@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.distributed.test_mesh_equivalence import SMALL
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 
 @pytest.fixture(scope="module", autouse=True)

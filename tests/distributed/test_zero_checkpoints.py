@@ -4,7 +4,7 @@ Each leg is a ``run_mesh`` run that loads the previous leg's checkpoint before i
 saves after its last (``RankRuntime.save_checkpoint``: DCP, resharding on load). The eight losses
 and the final parameters must equal one process's uninterrupted eight steps (1e-5), so parameters
 *and* optimizer state crossed every change of layout: ZeRO-0 on plain dp (torch DDP: plain
-replicated tensors, ``orchestrator.mesh.ddp_applies``), sharded (Shard(0) over dp, TP DTensors on
+replicated tensors, ``meshspeak.dp_plan.ddp_applies``), sharded (Shard(0) over dp, TP DTensors on
 (dp, tp)), and HSDP (Replicate, Shard(0)) on (2, 2).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from tests.distributed.test_mesh_equivalence import SMALL
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

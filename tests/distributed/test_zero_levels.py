@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.distributed.test_mesh_equivalence import SMALL, _id, assert_matches_reference
-from tests.helpers.world import reference, run_mesh, shutdown_pool
+from testbed.world import reference, run_mesh, shutdown_pool
 
 STEPS = 4
 SHAPES = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 1)]
@@ -43,7 +43,7 @@ def _placements(runtime):
 def test_zero_level_matches_reference(shape, zero) -> None:
     dp, pp, tp = shape
     run = run_mesh(dp, pp, tp, (*SMALL, f"mesh.zero={zero}"), STEPS, instrument=_placements)
-    if zero == 0 and pp == 1 and tp == 1:  # plain dp: torch's DDP (orchestrator.mesh.ddp_applies)
+    if zero == 0 and pp == 1 and tp == 1:  # plain dp: torch's DDP (meshspeak.dp_plan.ddp_applies)
         assert all(stages == ["ddp"] for stages in run.extras.values()), run.extras
     elif zero == 0:  # replicated over dp: (replicate=dp, shard=1), plus tp when tp > 1
         for stages in run.extras.values():

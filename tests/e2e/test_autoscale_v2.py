@@ -27,7 +27,7 @@ import signal
 import pytest
 
 from tests.e2e.raycluster import fake_autoscaling_config, records, running_cluster, wait_for
-from tests.ray.harness import TEST_LR, assert_matches_reference
+from testbed.ray_harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

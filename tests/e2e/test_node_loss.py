@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.raycluster import RayCluster, records, running_cluster, wait_for
-from tests.ray.harness import TEST_LR, assert_matches_reference
+from testbed.ray_harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

@@ -73,7 +73,7 @@ def scrape(cluster: RayCluster, name: str, timeout_s: float = 60) -> str:
 @pytest.mark.timeout(1200)
 def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, tmp_path):
     from checkpoints.catalog import latest_valid
-    from tests.ray.harness import TEST_LR, assert_matches_reference
+    from testbed.ray_harness import TEST_LR, assert_matches_reference
 
     steps = 200
     metrics = tmp_path / "metrics.jsonl"

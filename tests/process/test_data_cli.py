@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workers.data import prepare
+from meshdata import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from workers import data
+import meshdata as data
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", ["orchestrator.config", "workers.data", "orchestrator.controller"])
+@pytest.mark.parametrize("module", ["orchestrator.config.load", "meshdata", "orchestrator.control.controller"])
 def test_module_imports_neither_torch_nor_ray(module: str) -> None:
     code = f"import sys, {module}; loaded = {{'ray', 'torch'}} & set(sys.modules); assert not loaded, loaded"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     directory = tmp_path_factory.mktemp("tiny")
     save_tiny_llama(str(directory))
@@ -85,7 +85,7 @@ def test_missing_tensor(tiny, tmp_path):
 
 
 def test_shape_mismatch(tiny, tmp_path):
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     other = tmp_path / "wider"
     save_tiny_llama(str(other), inter=128)
@@ -94,7 +94,7 @@ def test_shape_mismatch(tiny, tmp_path):
 
 
 def test_stray_safetensors_file(tiny, tmp_path):
-    from tests.helpers.hf_models import save_tiny_llama
+    from testbed.hf_models import save_tiny_llama
 
     sharded = tmp_path / "sharded"
     save_tiny_llama(str(sharded), max_shard_size="100KB")

@@ -7,11 +7,11 @@ re-forming groups in long-lived processes works (and the pids let tests assert "
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-
 import pytest
 
 ray = pytest.importorskip("ray")
+
+from testbed.ray_cluster import make_group  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,37 +31,8 @@ def store_address(ray_local):
     ray.kill(host)
 
 
-def make_group(count: int):
-    from orchestrator.worker_group import ActorResources, WorkerGroup
-
-    group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=60)
-    group.add(count)
-    return group
-
-
 @pytest.fixture(scope="module")
 def pool4(ray_local):
     group = make_group(4)
     yield group
     group.shutdown()
-
-
-@contextmanager
-def multinode_ray(worker_nodes: int, cpus: int = 2):
-    """A local multi-node Ray for this process (``ray.cluster_utils.Cluster``): a CPU-less head (the
-    driver's node: the store host lives there) and ``worker_nodes`` nodes of ``cpus`` slots. Yields
-    (cluster, worker nodes). Metrics collection off: after a node loss Ray's metric export (GCS + a
-    dashboard agent) burns a core for tens of seconds, which on a 2-core box starves the ranks."""
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        pytest.skip("another Ray is connected in this process")
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
-    workers = [nodes.add_node(num_cpus=cpus) for _ in range(worker_nodes)]
-    ray.init(address=nodes.address, log_to_driver=False)
-    try:
-        yield nodes, workers
-    finally:
-        ray.shutdown()
-        nodes.shutdown()

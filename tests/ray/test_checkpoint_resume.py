@@ -29,12 +29,12 @@ import pytest
 
 from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
-from orchestrator import checkpointing
-from orchestrator.config import load_config
-from orchestrator.controller import State
+from orchestrator.config.load import load_config
+from orchestrator.control.controller import State
 from orchestrator.errors import TrainingFailed
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from orchestrator.saves import checkpointing
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 

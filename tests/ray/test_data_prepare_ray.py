@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from meshdata import DataError, prepare
+from meshdata.index import SIDECAR
+from orchestrator.cluster.prepare_tasks import RayFanOut
 from tests.unit.test_data_prepare import make_tokenizer
-from workers.data import DataError, prepare
-from workers.data.index import SIDECAR
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -27,10 +28,11 @@ def test_ray_tasks_equal_in_process(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(docs.read_text() + '{"text": "unterminated\n')
     with pytest.raises(DataError, match=f"{bad}:3001: invalid JSON"):
-        prepare([str(bad)], str(tmp_path / "bad-out"), tokenizer=str(tok), parallel=True, unit_bytes=20_000)
+        prepare([str(bad)], str(tmp_path / "bad-out"), tokenizer=str(tok), parallel=True, unit_bytes=20_000,
+                fan_out=RayFanOut())
     assert not (tmp_path / "bad-out").exists()
     ray_meta = prepare(inputs, str(tmp_path / "ray"), tokenizer=str(tok), shard_tokens=5000, parallel=True,
-                       unit_bytes=20_000)
+                       unit_bytes=20_000, fan_out=RayFanOut())
     assert ray_meta == local and len(local["files"]) > 5 and local["documents"] == 3001
     for f in [*local["files"], SIDECAR, "tokenizer.json"]:
         assert (tmp_path / "ray" / f).read_bytes() == (tmp_path / "local" / f).read_bytes(), f

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from checkpoints.catalog import list_checkpoints
-from orchestrator.config import load_config
-from tests.helpers.s3 import FaultProxy, MotoS3
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, events, last_losses, make_controller
+from orchestrator.config.load import load_config
+from testbed.s3 import FaultProxy, MotoS3
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, events, last_losses, make_controller
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +45,8 @@ def s3():
 def corpus(s3, tmp_path_factory) -> Path:
     import json
 
+    from meshdata import prepare
     from tests.unit.test_data_prepare import make_tokenizer
-    from workers.data import prepare
 
     root = tmp_path_factory.mktemp("s3corpus")
     make_tokenizer(root / "tok")
@@ -71,8 +71,8 @@ def _train(cfg, store_address, actors: int) -> dict:
 
 @pytest.mark.timeout(600)
 def test_train_checkpoint_resume_reshard_on_s3(s3, corpus, ray_local, store_address, tmp_path):
-    from workers.data import open_source
-    from workers.data.masks import mask_eos_for
+    from meshdata import open_source
+    from meshdata.masks import mask_eos_for
     from workers.reference import ReferenceTrainer
 
     moto, proxy = s3

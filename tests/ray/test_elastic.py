@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
 
 pytestmark = pytest.mark.ray
 

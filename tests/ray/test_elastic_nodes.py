@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group, multinode_ray
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group, multinode_ray
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
 
@@ -36,7 +36,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def head_store(cluster):
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
 
     provider = StoreProvider()  # on the driver's node (the head here): it must outlive any worker node
     provider.address()
@@ -51,7 +51,7 @@ def test_store_is_hosted_on_the_drivers_node_and_rehosted_when_lost(cluster):
     half the time and losing that node lost the store. Every (re)hosting must land on the driver's
     node (a soft affinity passes 5 tries with two CPU nodes and a head ~1/3^5 of the time), bound
     to loopback as all these nodes share one IP, and a lost store is replaced at the next ask."""
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
 
     driver = ray.get_runtime_context().get_node_id()
     provider = StoreProvider()

@@ -10,7 +10,7 @@ import pytest
 
 from checkpoints.catalog import check_checkpoint
 from checkpoints.layout import step_dir_name
-from tests.ray.harness import assert_matches_reference, events, last_losses
+from testbed.ray_harness import assert_matches_reference, events, last_losses
 from tests.ray.test_elastic import _resumed_from_newest_committed, _run_with_fault
 
 pytestmark = pytest.mark.ray

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group
-from tests.ray.harness import (
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import (
     TEST_LR,
     assert_matches_reference,
     events,

@@ -3,16 +3,16 @@
 ZeRO-0 (mesh.zero=0) is FSDP2 on a (replicate=dp, shard=1) mesh, so a resize changes the replicate
 axis; HSDP (dp=4, dp_replicate=2) keeps shard groups of 2 ranks: the shrink to dp=2 drops a whole
 replica (one group of 2: plain FSDP over 2), the grow back to dp=4 adds it again
-(orchestrator.mesh.replicate_degree). State crosses each resize through the checkpoint (DCP reshards).
+(meshspeak.dp_plan.replicate_degree). State crosses each resize through the checkpoint (DCP reshards).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 

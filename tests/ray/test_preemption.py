@@ -21,10 +21,10 @@ import threading
 
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.store_provider import StoreProvider
-from tests.ray.conftest import make_group, multinode_ray
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
+from orchestrator.cluster.store_provider import StoreProvider
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group, multinode_ray
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
 
 ray = pytest.importorskip("ray")
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from orchestrator.config import load_config
-from workers.profiling import TRACE_SUFFIX, worker_name
+from meshspeak.profile import TRACE_SUFFIX, worker_name
+from orchestrator.config.load import load_config
 
 pytestmark = pytest.mark.ray
 

@@ -11,17 +11,15 @@
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
-import time
-
 import numpy as np
-
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group
-from tests.ray.harness import (
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group
+from testbed.ray_harness import (
     TEST_LR,
     assert_matches_reference,
     assert_params_match,

@@ -1,4 +1,4 @@
-"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/snapshots.py) on a local
+"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/saves/snapshots.py) on a local
 multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
 resharded into the smaller mesh, the losses the single-process reference's, the survivors never
 restarted; a rank killed together with the holder of its snapshot falls back to storage, and the
@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.conftest import make_group, multinode_ray
-from tests.ray.harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from orchestrator.config.load import load_config
+from testbed.ray_cluster import make_group, multinode_ray
+from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
 
 ray = pytest.importorskip("ray")
 
@@ -37,7 +37,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def head_store(cluster):
-    from orchestrator.store_provider import StoreProvider
+    from orchestrator.cluster.store_provider import StoreProvider
 
     provider = StoreProvider()
     provider.address()

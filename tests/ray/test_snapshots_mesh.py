@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ray.harness import assert_matches_reference, events, last_losses
+from testbed.ray_harness import assert_matches_reference, events, last_losses
 from tests.ray.test_elastic import _run_with_fault
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

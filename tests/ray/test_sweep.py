@@ -18,8 +18,8 @@ import time
 import pytest
 
 from orchestrator import cli
-from orchestrator.config import load_config
-from orchestrator.sweep import EXPERIMENT, prepare, trial_rows, tune_command
+from orchestrator.config.load import load_config
+from orchestrator.sweep.tuner import EXPERIMENT, prepare, trial_rows, tune_command
 
 Callback = pytest.importorskip("ray.tune").Callback
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import load_config
-from tests.ray.harness import TEST_LR, assert_matches_reference, last_losses, make_controller, mesh_params
+from orchestrator.config.load import load_config
+from testbed.ray_harness import TEST_LR, assert_matches_reference, last_losses, make_controller, mesh_params
 
 pytestmark = pytest.mark.ray
 

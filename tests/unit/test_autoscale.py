@@ -1,4 +1,4 @@
-"""orchestrator.autoscale without Ray: which bundles the job asks the autoscaler for, how many fit the
+"""orchestrator.cluster.autoscale without Ray: which bundles the job asks the autoscaler for, how many fit the
 nodes there are, and that the request is withdrawn exactly once. (tests/e2e/test_autoscale_grow.py
 shows a real autoscaler acting on the request and the job growing.)"""
 
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from orchestrator.autoscale import CapacityRequest, bundles_that_fit, wanted_bundles
-from orchestrator.config import load_config
+from orchestrator.cluster.autoscale import CapacityRequest, bundles_that_fit, wanted_bundles
+from orchestrator.config.load import load_config
 
 CPU = {"CPU": 1.0}
 GPU = {"CPU": 1.0, "GPU": 1.0}
@@ -81,6 +81,6 @@ def test_withdrawing_on_a_gone_cluster_warns_instead_of_raising(caplog):
 
     request = CapacityRequest(refuse)
     request.ask([CPU])
-    with caplog.at_level(logging.WARNING, logger="orchestrator.autoscale"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.cluster.autoscale"):
         request.release()
     assert "could not withdraw the autoscaler request" in caplog.text and "GCS is gone" in caplog.text

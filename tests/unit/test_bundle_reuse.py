@@ -13,9 +13,9 @@ import pytest
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, RayActorError
 
-from orchestrator import bundles, worker_group
-from orchestrator.bundles import NODE_DEATH_GRACE_S, BundleLedger
-from orchestrator.worker_group import ActorResources, WorkerGroup, worker_process_died
+from orchestrator.cluster import bundles, worker_group
+from orchestrator.cluster.bundles import NODE_DEATH_GRACE_S, BundleLedger
+from orchestrator.cluster.worker_group import ActorResources, WorkerGroup, worker_process_died
 
 WORKER_DIED = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
                "Worker exit detail: Worker exits unexpectedly by a signal. SIGKILL")

@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import (
+from meshspeak.schema import ConfigError
+from meshspeak.sections import (
     ALL_KEYS,
     SECTIONS,
-    ConfigError,
     JobConfig,
-    check_mesh,
     config_to_dict,
     dp_bounds,
-    load_config,
     microbatches_per_replica,
     replace_mesh,
 )
-from orchestrator.config_fingerprint import model_diff, model_fingerprint
+from orchestrator.config.fingerprint import model_diff, model_fingerprint
+from orchestrator.config.load import load_config
+from orchestrator.config.validate import check_mesh
 
 
 def _toml_value(value: object) -> str:
@@ -69,7 +69,7 @@ def test_defaults_are_the_tiny_job() -> None:
 
 
 def test_all_keys_and_aliases() -> None:
-    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 73
+    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 76  # issue 27 added train.quant_block, optimizer, onebit_warmup_steps
     assert "checkpoint.async" in ALL_KEYS and "checkpoint.async_write" not in ALL_KEYS
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
     assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ALL_KEYS, SECTIONS, config_doc, config_to_dict, load_config
-from orchestrator.config_schema import ConfigError, check_values, coerce, doc_table, dump_toml, iter_keys, key, spec_of
+from meshspeak.schema import ConfigError, check_values, coerce, doc_table, dump_toml, iter_keys, key, spec_of
+from meshspeak.sections import ALL_KEYS, SECTIONS, config_doc, config_to_dict
+from orchestrator.config.load import load_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

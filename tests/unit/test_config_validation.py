@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import dp_bounds, load_config, microbatches_per_replica
+from meshspeak.sections import dp_bounds, microbatches_per_replica
+from orchestrator.config.load import load_config
 from tests.unit.test_config import error_for
-
 
 # --- validation ----------------------------------------------------------------------------
 

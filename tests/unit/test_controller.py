@@ -1,5 +1,5 @@
 """The controller's state machine driven by a fake worker group: no processes, no Ray, real metrics file
-and real checkpoint catalog in tmp (``tests/helpers/fake_group.py`` scripts the ranks and their faults).
+and real checkpoint catalog in tmp (``testbed/fake_group.py`` scripts the ranks and their faults).
 
 Every transition, and the test that covers it:
 
@@ -43,9 +43,9 @@ from __future__ import annotations
 import pytest
 
 from checkpoints.layout import step_dir_name
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 
 def test_start_forms_generation_one(make):

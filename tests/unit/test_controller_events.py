@@ -3,8 +3,8 @@ rebuilt generation trained its first step. Uses ``make`` and ``Run`` of ``tests/
 
 from __future__ import annotations
 
-from orchestrator.controller import State
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from orchestrator.control.controller import State
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 
 def test_a_rebuild_superseded_by_a_grow_before_its_first_step_is_still_told(make):

@@ -1,6 +1,6 @@
-"""The controller at a step boundary when a node is announced as draining (orchestrator/preemption.py)
+"""The controller at a step boundary when a node is announced as draining (orchestrator/recovery/preemption.py)
 or a stop is requested (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest), on a fake worker
-group (tests/helpers/controller_run.py).
+group (testbed/controller_run.py).
 
 Preemption notices, at a step boundary:
 
@@ -21,8 +21,8 @@ A stop signal (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest):
 
 from __future__ import annotations
 
-from orchestrator.controller import State
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from orchestrator.control.controller import State
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 
 def on_node_b(r, *actors):

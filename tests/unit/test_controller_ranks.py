@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 
 from checkpoints.catalog import list_checkpoints
-from orchestrator.bad_steps import BadSteps, bad_reason
-from orchestrator.controller import State
-from orchestrator.messages import StepResult
-from tests.helpers.controller_run import make  # noqa: F401  (the fixture)
+from meshspeak.messages import StepResult
+from orchestrator.control.controller import State
+from orchestrator.recovery.bad_steps import BadSteps, bad_reason
+from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 
 def _result(rank: int, bad: str = "") -> StepResult:
@@ -175,8 +175,8 @@ def test_spare_that_cannot_be_placed_yet_waits_without_stalling_the_steps(make):
 
 
 def test_spares_are_kept_out_of_a_grow():
-    from orchestrator.config import load_config
-    from orchestrator.policies import NoResize, ScalingPolicy
+    from orchestrator.config.load import load_config
+    from orchestrator.control.scaling import NoResize, ScalingPolicy
 
     policy = ScalingPolicy(load_config(None, ["mesh.dp=2", "mesh.tp=1", "elastic.max_dp=4", "elastic.spares=2"]))
     assert isinstance(policy.grow(2, 4), NoResize)  # 2 in the mesh + 2 spares: nothing to grow with

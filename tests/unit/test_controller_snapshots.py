@@ -1,7 +1,7 @@
 """In-memory snapshots through the controller on a fake worker group (no processes): every step each
 rank's snapshot is relayed to its holder; after a failure the run restores from them when every
 shard has a live copy, else from storage, and the rebuild event says which
-(orchestrator/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
+(orchestrator/saves/snapshots.py; the real ranks: tests/ray/test_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from checkpoints.layout import step_dir_name
-from orchestrator.controller import State
-from tests.helpers.controller_run import Run
+from orchestrator.control.controller import State
+from testbed.controller_run import Run
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_rebuild_restores_twice_from_the_same_set_when_forming_fails(make):
 
 
 def test_one_node_warns_once_and_off_takes_no_snapshot(make, caplog):
-    with caplog.at_level(logging.WARNING, logger="orchestrator.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.saves.snapshots"):
         r = make()
         r.group.fail("train_step", 1, "die", at=3)
         r.steps(3)

@@ -1,4 +1,4 @@
-"""Unit tests for workers/data/: sources, validation errors, and the mesh-independent sample order."""
+"""Unit tests for meshdata/: sources, validation errors, and the mesh-independent sample order."""
 
 from __future__ import annotations
 
@@ -10,8 +10,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workers.data import (BUILTIN, DataError, TokenSource, global_sample_ids, microbatch_tokens, open_source,
-                          prepare, replica_microbatches, sample_order, validate_source)
+from meshdata import (
+    BUILTIN,
+    DataError,
+    TokenSource,
+    global_sample_ids,
+    microbatch_tokens,
+    open_source,
+    prepare,
+    replica_microbatches,
+    sample_order,
+    validate_source,
+)
 
 
 def _write_shard(path, rows, type_=pa.list_(pa.int32()), column="tokens"):

@@ -12,10 +12,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from workers.data import (DataError, TokenSource, microbatch_tokens, open_source, prepare, replica_microbatches,
-                          validate_source)
-from workers.data.index import SIDECAR
-from workers.data.source import _open
+from meshdata import (
+    DataError,
+    TokenSource,
+    microbatch_tokens,
+    open_source,
+    prepare,
+    replica_microbatches,
+    validate_source,
+)
+from meshdata.index import SIDECAR
+from meshdata.source import _open
 
 
 def _third_party(path, rows_per_file, row_group_size=3, **kw):
@@ -175,7 +182,7 @@ def test_a_store_that_never_answers_is_cut_off(monkeypatch):
 
     from checkpoints import catalog
     from checkpoints.errors import CheckpointError
-    from workers.data import source
+    from meshdata import source
 
     monkeypatch.setattr(MemoryFileSystem, "info", lambda *a, **k: time.sleep(30))
     monkeypatch.setattr(MemoryFileSystem, "pipe_file", lambda *a, **k: time.sleep(30))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.data import DataError, TokenSource, microbatch_tokens
-from workers.data.masks import IGNORE, boundary_eos, counted, mask_targets
+from meshdata import DataError, TokenSource, microbatch_tokens
+from meshdata.masks import IGNORE, boundary_eos, counted, mask_targets
 
 EOS = 2
 

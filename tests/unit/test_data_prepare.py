@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from meshdata import DataError, open_source, prepare
+from meshdata.index import SIDECAR
 from orchestrator.cli import main
-from workers.data import DataError, open_source, prepare
-from workers.data.index import SIDECAR
 
 DOCS = [
     "The baker sold bread to the sailors at dawn.",

@@ -11,12 +11,12 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import DCP_METADATA, step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from orchestrator.checkpointing import CheckpointCoordinator
-from orchestrator.config import config_to_dict, load_config
-from orchestrator.config_fingerprint import model_fingerprint
+from meshdata import open_source, prepare
+from meshspeak.sections import config_to_dict
+from orchestrator.config.fingerprint import model_fingerprint
+from orchestrator.config.load import load_config
 from orchestrator.errors import UserInputError
-from workers.data import open_source, prepare
-
+from orchestrator.saves.checkpointing import CheckpointCoordinator
 
 
 class _Events:

@@ -14,7 +14,7 @@ from workers.device import DeviceError, backend_for, cuda_index, select_device
 def test_a_gpu_job_without_cuda_fails_in_one_line_and_the_driver_reports_that_line():
     from ray.exceptions import RayTaskError
 
-    from orchestrator.worker_group import error_line
+    from orchestrator.cluster.worker_group import error_line
 
     with pytest.raises(DeviceError) as info:
         select_device(True, gpu_ids=[0], where="rank 3 on 10.0.0.2")
@@ -55,8 +55,8 @@ def test_cuda_index_outside_ray_is_local_rank(monkeypatch):
 def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(monkeypatch, backend):
     """Mid-join, listeners opened since the join began are gloo's on a gloo job but may be NCCL's
     bootstrap on an NCCL job: only the gloo job shuts them down; NCCL gets its communicators aborted."""
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import JoinSpec
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import JoinSpec
     from workers import actor as actor_mod
     from workers import groups, sockets
 

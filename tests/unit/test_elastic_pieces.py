@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import bundles
-from orchestrator.bundles import NODE_DEATH_GRACE_S, BundleLedger
-from orchestrator.config import load_config
-from orchestrator.policies import fit_dp
+from orchestrator.cluster import bundles
+from orchestrator.cluster.bundles import NODE_DEATH_GRACE_S, BundleLedger
+from orchestrator.config.load import load_config
+from orchestrator.control.scaling import fit_dp
 from workers import sockets
 
 

@@ -1,10 +1,10 @@
-"""An export ships the tokenizer the run's data was prepared with (workers/models/export.py)."""
+"""An export ships the tokenizer the run's data was prepared with (meshmodels/export.py)."""
 
 from __future__ import annotations
 
 import json
 
-from workers.models.export import copy_tokenizer_files
+from meshmodels.export import copy_tokenizer_files
 
 
 def test_tokenizer_files_beside_the_shards_are_copied(tmp_path):

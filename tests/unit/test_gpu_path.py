@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from orchestrator.config import load_config
-from workers.model import build_stage
+from meshmodels.gpt_model import build_stage
+from orchestrator.config.load import load_config
 from workers.optim import build_optimizer
 
 
@@ -65,13 +65,13 @@ def test_compiled_blocks_keep_names_and_train_like_eager():
     the slow distributed test): same parameter names, same losses and weights over 3 AdamW steps."""
     import copy
 
-    from workers.model import lm_loss_sum
+    from meshmodels.gpt_model import lm_loss_sum
     from workers.parallelize import apply_compile
 
     cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.n_layers=2"])
     eager = build_stage(cfg.model, range(2), seed=0, activation_checkpointing=True)
     compiled = copy.deepcopy(eager)
-    from workers.models.gpt import GPTFamily
+    from meshmodels.gpt import GPTFamily
 
     apply_compile(compiled, GPTFamily(), backend="aot_eager")
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
@@ -92,8 +92,8 @@ def test_compiled_blocks_keep_names_and_train_like_eager():
 
 
 def test_fp16_step_records_carry_the_loss_scale_and_the_skip():
-    from orchestrator.mesh import MeshShape
-    from orchestrator.messages import StepResult
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import StepResult
     from orchestrator.metrics import step_record
 
     cfg = load_config(None, ["train.dtype=float16"])

@@ -1,6 +1,6 @@
 """The llama family against transformers (the oracle): logits and step-1 loss on tiny perturbed models.
 
-Each variant is built offline with transformers, its weights perturbed (``tests/helpers/hf_models``),
+Each variant is built offline with transformers, its weights perturbed (``testbed/hf_models.py``),
 saved with ``save_pretrained``; elastimesh shapes the model from ``config.json`` (``model.from_hf``),
 loads the safetensors through DCP's ``HuggingFaceStorageReader`` (``checkpoint.init_from``'s path) and
 must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off.
@@ -15,11 +15,11 @@ import pytest
 pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from orchestrator.config import load_config  # noqa: E402
-from tests.helpers.hf_models import save_tiny_llama  # noqa: E402
-from workers.models.build import build_local_stage  # noqa: E402
-from workers.models.family import resolve_model  # noqa: E402
-from workers.models.hf_io import load_hf  # noqa: E402
+from meshmodels.build import build_local_stage  # noqa: E402
+from meshmodels.family import resolve_model  # noqa: E402
+from meshmodels.hf_io import load_hf  # noqa: E402
+from orchestrator.config.load import load_config  # noqa: E402
+from testbed.hf_models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 
@@ -83,7 +83,7 @@ def test_shape_and_counts_from_config_json(tmp_path):
 
 def test_step1_loss_equals_transformers_loss(tmp_path):
     """The reference trainer started from the HF weights: its step-1 loss is transformers' loss on that batch."""
-    from workers import data as data_lib
+    import meshdata as data_lib
     from workers.reference import ReferenceTrainer
 
     hf = save_tiny_llama(str(tmp_path), tie=True)
@@ -116,7 +116,7 @@ def test_export_config_round_trips(tmp_path):
 
 
 def test_plan_shows_the_real_parameter_count(tmp_path):
-    from orchestrator.plan import describe, make_plan
+    from orchestrator.plan.mesh_plan import describe, make_plan
 
     hf = save_tiny_llama(str(tmp_path), tie=True, layers=4)
     cfg = load_config(None, [f"model.from_hf={tmp_path}", "model.seq_len=32", "mesh.pp=2", "mesh.dp=1",
@@ -130,7 +130,7 @@ def test_plan_shows_the_real_parameter_count(tmp_path):
 
 
 def test_init_slice_is_the_slice_of_the_full_init():
-    from workers.models.llama import INIT_ROWS, LlamaFamily
+    from meshmodels.llama import INIT_ROWS, LlamaFamily
 
     family = LlamaFamily()
     shape = family.shape(load_config(None, ["model.family=llama", "model.vocab_size=700"]).model)

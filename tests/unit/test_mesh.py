@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.mesh import (
-    MeshAxis,
-    MeshShape,
-    balanced_split,
-    fsdp_applies,
-    fsdp_units,
-    layer_ranges,
-    stage_param_counts,
-)
-from orchestrator.plan import describe, make_plan, param_counts
-from orchestrator.policies import ResizeDecision, TooFewWorkers, choose_dp, grow_target
+from meshspeak.mesh import MeshAxis, MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
+from meshspeak.dp_plan import fsdp_applies
+from orchestrator.config.load import load_config
+from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp, grow_target
+from orchestrator.plan.mesh_plan import describe, make_plan, param_counts
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (3, 2, 1), (1, 4, 2)])
@@ -88,7 +81,7 @@ def test_fsdp_units_group_small_blocks_and_keep_big_ones_apart():
 
 def test_param_counts_match_the_built_model():
     torch = pytest.importorskip("torch")
-    from workers.model import GPT
+    from meshmodels.gpt_model import GPT
 
     cfg = load_config(None, ["model.n_layers=3", "model.d_model=32"])
     model = GPT(cfg.model)

@@ -1,5 +1,5 @@
 """Big models build small: a stage is built on the meta device and only what ``parallelize`` leaves on
-this rank is ever allocated (workers/models/build.py). No processes: the "sharding" here keeps 1/8
+this rank is ever allocated (meshmodels/build.py). No processes: the "sharding" here keeps 1/8
 of every parameter's rows, as an 8-way dp shard would, and the host memory growth is measured."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import psutil
 import torch
 from torch import nn
 
-from orchestrator.config import load_config
-from workers.models.build import build_local_stage
-from workers.models.family import resolve_model
+from meshmodels.build import build_local_stage
+from meshmodels.family import resolve_model
+from orchestrator.config.load import load_config
 
 SHARDS = 8
 

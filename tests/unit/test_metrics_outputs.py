@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import MetricsConfig
+from meshspeak.sections import MetricsConfig
 from orchestrator.errors import UserInputError
 from orchestrator.metrics import check_outputs
 

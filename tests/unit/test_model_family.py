@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import ConfigError, load_config
-from orchestrator.plan import param_counts
-from workers.models.family import load_family, resolve_model
+from meshmodels.family import load_family, resolve_model
+from meshspeak.schema import ConfigError
+from orchestrator.config.load import load_config
+from orchestrator.plan.mesh_plan import param_counts
 
 
 def test_builtin_families_load_and_gpt_is_the_default():

@@ -2,7 +2,7 @@
 
 Each pp rank's ``Executor`` runs its real action list on tiny CPU stages with a recording transport
 (receives yield zeros), so what is checked is exactly the sequence of calls the executor makes. The
-NCCL path must post only ``batch_isend_irecv`` batches, the ones ``orchestrator.p2p_rounds`` plans;
+NCCL path must post only ``batch_isend_irecv`` batches, the ones ``meshspeak.p2p_rounds`` plans;
 those are then played in the strictest NCCL model (``strict_deadlock``: a rank's batches one after
 the other, an op completes only when its partner is posted in the peer's current batch, no
 buffering). Real NCCL only relaxes this, so what completes there completes on NCCL. The gloo path's
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from orchestrator.p2p_rounds import batch_ops, nccl_batches, rank_batches, strict_deadlock
-from orchestrator.schedule import Op, make_schedule, stages_of_rank
+from meshspeak.p2p_rounds import batch_ops, nccl_batches, rank_batches, strict_deadlock
+from meshspeak.schedule import Op, make_schedule, stages_of_rank
 from workers.p2p import Message, Transport
 from workers.pipeline import Executor, Stage, StepData
 

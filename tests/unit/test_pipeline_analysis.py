@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from pipeline_analysis import _handoff_latencies, _parse, _quantiles_ms  # noqa: E402
 
-from orchestrator.schedule import Action, Op  # noqa: E402
+from meshspeak.schedule import Action, Op  # noqa: E402
 
 
 def test_handoff_latencies_split_waiting_and_late_receives():

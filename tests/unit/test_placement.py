@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from orchestrator.mesh import MeshShape
-from orchestrator.placement import place_ranks, tp_groups_fit
+from meshspeak.mesh import MeshShape
+from orchestrator.plan.placement import place_ranks, tp_groups_fit
 
 
 def _cluster(sizes: dict[str, int]) -> tuple[list[int], dict[int, str]]:

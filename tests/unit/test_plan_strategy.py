@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.config import load_config
-from orchestrator.plan import make_plan, rank_memory
-from orchestrator.plan_strategy import candidates, peak_bytes, recommend
+from orchestrator.config.load import load_config
+from orchestrator.plan.mesh_plan import make_plan, rank_memory
+from orchestrator.plan.strategy import candidates, peak_bytes, recommend
 
 BIG = ["mesh.dp=4", "mesh.tp=1", "model.d_model=512", "model.n_layers=8", "model.n_heads=8"]
 

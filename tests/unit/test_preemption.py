@@ -1,10 +1,10 @@
-"""Drain notices turned into decisions (orchestrator.preemption): pure, no Ray."""
+"""Drain notices turned into decisions (orchestrator.recovery.preemption): pure, no Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.preemption import SAVE_GUESS_S, PreemptionWatcher, save_budget_s
+from orchestrator.recovery.preemption import SAVE_GUESS_S, PreemptionWatcher, save_budget_s
 
 # Actors 0-3 are the members (ranks 0-3); 4 is a spare. Node "b" holds rank 3 and the spare.
 ACTOR_NODES = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b"}

@@ -9,8 +9,8 @@ rank already inside the rendezvous, so the ones still inside the call are kicked
 
 from __future__ import annotations
 
-from orchestrator import recovery
-from orchestrator.messages import CallOutcome, WorkerStatus
+from meshspeak.messages import CallOutcome, WorkerStatus
+from orchestrator.recovery import settle as recovery
 
 
 class LateJoiners:

@@ -14,9 +14,9 @@ import pytest
 
 from checkpoints.catalog import latest_valid, list_checkpoints
 from checkpoints.layout import MANIFEST
-from orchestrator.controller import State
+from orchestrator.control.controller import State
 from orchestrator.errors import UserInputError
-from tests.helpers.controller_run import Run
+from testbed.controller_run import Run
 
 
 def _committed(root) -> dict[int, str]:

@@ -1,7 +1,7 @@
-"""The pure decisions of in-memory snapshots (orchestrator/snapshots.py): who holds whose snapshot,
+"""The pure decisions of in-memory snapshots (orchestrator/saves/snapshots.py): who holds whose snapshot,
 whether a set can restore a run, snapshot or storage."""
 
-from orchestrator.snapshots import backup_ring, choose_source, covered, host_bytes_per_rank, providers
+from orchestrator.saves.snapshots import backup_ring, choose_source, covered, host_bytes_per_rank, providers
 
 
 def test_ring_prefers_another_node():
@@ -40,9 +40,9 @@ def test_choose_source():
 
 
 def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
-    from orchestrator.config import load_config
-    from orchestrator.plan import describe, make_plan
-    from orchestrator.plan_render import render
+    from orchestrator.config.load import load_config
+    from orchestrator.plan.mesh_plan import describe, make_plan
+    from orchestrator.plan.render import render
 
     def info(*overrides):
         cfg = load_config(None, ["mesh.dp=2", "mesh.tp=1", *overrides])

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from orchestrator.store_provider import FixedStore, StoreSource, host_candidates, one_machine
+from orchestrator.cluster.store_provider import FixedStore, StoreSource, host_candidates, one_machine
 from workers.store import listen_on
 
 HEAD = {"node:__internal_head__": 1.0, "CPU": 3.0}

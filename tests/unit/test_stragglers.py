@@ -1,6 +1,6 @@
 """StragglerWatch: a rank slower than straggler_factor x its peers' median for straggler_steps steps."""
 
-from orchestrator.stragglers import Straggler, StragglerWatch
+from orchestrator.recovery.stragglers import Straggler, StragglerWatch
 
 
 def step(watch, times, groups=None):
@@ -46,7 +46,7 @@ def test_a_lone_rank_is_scored_against_everybody_and_forget_drops_streaks():
 
 
 def test_a_few_milliseconds_slower_is_not_a_straggler_however_large_the_factor():
-    from orchestrator.stragglers import MIN_EXCESS_S, StragglerWatch
+    from orchestrator.recovery.stragglers import MIN_EXCESS_S, StragglerWatch
 
     watch = StragglerWatch(factor=2.0, steps=1)
     assert watch.observe({0: (0, 0.010), 1: (0, 0.012), 2: (0, 0.045)}) == []  # 4.5x, 35 ms more

@@ -9,22 +9,14 @@ import os
 import numpy as np
 import pytest
 
+from meshspeak.profile import profile_range, profile_spec, worker_name
+from meshspeak.schema import ConfigError, dump_toml
+from meshspeak.sections import config_to_dict
 from orchestrator import cli
-from orchestrator.config import config_to_dict, load_config
-from orchestrator.config_schema import ConfigError, dump_toml
-from orchestrator.config_validate import profile_range
-from orchestrator.sweep import (
-    SWEEP_FILE,
-    best_row,
-    best_toml,
-    check_spaces,
-    prepare,
-    render_table,
-)
-from orchestrator.sweep_space import apply, parse_one, parse_search
-from orchestrator.sweep_trial import StepReporter, trial_doc, trial_resources, trial_world
-from workers.profiling import profile_spec, worker_name
-
+from orchestrator.config.load import load_config
+from orchestrator.sweep.space import apply, parse_one, parse_search
+from orchestrator.sweep.trial import StepReporter, trial_doc, trial_resources, trial_world
+from orchestrator.sweep.tuner import SWEEP_FILE, best_row, best_toml, check_spaces, prepare, render_table
 
 # --- SPACE ------------------------------------------------------------------------------------------
 
@@ -227,7 +219,7 @@ def test_apply_puts_dotted_values_into_a_copy():
 
 def test_largest_trial_must_fit_an_embedded_ray(tmp_path):
     from orchestrator.errors import WorkerGroupStartupError
-    from orchestrator.sweep import _check_fits
+    from orchestrator.sweep.tuner import _check_fits
 
     sweep = prepare(None, ["mesh.dp=choice(1,2,4)", "mesh.tp=choice(1,2)"], samples=2,
                     directory=str(tmp_path))  # dp=4, tp=2: 8 ranks at most

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import bundles, worker_group
-from orchestrator.bundles import NODE_DEATH_GRACE_S
+from orchestrator.cluster import bundles, worker_group
+from orchestrator.cluster.bundles import NODE_DEATH_GRACE_S
+from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 from orchestrator.errors import WorkerGroupStartupError
-from orchestrator.worker_group import ActorResources, WorkerGroup
 
 
 def test_add_skips_vacant_bundles_on_a_draining_node(monkeypatch):

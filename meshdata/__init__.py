@@ -1,0 +1,46 @@
+"""Token data for elastimesh: sources (lazy, any storage), the global sample order, document masks,
+and ``elastimesh data prepare``.
+
+Pure numpy + pyarrow (no torch; ray only inside ``prepare``'s parallel path) because both sides use it:
+the driver validates ``data.path`` before starting any actor and runs ``data prepare``; each actor
+opens the same source and reads only the windows of the microbatches it is told to.
+
+Data model (public contract, README "Data")
+--------------------------------------------
+A source is one flat stream of int32 token ids. ``data.path = "builtin"`` is the shipped synthetic
+English corpus (``workers/corpus/builtin.txt``, byte tokens, vocab 256). Otherwise ``data.path`` is a
+directory — a local path, ``file://``, ``s3://``, ``gs://`` or any fsspec URI — of ``*.parquet`` files
+with a column ``tokens: list<int32>``, read in sorted file-name order, one document (or a piece of
+one) per row, rows concatenated in order with no separator. ``data prepare`` ends every document with
+the tokenizer's EOS; third-party shards (no sidecar) work as long as they have the ``tokens`` column.
+
+Sample ``i`` of sequence length ``L`` is the window ``tokens[i*L : i*L + L + 1]`` (inputs ``[:-1]``,
+targets ``[1:]``); the order in which samples are visited is ``meshdata.order``. With
+``data.mask_document_boundaries`` a target whose input token is EOS is not counted
+(``meshdata.masks``).
+
+Modules: ``storage`` (local / fsspec locations), ``index`` (row-group token counts, sidecar, content
+identity), ``source`` (TokenSource, open/validate), ``order`` (sample order), ``masks``, ``inputs`` /
+``tokenizer`` / ``prepare`` (``data prepare``).
+"""
+
+from meshdata.errors import DataError
+from meshdata.index import FORMAT_VERSION, SIDECAR
+from meshdata.order import global_sample_ids, replica_microbatches, sample_order
+from meshdata.prepare import MAX_ROW_TOKENS, prepare
+from meshdata.source import (
+    BUILTIN,
+    BUILTIN_FILE,
+    BYTE_VOCAB,
+    TokenSource,
+    microbatch_tokens,
+    open_source,
+    sample_windows,
+    validate_source,
+)
+
+__all__ = [
+    "BUILTIN", "BUILTIN_FILE", "BYTE_VOCAB", "DataError", "FORMAT_VERSION", "MAX_ROW_TOKENS", "SIDECAR",
+    "TokenSource", "global_sample_ids", "microbatch_tokens", "open_source", "prepare", "replica_microbatches",
+    "sample_order", "sample_windows", "validate_source",
+]  # fmt: skip

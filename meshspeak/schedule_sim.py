@@ -1,0 +1,231 @@
+"""Runs pipeline schedules on paper: proves they cannot deadlock and measures their bubble.
+
+This module owns the executor *model* that every list from ``meshspeak.schedule`` must satisfy,
+so a schedule bug shows up in a unit test instead of as a hung gloo/NCCL receive. The model is the
+one the workers implement: each pp rank runs its list strictly in order; SEND_F/SEND_B are posted
+asynchronously (they return at once and put a message in a mailbox keyed by
+``(kind, src_stage, dst_stage, microbatch)``); RECV_F/RECV_B block until that message exists; F and
+B take ``f_cost`` / ``b_cost`` time units and communication takes none.
+
+Because a rank's clock only moves through its own compute and the timestamps of the messages it
+receives, the result does not depend on the order in which the simulator visits the ranks.
+
+No torch, no ray: pure stdlib.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from meshspeak.schedule import Action, MessageKey, Op, message_key
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks the executor contract (wrong rank, missing input, unmatched message)."""
+
+
+class ScheduleDeadlock(ScheduleError):
+    """No rank can make progress: every unfinished rank is blocked in a receive.
+
+    Attributes:
+        blocked: pp rank -> the receive it is stuck at, for every rank that has not finished.
+    """
+
+    def __init__(self, blocked: dict[int, Action]) -> None:
+        self.blocked = dict(blocked)
+        waits = ", ".join(
+            f"rank {rank} blocks at {action} (waits for {_matching_send(action)})"
+            for rank, action in sorted(self.blocked.items())
+        )
+        super().__init__(f"schedule deadlocks: {waits}")
+
+    def __reduce__(self) -> tuple[type[ScheduleDeadlock], tuple[dict[int, Action]]]:
+        # The message is derived from `blocked`, so rebuild from that when crossing processes.
+        return (type(self), (self.blocked,))
+
+
+@dataclass(frozen=True, slots=True)
+class BusyInterval:
+    """A rank computing ``action`` (an F or a B) from ``start`` to ``end``."""
+
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Timeline of one simulated step.
+
+    ``bubble_fraction`` is ``1 - total busy time / (pp * makespan)``: the share of the step's
+    rank-time spent waiting, comparable with ``schedule.theoretical_bubble``.
+    """
+
+    busy: tuple[tuple[BusyInterval, ...], ...]  # per pp rank, in execution order
+    makespan: float
+    bubble_fraction: float
+
+
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    pp: int,
+    virtual_stages: int = 1,
+    *,
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+    cost: Callable[[Action], float] | None = None,
+) -> SimResult:
+    """Execute ``schedule`` (index = pp rank) under the async-send / blocking-receive model.
+
+    Args:
+        schedule: one ordered action list per pp rank, as built by ``meshspeak.schedule``.
+        pp: number of pipeline ranks.
+        virtual_stages: model chunks per rank; there are ``pp * virtual_stages`` stages.
+        f_cost: time of one F on one stage.
+        b_cost: time of one B on one stage (about 2x F for a transformer).
+        cost: instead of ``f_cost``/``b_cost``, the time of each F or B action (>= 0), e.g. the
+            durations measured on a real run, to replay that run with free communication.
+
+    Returns:
+        The per-rank busy intervals, the makespan and the bubble fraction.
+
+    Raises:
+        ScheduleDeadlock: every unfinished rank waits for a message that will never be sent.
+        ScheduleError: an action sits on a rank that does not hold its stage, computes before its
+            input arrived, sends something twice, leaves a message unreceived, or a microbatch is
+            forwarded without being backwarded.
+    """
+    if pp < 1 or virtual_stages < 1:
+        raise ValueError(f"need pp >= 1 and virtual_stages >= 1, got pp={pp} v={virtual_stages}")
+    if f_cost <= 0 or b_cost <= 0:
+        raise ValueError(f"costs must be > 0, got f_cost={f_cost} b_cost={b_cost}")
+    if len(schedule) != pp:
+        raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected pp={pp}")
+    num_stages = pp * virtual_stages
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            _check_placement(action, rank, pp, num_stages)
+
+    if cost is None:
+        by_op = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost}
+        cost = lambda action: by_op[action.op]  # noqa: E731
+    machine = _Machine(num_stages, cost, pp)
+    position = [0] * pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in enumerate(schedule):
+            while position[rank] < len(actions) and machine.run(rank, actions[position[rank]]):
+                position[rank] += 1
+                progressed = True
+
+    blocked = {r: schedule[r][i] for r, i in enumerate(position) if i < len(schedule[r])}
+    if blocked:
+        raise ScheduleDeadlock(blocked)
+    machine.check_finished()
+
+    makespan = max(machine.clock)
+    total_busy = sum(iv.end - iv.start for rank_busy in machine.busy for iv in rank_busy)
+    bubble = 1.0 - total_busy / (pp * makespan) if makespan > 0 else 0.0
+    return SimResult(
+        busy=tuple(tuple(rank_busy) for rank_busy in machine.busy),
+        makespan=makespan,
+        bubble_fraction=bubble,
+    )
+
+
+class _Machine:
+    """Mutable state of one simulation: clocks, mailbox and what has been computed."""
+
+    def __init__(self, num_stages: int, cost: Callable[[Action], float], pp: int) -> None:
+        self.last_stage = num_stages - 1
+        self.cost = cost
+        self.clock = [0.0] * pp
+        self.busy: list[list[BusyInterval]] = [[] for _ in range(pp)]
+        self.mailbox: dict[MessageKey, float] = {}  # message -> time it was posted
+        self.sent: set[MessageKey] = set()
+        self.received: set[MessageKey] = set()
+        self.computed: set[tuple[int, Op, int]] = set()  # (stage, F or B, microbatch)
+
+    def run(self, rank: int, action: Action) -> bool:
+        """Run ``action`` on ``rank``; False: it is a receive whose message has not arrived yet."""
+        stage, op, mb = action.stage, action.op, action.microbatch
+        if op in (Op.RECV_F, Op.RECV_B):
+            key = message_key(action)
+            if key in self.received:
+                raise ScheduleError(f"rank {rank}: {action} receives a message a second time")
+            if key not in self.mailbox:
+                return False
+            self.clock[rank] = max(self.clock[rank], self.mailbox.pop(key))
+            self.received.add(key)
+        elif op in (Op.SEND_F, Op.SEND_B):
+            produced_by = Op.FORWARD if op == Op.SEND_F else Op.BACKWARD
+            self._require((stage, produced_by, mb), rank, action, f"its {produced_by} before")
+            key = message_key(action)
+            if key in self.sent:
+                raise ScheduleError(f"rank {rank}: {action} sends a message a second time")
+            self.sent.add(key)
+            self.mailbox[key] = self.clock[rank]
+        else:
+            self._check_inputs(rank, action)
+            if (stage, op, mb) in self.computed:
+                raise ScheduleError(f"rank {rank}: {action} runs a second time")
+            duration = self.cost(action)
+            if duration < 0:
+                raise ValueError(f"cost of {action} must be >= 0, got {duration}")
+            start = self.clock[rank]
+            self.clock[rank] = start + duration
+            self.busy[rank].append(BusyInterval(start, self.clock[rank], action))
+            self.computed.add((stage, op, mb))
+        return True
+
+    def _check_inputs(self, rank: int, action: Action) -> None:
+        stage, mb = action.stage, action.microbatch
+        if action.op == Op.FORWARD:
+            if stage > 0:
+                self._need_message(("F", stage - 1, stage, mb), rank, action)
+            return
+        self._require((stage, Op.FORWARD, mb), rank, action, "its F before")
+        if stage < self.last_stage:  # the last stage's B starts from the loss its F computed
+            self._need_message(("B", stage + 1, stage, mb), rank, action)
+
+    def _need_message(self, key: MessageKey, rank: int, action: Action) -> None:
+        if key not in self.received:
+            raise ScheduleError(f"rank {rank}: {action} runs before its input {key} was received")
+
+    def _require(self, done: tuple[int, Op, int], rank: int, action: Action, what: str) -> None:
+        if done not in self.computed:
+            raise ScheduleError(f"rank {rank}: {action} needs {what} it")
+
+    def check_finished(self) -> None:
+        if self.mailbox:
+            left = ", ".join(f"{k}" for k in sorted(self.mailbox))
+            raise ScheduleError(f"messages sent but never received: {left}")
+        forwarded = {(s, mb) for s, op, mb in self.computed if op == Op.FORWARD}
+        backwarded = {(s, mb) for s, op, mb in self.computed if op == Op.BACKWARD}
+        if forwarded != backwarded:
+            missing = sorted(forwarded - backwarded)
+            raise ScheduleError(f"(stage, microbatch) forwarded but never backwarded: {missing}")
+
+
+def _matching_send(action: Action) -> str:
+    if action.op == Op.RECV_F:
+        return str(Action(action.stage - 1, Op.SEND_F, action.microbatch))
+    if action.op == Op.RECV_B:
+        return str(Action(action.stage + 1, Op.SEND_B, action.microbatch))
+    return "nothing"  # only receives block; kept total so the message can always be built
+
+
+def _check_placement(action: Action, rank: int, pp: int, num_stages: int) -> None:
+    """Structural checks that need no execution: right rank, no comm past either pipeline end."""
+    if not isinstance(action, Action) or action.op not in tuple(Op):
+        raise ScheduleError(f"rank {rank}: {action!r} is not an Action with a known Op")
+    if not 0 <= action.stage < num_stages or action.microbatch < 0:
+        raise ScheduleError(f"rank {rank}: {action} is out of range ({num_stages} stages)")
+    if action.stage % pp != rank:
+        raise ScheduleError(f"rank {rank}: {action} belongs to rank {action.stage % pp}")
+    if action.stage == 0 and action.op in (Op.RECV_F, Op.SEND_B):
+        raise ScheduleError(f"rank {rank}: {action}: the first stage has no previous stage")
+    if action.stage == num_stages - 1 and action.op in (Op.SEND_F, Op.RECV_B):
+        raise ScheduleError(f"rank {rank}: {action}: the last stage has no next stage")

@@ -1,0 +1,287 @@
+"""The job configuration's sections: one frozen dataclass per TOML section, every key declared once.
+
+This module owns the config *schema* both sides read: each key is declared exactly once with
+``key(default, doc, <rules>)`` (type = annotation; defaults make a tiny dp=2, tp=2 CPU job).
+Coercion, the key's own range/enum errors, unknown-key suggestions and the README key table
+(``elastimesh config --doc``) are derived from those declarations (``meshspeak.schema``). Loading a
+TOML file with ``--set`` overrides is the driver's (``orchestrator.config.load``), the rules between
+keys too (``orchestrator.config.validate``); the ranks only ever receive sections.
+
+To add a key: declare it in its section below; nothing else is needed for it to be loaded,
+validated, suggested and documented (then regenerate README's table: ``elastimesh config --doc``).
+
+Pure stdlib (no ray, no torch): frozen dataclasses pickle cleanly to actors, and each component
+should receive only its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshspeak.schema import doc_table, iter_keys, key
+
+__all__ = [
+    "ALL_KEYS", "CheckpointConfig", "DataConfig", "ElasticConfig", "EvalConfig", "FIELDS", "JobConfig",
+    "MeshConfig", "MetricsConfig", "ModelConfig", "PipelineConfig", "ResourcesConfig", "SECTIONS",
+    "TrainConfig", "config_doc", "config_to_dict", "dp_bounds", "microbatches_per_replica", "replace_mesh",
+]  # fmt: skip
+
+# Allowed values of the enum-like keys (the rules between keys use them too).
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_REDUCE = ("float32", "bfloat16")
+GRAD_COMPRESSION = ("none", "powersgd", "int8", "int4")
+OPTIMIZERS = ("adamw", "onebit_adam")
+BUILTIN_DATA = "builtin"
+BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
+
+
+_SECTION = dict(frozen=True, kw_only=True, slots=True)
+
+
+@dataclass(**_SECTION)
+class MeshConfig:
+    dp: int = key(2, "data-parallel replicas: the axis that shrinks and grows", ge=1)
+    pp: int = key(1, "pipeline stages", ge=1)
+    tp: int = key(2, "tensor-parallel shards (with sequence parallelism)", ge=1)
+    zero: int = key(3, "3: params, grads and optimizer state sharded over dp (FSDP2); 2: params "
+                       "gathered for the step; 1: as 2 (torch has no ZeRO-1 apart from ZeRO-2); 0: "
+                       "replicated, one all-reduce of the grads per FSDP unit", choices=ZERO_STAGES)
+    # See meshspeak.mesh.fsdp_units for the grouping.
+    fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
+                                    "reduce-scatter) up to this many MB of fp32 parameters per tp "
+                                    "shard; 0 = one unit per block", ge=0)
+    cpu_offload: bool = key(False, "ZeRO-Offload: sharded parameters, gradients and the optimizer "
+                                   "step on the host (FSDP2 CPUOffloadPolicy); needs zero=3")
+    dp_replicate: int = key(1, "HSDP: shard within groups of dp / dp_replicate ranks, replicate across "
+                               "dp_replicate groups (zero >= 1); must divide dp", ge=1)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclass(**_SECTION)
+class ModelConfig:
+    n_layers: int = key(4, "transformer blocks", ge=1)
+    d_model: int = key(64, "hidden size", ge=1)
+    n_heads: int = key(4, "attention heads", ge=1)
+    vocab_size: int = key(256, "vocabulary size; >= 256 for the built-in corpus (byte tokens)", ge=1)
+    seq_len: int = key(64, "tokens per training sequence", ge=1)
+    ffn_hidden: int = key(0, "feed-forward hidden size; 0 = 4 * d_model", ge=0)
+    norm_eps: float = key(1e-5, "RMSNorm epsilon", gt=0)
+    init_std: float = key(0.02, "standard deviation of the initial weights", gt=0)
+    rope_theta: float = key(10000.0, "rotary embedding base", gt=0)
+    family: str = key("", 'model family: "gpt" (built-in), "llama", or "package.module:Name" (a user\'s '
+                          'ModelFamily); empty = "llama" with from_hf, else "gpt"')
+    from_hf: str = key("", "Hugging Face model directory whose config.json gives the architecture (then no "
+                           "size key may be set)")
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn_hidden or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(**_SECTION)
+class TrainConfig:
+    steps: int = key(20, "optimizer steps to train", ge=1)
+    global_batch_size: int = key(8, "sequences per optimizer step, whatever the mesh", ge=1)
+    micro_batch_size: int = key(2, "sequences per microbatch per DP replica", ge=1)
+    lr: float = key(3e-3, "peak learning rate after warmup", gt=0)
+    min_lr_ratio: float = key(0.1, "cosine decay ends at lr * min_lr_ratio", ge=0, le=1)
+    warmup_steps: int = key(2, "linear warmup steps", ge=0)
+    weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
+    beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = key(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = key(1.0, "global grad-norm clip; 0 = off", ge=0)
+    seed: int = key(0, "fixes the initial weights and the global sample order")
+    dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
+                                "scaling, for GPUs without bf16; float64 keeps weights, optimizer state "
+                                "and reductions in fp64 (exact comparisons)", choices=DTYPES)
+    activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
+    compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
+    max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "
+                                "row roll back to the newest checkpoint and go on past those batches", ge=1)
+    grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
+                                      "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
+    grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
+                                        "DDP PowerSGD hook; needs mesh.zero=0); int8 / int4: blockwise "
+                                        "quantized all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1..3), "
+                                        "quantize -> all-to-all -> dequantize-reduce as ZeRO++'s qgZ; "
+                                        "error feedback reset on every resize", choices=GRAD_COMPRESSION)
+    powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
+    powersgd_plain_steps: int = key(2, "steps of each generation all-reduced uncompressed before "
+                                       "PowerSGD starts (torch's start_powerSGD_iter; it suggests ~10% "
+                                       "of the run)", ge=2)
+    quant_block: int = key(128, "int8/int4 gradient compression: values per fp32 scale (blockwise absmax); "
+                                "even for int4", ge=2)
+    optimizer: str = key("adamw", 'adamw, or "onebit_adam": DeepSpeed\'s 1-bit Adam (Adam for '
+                                  "onebit_warmup_steps, then frozen variance and 1-bit compressed momentum "
+                                  "with error feedback; needs mesh.zero=0 and grad_compression=\"none\")",
+                         choices=OPTIMIZERS)
+    onebit_warmup_steps: int = key(100, "onebit_adam: uncompressed Adam steps before the variance freezes "
+                                        "(DeepSpeed's freeze_step; it suggests 15-25% of the run); below "
+                                        "train.steps", ge=1)
+
+
+@dataclass(**_SECTION)
+class PipelineConfig:
+    schedule: str = key("1f1b", "pipeline schedule", choices=SCHEDULES)
+    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 only for interleaved_1f1b", ge=1)
+    # TOML has no null, so an empty list also means "balanced".
+    layers: tuple[int, ...] | None = key(None, "layers per stage in stage order (pp * virtual_stages "
+                                               "entries); empty = balanced by parameter count")
+
+
+@dataclass(**_SECTION)
+class DataConfig:
+    path: str = key("builtin", '"builtin" (shipped corpus, byte tokens) or a Parquet shard directory: a '
+                               'path or a URI (file://, s3://, gs://, any fsspec scheme)')
+    mask_document_boundaries: str | bool = key(
+        "auto", "do not count a target whose input is EOS (no predicting a document from the previous "
+                'one); "auto" = on when the shards record an EOS id', choices=(True, False, "auto"))
+
+
+@dataclass(**_SECTION)
+class EvalConfig:
+    path: str = key("", "held-out data (a shard directory or URI, like data.path); empty = no evaluation")
+    every: int = key(0, "evaluate after every N steps and after the last; 0 = after the last step only", ge=0)
+    batches: int = key(4, "held-out batches of train.global_batch_size windows: samples [0, batches * "
+                          "global_batch_size) of eval.path in order, the same on any mesh", ge=1)
+
+
+@dataclass(**_SECTION)
+class CheckpointConfig:
+    dir: str = key("", "where checkpoints go (a path or a URI); empty = checkpoints off")
+    every: int = key(0, "save every N steps; 0 = off", ge=0)
+    async_write: bool = key(True, "write in the background while training goes on", toml="async")
+    keep: int = key(3, "keep the last K committed checkpoints", ge=1)
+    resume: bool = key(True, "resume from the newest committed checkpoint in dir")
+    init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
+    memory_every: int = key(1, "with dir set: every N steps each rank also snapshots its shard into a peer's "
+                               "memory, and a failure resumes from there (at most N steps lost); 0 = off", ge=0)
+
+
+@dataclass(**_SECTION)
+class ElasticConfig:
+    min_dp: int = key(1, "fail rather than shrink below this many replicas", ge=1)
+    max_dp: int = key(0, "grow no higher than this; 0 = mesh.dp", ge=0)
+    collective_timeout_s: float = key(60.0, "process-group timeout: bounds a blocked collective", gt=0)
+    step_timeout_s: float = key(120.0, "a step slower than this counts as a hang", gt=0)
+    max_restarts: int = key(3, "rebuilds after failures allowed before the job fails", ge=0)
+    rebuild_timeout_s: float = key(120.0, "bound on forming a generation (join + checkpoint load)", gt=0)
+    grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
+    drain_poll_s: float = key(1.0, "how often to look for drain (preemption) notices of the job's nodes; "
+                                   "0 = ignore them", ge=0)
+    spares: int = key(0, "warm spare actors kept beside the mesh (on other nodes where possible): a failed "
+                         "rank is replaced by one without shrinking dp, and a new spare is requested", ge=0)
+    straggler_factor: float = key(2.0, "a rank whose compute time exceeds this many times its peers' "
+                                       "median is slow", gt=1)
+    straggler_steps: int = key(5, "consecutive slow steps before a rank is reported as a straggler", ge=1)
+    evict_stragglers: bool = key(False, "swap a reported straggler for a spare (or drop it) at the next "
+                                        "step boundary")
+
+
+@dataclass(**_SECTION)
+class MetricsConfig:
+    path: str = key("metrics.jsonl", "JSONL metrics file")
+    tensorboard_dir: str = key("", "TensorBoard log directory; empty = none")
+    timeline: str = key("", "Chrome-trace timeline file of the latest step; empty = none")
+    log_every: int = key(1, "log a step record every N steps", ge=1)
+    # Checked against train.steps in config_validate.profile_range; traces: workers/profiling.py.
+    profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
+                                 "on every rank, one file per rank and step; empty = off")
+    profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
+
+
+@dataclass(**_SECTION)
+class ResourcesConfig:
+    use_gpu: str | bool = key("auto", '"auto" uses GPUs when the cluster has them',
+                              choices=(True, False, "auto"))
+    cpus_per_worker: float = key(1.0, "CPUs reserved per rank actor", gt=0)
+    placement_timeout_s: float = key(60.0, "bound on placing the rank actors", gt=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+
+# Section name -> dataclass, in JobConfig order (the JobConfig field names are the section names).
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory for f in dataclasses.fields(JobConfig)  # type: ignore[misc]
+}
+
+# section -> {toml key -> dataclass field}
+FIELDS: dict[str, dict[str, dataclasses.Field[Any]]] = {name: {} for name in SECTIONS}
+for _section, _name, _field in iter_keys(SECTIONS):
+    FIELDS[_section][_name] = _field
+
+ALL_KEYS: list[str] = [f"{section}.{key}" for section, keys in FIELDS.items() for key in keys]
+
+
+def config_doc() -> str:
+    """The Markdown table of every config key (README's "Config keys" section is this, verbatim)."""
+    return doc_table(SECTIONS)
+
+
+# --- derived views -------------------------------------------------------------------------
+
+
+def replace_mesh(cfg: JobConfig, **changes: int) -> JobConfig:
+    """Return `cfg` with mesh fields replaced, e.g. `replace_mesh(cfg, dp=3)`; not re-validated."""
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **changes))
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """The config as {section: {toml_key: value}}, JSON/TOML-ready.
+
+    Tuples become lists; None values are left out (TOML has no null, and a missing key loads
+    as its default), so `load_config` of this dict written as TOML gives back `cfg`.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        out[name] = {}
+        for key, f in FIELDS[name].items():
+            value = getattr(section, f.name)
+            if value is not None:
+                out[name][key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def microbatches_per_replica(train: TrainConfig, dp: int) -> int:
+    """Number of microbatches each DP replica runs per step.
+
+    Args:
+        train: the train section (global and micro batch sizes).
+        dp: data-parallel degree of the mesh in question.
+
+    Returns:
+        ``global_batch_size // (dp * micro_batch_size)``; exact only when ``check_mesh`` passes.
+    """
+    return train.global_batch_size // (dp * train.micro_batch_size)
+
+
+def dp_bounds(cfg: JobConfig) -> tuple[int, int]:
+    """The (min, max) data-parallel degree the elastic controller may use.
+
+    ``elastic.max_dp = 0`` means "never grow past the configured mesh.dp".
+    """
+    return cfg.elastic.min_dp, cfg.elastic.max_dp or cfg.mesh.dp

@@ -1,0 +1,365 @@
+"""WorkerGroup: the RankActors, their placement groups, and fan-out calls that always have a deadline.
+
+Actors are numbered by ``actor_id`` for their whole life; their *world rank* changes per generation.
+The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
+TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
+placement group for the rest. A group may instead be handed a placement group reserved for it (a Tune
+trial's: `orchestrator/sweep/trial.py`): its bundles are filled first and it is never removed here.
+A dead actor's call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
+
+Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
+capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
+coordinator and ``orchestrator.recovery.settle`` never import Ray and can be driven by a fake group
+(``testbed/fake_group.py`` implements the same methods).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from meshspeak.messages import CallOutcome
+from orchestrator.cluster.bundles import BundleLedger
+from orchestrator.errors import WorkerGroupStartupError
+
+logger = logging.getLogger(__name__)
+
+LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
+
+
+WORKER_DIED = "its worker process has died"  # Ray's cause when the node's raylet saw the worker die
+
+
+def worker_process_died(exc: BaseException) -> bool:
+    """Whether Ray reported an actor's death as its worker process dying (the raylet on its node
+    reported it, so that node was up then), not its node dying, a preemption, or an unknown cause."""
+    return (isinstance(exc, ActorDiedError) and not exc.preempted and WORKER_DIED in str(exc)
+            and "node has died" not in str(exc))
+
+
+def error_line(exc: BaseException) -> str:
+    """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
+    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ActorResources:
+    cpus: float
+    gpus: int
+
+
+class WorkerGroup:
+    def __init__(self, resources: ActorResources, placement_timeout_s: float, *, reserved: Any = None,
+                 actor_kwargs: dict[str, Any] | None = None) -> None:
+        self.resources = resources
+        self.actor_kwargs = dict(actor_kwargs or {})  # passed to every RankActor (e.g. the profile spec)
+        # Bundles of a placement group its owner reserved for us, not used yet (its owner removes it).
+        self._reserved = [(reserved, i) for i in range(reserved.bundle_count)] if reserved is not None else []
+        self.placement_timeout_s = placement_timeout_s
+        self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.pids: dict[int, int] = {}
+        self.node_ips: dict[int, str] = {}
+        self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (drain notices name nodes by id)
+        self._pgs: list[Any] = []
+        self._next_id = 0
+        # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/cluster/bundles.py).
+        self._bundles = BundleLedger()
+        self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
+        # Actors Ray reported dead of their worker process: their bundle may be refilled at once.
+        self._worker_died: set[int] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.resources.cpus}
+        if self.resources.gpus:
+            b["GPU"] = float(self.resources.gpus)
+        return b
+
+    def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
+        """Start ``count`` new actors and wait for them, in vacated bundles that are placed and then in
+        a new placement group (``strategy``: "PACK" keeps a mesh's ranks together; hot spares ask for
+        "SPREAD", so that as far as Ray can they land on other nodes than the ranks they back);
+        returns their actor ids.
+
+        Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
+        """
+        wait_s = self.placement_timeout_s if wait_s is None else wait_s
+        handles = self._create(self._slots(count, strategy, wait_s))
+        self.actors.update(handles)
+        ids = list(handles)
+        outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
+        if not outcome.ok:
+            # Leave no half-started actors behind: callers count live_ids as ranks to form.
+            self.kill(ids)
+            raise WorkerGroupStartupError(
+                f"workers failed to start: {outcome.dead or outcome.failed or outcome.pending}"
+            )
+        for actor_id, answer in outcome.results.items():
+            self._started(actor_id, answer)
+        return ids
+
+    def start_background(self, count: int, *, strategy: str = "PACK") -> None:
+        """Begin starting ``count`` actors and return at once; ``adopt_started`` hands each over once it
+        answers. Spares and grows start this way so that the step loop never waits for a node to boot
+        or an actor to import torch (a pending placement group is also what an autoscaler acts on).
+        One that has not answered within resources.placement_timeout_s + 120 s is given up."""
+        deadline = time.monotonic() + self.placement_timeout_s + 120.0
+        for actor_id, handle in self._create(self._slots(count, strategy, None)).items():
+            self._starting[actor_id] = (handle, handle.ping.remote(), deadline)
+
+    @property
+    def starting(self) -> int:
+        """Actors begun by ``start_background`` that have not answered yet."""
+        return len(self._starting)
+
+    def adopt_started(self) -> list[int]:
+        """The background-started actors that answered since the last call, now live (never blocks)."""
+        ready = []
+        for actor_id, (handle, ref, deadline) in list(self._starting.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done and time.monotonic() < deadline:
+                continue
+            try:
+                answer = ray.get(ref, timeout=0) if done else None
+            except Exception as exc:  # it died while starting
+                logger.info("actor %d failed to start: %s", actor_id, error_line(exc))
+                answer = None
+            if answer is None:
+                self.kill([actor_id])  # given up: its bundle is vacant again
+                continue
+            del self._starting[actor_id]
+            self.actors[actor_id] = handle
+            self._started(actor_id, answer)
+            ready.append(actor_id)
+        return ready
+
+    def _slots(self, count: int, strategy: str, wait_s: float | None) -> list[tuple[Any, int]]:
+        """Bundles for ``count`` actors: vacated placed ones, reserved ones, then a new placement group
+        (waited for up to ``wait_s``; None: not waited for, the actors queue until it is placed)."""
+        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
+        while self._reserved and len(slots) < count:
+            slots.append(self._reserved.pop(0))
+        fresh = count - len(slots)
+        if fresh:
+            pg = placement_group([self.bundle()] * fresh, strategy=strategy)
+            if wait_s is not None and not self._wait_placed(pg, fresh, wait_s):
+                remove_placement_group(pg)
+                raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
+            self._pgs.append(pg)
+            slots += [(pg, index) for index in range(fresh)]
+        return slots
+
+    def _create(self, slots: list[tuple[Any, int]]) -> dict[int, Any]:
+        """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
+        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
+
+        # One long-lived thread runs all of a rank's training work (the "train" group); the default
+        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
+        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
+        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
+        # See workers/actor.py TRAIN_GROUP for why.
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
+        handles = {}
+        for pg, index in slots:
+            actor_id = self._next_id
+            self._next_id += 1
+            self._bundles.assign(actor_id, pg, index)
+            handles[actor_id] = remote_cls.options(
+                num_cpus=self.resources.cpus,
+                num_gpus=self.resources.gpus,
+                max_concurrency=5,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            ).remote(actor_id, **self.actor_kwargs)
+        return handles
+
+    def _started(self, actor_id: int, answer: tuple[int, str, str]) -> None:
+        self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = answer
+
+    def _wait_placed(self, pg, count: int, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the bundles. A pending placement group is also what an autoscaler
+        reacts to, so a long wait (minutes for a cold GPU node) is normal there: say so now and then."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ray.get(pg.ready(), timeout=max(0.0, min(left, LOG_WAIT_EVERY_S)))
+                return True
+            except GetTimeoutError:
+                if time.monotonic() >= deadline:
+                    return False
+                logger.info("waiting for %d workers of %s to be placed (cluster has %s; %.0fs left of "
+                            "resources.placement_timeout_s)", count, self.bundle(),
+                            self._cluster_summary(), deadline - time.monotonic())
+
+    def _cluster_summary(self) -> str:
+        total = ray.cluster_resources()
+        return ", ".join(f"{key} {total.get(key, 0):g}" for key in self.bundle())
+
+    def _unplaceable(self, count: int, wait_s: float) -> str:
+        """One line: what could not be placed, what the cluster has, and the fix that fits."""
+        if self.resources.gpus and ray.cluster_resources().get("GPU", 0) == 0:
+            fix = ("no node has a GPU: set resources.use_gpu=false (or \"auto\") for a CPU-only cluster, "
+                   "or add GPU nodes (an autoscaler needs a GPU node type and a larger "
+                   "resources.placement_timeout_s to boot one)")
+        else:
+            fix = ("lower mesh.dp/pp/tp or resources.cpus_per_worker, add nodes, or raise "
+                   "resources.placement_timeout_s while an autoscaler adds them")
+        return (f"could not place {count} workers of {self.bundle()} within "
+                f"resources.placement_timeout_s={wait_s:g}s (cluster has {self._cluster_summary()}): {fix}")
+
+    def kill(self, actor_ids: list[int]) -> None:
+        for actor_id in actor_ids:
+            handle = self.actors.pop(actor_id, None) or self._starting.pop(actor_id, (None,))[0]
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+            self.pids.pop(actor_id, None)
+            self.node_ids.pop(actor_id, None)
+            self._bundles.release(actor_id, node_was_up=actor_id in self._worker_died)
+            self._worker_died.discard(actor_id)
+
+    def kill_now(self, actor_ids: set[int] | list[int]) -> None:
+        """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``
+        alone takes ~5 s on a stopped process)."""
+        here = ray.util.get_node_ip_address()
+        for actor_id in actor_ids:
+            pid = self.pids.get(actor_id)
+            if pid and pid > 0 and self.node_ips.get(actor_id) == here:  # never pid -1 or 0: every process
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.kill(sorted(actor_ids))
+
+    def placed_vacancies(self) -> list[tuple[Any, int]]:
+        """Vacant bundles that ``add`` would refill right now (their node is known to be up and is
+        not draining: Ray places no new actor on a draining node, so one sent there never starts)."""
+        return self._bundles.usable(draining=set(self.draining_nodes()))
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        """Nodes Ray is draining now (a preemption notice, the autoscaler, ``ray drain-node``): node id
+        -> seconds until the drain deadline, None when it has none. Ray Train's PreemptionWatcher
+        reads the same GCS list; the accessor is private, so a failure here reads as "none"."""
+        try:
+            from ray._private.state import state
+
+            raw = state.get_draining_nodes()
+        except Exception as exc:
+            logger.debug("get_draining_nodes: %s", exc)
+            return {}
+        now_ms = time.time() * 1000.0
+        return {node: (deadline - now_ms) / 1000.0 if deadline else None for node, deadline in raw.items()}
+
+    def free_slots(self) -> int:
+        """How many more actors ``add`` could start right now without waiting for placement: bundles
+        that fit in the cluster's free resources, plus placed bundles whose actor is gone (a lost
+        node's bundles are re-placed by Ray on the node that replaces it: those resources are not
+        "available", yet they are ours to start actors in), plus reserved bundles not used yet."""
+        free = ray.available_resources()
+        fits = min(int(free.get(k, 0.0) // v) for k, v in self.bundle().items() if v > 0)
+        return fits + len(self.placed_vacancies()) + len(self._reserved)
+
+    def shutdown(self) -> None:
+        self.kill(list(self.actors) + list(self._starting))
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # the cluster may already be gone
+                logger.debug("remove_placement_group: %s", exc)
+        self._pgs.clear()
+
+    @property
+    def live_ids(self) -> list[int]:
+        return sorted(self.actors)
+
+    # -- calls ------------------------------------------------------------------------------------
+    def call(
+        self,
+        actor_ids: list[int],
+        method: str,
+        args: dict[int, tuple] | tuple = (),
+        *,
+        timeout_s: float,
+    ) -> CallOutcome:
+        """Call ``method`` on each actor (per-actor args or shared args) and wait up to ``timeout_s``."""
+        return self.collect(self.submit(actor_ids, method, args), timeout_s)
+
+    def submit(self, actor_ids: list[int], method: str, args: dict[int, tuple] | tuple = ()) -> dict:
+        """Start calls without waiting; pass the returned refs to ``collect``."""
+        refs = {}
+        for actor_id in actor_ids:
+            a = args.get(actor_id, ()) if isinstance(args, dict) else args
+            refs[getattr(self.actors[actor_id], method).remote(*a)] = actor_id
+        return refs
+
+    def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
+        """Wait for refs until all answered or the deadline; ``stop_early(outcome)`` may end the wait
+        sooner (the controller stops waiting for a step as soon as one actor died)."""
+        outcome = CallOutcome()
+        remaining = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
+            for ref in done:
+                actor_id = refs[ref]
+                try:
+                    outcome.results[actor_id] = ray.get(ref, timeout=10)
+                except RayActorError as exc:
+                    outcome.dead[actor_id] = type(exc).__name__
+                    if worker_process_died(exc):
+                        self._worker_died.add(actor_id)
+                except Exception as exc:  # the method raised: latched for the controller
+                    outcome.failed[actor_id] = error_line(exc)
+            if stop_early is not None and stop_early(outcome):
+                break
+        outcome.pending = [refs[r] for r in remaining]
+        outcome.pending_refs = {r: refs[r] for r in remaining}
+        return outcome
+
+    def all_done(self, refs) -> bool:
+        """Whether every call in ``refs`` has answered (or failed), without waiting. (``collect`` with
+        a zero deadline returns before looking at any ref, so it cannot serve as this poll.)"""
+        refs = list(refs)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def drain(self, refs: list) -> list:
+        """Read the answers of calls nobody waits for any more, as far as they are in (never blocks),
+        so Ray does not log each failed one as an "Unhandled error" with a traceback. Returns the
+        refs still running: pass them again later."""
+        if not refs:
+            return []
+        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1)
+            except Exception:
+                pass
+        return rest
+
+    def first_cause(self, refs) -> str | None:
+        """The rank-side error of the first failed call in ``refs``, not Ray's wrapper line
+        (``ray::Actor.m() (pid=..)``); None when none of them failed."""
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=5)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc
+                text = getattr(cause, "message", None) or str(cause)
+                return f"{type(cause).__name__}: {text}".splitlines()[0]
+        return None

@@ -1,0 +1,76 @@
+"""What the driver records of a generation and of a run, and what it tells each rank to build; and the
+controller's ``State`` (the run's state machine, orchestrator/control/controller.py).
+
+Three different "generation" types exist, one per side: ``GenerationRecord`` here (the driver's record
+of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
+``workers.groups.RankGroups`` (a rank's own groups of that generation). Pure data: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from meshspeak.mesh import MeshShape
+from meshspeak.messages import RankInfo, RuntimeSpec
+from meshspeak.sections import JobConfig
+from orchestrator.plan.mesh_plan import MeshPlan, model_fields
+
+
+class State(StrEnum):
+    INITIALIZING = "initializing"
+    RUNNING = "running"
+    REBUILDING = "rebuilding"
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+
+@dataclass
+class GenerationRecord:
+    """Driver side: the driver's record of one generation — the mesh it planned (``plan``), which actor
+    holds each world rank (``members``) and what each member reported on joining (``infos``; none for a
+    member that never finished). Recorded as soon as the join is sent, so that a formation that fails
+    can still be settled. The instruction one rank gets is a ``messages.JoinSpec``; a rank's own groups
+    of the generation are a ``workers.groups.RankGroups``."""
+
+    number: int
+    plan: MeshPlan
+    members: dict[int, int]  # world rank -> actor id
+    infos: dict[int, RankInfo] = field(default_factory=dict)  # actor id -> what it reported
+
+    @property
+    def shape(self) -> MeshShape:
+        return self.plan.shape
+
+
+@dataclass
+class RunSummary:
+    final_step: int
+    generations: int
+    restarts: int
+    losses: dict[int, float]  # step -> loss (last record wins)
+    pids: dict[int, int]  # actor id -> pid, as of the end
+    resume_step: int | None = None  # set when stopped by a signal: the step a rerun starts with
+
+
+def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: bool, mask_eos_id: int | None,
+                 resuming: bool) -> RuntimeSpec:
+    """What every rank of a generation planned as ``plan`` needs to build its model, optimizer and data.
+
+    ``resuming``: a checkpoint will be loaded, so ``checkpoint.init_from`` is not passed on.
+    """
+    return RuntimeSpec(
+        model=cfg.model,
+        train=cfg.train,
+        data_path=data_path,
+        dp=plan.dp,
+        layers_per_stage=plan.layers_per_stage,
+        virtual_stages=plan.virtual_stages,
+        collective_timeout_s=cfg.elastic.collective_timeout_s,
+        use_gpu=use_gpu,
+        async_checkpoint=cfg.checkpoint.async_write,
+        fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
+        **model_fields(cfg, resuming=resuming),
+        mask_eos_id=mask_eos_id,
+        schedule=cfg.pipeline.schedule,
+    )

@@ -1,0 +1,116 @@
+"""Freeing a broken generation (driver side; never imports torch.distributed).
+
+Whatever broke — a training step, a rebuild's rendezvous, a checkpoint load — the same three things
+must happen before the next generation can form, and fast (seconds, not ``collective_timeout_s``):
+
+1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
+   actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
+   wedged process fails to answer — those count as hung;
+2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
+   takes ~5 s: docs/design.md, F3);
+3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
+   ``RankActor.kick``) and wait for their calls to return, kicking again every ``REKICK_S`` those
+   still inside: a survivor still leaving the last generation when the kick came reaches the
+   rendezvous only afterwards and blocks there for the whole store timeout unless kicked again
+   (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
+
+The survivors' processes are never restarted: that is the point of the elastic design.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from meshspeak.messages import CallOutcome
+
+if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fake one
+    from orchestrator.cluster.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+STATUS_POLL_S = 3.0  # a live actor answers status() on its second thread well within this
+KICK_S = 10.0
+REKICK_S = 1.0  # how often survivors that have not returned from the broken call are kicked again
+
+
+@dataclass
+class Casualties:
+    """Who a broken fan-out call lost, and why (actor id -> first line of the reason)."""
+
+    lost: set[int] = field(default_factory=set)  # killed: dead, hung, or never freed
+    reasons: dict[int, str] = field(default_factory=dict)
+
+
+def settle(
+    group: WorkerGroup,
+    outcome: CallOutcome,
+    members: list[int],
+    *,
+    listeners: dict[int, tuple[tuple[str, int], ...]],
+    wait_s: float,
+    hang_reason: str,
+) -> Casualties:
+    """Resolve a fan-out call over ``members`` that did not end cleanly (see the module docstring).
+
+    Args:
+        outcome: the call's outcome so far (``pending_refs`` still running).
+        listeners: actor id -> its gloo listening endpoints in the broken generation (those the
+            driver knows: members that finished joining).
+        wait_s: how long freed survivors may take to return from the call.
+        hang_reason: the reason recorded for actors that answer no status poll.
+
+    Returns:
+        The casualties; every lost actor is already killed and removed from ``group``.
+    """
+    found = Casualties()
+    found.reasons.update(outcome.dead)
+    found.reasons.update(outcome.failed)
+    dead = set(outcome.dead)
+    if outcome.pending:
+        polled = group.call(outcome.pending, "status", timeout_s=STATUS_POLL_S)
+        hung = set(outcome.pending) - set(polled.results)
+        dead |= hung
+        found.reasons.update({a: hang_reason for a in hung})
+    group.kill_now(dead)
+    live = set(group.live_ids)
+    survivors = [a for a in members if a not in dead and a in live]
+    # Only survivors' listeners: a dead rank's port may already belong to another process.
+    alive = [ep for a in survivors for ep in listeners.get(a, ())]
+    if survivors:
+        group.call(survivors, "kick", (alive,), timeout_s=KICK_S)
+    # Let the freed survivors finish their (failed) call so their threads are idle again.
+    still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
+    if still:
+        never = _wait_returned(group, still, alive, wait_s)
+        if never:
+            logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
+            found.reasons.update({a: "did not return after the kick" for a in never})
+        group.kill_now(never)
+        dead |= never
+    found.lost = dead
+    return found
+
+
+def _wait_returned(group: WorkerGroup, still: dict, alive: list, wait_s: float) -> set[int]:
+    """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
+    kicking again every ``REKICK_S`` the ones still inside (see the module docstring); the actors that
+    died meanwhile or never returned. Bounded by rounds as well as by the clock."""
+    lost: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    for _ in range(max(1, math.ceil(wait_s / REKICK_S))):
+        late = group.collect(still, max(0.1, min(REKICK_S, deadline - time.monotonic())))
+        lost |= set(late.dead)
+        still = late.pending_refs
+        if not still or time.monotonic() >= deadline:
+            break
+        group.call(sorted(set(still.values())), "kick", (alive,), timeout_s=KICK_S)
+    return lost | set(still.values())
+
+
+def reason_line(reasons: dict[int, str]) -> str:
+    """The distinct first lines of the reasons, for a ``failure`` event."""
+    return "; ".join(sorted({v.splitlines()[0][:200] for v in reasons.values()}))

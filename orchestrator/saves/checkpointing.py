@@ -1,0 +1,335 @@
+"""CheckpointCoordinator: the driver's half of the two-phase checkpoint commit.
+
+Phase 1: every rank stages its shard to CPU and returns (``save_checkpoint``: the step's stall), then
+writes it in the background; ``wait_checkpoint`` (a call parked on a second actor thread) answers when
+the shard is durable. Phase 2: once every rank acked, the driver writes ``manifest.json`` last
+(``checkpoints.catalog.commit``). At most one save is in flight; a failure in between leaves a
+directory without a manifest, which is never taken as a checkpoint.
+
+Failures: a save that fails because a rank died or hung is the elastic path's business (the step is
+never committed; the rebuild resumes from the previous checkpoint). A save that fails while every
+rank is alive is a storage problem (disk full, permissions, a vanished mount): the run stops with
+``TrainingFailed`` (exit 1) instead of training on without checkpoints, and committed checkpoints are
+left as they are, so running again resumes from the newest one.
+
+Resume: the newest *valid* checkpoint, skipping (with a warning and a ``checkpoint_skipped`` event)
+damaged newer ones. It must come from the same model (``model_fingerprint``) and the same global
+batch size: the data cursor counts samples of a (seed, epoch) order, and step k trains on samples
+[(k-1)*G, k*G), so a different G would skip or repeat samples. Both are checked when the controller
+is constructed, before any process group is formed, and are bad input (exit 2) naming the keys.
+
+Ownership: a run has an id, kept across resumes of that run (a resume adopts the id of the checkpoint
+it starts from). Every step directory it makes says so (``.owner``, the manifest's ``run_id``), and it
+purges, replaces and — after a failure — resumes only its own (or the one it started from). A new
+run (``checkpoint.resume = false``) in a directory that holds another run's checkpoints is refused
+(exit 2), so it can neither delete them nor silently fall back to them later.
+
+With ``checkpoint.dir`` unset, planned resizes still need to move state between meshes: they use a
+private temporary directory on the driver's machine (fine for one node; multi-node runs need a shared
+``checkpoint.dir``, which ``elastimesh train`` warns about).
+
+The ranks answer with ``messages.SaveAck`` / ``messages.WriteAck``; the save in flight is a
+``PendingSave``. Every call goes through the worker group (no Ray here), so tests drive this
+coordinator with a fake group.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoints.catalog import (
+    BackgroundPurger,
+    CheckpointInfo,
+    check_checkpoint,
+    commit,
+    ensure_writable,
+    latest_valid,
+    list_checkpoints,
+    prepare_step,
+)
+from checkpoints.errors import CheckpointError
+from checkpoints.manifest import CheckpointManifest
+from meshspeak.mesh import layer_ranges
+from meshspeak.messages import SaveAck, WriteAck
+from meshspeak.sections import JobConfig, config_to_dict
+from orchestrator.config.fingerprint import model_diff, model_fingerprint
+from orchestrator.errors import TrainingFailed, UserInputError
+
+logger = logging.getLogger(__name__)
+
+
+class RestoreFailed(TrainingFailed):
+    """Loading a checkpoint into a new generation failed; ``outcome`` says which members died,
+    failed or never answered, so the controller can treat a lost member as a failed rebuild."""
+
+    def __init__(self, message: str, outcome=None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+@dataclass
+class PendingSave:
+    """Driver side: the one save in flight. Every member staged its shard (``SaveAck``s in); the
+    ``wait_checkpoint`` calls in ``refs`` answer with a ``WriteAck`` each once the shard is durable."""
+
+    step: int
+    gen: Any  # the controller's GenerationRecord whose members write it
+    path: str
+    refs: dict  # wait_checkpoint call -> actor id
+    stall_s: float  # the slowest member's save call
+
+
+class CheckpointCoordinator:
+    def __init__(self, cfg: JobConfig, metrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.user_dir = cfg.checkpoint.dir
+        self._tmp = None if self.user_dir else tempfile.mkdtemp(prefix="elastimesh-ckpt-")
+        self.root = self.user_dir or self._tmp
+        self.every = cfg.checkpoint.every if self.user_dir else 0
+        self.fingerprint = model_fingerprint(cfg)
+        self.data_identity = _data_identity(cfg)
+        self.purger = BackgroundPurger()
+        self._pending: PendingSave | None = None
+        self.last_committed = 0
+        self.save_measured_s: float | None = None  # stage + write of the last commit (preemption budget)
+        self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
+        self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
+        self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
+        self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
+        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
+        if self.user_dir:
+            try:
+                ensure_writable(self.root)
+            except CheckpointError as exc:
+                raise UserInputError(f"checkpoint.dir: {exc}") from None
+            # Refuse a foreign directory or an alien checkpoint now, before groups are formed.
+            self._claim_root()
+            self.resume_point()
+
+    # -- saving -----------------------------------------------------------------------------------
+    def after_step(self, group, gen, step: int) -> None:
+        self._reap_abandoned(group)
+        self._try_commit(group, block=False)
+        if self.every and step % self.every == 0:
+            self._start_save(group, gen, step)
+
+    def save_now(self, group, gen, step: int) -> None:
+        """Commit a checkpoint of ``step`` before a planned resize (skipped if already committed)."""
+        self._try_commit(group, block=True)
+        if step <= 0 or step == self.last_committed:
+            return
+        self._start_save(group, gen, step)
+        self._try_commit(group, block=True)
+        if self.last_committed != step:
+            raise TrainingFailed(f"could not checkpoint step {step} before resizing")
+
+    def finish(self, group, gen, step: int) -> None:
+        self._try_commit(group, block=True)
+        self._reap_abandoned(group)
+
+    def abandon_pending(self) -> None:
+        if self._pending is not None:
+            logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending.step)
+            self._abandoned.extend(self._pending.refs)
+        self._pending = None
+
+    def _reap_abandoned(self, group) -> None:
+        # Read the acks of abandoned saves once they fail, so Ray does not log each as an
+        # "Unhandled error" with a traceback: the failure was already reported as one event.
+        if self._abandoned:
+            self._abandoned = group.drain(self._abandoned)
+
+    def _start_save(self, group, gen, step: int) -> None:
+        self._try_commit(group, block=True)  # at most one save in flight
+        try:
+            path = prepare_step(self.root, step, run_id=self.run_id)
+        except CheckpointError as exc:
+            self._storage_failed(step, self.root, exc.message)
+        actors = list(gen.members.values())
+        calls = group.submit(actors, "save_checkpoint", (path, step))
+        staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
+        if not staged.ok:
+            logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
+            if staged.failed and not (staged.dead or staged.pending):
+                failed = {r: a for r, a in calls.items() if a in staged.failed}
+                self._storage_failed(step, path, _first_cause(group, failed, staged.failed))
+            return
+        acks: list[SaveAck] = list(staged.results.values())
+        refs = group.submit(actors, "wait_checkpoint")
+        self._pending = PendingSave(step=step, gen=gen, path=path, refs=refs,
+                                    stall_s=max(a.stall_s for a in acks))
+
+    def _try_commit(self, group, *, block: bool) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        # Poll: commit as soon as every ack is in, without waiting.
+        if not block and not group.all_done(pending.refs):
+            return  # still writing; look again after the next step
+        outcome = group.collect(dict(pending.refs), self.cfg.elastic.step_timeout_s)
+        self._pending = None
+        if outcome.failed and not (outcome.dead or outcome.pending):
+            # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
+            failed = {r: a for r, a in pending.refs.items() if a in outcome.failed}
+            self._storage_failed(pending.step, pending.path, _first_cause(group, failed, outcome.failed))
+        if not outcome.ok:
+            # A rank died or hung while writing: never committed; the failure path rebuilds.
+            logger.warning("checkpoint of step %d not committed: %s", pending.step,
+                           outcome.failed or outcome.dead or f"no ack from actors {outcome.pending}")
+            self.metrics.event("checkpoint_failed", step=pending.step, path=pending.path,
+                               reason=str(outcome.failed or outcome.dead or outcome.pending)[:300])
+            return
+        gen = pending.gen
+        acks: list[WriteAck] = list(outcome.results.values())
+        rank_of = {actor: rank for rank, actor in gen.members.items()}
+        files: dict[str, int] = {}
+        for ack in acks:
+            files.update(ack.files)
+        manifest = CheckpointManifest(
+            step=pending.step,
+            generation=gen.number,
+            mesh=gen.shape.as_dict(),
+            model_fingerprint=self.fingerprint,
+            data_cursor=pending.step * self.cfg.train.global_batch_size,
+            global_batch_size=self.cfg.train.global_batch_size,
+            world_size=gen.shape.world,
+            ranks_acked=sorted(rank_of[a] for a in outcome.results),
+            schedule=gen.plan.schedule_name,
+            stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
+            model_config=config_to_dict(self.cfg)["model"],
+            data_identity=self.data_identity,
+            files=files,
+            run_id=self.run_id,
+            skipped_steps=sorted(s for s in self.skipped_steps if s <= pending.step),
+        )
+        try:
+            commit(self.root, manifest)
+        except CheckpointError as exc:
+            self._storage_failed(pending.step, pending.path, exc.message)
+        self.last_committed = pending.step
+        write_s = max(a.write_s for a in acks)
+        # The acks' stall includes any wait for background staging before the next optimizer step.
+        stall_s = max([pending.stall_s] + [a.stall_s for a in acks])
+        self.save_measured_s = stall_s + write_s
+        self.metrics.event("checkpoint", step=pending.step, stall_s=stall_s,
+                           write_s=write_s, path=pending.path)
+        if self.user_dir:
+            self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
+
+    def _storage_failed(self, step: int, path: str, reason: str) -> None:
+        """Stop the run: a checkpoint could not be written although every rank is alive.
+
+        Training on would leave nothing to recover from at the next failure; committed
+        checkpoints are untouched (a failed step never gets a manifest), so a rerun resumes.
+        """
+        reason = " ".join(reason.split())[:300]
+        self.metrics.event("checkpoint_failed", step=step, path=path, reason=reason)
+        newest = f"step {self.last_committed}" if self.last_committed else "none yet"
+        raise TrainingFailed(
+            f"checkpoint.dir: saving step {step} failed ({reason}); training stopped rather than run on "
+            f"without checkpoints. Committed checkpoints are intact (newest: {newest}): free space or fix "
+            "permissions of checkpoint.dir and run again to resume"
+        )
+
+    # -- loading ----------------------------------------------------------------------------------
+    def _claim_root(self) -> None:
+        """Decide whose run this is before anything is written (see the module docstring)."""
+        if not self.cfg.checkpoint.resume:
+            others = [i for i in list_checkpoints(self.root) if i.committed or i.owner]
+            if others:
+                runs = sorted({i.owner or "an earlier run" for i in others})
+                raise UserInputError(
+                    f"checkpoint.dir {self.root} already holds checkpoints of {', '.join(runs)} (steps "
+                    f"{others[0].step}..{others[-1].step}) and checkpoint.resume=false starts a new run, which "
+                    "must not write beside them: point checkpoint.dir at an empty directory, or set "
+                    "checkpoint.resume=true to continue that run")
+            return
+        self._start = latest_valid(self.root, on_skip=self._report_skip)
+        if self._start is not None and self._start.manifest.run_id:
+            self.run_id = self._start.manifest.run_id
+
+    def resume_point(self) -> CheckpointInfo | None:
+        """The newest valid checkpoint to (re)start from, or None. Checks it belongs to this model.
+
+        Only this run's checkpoints count, plus the one it resumed from (written before runs had ids,
+        it may carry none), so a rebuild never jumps into another run's state that shares the
+        directory. Damaged newer ones are skipped, each reported once (a warning and a
+        ``checkpoint_skipped`` event).
+        """
+        info = latest_valid(self.root, run_id=self.run_id, on_skip=self._report_skip)
+        if info is None and self._start is not None and check_checkpoint(self._start.path)[0]:
+            info = self._start
+        if info is None:
+            return None
+        if info.manifest.model_fingerprint != self.fingerprint:
+            keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
+            raise UserInputError(
+                f"checkpoint {info.path} was saved from a different model config "
+                f"(mismatching keys: {', '.join(keys) or 'unknown'}): use a new checkpoint.dir or "
+                "restore those keys"
+            )
+        saved_data = info.manifest.data_identity
+        if saved_data and saved_data != self.data_identity:
+            # Moving the corpus keeps its identity (content, not path); other data would silently
+            # change what "sample i" means for the data cursor.
+            raise UserInputError(
+                f"checkpoint {info.path} was trained on other data than data.path = {self.cfg.data.path!r} "
+                f"(content {saved_data[:12]} vs {self.data_identity[:12]}): to train this data from its "
+                f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
+                "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
+            )
+        saved_batch, batch = info.manifest.global_batch_size, self.cfg.train.global_batch_size
+        if saved_batch != batch:
+            raise UserInputError(
+                f"checkpoint {info.path} consumed {info.manifest.data_cursor} samples in batches of "
+                f"train.global_batch_size={saved_batch}; resuming with {batch} would skip or repeat "
+                f"samples: set train.global_batch_size={saved_batch} or use a new checkpoint.dir"
+            )
+        return info
+
+    def _report_skip(self, info: CheckpointInfo) -> None:
+        """A damaged checkpoint newer than the one resumed: reported once (log + metrics event)."""
+        if info.path not in self._reported_skips:
+            self._reported_skips.add(info.path)
+            logger.warning("skipping checkpoint %s: %s; trying the previous one", info.path, info.reason)
+            self.metrics.event("checkpoint_skipped", step=info.step, path=info.path, reason=info.reason)
+
+    def restore(self, group, gen) -> int:
+        """Load the newest committed checkpoint into every member; returns its step (0 = none)."""
+        info = self.resume_point()
+        if info is None:
+            return 0
+        # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
+        # and the controller frees them (RestoreFailed carries who answered what).
+        refs = group.submit(list(gen.members.values()), "load_checkpoint", (info.path,))
+        outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead))
+        if not outcome.ok:
+            raise RestoreFailed(
+                f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}", outcome)
+        self.last_committed = max(self.last_committed, info.step)
+        self.skipped_steps.update(info.manifest.skipped_steps)  # a resume skips them again
+        return info.step
+
+    def close(self) -> None:
+        self.purger.close()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _data_identity(cfg: JobConfig) -> str:
+    """Content identity of the job's data (meshdata: torch-free, cached per process)."""
+    from meshdata import open_source
+
+    return open_source(cfg.data.path).identity
+
+
+def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:
+    """The rank-side error of the first failed call (``WorkerGroup.first_cause``), else the outcome's."""
+    return group.first_cause(refs) or next(iter(fallback.values()), "unknown error")
+

@@ -1,0 +1,339 @@
+"""Run a real (dp, pp, tp) mesh of ``RankRuntime`` ranks on this machine, and the reference to compare with.
+
+``run_mesh(dp, pp, tp, overrides, steps)`` trains ``steps`` optimizer steps on ``dp*pp*tp`` local gloo
+ranks, exactly as the actors would (``build_process_groups`` + ``RankRuntime`` + the driver's schedule),
+and returns a :class:`MeshRun`: the global per-step losses (the sum of every replica's share), the
+unsharded final parameters of the whole model and every rank's ``StepResult`` s.
+``reference(overrides, steps)`` runs the single-process ``ReferenceTrainer`` on the same config, once
+per (overrides, steps) in a session.
+
+Processes
+    Ranks live in ``testbed.rank_pool``'s shared pool of forked processes (one intra-op thread
+    each), re-used across runs: every run is a new generation in the same processes, as the elastic
+    actors re-form. A failed or timed-out run raises :class:`MeshRunError` with each failed rank's
+    traceback and kills the pool (the next run starts a new one): failures never hang. A run whose rank
+    died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning, and recorded in a
+    file that tests/conftest.py prints at the end of the session (docs/design.md, F20).
+
+Stage split
+    ``pipeline.layers`` when set, else ``balanced_split`` over per-layer parameter counts with the
+    embedding added to the first layer and the final norm + head to the last
+    (``meshspeak.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
+    meta device: the same rule ``orchestrator.plan.mesh_plan`` uses for the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import signal
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshspeak.mesh import MeshShape, balanced_split, stage_param_counts
+from meshspeak.messages import StepResult
+from meshspeak.schedule import Action, make_schedule
+from meshspeak.sections import JobConfig, microbatches_per_replica
+from orchestrator.config.load import load_config
+from testbed.rank_pool import MeshRunError, _Pool, is_shared, record_native_crash, shared_pool, shutdown_pool
+
+__all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
+
+
+@dataclass
+class MeshRun:
+    """The outcome of one :func:`run_mesh` call."""
+
+    shape: MeshShape
+    schedule: str
+    virtual_stages: int
+    layers_per_stage: tuple[int, ...]
+    microbatches: int  # per dp replica and step
+    actions: list[list[Action]]  # the schedule, per pp rank
+    losses: list[float]  # global mean loss per step (sum of the replicas' shares)
+    params: dict[str, np.ndarray]  # full (unsharded) parameters after the last step; {} if not collected
+    results: dict[int, list[StepResult]]  # world rank -> one StepResult per step
+    extras: dict[int, Any] = field(default_factory=dict)  # world rank -> what `instrument` returned
+    setup_s: dict[int, float] = field(default_factory=dict)  # world rank -> groups + runtime build time
+    wall_s: float = 0.0  # dispatch -> last result, in the parent
+
+    def step_times(self, step_index: int) -> list[float]:
+        """Every rank's wall time of the ``step_index``-th step of this run (0-based)."""
+        return [self.results[r][step_index].step_time_s for r in sorted(self.results)]
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def mesh_config(
+    dp: int, pp: int, tp: int, overrides: Sequence[str] = (), schedule: str = "1f1b", virtual_stages: int = 1
+) -> JobConfig:
+    """The validated job config of a run: ``overrides`` then the mesh and pipeline arguments."""
+    return load_config(
+        None,
+        [
+            *overrides,
+            f"mesh.dp={dp}",
+            f"mesh.pp={pp}",
+            f"mesh.tp={tp}",
+            f'pipeline.schedule="{schedule}"',
+            f"pipeline.virtual_stages={virtual_stages}",
+        ],
+    )
+
+
+def part_params(model_cfg) -> dict[str, int]:
+    """Parameter counts of one block, the embedding and the head (final norm + output) of the real model,
+    built on the meta device through its family."""
+    import torch
+
+    from meshmodels.family import resolve_model
+
+    resolved = resolve_model(model_cfg)
+    with torch.device("meta"):
+        model = resolved.family.build_stage(resolved.shape, range(resolved.shape.n_layers))
+    per = {name: p.numel() for name, p in model.named_parameters()}
+    layer = sum(v for n, v in per.items() if n.startswith("layers.0."))
+    embed = sum(v for n, v in per.items() if n.startswith("tok_embeddings."))
+    head = sum(per.values()) - embed - resolved.shape.n_layers * layer
+    if resolved.family.tied_parameters(resolved.shape):
+        head += embed  # the last stage holds its own copy of a tied embedding
+    return {"layer": layer, "embed": embed, "head": head}
+
+
+def stage_layers(cfg: JobConfig) -> tuple[int, ...]:
+    """Layers per stage (``pp * virtual_stages`` entries, stage order): see the module docstring."""
+    if cfg.pipeline.layers:
+        return tuple(cfg.pipeline.layers)
+    counts = part_params(cfg.model)
+    from meshmodels.family import resolve_model
+
+    n_layers = resolve_model(cfg.model).shape.n_layers
+    costs = stage_param_counts(n_layers, counts["layer"], counts["embed"], counts["head"])
+    return tuple(balanced_split(costs, cfg.mesh.pp * cfg.pipeline.virtual_stages))
+
+
+# --- the rank side -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    overrides: tuple[str, ...]  # complete: mesh and pipeline keys included
+    layers_per_stage: tuple[int, ...]
+    steps: int
+    first_step: int
+    collect_params: bool
+    collective_timeout_s: float
+    instrument: Callable[[Any], Callable[[], Any] | None] | None
+
+    def __call__(self, rank: int, store_port: int, generation: int) -> dict[str, Any]:
+        return _run_job(rank, store_port, generation, self)
+
+
+def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from meshdata.masks import mask_eos_for
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
+    from workers.groups import build_process_groups
+    from workers.runtime import RankRuntime
+
+    t0 = time.perf_counter()
+    cfg = load_config(None, list(job.overrides))
+    shape = MeshShape(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
+    v = cfg.pipeline.virtual_stages
+    # The driver's own construction (one decision of the data-parallel strategy, etc.); the stage
+    # split and the process groups' timeout are the test's.
+    spec = dataclasses.replace(
+        runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                     mask_eos_id=mask_eos_for(cfg.data), resuming=False),
+        layers_per_stage=job.layers_per_stage, collective_timeout_s=job.collective_timeout_s)
+    groups = build_process_groups(
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        generation=generation,
+        shape=shape,
+        world_rank=rank,
+        timeout_s=job.collective_timeout_s,
+        device=torch.device("cpu"),
+        replicate=spec.dp.replicate,
+    )
+    runtime = RankRuntime(spec, groups)
+    finish = job.instrument(runtime) if job.instrument is not None else None
+    microbatches = microbatches_per_replica(cfg.train, shape.dp)
+    actions = make_schedule(cfg.pipeline.schedule, shape.pp, microbatches, v)[groups.coords.pp]
+    dist.barrier()  # every rank starts step 1 together, so step timings are comparable
+    setup_s = time.perf_counter() - t0
+    results = [runtime.train_step(s, actions) for s in range(job.first_step, job.first_step + job.steps)]
+    params = runtime.full_state() if job.collect_params else {}
+    extra = finish() if finish is not None else None
+    runtime.destroy()
+    return {"results": results, "params": params, "extra": extra, "setup_s": setup_s}
+
+
+def run_mesh(
+    dp: int,
+    pp: int,
+    tp: int,
+    overrides: Sequence[str] = (),
+    steps: int = 10,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    timeout: float = 240.0,
+    *,
+    first_step: int = 1,
+    collect_params: bool = True,
+    instrument: Callable[[Any], Callable[[], Any] | None] | None = None,
+    collective_timeout_s: float = 60.0,
+    fresh: bool = False,
+) -> MeshRun:
+    """Train steps ``first_step .. first_step+steps-1`` on a local (dp, pp, tp) gloo mesh.
+
+    Args:
+        overrides: ``SECTION.KEY=VALUE`` config overrides (model, train, data...); the mesh and
+            pipeline keys come from the other arguments.
+        timeout: seconds for the run once the workers are up (their start-up has its own limit).
+        collect_params: gather the full parameters after the last step (a collective).
+        instrument: a picklable module-level ``fn(runtime) -> finish | None``, called on every rank
+            after its ``RankRuntime`` is built; ``finish()`` is called after the last step and its
+            (picklable) return value lands in ``MeshRun.extras[rank]``. For benchmarks.
+        collective_timeout_s: the process groups' timeout (bounds a blocked collective).
+        fresh: run in a pool of its own, closed afterwards, instead of the shared one.
+
+    Raises:
+        MeshRunError: a rank raised, died or timed out; the pool is killed, nothing is left hanging.
+        ConfigError: the overrides do not describe a valid job for this mesh.
+    """
+    cfg = mesh_config(dp, pp, tp, overrides, schedule, virtual_stages)
+    layers = stage_layers(cfg)
+    shape = MeshShape(dp, pp, tp)
+    microbatches = microbatches_per_replica(cfg.train, dp)
+    job = _Job(
+        overrides=(
+            *overrides, f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}",
+            f'pipeline.schedule="{schedule}"', f"pipeline.virtual_stages={virtual_stages}",
+        ),
+        layers_per_stage=layers,
+        steps=steps,
+        first_step=first_step,
+        collect_params=collect_params,
+        collective_timeout_s=collective_timeout_s,
+        instrument=instrument,
+    )  # fmt: skip
+    for attempt in (1, 2):
+        pool = _Pool() if fresh else shared_pool()
+        t0 = time.monotonic()
+        try:
+            pool.ensure(shape.world)
+            t0 = time.monotonic()
+            out = pool.run(job, shape.world, timeout)
+            break
+        except BaseException as error:
+            # A failed, timed-out or interrupted run leaves ranks blocked in collectives: kill them all.
+            if is_shared(pool):
+                shutdown_pool()
+            else:
+                pool.close()
+            if attempt == 1 and _native_crash(error):
+                # Recorded, never silent: tests/conftest.py prints every record at the session's end.
+                path = record_native_crash(error, f"run_mesh(dp={dp}, pp={pp}, tp={tp}, steps={steps})")
+                warnings.warn(f"run_mesh: a rank crashed in native code; re-running once in fresh processes "
+                              f"(docs/design.md, F20; recorded in {path}): {str(error).splitlines()[0]}",
+                              stacklevel=2)
+                continue
+            raise
+    wall = time.monotonic() - t0
+    if fresh:
+        pool.close()
+
+    results = {rank: out[rank]["results"] for rank in range(shape.world)}
+    losses = []
+    for i in range(steps):
+        shares = [results[r][i].loss for r in results if results[r][i].loss is not None]
+        if len(shares) != dp:
+            raise MeshRunError(f"step {first_step + i}: {len(shares)} loss shares reported, expected dp={dp}")
+        losses.append(float(sum(shares)))
+    params: dict[str, np.ndarray] = {}
+    for rank in range(shape.world):
+        for name, value in out[rank]["params"].items():
+            if name in params:
+                raise MeshRunError(f"parameter {name} reported by two ranks (rank {rank} is the second)")
+            params[name] = value
+    return MeshRun(
+        shape=shape,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        layers_per_stage=layers,
+        microbatches=microbatches,
+        actions=make_schedule(schedule, pp, microbatches, virtual_stages),
+        losses=losses,
+        params=params,
+        results=results,
+        extras={rank: out[rank]["extra"] for rank in range(shape.world)},
+        setup_s={rank: out[rank]["setup_s"] for rank in range(shape.world)},
+        wall_s=wall,
+    )
+
+
+# Signals with which glibc or the kernel stop a process whose native code (torch, gloo) broke: a heap
+# check failing (SIGABRT, "malloc(): unaligned tcache chunk detected"), a bad access (SIGSEGV, SIGBUS).
+# A Python exception, an injected exit (code > 0) or a kill (SIGKILL) is never one of these.
+_NATIVE_CRASH_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
+
+
+def _native_crash(error: BaseException) -> bool:
+    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, not
+    reproduced in hundreds of stressed runs; each rank's faulthandler stack is in the test's stderr)."""
+    return (isinstance(error, MeshRunError) and error.ended_by == "died"
+            and any(code in _NATIVE_CRASH_SIGNALS for code in error.died.values()))
+
+
+# --- the single-process reference ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    losses: tuple[float, ...]
+    params: dict[str, np.ndarray]  # read-only arrays: the object is shared by every caller
+
+
+def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
+    """The single-process ``ReferenceTrainer`` on steps 1..``steps``, cached per (overrides, steps).
+
+    Only the ``model.``, ``train.``, ``data.`` and ``checkpoint.init_from`` overrides matter (and are the
+    cache key): the mesh and the schedule must not change the math, which is what the mesh tests check.
+    """
+    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data")
+                 or o.startswith("checkpoint.init_from"))
+    return _reference(keep, steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
+    import torch
+
+    from meshdata.masks import mask_eos_for
+    from workers.reference import ReferenceTrainer
+
+    cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
+    # One intra-op thread, like the ranks: on 2 busy cores OpenMP's spinning threads make a step
+    # of the tiny model 10-50x slower (measured 45 ms vs 0.4-3.5 s at load ~10).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
+                                   mask_eos_id=mask_eos_for(cfg.data))
+        losses = tuple(trainer.run(1, steps))
+        params = trainer.params()
+    finally:
+        torch.set_num_threads(threads)
+    for value in params.values():
+        value.setflags(write=False)
+    return Reference(losses=losses, params=params)
