@@ -21,6 +21,8 @@ pytestmark = pytest.mark.timeout(120)
         (['train.optimizer="onebit_adam"'], ["train.optimizer", "needs mesh.zero=0"]),
         (['train.grad_compression="int4"', "mesh.dp=4", "mesh.tp=1", "mesh.dp_replicate=2"],
          ["train.grad_compression='int4'", "mesh.dp_replicate=1"]),
+        (['train.grad_compression="int4"', "train.powersgd_rank=4"],
+         ["train.powersgd_rank is PowerSGD's", 'train.grad_compression="int4"', "do not combine"]),
         (["mesh.zero=0", "train.powersgd_rank=0"], ["train.powersgd_rank"]),
         (["mesh.zero=0", "train.powersgd_plain_steps=1"], ["train.powersgd_plain_steps", ">= 2"]),
     ],

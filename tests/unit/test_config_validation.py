@@ -73,6 +73,10 @@ def test_must_be_positive(key: str, value: str) -> None:
          ["mesh.dp_replicate=2", "mesh.dp_replicate=1"]),
         (['train.grad_compression="int4"', "train.quant_block=65"], "train.quant_block", ["odd", "66"]),
         (["train.quant_block=1"], "train.quant_block", [">= 2"]),
+        (['train.grad_compression="int4"', "train.powersgd_rank=4"], "train.powersgd_rank",
+         ["PowerSGD's", "int4 and PowerSGD do not combine"]),
+        (['train.grad_compression="int8"', "train.powersgd_plain_steps=10"], "train.powersgd_plain_steps",
+         ['train.grad_compression="powersgd"']),
         (['train.optimizer="lamb"'], "train.optimizer", ['"adamw", "onebit_adam"']),
         (['train.optimizer="onebit_adam"', "train.onebit_warmup_steps=5"], "train.optimizer",
          ["needs mesh.zero=0", "got mesh.zero=3"]),
@@ -201,6 +205,7 @@ def test_step_timeout_message() -> None:
     ['train.grad_compression="int8"', "mesh.zero=3"],
     ['train.grad_compression="int4"', "mesh.zero=0", "mesh.tp=1"],
     ['train.grad_compression="int8"', "mesh.zero=1", "train.quant_block=65"],
+    ['train.grad_compression="none"', "train.powersgd_rank=4"],  # a PowerSGD knob with no compression: unused
     ['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=4"],
 ])
 def test_compression_combinations_that_run(overrides: list[str]) -> None:
