@@ -13,7 +13,8 @@ measured on the tensors handed to the collectives. This script adds its configs 
 module's tables:
 
 * configs: ``d64_b8_lr3e-3`` (the default model: d_model 64, 4 layers, seq 64, global batch 8; lr
-  3e-3 with 10 warm-up steps, as the PowerSGD bench) and ``d256_b8_lr3e-3`` (4x wider, the rest equal);
+  3e-3 with 10 warm-up steps, as the PowerSGD bench), ``d256_b8_lr3e-3`` (4x wider, the rest equal)
+  and, on request, ``d64_b8_lr3e-3_seed1`` (the default one at seed 1: another trajectory);
 * variants: ``plain``, ``int8``, ``int4`` (128 values per fp32 scale), ``onebit_w100`` (1-bit Adam,
   100 warm-up steps: 20% of the run, inside DeepSpeed's suggested 15-25%), ``r4`` (PowerSGD rank 4),
   and at ZeRO-3 (the quantized reduce-scatter) ``plain_z3``, ``int8_z3``, ``int4_z3``.
@@ -30,6 +31,7 @@ steps of the default config, plain, int8, int4 and 1-bit Adam with 5 warm-up ste
 from __future__ import annotations
 
 import json
+import sys
 
 import powersgd_convergence as psgd
 from common import environment, parser, write_result
@@ -40,6 +42,8 @@ TAIL = psgd.TAIL
 
 psgd.CONFIGS.update({
     "d256_b8_lr3e-3": ("model.d_model=256", "train.lr=3e-3", "train.warmup_steps=10"),
+    # another seed (initial weights, sample order): how far two uncompressed runs' final losses lie apart
+    "d64_b8_lr3e-3_seed1": ("train.lr=3e-3", "train.warmup_steps=10", "train.seed=1"),
 })
 ONEBIT = ('train.optimizer="onebit_adam"',)
 psgd.VARIANTS.update({
@@ -109,13 +113,14 @@ def main() -> None:
         for config in configs:
             for variant in variants:
                 r = psgd.run_one(config, variant, steps, timeout=args.run_timeout)
+                r["command"] = "python bench/compression.py " + " ".join(sys.argv[1:])
                 runs[(config, variant, steps)] = r
                 print(f"{config} {variant} steps={steps}: final loss {r['final_loss']:.4f}, bytes/step "
                       f"{r['bytes_first_step']} -> {r['bytes_compressed_step']} (mean {r['bytes_mean']:.0f}), "
                       f"{r['wall_s']} s, load {r['load_average']}", flush=True)
                 write_result(args.out, {
                     "benchmark": "compression", "quick": args.quick, "goals": GOALS, "tail_steps": TAIL,
-                    "mesh": "dp=2, pp=1, tp=1, mesh.zero=0 (DDP), built-in corpus",
+                    "mesh": "dp=2, pp=1, tp=1, built-in corpus; mesh.zero=0 (DDP) but *_z3: mesh.zero=3 (FSDP2)",
                     "environment": environment(), "summary": summarise(list(runs.values())),
                     "runs": list(runs.values())})
     finally:
