@@ -9,10 +9,9 @@ Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and th
 * :func:`load_average`, :func:`environment`, :func:`machine`: the machine facts recorded beside the figures.
 * :func:`local_ray`: an embedded local Ray (8 CPU slots, no dashboard), shut down afterwards.
 * :func:`bench_config` / :func:`rank_runtime`: a job config and one rank's ``RankRuntime`` with its
-  1F1B action list, built as a rank actor would but without Ray (pp = 1).
+  1F1B action list, built as a rank actor would but without Ray (pp = 1); the scripts run such ranks
+  with ``testbed.gloo_world.run_ranks`` (the tests' rank pool).
 * :func:`remove_node`: a local ``Cluster`` node vanishes, taking the listed processes with it.
-* :func:`spawn_ranks`: one spawned process per rank around a parent ``TCPStore``; a rank that fails
-  reports its traceback so the parent fails at once instead of waiting for the timeout.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ import os
 import platform
 import signal
 import sys
-import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -135,54 +132,3 @@ def remove_node(nodes, node, pids) -> None:
             except ProcessLookupError:
                 pass
     nodes.remove_node(node, allow_graceful=False)
-
-
-def _rank_main(target: Callable[..., dict], rank: int, port: int, args: tuple, queue) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        queue.put({"rank": rank, **target(rank, port, *args)})
-    except BaseException as exc:  # report, so the parent fails fast instead of timing out
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-        raise
-
-
-def spawn_ranks(n: int, target: Callable[..., dict], args: tuple, *, timeout_s: float, what: str) -> list[dict]:
-    """Run ``target(rank, store_port, *args) -> dict`` in ``n`` spawned processes; results by rank.
-
-    ``target`` must be a module-level function of the script (spawn pickles it by name). Raises
-    RuntimeError with the traceback of the first rank that fails, TimeoutError when ranks are missing
-    after ``timeout_s``; stragglers are killed either way. ``what`` names the run in those errors.
-    """
-    import queue as queue_lib
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(target, r, store.port, args, queue)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results: list[dict] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < n:
-            try:
-                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue_lib.Empty:
-                raise TimeoutError(f"{what}: only {len(results)} of {n} ranks reported") from None
-            if "error" in item:
-                raise RuntimeError(f"{what} rank {item['rank']} failed:\n{item['error']}")
-            results.append(item)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    del store
-    return sorted(results, key=lambda r: r["rank"])

@@ -43,6 +43,9 @@ class RuntimeSpec:
     init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
     mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
     schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
+    # The driver loads a checkpoint or in-memory snapshot right after the join: the ranks skip the
+    # random init it would overwrite (and refuse to train if no load came: workers/runtime.py).
+    load_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,9 @@ class JoinSpec:
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
     earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
+    ``store_secret`` (128 random bits per run, kept out of ``repr`` and logs) is put in front of
+    every key: the store has no authentication, and the secret travels only inside Ray's
+    (token-authenticated) calls (README, Trust boundary).
     """
 
     generation: int
@@ -60,6 +66,7 @@ class JoinSpec:
     store_addr: str
     store_port: int
     store_prefix: str
+    store_secret: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +110,8 @@ class StepResult:
     # straggler score compares (workers/compute_clock.py, orchestrator/recovery/stragglers.py).
     forward_s: float = 0.0
     dp_bytes: int | None = None  # dp > 1: bytes this rank sent over dp in the step (workers/compression.py)
+    # train.compile: graphs this rank compiled again in the step (workers/compile_stats.py); None: off
+    recompiles: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

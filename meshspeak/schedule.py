@@ -214,6 +214,18 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
     return gpipe(pp, num_microbatches)
 
 
+FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)
+
+
+def forward_only(actions: Sequence[Action]) -> list[Action]:
+    """The forward work of a rank's list, in its order (held-out eval: workers/batching.py).
+
+    Dropping actions cannot deadlock a list that was deadlock-free with them: a forward receive's
+    matching send is still preceded only by forward work on its sender.
+    """
+    return [a for a in actions if a.op in FORWARD_OPS]
+
+
 def peak_in_flight(actions: Sequence[Action]) -> int:
     """Most microbatches whose F is done but whose B is not, summed over the rank's stages.
 

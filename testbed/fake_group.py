@@ -21,6 +21,7 @@ same fan-out block until kicked, as real ranks do in a collective whose peer is 
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 from checkpoints.layout import DCP_METADATA, parse_step
@@ -81,12 +82,15 @@ class FakeRank:
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)
-        self.files = {f"__{self.world_rank}_0.distcp": 16}
+        contents = {f"__{self.world_rank}_0.distcp": b"x" * 16}
         if self.world_rank == 0:
-            self.files[DCP_METADATA] = 8
-        for name, size in self.files.items():
+            # A pickle that imports nothing: the driver checks a checkpoint's .metadata before a
+            # restore (checkpoints/safe_pickle.py), as it would a real DCP one.
+            contents[DCP_METADATA] = pickle.dumps({"fake": "metadata"})
+        self.files = {name: len(data) for name, data in contents.items()}
+        for name, data in contents.items():
             with open(os.path.join(path, name), "wb") as f:
-                f.write(b"x" * size)
+                f.write(data)
         self.saving_step = step
         return SaveAck(stall_s=0.01)
 

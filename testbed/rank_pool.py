@@ -1,4 +1,4 @@
-"""A pool of local rank processes that run one mesh job per generation (used by ``testbed.world``).
+"""A pool of local rank processes that run one job per generation (``testbed.world``, ``testbed.gloo_world``).
 
 Ranks are plain ``multiprocessing.Process`` es (never ``torch.multiprocessing.start_processes``, whose
 ``join`` kills the world when one rank exits: docs/design.md, F14), forked from a ``forkserver``

@@ -72,10 +72,11 @@ def main() -> int:
         os.execv(sys.executable, [sys.executable, "-m", "testbed.stress_meshes", *sys.argv[1:]])
 
     from testbed import world
+    from testbed.family_cases import HF_BATCH, POSNORM, tied_copy
     from testbed.hf_models import save_tiny_llama
-    from testbed.world import MeshRunError, reference, run_mesh, shutdown_pool
-    from tests.distributed.test_mesh_equivalence import STEPS, assert_matches_reference
-    from tests.distributed.test_model_families import HF_BATCH, POSNORM, tied_copy
+    from testbed.mesh_cases import STEPS
+    from testbed.reference import assert_matches_reference, reference
+    from testbed.world import MeshRunError, run_mesh, shutdown_pool
 
     world._native_crash = lambda error: False  # no re-run: every crash is counted
     collective_timeout, run_timeout = 60.0, None
@@ -126,7 +127,7 @@ def main() -> int:
             try:
                 run = run_mesh(dp, pp, tp, overrides, steps, instrument=tied_copy if pp > 1 else None,
                                timeout=run_timeout or max(240.0, 8.0 * steps), collective_timeout_s=collective_timeout)
-                assert_matches_reference(run, reference(overrides, steps))
+                assert_matches_reference(run.losses, run.params, reference(overrides, steps))
                 row["outcome"] = "ok"
             except MeshRunError as error:
                 row.update(outcome="mesh_error", died=error.died, ended_by=error.ended_by,

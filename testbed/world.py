@@ -4,8 +4,7 @@
 ranks, exactly as the actors would (``build_process_groups`` + ``RankRuntime`` + the driver's schedule),
 and returns a :class:`MeshRun`: the global per-step losses (the sum of every replica's share), the
 unsharded final parameters of the whole model and every rank's ``StepResult`` s.
-``reference(overrides, steps)`` runs the single-process ``ReferenceTrainer`` on the same config, once
-per (overrides, steps) in a session.
+The single-process reference to compare with is ``testbed.reference``.
 
 Processes
     Ranks live in ``testbed.rank_pool``'s shared pool of forked processes (one intra-op thread
@@ -25,7 +24,6 @@ Stage split
 from __future__ import annotations
 
 import dataclasses
-import functools
 import signal
 import time
 import warnings
@@ -42,7 +40,7 @@ from meshspeak.sections import JobConfig, microbatches_per_replica
 from orchestrator.config.load import load_config
 from testbed.rank_pool import MeshRunError, _Pool, is_shared, record_native_crash, shared_pool, shutdown_pool
 
-__all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
+__all__ = ["MeshRun", "MeshRunError", "run_mesh", "shutdown_pool"]
 
 
 @dataclass
@@ -293,47 +291,3 @@ def _native_crash(error: BaseException) -> bool:
     reproduced in hundreds of stressed runs; each rank's faulthandler stack is in the test's stderr)."""
     return (isinstance(error, MeshRunError) and error.ended_by == "died"
             and any(code in _NATIVE_CRASH_SIGNALS for code in error.died.values()))
-
-
-# --- the single-process reference ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reference:
-    losses: tuple[float, ...]
-    params: dict[str, np.ndarray]  # read-only arrays: the object is shared by every caller
-
-
-def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
-    """The single-process ``ReferenceTrainer`` on steps 1..``steps``, cached per (overrides, steps).
-
-    Only the ``model.``, ``train.``, ``data.`` and ``checkpoint.init_from`` overrides matter (and are the
-    cache key): the mesh and the schedule must not change the math, which is what the mesh tests check.
-    """
-    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data")
-                 or o.startswith("checkpoint.init_from"))
-    return _reference(keep, steps)
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
-    import torch
-
-    from meshdata.masks import mask_eos_for
-    from workers.reference import ReferenceTrainer
-
-    cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
-    # One intra-op thread, like the ranks: on 2 busy cores OpenMP's spinning threads make a step
-    # of the tiny model 10-50x slower (measured 45 ms vs 0.4-3.5 s at load ~10).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
-                                   mask_eos_id=mask_eos_for(cfg.data))
-        losses = tuple(trainer.run(1, steps))
-        params = trainer.params()
-    finally:
-        torch.set_num_threads(threads)
-    for value in params.values():
-        value.setflags(write=False)
-    return Reference(losses=losses, params=params)

@@ -1,11 +1,12 @@
 """RankActor: the thin Ray shell around one rank. Knows nothing of placement, policy or other actors.
 
-All training work (joining a generation, steps, saving and loading checkpoints, gathering the state)
-runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency group, one thread. Other calls run on
-the default group's small pool, so while the training thread is inside a step — possibly blocked in
-a collective whose peer died — the driver can still poll the actor, park a ``wait_checkpoint`` and
-tell it to free the step (``kick``: gloo sockets shut down, NCCL communicators aborted). Every error
-inside a step is latched into the returned ``StepResult``; the driver decides what happens next.
+All training work (joining a generation, steps, held-out eval, snapshots, saving and loading
+checkpoints, gathering the state) runs on one long-lived thread: the ``TRAIN_GROUP`` concurrency
+group, one thread. Other calls run on the default group's small pool, so while the training thread
+is inside a step — possibly blocked in a collective whose peer died — the driver can still poll the
+actor, park a ``wait_checkpoint`` and tell it to free the step (``kick``: gloo sockets shut down, NCCL
+communicators aborted). Every error inside a step is latched into the returned ``StepResult``; the
+driver decides what happens next.
 
 In-memory snapshots (``workers/snapshots.py``): ``snapshot`` and ``load_snapshot`` are training work;
 handing one out (``snapshot_blob``, ``give_snapshot``) and keeping a peer's copy (``keep_snapshot``,
@@ -33,6 +34,7 @@ from meshspeak.messages import JoinSpec, RankInfo, RuntimeSpec, SaveAck, StepRes
 from meshspeak.schedule import Action
 from workers.profiling import profiled_step
 from workers.snapshots import SnapshotStore
+from workers.write_faults import dcp_write_function, die_inside_next_dcp_write
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 STEP_FAULTS = ("nan", "slow", "sleep")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
+# Delays that widen a race on purpose (kind "sleep"; ``at`` is a step): "snapshot" sleeps ``delay_s``
+# before the snapshot of step ``at`` reads the state; "eval" sleeps ``delay_s`` inside the first
+# block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then).
+SLEEP_POINTS = ("snapshot", "eval")
 
 
 class RankActor:
@@ -86,9 +92,11 @@ class RankActor:
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
         self._faults: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         self._step_faults: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
+        self._sleeps: dict[str, tuple[int, float]] = {}  # SLEEP_POINTS point -> (at, delay_s)
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
+        self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
         self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
 
     def ping(self) -> tuple[int, str, str]:
@@ -137,6 +145,7 @@ class RankActor:
                     store_addr=gen.store_addr,
                     store_port=gen.store_port,
                     store_prefix=gen.store_prefix,
+                    store_secret=gen.store_secret,
                     generation=gen.generation,
                     shape=gen.shape,
                     world_rank=gen.world_rank,
@@ -152,6 +161,7 @@ class RankActor:
             finally:
                 self._joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
+            self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
             return RankInfo(
@@ -181,10 +191,17 @@ class RankActor:
         finally:
             self.busy = False
 
+    @_train
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
-        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver."""
+        """Held-out loss of eval batch ``batch`` (forward only); errors propagate to the driver.
+
+        Training work: it queues behind the snapshot the driver submitted just before it (not
+        awaited). On another thread FSDP2's state-dict hook, run by the snapshot, would reshard the
+        modules in the middle of the eval forward (tests/ray/test_data_eval.py)."""
         if self.runtime is None:
             raise RuntimeError("eval_step before join_generation")
+        if batch == 0:  # test hook (arm_fault "sleep" at "eval"): consumed by the first block's forward
+            self.runtime.compute_clock.sleep_s = self._take_sleep("eval", self.step)
         return self.runtime.eval_step(path, batch, actions, mask_eos_id)
 
     @_train
@@ -195,7 +212,7 @@ class RankActor:
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         fault = self._take_fault("ckpt_write", step)
         if fault is not None:
-            _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
         return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
     def wait_checkpoint(self) -> WriteAck:
@@ -214,6 +231,7 @@ class RankActor:
         Snapshots other than ``keep`` and this one are dropped."""
         t0 = time.perf_counter()
         key = (generation, step)
+        time.sleep(self._take_sleep("snapshot", step))  # test hook: 0 unless armed
         try:
             if self.runtime is None or generation != self.generation:
                 raise RuntimeError(f"snapshot of generation {generation} while in {self.generation}")
@@ -247,15 +265,19 @@ class RankActor:
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
         ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow", "sleep": see
-        there) take ``where="step"``. Bad arguments raise, so a test never arms nothing."""
+        there) take ``where="step"``; "sleep" also takes a ``SLEEP_POINTS`` point (see there). Bad
+        arguments raise, so a test never arms nothing."""
         if kind in STEP_FAULTS and where == "step" and steps >= 1:
             self._step_faults[kind] = (at, steps, delay_s)
+            return
+        if kind == "sleep" and where in SLEEP_POINTS:
+            self._sleeps[where] = (at, delay_s)
             return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
         if where == "ckpt_write":
-            _dcp_write_function()  # fail now, not silently at the write, if torch moved it
+            dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._faults[where] = (at, kind, delay_s)
 
     @_train
@@ -265,8 +287,12 @@ class RankActor:
 
     def _leave(self) -> None:
         if self.runtime is not None:
+            from workers.device import release_memory
+
+            device = self.runtime.groups.device
             self.runtime.destroy()
             self.runtime = None
+            release_memory(device)  # before the next generation allocates its own
         self.generation, self.world_rank = -1, -1
 
     def kick(self, peers: list[tuple[str, int]]) -> int:
@@ -279,7 +305,9 @@ class RankActor:
         blocked in the rendezvous itself (waiting in the store for a peer that died before
         registering), so then the connection to the store is shut down too, and on gloo the
         connections of listeners opened since the join began (on NCCL those may be NCCL's
-        bootstrap: left alone); the join then raises and leaves nothing behind.
+        bootstrap: left alone); the join then raises and leaves nothing behind. On NCCL a group's
+        communicator is made at its first collective, which reads its NCCL id from the store, so
+        there the store connection is shut down after the join too (workers/groups.py).
         """
         from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
@@ -294,7 +322,18 @@ class RankActor:
             if self._backend == "gloo":
                 local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
+        elif self._backend == "nccl" and self._store is not None:
+            remote.add(endpoint(*self._store))
         return shutdown_gloo_sockets(local, remote)
+
+    def _take_sleep(self, where: str, at: int) -> float:
+        """The armed ``SLEEP_POINTS`` delay at ``where`` for ``at`` (once), else 0."""
+        armed = self._sleeps.get(where)
+        if armed is None or armed[0] != at:
+            return 0.0
+        del self._sleeps[where]
+        logger.warning("fault injection: sleep %.2fs at %s %d", armed[1], where, at)
+        return armed[1]
 
     def _take_fault(self, where: str, at: int) -> tuple[int, str, float] | None:
         fault = self._faults.get(where)
@@ -353,31 +392,4 @@ class RankActor:
             step=self.step,
             error=self.error,
         )
-
-
-def _dcp_write_function():
-    """DCP's per-item file write (private; looked up so a torch upgrade fails the fault test loudly)."""
-    from torch.distributed.checkpoint import filesystem
-
-    if not callable(getattr(filesystem, "_write_item", None)):
-        raise RuntimeError("torch.distributed.checkpoint.filesystem._write_item is gone: update the "
-                           "ckpt_write fault injection in workers/actor.py")
-    return filesystem._write_item
-
-
-def _die_inside_next_dcp_write(sig: int) -> None:
-    """Make this process receive ``sig`` on DCP's writer thread, after the first item of the next
-    shard is on disk: the shard file is then partial and the rank never acks it."""
-    from torch.distributed.checkpoint import filesystem
-
-    real = _dcp_write_function()
-
-    def write_then_die(*args, **kwargs):
-        result = real(*args, **kwargs)
-        filesystem._write_item = real
-        logger.warning("fault injection: signal %d inside the checkpoint write", sig)
-        os.kill(os.getpid(), sig)
-        return result
-
-    filesystem._write_item = write_then_die
 

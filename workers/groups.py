@@ -12,12 +12,26 @@ the (dp, pp, tp) groups ourselves with ``new_group`` and wrap them with ``Device
 The mesh's axis names are unique per generation (``_axis_names``): DTensor's caches must never see
 an earlier generation's mesh as equal to the current one.
 
-The backend follows the device (``workers.device``): NCCL on CUDA, bound to the rank's GPU with
-``device_id``, gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
+The backend follows the device (``workers.device``): NCCL on CUDA (the rank's GPU is the current
+device), gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
 a rank blocked on a dead peer differs per backend: gloo's blocked ops ignore ``abort()``, so the
 driver's kick shuts down this generation's gloo sockets (``workers.sockets``); NCCL's communicators
 are aborted (``abort_nccl``), and NCCL's own sockets (bootstrap, proxy) are never touched: only the
 checkpoint group's gloo listeners are reported as ``gloo_ports`` on an NCCL job.
+
+NCCL communicators are made lazily (no ``device_id`` in ``init_process_group``), so that every one of
+them can be aborted while it is being made. With ``device_id`` torch creates the default group's
+communicator eagerly, inside ``init_process_group`` (``_new_process_group_helper`` calls
+``eager_connect_single_device`` before ``_update_default_pg`` registers the group), and the
+subgroups by ``ncclCommSplit`` inside ``new_group``: a rank whose peer dies then blocks in a group
+that is not registered yet, which ``_abort_process_group`` cannot reach (``dist.is_initialized()``
+is still False). Lazily, the groups are all registered before any communicator exists; each is
+made at its first collective, in NCCL's nonblocking mode (``workers.device.NCCL_ENV``): the
+communicator enters ``ProcessGroupNCCL``'s ``inInitializationCommMap_`` as soon as its creation
+starts, and ``ProcessGroupNCCL::abort`` aborts that map's communicators too (in blocking mode the
+creation call does not return until every rank joined, and the communicator is in no map yet).
+The NCCL id a new communicator needs comes through the store: the kick shuts that connection
+down on NCCL (``RankActor.kick``). torchft does the same (lazy, no eager connect).
 """
 
 from __future__ import annotations
@@ -176,6 +190,7 @@ def build_process_groups(
     device: torch.device,
     store_prefix: str | None = None,
     replicate: int = 1,
+    store_secret: str = "",
 ) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
 
@@ -195,11 +210,11 @@ def build_process_groups(
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
         # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
         # reused prefix would meet the previous generation's keys (docs/design.md, F4).
-        store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
-        dist.init_process_group(
-            backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
-            device_id=device if nccl else None,  # eager NCCL init on this rank's GPU
-        )
+        # The run's secret goes in front of every key (messages.JoinSpec; README, Trust boundary).
+        prefix = store_prefix or f"gen{generation}"
+        store = dist.PrefixStore(f"{store_secret}-{prefix}" if store_secret else prefix, base)
+        # No device_id, on NCCL too: lazy communicators, each abortable (module docstring).
+        dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
         axis_members = [shape.group_ranks(axis) for axis in AXES]
         if replicate > 1:
             rep, shard = hsdp_group_ranks(shape, replicate)

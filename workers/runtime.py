@@ -26,6 +26,7 @@ from meshmodels.hf_io import load_hf
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
 from meshspeak.schedule import Action, stages_of_rank
+from workers import compile_stats
 from workers.batching import eval_forward, step_data
 from workers.compression import setup_dp_reduction, wrap_ddp
 from workers.compute_clock import ComputeClock
@@ -61,8 +62,10 @@ class RankRuntime:
             # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
-                activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                activation_checkpointing=train.activation_checkpointing,
+                init=not spec.init_from and not spec.load_follows,  # a load overwrites it anyway
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
+                cpu_offload=dp_plan.cpu_offload,
                 parallelize=lambda m: parallelize_stage(
                     m, self.family, dp_plan, tp_mesh=groups.tp_mesh,
                     dp_mesh=groups.shard_mesh if dp_plan.fsdp_over == "shard" else groups.dp_mesh,
@@ -80,7 +83,8 @@ class RankRuntime:
                                            [st.ddp for st in self.stages.values() if st.ddp is not None],
                                            self.optimizers)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
-        self.compute_clock = ComputeClock(b for st in self.stages.values() for b in self.family.blocks(st.module))
+        self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
+                                          device=groups.device)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
@@ -119,6 +123,9 @@ class RankRuntime:
         # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
         # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
         self.inject_nan_grad = False
+        # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
+        # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
+        self._awaiting_load = spec.load_follows
         self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
 
@@ -141,7 +148,13 @@ class RankRuntime:
 
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
         """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        self._check_loaded()
         return eval_forward(self, path, batch, actions, mask_eos_id)
+
+    def _check_loaded(self) -> None:
+        if self._awaiting_load:
+            raise RuntimeError("the parameters were left uninitialised for a checkpoint or snapshot load "
+                               "that never came: this generation cannot train")
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
@@ -149,7 +162,11 @@ class RankRuntime:
         A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
         optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
         """
+        self._check_loaded()
         t0 = time.perf_counter()
+        compiled = self.spec.train.compile
+        if compiled:
+            compile_stats.PROCESS.start()
         own0 = time.thread_time()
         self.compute_clock.take()  # drop what an eval forward counted since the last step
         self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
@@ -169,7 +186,8 @@ class RankRuntime:
         finite = True
         bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
-            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group,
+                                     self.spec.collective_timeout_s)
             scaler.update(finite)
         if finite:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
@@ -177,7 +195,8 @@ class RankRuntime:
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
             world = self.groups.world_group if self.groups.shape.world > 1 else None
             norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
-                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
+                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
+                                  timeout_s=self.spec.collective_timeout_s)
             if math.isfinite(norm):
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
                 self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
@@ -205,6 +224,7 @@ class RankRuntime:
             own_s=time.thread_time() - own0,
             forward_s=self.compute_clock.take(),
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
+            recompiles=compile_stats.PROCESS.stop() if compiled else None,
         )
 
     def _poison_grads(self) -> None:
@@ -301,6 +321,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return point.step
 
     # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
@@ -331,6 +352,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return point.step
 
     def destroy(self) -> None:

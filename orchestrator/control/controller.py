@@ -30,6 +30,7 @@ the worker group (calls, kills, the capacity probe ``free_slots``).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -88,6 +89,8 @@ class Controller(RankHealth, BoundaryExits):
         self.evaluator = Evaluator(cfg, eval_path, eval_mask_eos_id)  # [eval]: held-out loss between steps
         self.state = State.INITIALIZING
         self.run_id = uuid.uuid4().hex[:8]
+        # Before every rendezvous key; handed to the ranks only inside Ray calls (messages.JoinSpec).
+        self._store_secret = secrets.token_hex(16)
         self.generation: GenerationRecord | None = None
         self.next_step = 1
         self.losses: dict[int, float] = {}
@@ -297,7 +300,8 @@ class Controller(RankHealth, BoundaryExits):
         spec = self._runtime_spec(plan)
         host, port = self.store.address()
         args = {
-            actor: (JoinSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}"), spec)
+            actor: (JoinSpec(number, plan.shape, rank, host, port, f"{self.run_id}-gen{number}",
+                             store_secret=self._store_secret), spec)
             for rank, actor in members.items()
         }
         if spares:
@@ -328,8 +332,10 @@ class Controller(RankHealth, BoundaryExits):
         self._refill_spares()
 
     def _runtime_spec(self, plan: MeshPlan) -> RuntimeSpec:
+        resuming = self.ckpt.resume_point() is not None
+        snapshot = self.snapshots.active and self.snapshots.usable(set(self.group.live_ids)) is not None
         return runtime_spec(self.cfg, plan, data_path=self.data_path, use_gpu=self.use_gpu,
-                            mask_eos_id=self.mask_eos_id, resuming=self.ckpt.resume_point() is not None)
+                            mask_eos_id=self.mask_eos_id, resuming=resuming, load_follows=resuming or snapshot)
 
 
 def _assign(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:

@@ -54,10 +54,11 @@ class RunSummary:
 
 
 def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: bool, mask_eos_id: int | None,
-                 resuming: bool) -> RuntimeSpec:
+                 resuming: bool, load_follows: bool = False) -> RuntimeSpec:
     """What every rank of a generation planned as ``plan`` needs to build its model, optimizer and data.
 
     ``resuming``: a checkpoint will be loaded, so ``checkpoint.init_from`` is not passed on.
+    ``load_follows``: a checkpoint or snapshot will be loaded, so the ranks skip the random init.
     """
     return RuntimeSpec(
         model=cfg.model,
@@ -73,4 +74,5 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         **model_fields(cfg, resuming=resuming),
         mask_eos_id=mask_eos_id,
         schedule=cfg.pipeline.schedule,
+        load_follows=load_follows,
     )

@@ -54,6 +54,7 @@ from checkpoints.catalog import (
 )
 from checkpoints.errors import CheckpointError
 from checkpoints.manifest import CheckpointManifest
+from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import SaveAck, WriteAck
 from meshspeak.sections import JobConfig, config_to_dict
@@ -101,6 +102,7 @@ class CheckpointCoordinator:
         self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
         self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
+        self._safe: set[str] = set()  # checkpoints whose .metadata passed checkpoints.safe_pickle
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
         self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
         if self.user_dir:
@@ -267,6 +269,9 @@ class CheckpointCoordinator:
             info = self._start
         if info is None:
             return None
+        if info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
+            check_metadata_file(info.path)
+            self._safe.add(info.path)
         if info.manifest.model_fingerprint != self.fingerprint:
             keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
             raise UserInputError(

@@ -17,27 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from testbed.command_line import run_bench_script
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run_script(name: str, out: Path, *args: str, timeout: float = 110) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / name), "--quick", "--out", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
-    assert out.is_file(), f"{name} wrote nothing to {out}"
-    return json.loads(out.read_text())
 
 
 @pytest.mark.timeout(120)
 def test_step_overhead_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("step_overhead.py", tmp_path / "nested" / "step_overhead.json", "--steps", "2")
+    result = run_bench_script("step_overhead.py", tmp_path / "nested" / "step_overhead.json", "--steps", "2")
     assert result["benchmark"] == "step_overhead"
     assert result["quick"] is True
     for side in ("elastimesh", "plain"):
@@ -59,7 +46,7 @@ def test_step_overhead_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # spawns 3 gloo ranks: ~12 s idle, over a minute on a loaded 2-core machine
 @pytest.mark.timeout(180)
 def test_zero3_memory_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("zero3_memory.py", tmp_path / "zero3_memory.json", timeout=170)
+    result = run_bench_script("zero3_memory.py", tmp_path / "zero3_memory.json", timeout=170)
     assert result["benchmark"] == "zero3_memory"
     assert result["dps"] == [1, 2]
     model = result["models"]["tiny"]
@@ -79,7 +66,7 @@ def test_zero3_memory_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # spawns 2 gloo ranks that re-form twice: ~25 s idle, longer on a loaded machine
 @pytest.mark.timeout(300)
 def test_checkpoint_stall_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("checkpoint_stall.py", tmp_path / "checkpoint_stall.json", timeout=290)
+    result = run_bench_script("checkpoint_stall.py", tmp_path / "checkpoint_stall.json", timeout=290)
     assert result["benchmark"] == "checkpoint_stall" and result["quick"] is True
     assert result["state_bytes"] > 0 and result["sync_save_median_s"] > 0
     repeats = result["config"]["repeats"]
@@ -101,7 +88,7 @@ def test_checkpoint_stall_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # spawns 2-4 gloo ranks for 12 short runs: ~50 s idle, minutes on a loaded machine
 @pytest.mark.timeout(600)
 def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("pipeline_bubble.py", tmp_path / "pipeline_bubble.json", timeout=590)
+    result = run_bench_script("pipeline_bubble.py", tmp_path / "pipeline_bubble.json", timeout=590)
     rows = result["bubble_1f1b"]
     assert [(r["pp"], r["m"]) for r in rows] == [(2, 4), (2, 8), (4, 4), (4, 8)]
     for row in rows:
@@ -119,7 +106,7 @@ def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # two multi-node Rays, a 20 s drain deadline and Ray Train's restart: minutes
 @pytest.mark.timeout(900)
 def test_preemption_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("preemption.py", tmp_path / "preemption.json", timeout=890)
+    result = run_bench_script("preemption.py", tmp_path / "preemption.json", timeout=890)
     assert result["benchmark"] == "preemption" and result["quick"] is True
     em, rt = result["elastimesh"], result["ray_train"]
     # Figures, not timings: elastimesh evacuated the drained node's ranks before it went, losing no step.
@@ -133,7 +120,7 @@ def test_preemption_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # a multi-node Ray, 9 faults (one a 20 s drain) over 60 steps: minutes
 @pytest.mark.timeout(900)
 def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
-    result = _run_script("chaos.py", tmp_path / "chaos.json", timeout=890)
+    result = run_bench_script("chaos.py", tmp_path / "chaos.json", timeout=890)
     assert result["benchmark"] == "chaos" and result["quick"] is True
     # One fault of each of the 9 kinds, all survived; the damaged checkpoint was found invalid and no
     # other committed checkpoint is corrupt; the fp64 run equals the failure-free fp64 reference.
@@ -216,7 +203,7 @@ def test_gpu_bench_peak_lookup_and_flops_formula() -> None:
 def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
     # No loss threshold: a 20-step gap says nothing about convergence (the 200-step figures are the
     # bench's and the slow test's in tests/distributed/test_powersgd.py).
-    result = _run_script("powersgd_convergence.py", tmp_path / "powersgd.json", timeout=280)
+    result = run_bench_script("powersgd_convergence.py", tmp_path / "powersgd.json", timeout=280)
     assert result["benchmark"] == "powersgd_convergence" and result["quick"] is True
     assert {(r["variant"], r["steps"]) for r in result["runs"]} == {("plain", 20), ("r2", 20)}
     (row,) = result["summary"]
@@ -249,7 +236,7 @@ def test_compression_quick_writes_json(tmp_path: Path) -> None:
 def test_powersgd_ddp_oracle_quick_writes_json(tmp_path: Path) -> None:
     # No loss threshold here either (20 steps); what is checked: the oracle is torch's DDP with one
     # bucket, its hook compresses as much as elastimesh's adapter (the same PowerSGDState settings).
-    result = _run_script("powersgd_ddp_oracle.py", tmp_path / "oracle.json", "--mesh-results",
+    result = run_bench_script("powersgd_ddp_oracle.py", tmp_path / "oracle.json", "--mesh-results",
                          str(tmp_path / "none.json"), timeout=280)
     assert result["benchmark"] == "powersgd_ddp_oracle" and result["quick"] is True
     assert {(r["variant"], r["steps"]) for r in result["runs"]} == {("plain", 20), ("r2", 20)}

@@ -7,8 +7,6 @@ Uses the ``make`` fixture and ``Run`` helper of ``tests/unit/test_controller.py`
 
 from __future__ import annotations
 
-import json
-
 from checkpoints.catalog import list_checkpoints
 from meshspeak.messages import StepResult
 from orchestrator.control.controller import State
