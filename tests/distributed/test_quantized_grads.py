@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.reference import reference
+from testbed.world import run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")  # as test_mesh_equivalence
 STEPS = 6
