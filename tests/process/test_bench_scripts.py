@@ -218,7 +218,7 @@ def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
 def test_compression_quick_writes_json(tmp_path: Path) -> None:
     # No loss threshold: a 20-step gap says nothing about convergence (the 500-step figures are the
     # bench's; tests/distributed/test_quantized_grads.py compares short runs with the plain one).
-    result = _run_script("compression.py", tmp_path / "compression.json", timeout=580)
+    result = run_bench_script("compression.py", tmp_path / "compression.json", timeout=580)
     assert result["benchmark"] == "compression" and result["quick"] is True
     assert {(r["variant"], r["steps"]) for r in result["runs"]} == {
         ("plain", 20), ("int8", 20), ("int4", 20), ("onebit_w5", 20)}
