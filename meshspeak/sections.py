@@ -95,7 +95,9 @@ class TrainConfig:
     global_batch_size: int = key(8, "sequences per optimizer step, whatever the mesh", ge=1)
     micro_batch_size: int = key(2, "sequences per microbatch per DP replica", ge=1)
     lr: float = key(3e-3, "peak learning rate after warmup", gt=0)
-    min_lr_ratio: float = key(0.1, "cosine decay ends at lr * min_lr_ratio", ge=0, le=1)
+    min_lr_ratio: float = key(0.1, "the decay ends at lr * min_lr_ratio (1 = constant after warmup)", ge=0, le=1)
+    lr_decay: str = key("cosine", "shape of the decay from lr to lr * min_lr_ratio over the steps after "
+                                  "warmup", choices=("cosine", "linear"))
     warmup_steps: int = key(2, "linear warmup steps", ge=0)
     weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
     beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
@@ -105,6 +107,9 @@ class TrainConfig:
     dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
                                 "scaling, for GPUs without bf16; float64 keeps weights, optimizer state "
                                 "and reductions in fp64 (exact comparisons)", choices=DTYPES)
+    loss_scale_initial: float = key(65536.0, "float16: the dynamic loss scale's first value", gt=0)
+    loss_scale_window: int = key(2000, "float16: overflow-free steps in a row before the loss scale doubles "
+                                       "(an overflow halves it and skips the step)", ge=1)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
     max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "
@@ -199,6 +204,15 @@ class MetricsConfig:
     profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
                                  "on every rank, one file per rank and step; empty = off")
     profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
+    # Experiment trackers (orchestrator/tracking/): optional extras, written from the driver only.
+    mlflow_uri: str = key("", "MLflow tracking URI (a directory, file://, http(s)://, databricks): the "
+                              "config as params, steps and events as metrics; empty = off "
+                              "(pip install 'elastimesh[mlflow]')")
+    mlflow_experiment: str = key("elastimesh", "MLflow experiment the run goes into")
+    wandb_project: str = key("", "Weights & Biases project: the config, steps and events; files under "
+                                 "wandb/ beside metrics.path; empty = off (pip install 'elastimesh[wandb]')")
+    wandb_mode: str = key("online", 'W&B mode: "offline" writes the run only locally (`wandb sync` '
+                                    "uploads it later)", choices=("online", "offline"))
 
 
 @dataclass(**_SECTION)

@@ -112,7 +112,8 @@ class RankRuntime:
             loss_fn=self.family.loss_sum,
         )
         # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
-        self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
+        self.loss_scale = DynamicLossScale(scale=train.loss_scale_initial, growth_interval=train.loss_scale_window) \
+            if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.command_line import run_bench_script
+from testbed.command_line import run_bench_script, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +120,8 @@ def test_preemption_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # a multi-node Ray, 9 faults (one a 20 s drain) over 60 steps: minutes
 @pytest.mark.timeout(900)
 def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
-    result = run_bench_script("chaos.py", tmp_path / "chaos.json", timeout=890)
+    copy = tmp_path / "metrics.jsonl"
+    result = run_bench_script("chaos.py", tmp_path / "chaos.json", "--metrics-copy", str(copy), timeout=890)
     assert result["benchmark"] == "chaos" and result["quick"] is True
     # One fault of each of the 9 kinds, all survived; the damaged checkpoint was found invalid and no
     # other committed checkpoint is corrupt; the fp64 run equals the failure-free fp64 reference.
@@ -128,6 +129,16 @@ def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
     assert result["truncated_on_purpose"] == result["truncated_found_invalid"] and not result["corrupt_committed"]
     assert result["max_param_diff"] is not None and result["max_param_diff"] <= 1e-9
     assert 0 < result["goodput"] <= 1
+    # Its goodput is the report's accounting (issue 28): every second of the run in one bucket, and
+    # `elastimesh report` of the campaign's metrics copy says the same.
+    ledger = result["goodput_accounting"]
+    assert ledger["accounted_s"] == pytest.approx(ledger["wall_s"], rel=0.01) and ledger["finished"]
+    assert ledger["seconds"]["useful"] == pytest.approx(result["useful_step_time_s"])
+    assert ledger["recoveries"] and ledger["steps"]["rerun"] == result["steps_rerun"]
+    proc = run_cli("report", str(copy), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert doc["seconds"] == pytest.approx(ledger["seconds"]) and doc["wall_s"] == pytest.approx(ledger["wall_s"])
 
 
 @pytest.mark.timeout(180)
