@@ -33,6 +33,8 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb-h1", "zbv")
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("float32", "bfloat16")
+GRAD_COMPRESSION = ("none", "powersgd", "int8", "int4")
+OPTIMIZERS = ("adamw", "onebit_adam")
 BUILTIN_DATA = "builtin"
 BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
 
@@ -115,12 +117,23 @@ class TrainConfig:
     grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
                                       "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
     grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
-                                        "DDP PowerSGD hook, error feedback reset on every resize); "
-                                        "needs mesh.zero=0", choices=("none", "powersgd"))
+                                        "DDP PowerSGD hook; needs mesh.zero=0); int8 / int4: blockwise "
+                                        "quantized all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1..3), "
+                                        "quantize -> all-to-all -> dequantize-reduce as ZeRO++'s qgZ; "
+                                        "error feedback reset on every resize", choices=GRAD_COMPRESSION)
     powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
     powersgd_plain_steps: int = key(2, "steps of each generation all-reduced uncompressed before "
                                        "PowerSGD starts (torch's start_powerSGD_iter; it suggests ~10% "
                                        "of the run)", ge=2)
+    quant_block: int = key(128, "int8/int4 gradient compression: values per fp32 scale (blockwise absmax); "
+                                "even for int4", ge=2)
+    optimizer: str = key("adamw", 'adamw, or "onebit_adam": DeepSpeed\'s 1-bit Adam (Adam for '
+                                  "onebit_warmup_steps, then frozen variance and 1-bit compressed momentum "
+                                  "with error feedback; needs mesh.zero=0 and grad_compression=\"none\")",
+                         choices=OPTIMIZERS)
+    onebit_warmup_steps: int = key(100, "onebit_adam: uncompressed Adam steps before the variance freezes "
+                                        "(DeepSpeed's freeze_step; it suggests 15-25% of the run); below "
+                                        "train.steps", ge=1)
 
 
 @dataclass(**_SECTION)

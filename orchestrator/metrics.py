@@ -114,7 +114,8 @@ def _recompiles_field(results: list[StepResult]) -> dict[str, Any]:
 
 
 def _dp_bytes_field(results: list[StepResult]) -> dict[str, Any]:
-    """ZeRO-0: the most bytes one rank all-reduced over dp in the step (PowerSGD's compressed P/Q)."""
+    """dp > 1: the most bytes one rank sent over dp in the step (compressed, where it is: PowerSGD's P/Q,
+    int8/int4 rows, 1-bit Adam's signs)."""
     sent = [r.dp_bytes for r in results if getattr(r, "dp_bytes", None) is not None]
     return {"dp_bytes": max(sent)} if sent else {}
 

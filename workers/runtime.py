@@ -78,9 +78,11 @@ class RankRuntime:
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1,
                 ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
             )
-            self.optimizers.append(build_optimizer(module, train))
-        # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups)
+            self.optimizers.append(build_optimizer(module, train, dp_group=groups.dp_group))
+        # The dp bytes of each step, and the reduction the plan chose (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups,
+                                           [st.ddp for st in self.stages.values() if st.ddp is not None],
+                                           self.optimizers)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
         self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
                                           device=groups.device)

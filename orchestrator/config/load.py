@@ -61,8 +61,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), deepspee
         sections[name] = cls(**kwargs)
     cfg = JobConfig(**sections)
     _check_from_hf_conflicts(raw.get("model", {}))
+    _check_powersgd_knobs(raw.get("train", {}), cfg.train.grad_compression)
     validate_job(cfg)
     return cfg
+
+
+def _check_powersgd_knobs(train_raw: Mapping[str, object], compression: str) -> None:
+    """int8/int4 with PowerSGD (issue 27's bad input): one reduction runs per generation, so a PowerSGD
+    knob set beside a quantized codec would be silently ignored; refuse it (a knob left at its default
+    is fine: only what the file or --set wrote counts)."""
+    if compression not in ("int8", "int4"):
+        return
+    knobs = [k for k in ("powersgd_rank", "powersgd_plain_steps") if k in train_raw]
+    if knobs:
+        raise ConfigError(f"train.{knobs[0]}", f"train.{knobs[0]} is PowerSGD's, but train.grad_compression="
+                                               f"\"{compression}\": {compression} and PowerSGD do not combine (one "
+                                               f"reduction per step); remove train.{knobs[0]} or set "
+                                               f"train.grad_compression=\"powersgd\"")
 
 
 def _merge_deepspeed(raw: dict[str, dict[str, object]], path: str, warn: Callable[[str], None]) -> None:

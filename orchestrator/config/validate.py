@@ -198,13 +198,7 @@ def _check_relations(cfg: JobConfig) -> None:
         f"mesh.dp_replicate={cfg.mesh.dp_replicate} needs mesh.zero >= 1: ZeRO-0 already replicates "
         f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
     )
-    _require(
-        cfg.train.grad_compression == "none" or cfg.mesh.zero == 0,
-        "train.grad_compression",
-        f"train.grad_compression={cfg.train.grad_compression!r} needs mesh.zero=0 (it compresses the "
-        f"all-reduce of replicated gradients; got mesh.zero={cfg.mesh.zero}): set mesh.zero=0 or "
-        f"train.grad_compression=\"none\"",
-    )
+    _check_compression(cfg)
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(
@@ -215,6 +209,52 @@ def _check_relations(cfg: JobConfig) -> None:
             "pipeline.layers",
             f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
             f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
+        )
+
+
+def _check_compression(cfg: JobConfig) -> None:
+    """Gradient compression and 1-bit Adam: what each works with (workers/compression.py)."""
+    train, mesh = cfg.train, cfg.mesh
+    _require(
+        train.grad_compression != "powersgd" or mesh.zero == 0,
+        "train.grad_compression",
+        f"train.grad_compression=\"powersgd\" needs mesh.zero=0 (it compresses the all-reduce of "
+        f"replicated gradients; got mesh.zero={mesh.zero}): set mesh.zero=0, or use \"int8\"/\"int4\", "
+        f"which also quantize ZeRO-1..3's reduce-scatter",
+    )
+    if train.grad_compression in ("int8", "int4"):
+        _require(
+            mesh.dp_replicate == 1,
+            "train.grad_compression",
+            f"train.grad_compression={train.grad_compression!r} with mesh.dp_replicate={mesh.dp_replicate}: "
+            f"HSDP's all-reduce across replica groups is FSDP2's own and cannot be quantized; set "
+            f"mesh.dp_replicate=1 or train.grad_compression=\"none\"",
+        )
+        _require(
+            train.grad_compression != "int4" or train.quant_block % 2 == 0,
+            "train.quant_block",
+            f"train.quant_block={train.quant_block} is odd: int4 packs two values per byte, so a block "
+            f"must hold an even number of values (e.g. {train.quant_block + 1})",
+        )
+    if train.optimizer == "onebit_adam":
+        _require(
+            mesh.zero == 0,
+            "train.optimizer",
+            f"train.optimizer=\"onebit_adam\" needs mesh.zero=0 (1-bit Adam all-reduces the replicated "
+            f"momentum; got mesh.zero={mesh.zero}): set mesh.zero=0 or train.optimizer=\"adamw\"",
+        )
+        _require(
+            train.grad_compression == "none",
+            "train.grad_compression",
+            f"train.optimizer=\"onebit_adam\" compresses the momentum itself and reduces no gradients "
+            f"after its warm-up: set train.grad_compression=\"none\" (got {train.grad_compression!r})",
+        )
+        _require(
+            train.onebit_warmup_steps < train.steps,
+            "train.onebit_warmup_steps",
+            f"train.onebit_warmup_steps={train.onebit_warmup_steps} >= train.steps={train.steps}: 1-bit "
+            f"Adam would never compress; lower it (DeepSpeed suggests 15-25% of the run, e.g. "
+            f"{max(1, train.steps // 5)})",
         )
 
 

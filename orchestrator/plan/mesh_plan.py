@@ -75,7 +75,7 @@ def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
         dp=plan_data_parallel(zero=cfg.mesh.zero, dp=dp, pp=cfg.mesh.pp, tp=cfg.mesh.tp, dtype=cfg.train.dtype,
                               grad_reduce=cfg.train.grad_reduce, cpu_offload=cfg.mesh.cpu_offload,
                               compression=cfg.train.grad_compression, cfg_dp=cfg.mesh.dp,
-                              cfg_replicate=cfg.mesh.dp_replicate),
+                              cfg_replicate=cfg.mesh.dp_replicate, optimizer=cfg.train.optimizer),
     )
 
 

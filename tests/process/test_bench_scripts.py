@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble, preemption, chaos, powersgd_convergence, powersgd_ddp_oracle) are marked slow.
+pipeline_bubble, preemption, chaos, powersgd_convergence, powersgd_ddp_oracle, compression) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -230,6 +230,24 @@ def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
     # measured bytes: rank 2 sends far fewer on compressed steps, and the plain steps count in the mean
     assert row["bytes_ratio"] >= 4 and 1 < row["bytes_ratio_mean"] < row["bytes_ratio"]
     assert isinstance(row["met"], bool)
+
+
+@pytest.mark.slow  # four 20-step runs of spawned gloo ranks at dp=2 (~20 s idle)
+@pytest.mark.timeout(600)
+def test_compression_quick_writes_json(tmp_path: Path) -> None:
+    # No loss threshold: a 20-step gap says nothing about convergence (the 500-step figures are the
+    # bench's; tests/distributed/test_quantized_grads.py compares short runs with the plain one).
+    result = run_bench_script("compression.py", tmp_path / "compression.json", timeout=580)
+    assert result["benchmark"] == "compression" and result["quick"] is True
+    assert {(r["variant"], r["steps"]) for r in result["runs"]} == {
+        ("plain", 20), ("int8", 20), ("int4", 20), ("onebit_w5", 20)}
+    rows = {row["variant"]: row for row in result["summary"]}
+    assert set(rows) == {"int8", "int4", "onebit_w5"}
+    assert all(row["loss"] > 0 and row["plain_loss"] > 0 for row in rows.values())
+    # measured bytes per compressed step, and the goals' verdicts for the quantized codecs
+    assert rows["int8"]["bytes_ratio"] >= 3.5 and rows["int4"]["bytes_ratio"] >= 7
+    assert rows["onebit_w5"]["bytes_ratio"] >= 20 and 1 < rows["onebit_w5"]["bytes_ratio_mean"]
+    assert isinstance(rows["int8"]["met"], bool) and "met" not in rows["onebit_w5"]
 
 
 @pytest.mark.slow  # two 20-step runs of 2 spawned gloo ranks under torch's DDP (~30 s idle)

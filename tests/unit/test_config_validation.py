@@ -66,6 +66,26 @@ def test_must_be_positive(key: str, value: str) -> None:
         (['resources.use_gpu="true"'], "resources.use_gpu", ['"true" is not allowed']),
         (["train.beta2=1"], "train.beta2", ["[0, 1)"]),
         (["train.min_lr_ratio=2"], "train.min_lr_ratio", ["[0, 1]"]),
+        # Gradient compression and 1-bit Adam (workers/compression.py): every combination that cannot run.
+        (['train.grad_compression="powersgd"', "mesh.zero=2"], "train.grad_compression", ["needs mesh.zero=0"]),
+        (['train.grad_compression="int2"'], "train.grad_compression", ['"int8", "int4"']),
+        (['train.grad_compression="int4"', "mesh.dp=4", "mesh.dp_replicate=2"], "train.grad_compression",
+         ["mesh.dp_replicate=2", "mesh.dp_replicate=1"]),
+        (['train.grad_compression="int4"', "train.quant_block=65"], "train.quant_block", ["odd", "66"]),
+        (["train.quant_block=1"], "train.quant_block", [">= 2"]),
+        (['train.grad_compression="int4"', "train.powersgd_rank=4"], "train.powersgd_rank",
+         ["PowerSGD's", "int4 and PowerSGD do not combine"]),
+        (['train.grad_compression="int8"', "train.powersgd_plain_steps=10"], "train.powersgd_plain_steps",
+         ['train.grad_compression="powersgd"']),
+        (['train.optimizer="lamb"'], "train.optimizer", ['"adamw", "onebit_adam"']),
+        (['train.optimizer="onebit_adam"', "train.onebit_warmup_steps=5"], "train.optimizer",
+         ["needs mesh.zero=0", "got mesh.zero=3"]),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=5",
+          'train.grad_compression="int8"'], "train.grad_compression", ['grad_compression="none"']),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=0"],
+         "train.onebit_warmup_steps", [">= 1"]),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0"], "train.onebit_warmup_steps",
+         ["onebit_warmup_steps=100 >= train.steps=20", "never compress"]),
     ],
 )
 def test_enums_and_ranges(overrides: list[str], key: str, fragments: list[str]) -> None:
@@ -208,3 +228,14 @@ def test_elastic_bounds() -> None:
 def test_step_timeout_message() -> None:
     err = error_for("elastic.step_timeout_s=0")
     assert str(err).startswith("elastic.step_timeout_s must be > 0")
+
+
+@pytest.mark.parametrize("overrides", [
+    ['train.grad_compression="int8"', "mesh.zero=3"],
+    ['train.grad_compression="int4"', "mesh.zero=0", "mesh.tp=1"],
+    ['train.grad_compression="int8"', "mesh.zero=1", "train.quant_block=65"],
+    ['train.grad_compression="none"', "train.powersgd_rank=4"],  # a PowerSGD knob with no compression: unused
+    ['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=4"],
+])
+def test_compression_combinations_that_run(overrides: list[str]) -> None:
+    load_config(None, overrides)
