@@ -122,6 +122,9 @@ class RankRuntime:
         self.inject_nan_grad = False
         self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
+        # Called before the optimizer writes the state: a snapshot still copying it finishes first
+        # (the actor's snapshot worker sets it; workers/snapshot_push.py).
+        self.before_update = lambda: None
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
@@ -180,6 +183,7 @@ class RankRuntime:
             norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
                                   holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
             if math.isfinite(norm):
+                self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
                 self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
                 for opt in self.optimizers:
@@ -304,35 +308,63 @@ class RankRuntime:
             self.loss_scale.load_state_dict(point.loss_scale)
         return point.step
 
-    # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
-    def take_snapshot(self, step: int):
-        """This rank's shard of step ``step`` copied into host memory (what a checkpoint would write)."""
-        from checkpoints.memory import SnapshotTaker
+    # -- in-memory snapshots (checkpoints/snapshot_taker.py; docs/design.md, In-memory snapshots) ---
+    def plan_snapshot(self, step: int, slot: int):
+        """This rank's shard of step ``step``, planned into host buffer set ``slot``: the copies are the
+        caller's to run off this thread (``PlannedSnapshot.copy``) before the next update; or, at the
+        first take of the generation, a complete snapshot taken now."""
+        from checkpoints.snapshot_taker import SnapshotTaker
         from checkpoints.state import TrainingState
 
         if self._ckpt_state is None:  # shared with checkpoints: the same verified fast state dicts
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
-        if self._snapshots is None:  # plans once per generation (checkpoints/memory.py)
+        if self._snapshots is None:  # plans once per generation
             self._snapshots = SnapshotTaker()
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
                                           rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
-        return self._snapshots.take(state, step=step, rank=self.groups.world_rank)
+        return self._snapshots.plan(state, step=step, rank=self.groups.world_rank, slot=slot)
 
-    def load_snapshot(self, snapshots) -> int:
-        """Load the snapshots of every rank of the mesh that took them (resharding into this
-        generation's mesh, collectively, as ``load_checkpoint``) and return their step."""
-        from checkpoints.memory import MemoryReader
+    def load_snapshot(self, source, store, actor_id: int):
+        """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
+        ``source.providers`` names) resharded into this generation's mesh, collectively as
+        ``load_checkpoint``, fetching only the pieces this rank's load plan needs: the new rank 0 reads
+        every old rank's metadata and broadcasts the list; each rank's DCP reads then ask the providers
+        for their slices (workers/snapshot_push.py)."""
+        import torch.distributed as dist
+
+        from checkpoints.memory import RemoteReader
         from checkpoints.reader import load_training_state
+        from meshspeak.messages import RestoreAck
+        from workers.snapshot_push import fetch_metadata, fetch_pieces
 
         self._wait_checkpoint_staging()
-        reader = MemoryReader(snapshots)
+        key = tuple(source.key)
+        providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
+        metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
+        if self.groups.shape.world > 1:
+            dist.broadcast_object_list(metas, src=0, group=self.groups.ckpt_group)
+        reader = RemoteReader(metas[0], key[2], lambda wanted: fetch_pieces(store, key, providers, actor_id, wanted))
         point = load_training_state(
-            f"in-memory snapshot of step {reader.step}", self.model_parts(), self.optimizers,
+            f"in-memory snapshot of step {key[2]}", self.model_parts(), self.optimizers,
             restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
-        return point.step
+        return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes, shard_bytes=self.shard_bytes())
+
+    def shard_bytes(self) -> int:
+        """This rank's own state: its parameters' and optimizer states' local bytes."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        total = sum(local(p) for p in self.params)
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return total
 
     def destroy(self) -> None:
         if self._writer is not None:

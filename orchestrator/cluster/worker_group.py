@@ -9,8 +9,9 @@ A dead actor's call raises ``RayActorError``; that is caught only here and turne
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
 capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
-coordinator and ``orchestrator.recovery`` never import Ray and can be driven by a fake group
-(``testbed/fake_group.py`` implements the same methods).
+coordinator and ``orchestrator.recovery`` never import Ray and can be driven by a fake group: both
+implement ``orchestrator.cluster.group_protocol.WorkerGroupLike``. Calls are named through
+``meshspeak.rank_calls.RankCalls``, never by a method-name string.
 """
 
 from __future__ import annotations
@@ -23,34 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import RankCall, RankCalls, call_name
 from orchestrator.cluster.bundles import BundleLedger
+from orchestrator.cluster.ray_calls import error_line, shared_arg, worker_process_died
 from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
 
 LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
-
-
-WORKER_DIED = "its worker process has died"  # Ray's cause when the node's raylet saw the worker die
-
-
-def worker_process_died(exc: BaseException) -> bool:
-    """Whether Ray reported an actor's death as its worker process dying (the raylet on its node
-    reported it, so that node was up then), not its node dying, a preemption, or an unknown cause."""
-    return (isinstance(exc, ActorDiedError) and not exc.preempted and WORKER_DIED in str(exc)
-            and "node has died" not in str(exc))
-
-
-def error_line(exc: BaseException) -> str:
-    """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
-    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
-    cause = getattr(exc, "cause", None) or exc
-    return f"{type(cause).__name__}: {cause}".splitlines()[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +84,7 @@ class WorkerGroup:
         handles = self._create(self._slots(count, strategy, wait_s))
         self.actors.update(handles)
         ids = list(handles)
-        outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
+        outcome = self.call(ids, RankCalls.ping, timeout_s=max(120.0, wait_s))
         if not outcome.ok:
             # Leave no half-started actors behind: callers count live_ids as ranks to form.
             self.kill(ids)
@@ -116,7 +102,7 @@ class WorkerGroup:
         One that has not answered within resources.placement_timeout_s + 120 s is given up."""
         deadline = time.monotonic() + self.placement_timeout_s + 120.0
         for actor_id, handle in self._create(self._slots(count, strategy, None)).items():
-            self._starting[actor_id] = (handle, handle.ping.remote(), deadline)
+            self._starting[actor_id] = (handle, getattr(handle, call_name(RankCalls.ping)).remote(), deadline)
 
     @property
     def starting(self) -> int:
@@ -125,13 +111,17 @@ class WorkerGroup:
 
     def adopt_started(self) -> list[int]:
         """The background-started actors that answered since the last call, now live (never blocks)."""
+        if not self._starting:
+            return []
+        pings = {ping: actor_id for actor_id, (_, ping, _) in self._starting.items()}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0, fetch_local=True)
+        answered = {pings[ref] for ref in done}
         ready = []
         for actor_id, (handle, ref, deadline) in list(self._starting.items()):
-            done, _ = ray.wait([ref], timeout=0)
-            if not done and time.monotonic() < deadline:
+            if actor_id not in answered and time.monotonic() < deadline:
                 continue
             try:
-                answer = ray.get(ref, timeout=0) if done else None
+                answer = ray.get(ref, timeout=0) if actor_id in answered else None
             except Exception as exc:  # it died while starting
                 logger.info("actor %d failed to start: %s", actor_id, error_line(exc))
                 answer = None
@@ -162,7 +152,10 @@ class WorkerGroup:
 
     def _create(self, slots: list[tuple[Any, int]]) -> dict[int, Any]:
         """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
-        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
+        from workers.actor import (  # lazily: the class is shipped to the actors
+            TRAIN_GROUP,
+            RankActor,
+        )
 
         # One long-lived thread runs all of a rank's training work (the "train" group); the default
         # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
@@ -288,7 +281,7 @@ class WorkerGroup:
     def call(
         self,
         actor_ids: list[int],
-        method: str,
+        method: RankCall,
         args: dict[int, tuple] | tuple = (),
         *,
         timeout_s: float,
@@ -296,46 +289,74 @@ class WorkerGroup:
         """Call ``method`` on each actor (per-actor args or shared args) and wait up to ``timeout_s``."""
         return self.collect(self.submit(actor_ids, method, args), timeout_s)
 
-    def submit(self, actor_ids: list[int], method: str, args: dict[int, tuple] | tuple = ()) -> dict:
-        """Start calls without waiting; pass the returned refs to ``collect``."""
+    def submit(self, actor_ids: list[int], method: RankCall, args: dict[int, tuple] | tuple = ()) -> dict:
+        """Start calls without waiting; pass the returned refs to ``collect``. Shared ``args`` that are
+        not tiny are put into the object store once, not serialized once per actor (what a restore's
+        provider list would cost at hundreds of ranks)."""
+        name = call_name(method)
+        if not isinstance(args, dict) and len(actor_ids) > 1:
+            args = tuple(shared_arg(a) for a in args)
         refs = {}
         for actor_id in actor_ids:
             a = args.get(actor_id, ()) if isinstance(args, dict) else args
-            refs[getattr(self.actors[actor_id], method).remote(*a)] = actor_id
+            refs[getattr(self.actors[actor_id], name).remote(*a)] = actor_id
         return refs
+
+    def handle(self, actor_id: int) -> Any:
+        """The actor's handle, for a call the driver lets another rank make on it (a snapshot holder,
+        a restore's providers): ``meshspeak.messages.GenerationOrders``, ``RestoreSource``."""
+        return self.actors[actor_id]
 
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         """Wait for refs until all answered or the deadline; ``stop_early(outcome)`` may end the wait
-        sooner (the controller stops waiting for a step as soon as one actor died)."""
+        sooner (the controller stops waiting for a step as soon as one actor died). Answers are read in
+        batches: every ref ready at once is taken in one ``ray.wait`` and one ``ray.get`` (reading
+        them one ``ray.wait(num_returns=1)`` at a time cost the driver O(ranks^2) per step)."""
         outcome = CallOutcome()
         remaining = list(refs)
         deadline = time.monotonic() + timeout_s
         while remaining:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            done, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
-            for ref in done:
-                actor_id = refs[ref]
-                try:
-                    outcome.results[actor_id] = ray.get(ref, timeout=10)
-                except RayActorError as exc:
-                    outcome.dead[actor_id] = type(exc).__name__
-                    if worker_process_died(exc):
-                        self._worker_died.add(actor_id)
-                except Exception as exc:  # the method raised: latched for the controller
-                    outcome.failed[actor_id] = error_line(exc)
+            ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=0)
+            if not ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
+                if not ready:
+                    continue
+            self._read(ready, refs, outcome)
             if stop_early is not None and stop_early(outcome):
                 break
         outcome.pending = [refs[r] for r in remaining]
         outcome.pending_refs = {r: refs[r] for r in remaining}
         return outcome
 
+    def _read(self, ready: list, refs: dict, outcome: CallOutcome) -> None:
+        try:
+            values = ray.get(ready, timeout=10)
+        except Exception:  # some of them failed: read one by one to tell which
+            values = None
+        if values is not None:
+            for ref, value in zip(ready, values, strict=True):
+                outcome.results[refs[ref]] = value
+            return
+        for ref in ready:
+            actor_id = refs[ref]
+            try:
+                outcome.results[actor_id] = ray.get(ref, timeout=10)
+            except RayActorError as exc:
+                outcome.dead[actor_id] = type(exc).__name__
+                if worker_process_died(exc):
+                    self._worker_died.add(actor_id)
+            except Exception as exc:  # the method raised: latched for the controller
+                outcome.failed[actor_id] = error_line(exc)
+
     def all_done(self, refs) -> bool:
-        """Whether every call in ``refs`` has answered (or failed), without waiting. (``collect`` with
-        a zero deadline returns before looking at any ref, so it cannot serve as this poll.)"""
+        """Whether every call in ``refs`` has answered (or failed), without waiting and without
+        moving their answers to the driver. (``collect`` with a zero deadline returns before looking
+        at any ref, so it cannot serve as this poll.)"""
         refs = list(refs)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return len(ready) == len(refs)
 
     def drain(self, refs: list) -> list:
@@ -344,7 +365,7 @@ class WorkerGroup:
         refs still running: pass them again later."""
         if not refs:
             return []
-        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         for ref in ready:
             try:
                 ray.get(ref, timeout=1)

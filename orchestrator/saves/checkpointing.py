@@ -56,6 +56,7 @@ from checkpoints.errors import CheckpointError
 from checkpoints.manifest import CheckpointManifest
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import SaveAck, WriteAck
+from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import JobConfig, config_to_dict
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
@@ -70,6 +71,17 @@ class RestoreFailed(TrainingFailed):
     def __init__(self, message: str, outcome=None) -> None:
         super().__init__(message)
         self.outcome = outcome
+
+
+@dataclass
+class StagedSave:
+    """Driver side: a save queued behind its step on every rank's training thread (the step window);
+    its ``SaveAck``s are read once the step itself answered."""
+
+    step: int
+    gen: Any
+    path: str
+    refs: dict  # save_checkpoint call -> actor id
 
 
 @dataclass
@@ -96,6 +108,7 @@ class CheckpointCoordinator:
         self.data_identity = _data_identity(cfg)
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
+        self._staged: StagedSave | None = None
         self.last_committed = 0
         self.save_measured_s: float | None = None  # stage + write of the last commit (preemption budget)
         self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
@@ -113,10 +126,42 @@ class CheckpointCoordinator:
             self.resume_point()
 
     # -- saving -----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    @property
+    def staged(self) -> StagedSave | None:
+        """A save queued behind a step not read yet."""
+        return self._staged
+
+    def queue_save(self, group, gen, step: int) -> dict:
+        """Right after step ``step`` was sent (a checkpoint step): queue its save behind it on every
+        rank, so no rank waits for the driver between the step and the save. Finishes the save in
+        flight first (at most one). Returns the save calls (for the step window)."""
+        self._try_commit(group, block=True)
+        try:
+            path = prepare_step(self.root, step, run_id=self.run_id)
+        except CheckpointError as exc:
+            self._storage_failed(step, self.root, exc.message)
+        refs = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (path, step))
+        self._staged = StagedSave(step=step, gen=gen, path=path, refs=refs)
+        return refs
+
+    def drop_staged(self, group) -> None:
+        """The step a staged save follows is dropped unrecorded (an in-place reload): so is its save."""
+        if self._staged is not None:
+            self._abandoned.extend(self._staged.refs)
+            self._staged = None
+        self._reap_abandoned(group)
+
     def after_step(self, group, gen, step: int) -> None:
         self._reap_abandoned(group)
         self._try_commit(group, block=False)
-        if self.every and step % self.every == 0:
+        staged = self._staged
+        if staged is not None and staged.step == step:
+            self._staged = None
+            self._started(group, staged.gen, step, staged.path, staged.refs)
+        elif self.due(step):
             self._start_save(group, gen, step)
 
     def save_now(self, group, gen, step: int) -> None:
@@ -138,6 +183,8 @@ class CheckpointCoordinator:
             logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending.step)
             self._abandoned.extend(self._pending.refs)
         self._pending = None
+        if self._staged is not None:  # its calls were handed to the failure path with the step's
+            self._staged = None
 
     def _reap_abandoned(self, group) -> None:
         # Read the acks of abandoned saves once they fail, so Ray does not log each as an
@@ -151,8 +198,12 @@ class CheckpointCoordinator:
             path = prepare_step(self.root, step, run_id=self.run_id)
         except CheckpointError as exc:
             self._storage_failed(step, self.root, exc.message)
+        calls = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (path, step))
+        self._started(group, gen, step, path, calls)
+
+    def _started(self, group, gen, step: int, path: str, calls: dict) -> None:
+        """Phase 1 answered (or will: the calls are read here): park the ``wait_checkpoint`` calls."""
         actors = list(gen.members.values())
-        calls = group.submit(actors, "save_checkpoint", (path, step))
         staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
@@ -161,7 +212,7 @@ class CheckpointCoordinator:
                 self._storage_failed(step, path, _first_cause(group, failed, staged.failed))
             return
         acks: list[SaveAck] = list(staged.results.values())
-        refs = group.submit(actors, "wait_checkpoint")
+        refs = group.submit(actors, RankCalls.wait_checkpoint)
         self._pending = PendingSave(step=step, gen=gen, path=path, refs=refs,
                                     stall_s=max(a.stall_s for a in acks))
 
@@ -307,7 +358,7 @@ class CheckpointCoordinator:
             return 0
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
-        refs = group.submit(list(gen.members.values()), "load_checkpoint", (info.path,))
+        refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.path,))
         outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead))
         if not outcome.ok:
             raise RestoreFailed(

@@ -14,9 +14,17 @@ import time
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
-from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from testbed.ray_harness import (
+    TEST_LR,
+    assert_matches_reference,
+    events,
+    last_losses,
+    make_controller,
+    mesh_params,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -76,7 +84,7 @@ def test_store_is_hosted_on_the_drivers_node_and_rehosted_when_lost(cluster):
 
 def _actors_by_node(group) -> dict[str, set[int]]:
     """Node id -> ids of the live actors on it."""
-    outcome = group.call(group.live_ids, "node_id", timeout_s=60)
+    outcome = group.call(group.live_ids, RankCalls.node_id, timeout_s=60)
     assert outcome.ok, outcome
     out: dict[str, set[int]] = {}
     for actor_id, node in outcome.results.items():
