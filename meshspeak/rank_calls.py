@@ -32,6 +32,12 @@ from meshspeak.messages import (
 )
 
 
+# The actor's concurrency groups (workers/actor.py says why): one thread runs all training work; one
+# takes a peer's snapshot push and serves a restore's reads; the default pool serves the rest.
+TRAIN_GROUP = "train"
+SNAPSHOT_GROUP = "snapshots"
+
+
 class RankCalls(Protocol):
     """What a rank actor answers (``workers/actor.py`` says how; the threads are its business)."""
 

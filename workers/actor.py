@@ -47,6 +47,7 @@ from meshspeak.messages import (
     WorkerStatus,
     WriteAck,
 )
+from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.snapshot_push import SnapshotWorker, serve_pieces
@@ -57,8 +58,7 @@ logger = logging.getLogger(__name__)
 # Why one thread: DTensor's sharding-propagation caches (and torch's other per-thread state) are per
 # thread, so on Ray's rotating pool every new thread paid the warm-up again: steps 1-4 of the default
 # job took 1.6-2.8 s, then 0.3-0.5 s. On one thread step 2 is already at full speed.
-TRAIN_GROUP = "train"
-SNAPSHOT_GROUP = "snapshots"  # a peer's push and a restore's reads: one thread of their own
+# (The names live in meshspeak.rank_calls: the driver declares the groups when it creates the actor.)
 
 
 def _on(group: str):

@@ -29,7 +29,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
-from meshspeak.rank_calls import RankCall, RankCalls, call_name
+from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCall, RankCalls, call_name
 from orchestrator.cluster.bundles import BundleLedger
 from orchestrator.cluster.ray_calls import error_line, shared_arg, worker_process_died
 from orchestrator.errors import WorkerGroupStartupError
@@ -47,8 +47,11 @@ class ActorResources:
 
 class WorkerGroup:
     def __init__(self, resources: ActorResources, placement_timeout_s: float, *, reserved: Any = None,
-                 actor_kwargs: dict[str, Any] | None = None) -> None:
+                 actor_kwargs: dict[str, Any] | None = None, actor_class: type | None = None) -> None:
         self.resources = resources
+        # workers.actor.RankActor, or another implementation of meshspeak.rank_calls.RankCalls (the
+        # torch-free fake rank of bench/scale.py) with the same concurrency groups.
+        self.actor_class = actor_class
         self.actor_kwargs = dict(actor_kwargs or {})  # passed to every RankActor (e.g. the profile spec)
         # Bundles of a placement group its owner reserved for us, not used yet (its owner removes it).
         self._reserved = [(reserved, i) for i in range(reserved.bundle_count)] if reserved is not None else []
@@ -152,17 +155,16 @@ class WorkerGroup:
 
     def _create(self, slots: list[tuple[Any, int]]) -> dict[int, Any]:
         """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
-        from workers.actor import (  # lazily: the class is shipped to the actors
-            TRAIN_GROUP,
-            RankActor,
-        )
+        actor_class = self.actor_class
+        if actor_class is None:
+            from workers.actor import RankActor as actor_class  # lazily: the class is shipped to the actors
 
-        # One long-lived thread runs all of a rank's training work (the "train" group); the default
-        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
-        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
-        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
+        # One long-lived thread runs all of a rank's training work (the "train" group), one a peer's
+        # snapshot push and a restore's reads (the "snapshots" group); the default group's threads
+        # serve the driver's rescue and parked calls (status, kick, wait_checkpoint, wait_snapshots,
+        # snapshot_inventory): 5, so that parked calls never leave a kick waiting for a thread.
         # See workers/actor.py TRAIN_GROUP for why.
-        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1, SNAPSHOT_GROUP: 1})(actor_class)
         handles = {}
         for pg, index in slots:
             actor_id = self._next_id
