@@ -149,7 +149,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     import numpy as np
 
     from checkpoints.catalog import list_checkpoints
-    from testbed.ray_harness import reference
+    from testbed.reference import reference
 
     records = [json.loads(line) for line in open(tmp / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r and "event" not in r]
@@ -165,7 +165,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
                      or not os.path.exists(p)]
     diff = None
     if params is not None:
-        _, ref_params = reference(tuple(overrides), cfg.train.steps)
+        ref_params = reference(overrides, cfg.train.steps).params
         diff = max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params)
     kinds = Counter(f["kind"] for f in campaign.injected)
     survived = summary is not None and summary.final_step == cfg.train.steps

@@ -38,7 +38,7 @@ class Campaign:
     """The cluster, the store provider and what the faults did (for the report)."""
 
     nodes: object  # ray.cluster_utils.Cluster
-    provider: object  # orchestrator.store_provider.StoreProvider
+    provider: object  # orchestrator.cluster.store_provider.StoreProvider
     ckpt_dir: Path
     worker_nodes: list = field(default_factory=list)
     injected: list[dict] = field(default_factory=list)

@@ -1,8 +1,8 @@
 """Issue 4: what a checkpoint costs the training step, async vs sync, and load time with resharding.
 
-Two ranks (one spawned process each, gloo on the CPU, a parent ``TCPStore`` on port 0) build their
-``RankRuntime`` for the built-in GPT at dp=2 (ZeRO-3) and train one step, so that AdamW's moments
-exist. The model (default ``n_layers=3, d_model=512``, ~12.8 M parameters) holds >= 100 MB of state:
+Two ranks (one process each, gloo on the CPU, a parent ``TCPStore`` on port 0:
+``testbed.gloo_world.run_ranks``) build their ``RankRuntime`` for the built-in GPT at dp=2 (ZeRO-3) and
+train one step, so that AdamW's moments exist. The model (default ``n_layers=3, d_model=512``, ~12.8 M parameters) holds >= 100 MB of state:
 fp32 parameters + ``exp_avg`` + ``exp_avg_sq`` = 12 bytes per parameter, half on each rank. Saves go
 through the production path, ``RankRuntime.save_checkpoint`` / ``wait_checkpoint`` (DCP, one file per
 rank, fsync'd), into a directory on local disk.
@@ -43,7 +43,9 @@ import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from checkpoint_stall_summary import GOAL, summarize
-from common import bench_config, environment, load_average, parser, rank_runtime, spawn_ranks, write_result
+from common import bench_config, environment, load_average, parser, rank_runtime, write_result
+
+from testbed.gloo_world import run_ranks
 
 WORLD = 2
 
@@ -215,7 +217,8 @@ def _time_loads(r: _Rank, path: str, repeats: int) -> dict:
 
 
 def run_world(model: dict[str, int], repeats: int, workdir: str, timeout_s: float = 1800.0) -> list[dict]:
-    return spawn_ranks(WORLD, _child, (model, repeats, workdir), timeout_s=timeout_s, what="checkpoint_stall")
+    ranks = run_ranks(WORLD, _child, model, repeats, workdir, timeout=timeout_s)
+    return [{"rank": rank, **out} for rank, out in enumerate(ranks)]
 
 
 def main(argv: list[str] | None = None) -> int:

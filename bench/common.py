@@ -9,23 +9,21 @@ Scripts run as ``python bench/NAME.py``, so ``bench/`` is on ``sys.path`` and th
 * :func:`load_average`, :func:`environment`, :func:`machine`: the machine facts recorded beside the figures.
 * :func:`local_ray`: an embedded local Ray (8 CPU slots, no dashboard), shut down afterwards.
 * :func:`bench_config` / :func:`rank_runtime`: a job config and one rank's ``RankRuntime`` with its
-  1F1B action list, built as a rank actor would but without Ray (pp = 1).
+  1F1B action list, built as a rank actor would but without Ray (pp = 1); the scripts run such ranks
+  with ``testbed.gloo_world.run_ranks`` (the tests' rank pool).
 * :func:`remove_node`: a local ``Cluster`` node vanishes, taking the listed processes with it.
-* :func:`spawn_ranks`: one spawned process per rank around a parent ``TCPStore``; a rank that fails
-  reports its traceback so the parent fails at once instead of waiting for the timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import signal
 import sys
-import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -104,17 +102,18 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
     import torch
 
     from meshspeak.mesh import MeshShape
-    from meshspeak.messages import RuntimeSpec
     from meshspeak.schedule import make_schedule
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
     mesh = cfg.mesh
     device = device or torch.device("cpu")
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=mesh.zero,
-                       fsdp_unit_mb=mesh.fsdp_unit_mb, layers_per_stage=(cfg.model.n_layers,),
-                       virtual_stages=1, collective_timeout_s=timeout_s, use_gpu=device.type == "cuda",
-                       schedule="1f1b", cpu_offload=mesh.cpu_offload)
+    # The driver's construction (orchestrator/control/generation.py), with the bench's timeout.
+    spec = dataclasses.replace(runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path,
+                                            use_gpu=device.type == "cuda", mask_eos_id=None, resuming=False),
+                               collective_timeout_s=timeout_s)
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                   shape=MeshShape(mesh.dp, 1, mesh.tp), world_rank=world_rank,
                                   timeout_s=timeout_s, device=device, store_prefix=store_prefix)
@@ -133,54 +132,3 @@ def remove_node(nodes, node, pids) -> None:
             except ProcessLookupError:
                 pass
     nodes.remove_node(node, allow_graceful=False)
-
-
-def _rank_main(target: Callable[..., dict], rank: int, port: int, args: tuple, queue) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        queue.put({"rank": rank, **target(rank, port, *args)})
-    except BaseException as exc:  # report, so the parent fails fast instead of timing out
-        queue.put({"rank": rank, "error": f"{exc!r}\n{traceback.format_exc()}"})
-        raise
-
-
-def spawn_ranks(n: int, target: Callable[..., dict], args: tuple, *, timeout_s: float, what: str) -> list[dict]:
-    """Run ``target(rank, store_port, *args) -> dict`` in ``n`` spawned processes; results by rank.
-
-    ``target`` must be a module-level function of the script (spawn pickles it by name). Raises
-    RuntimeError with the traceback of the first rank that fails, TimeoutError when ranks are missing
-    after ``timeout_s``; stragglers are killed either way. ``what`` names the run in those errors.
-    """
-    import queue as queue_lib
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(target, r, store.port, args, queue)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results: list[dict] = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < n:
-            try:
-                item = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue_lib.Empty:
-                raise TimeoutError(f"{what}: only {len(results)} of {n} ranks reported") from None
-            if "error" in item:
-                raise RuntimeError(f"{what} rank {item['rank']} failed:\n{item['error']}")
-            results.append(item)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    del store
-    return sorted(results, key=lambda r: r["rank"])

@@ -93,9 +93,10 @@ def child(data_path: str, steps: int) -> dict:
 
     from meshdata.masks import mask_eos_for
     from meshspeak.mesh import MeshShape
-    from meshspeak.messages import RuntimeSpec
     from meshspeak.schedule import make_schedule
     from orchestrator.config.load import load_config
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -109,9 +110,8 @@ def child(data_path: str, steps: int) -> dict:
     t0 = time.perf_counter()
     groups = build_process_groups(store_addr="127.0.0.1", store_port=store.port, generation=1,
                                   shape=MeshShape(1, 1, 1), world_rank=0, timeout_s=60, device=torch.device("cpu"))
-    spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path=cfg.data.path, zero=3,
-                       layers_per_stage=(cfg.model.n_layers,), virtual_stages=1, collective_timeout_s=60,
-                       use_gpu=False, mask_eos_id=mask_eos_for(cfg.data))
+    spec = runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                        mask_eos_id=mask_eos_for(cfg.data), resuming=False)
     runtime = RankRuntime(spec, groups)
     built_s = time.perf_counter() - t0
     rss_built = mb()

@@ -7,7 +7,7 @@ MB) and a byte-level BPE trained offline on it (``--vocab`` tokens) are made fir
 * **tokenizers**: the text already in memory as a list of strings, ``Tokenizer.encode_batch_fast`` on
   batches of ~1 MB of text, the library's own thread pool over every core — the ceiling for encoding
   alone (no reading, no writing);
-* **prepare**: ``workers.data.prepare`` end to end — read and parse the JSON lines, encode (Ray tasks,
+* **prepare**: ``meshdata.prepare`` end to end — read and parse the JSON lines, encode (Ray tasks,
   one per core, one encode thread each), add EOS, build Parquet shards, hash and write them, write the
   sidecar — on a local Ray that is already started (its start is reported separately:
   ``ray_start_s``; ``end_to_end_ratio`` charges it to one prepare).

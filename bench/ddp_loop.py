@@ -1,10 +1,11 @@
 """The Ray Train side of the bench comparisons: the same model, samples and update as elastimesh, under DDP.
 
 Used inside ``TorchTrainer`` workers by bench/ray_train_compare.py and bench/recovery.py (after they put
-the repository root on ``sys.path``). The model is ``workers.model.build_stage`` over all layers (same
-seed, so the same initial weights as every elastimesh mesh), wrapped by ``ray.train.torch.prepare_model``
-(DDP, gloo on CPU); each replica takes its contiguous part of the same global batch
-(``workers.data.replica_microbatches``); AdamW from ``workers.optim.build_optimizer``, global-norm
+the repository root on ``sys.path``), and without Ray by bench/powersgd_ddp_oracle.py. The model is
+``meshmodels.gpt_model.build_stage`` over all layers (same seed, so the same initial weights as every
+elastimesh mesh), wrapped by ``ray.train.torch.prepare_model`` (DDP, gloo on CPU) or the caller's
+``wrap``; each replica takes its contiguous part of the same global batch
+(``meshdata.order.replica_microbatches``); AdamW from ``workers.optim.build_optimizer``, global-norm
 clipping and the ``lr_at`` warm-up + cosine, exactly as ``workers.runtime.RankRuntime`` does.
 """
 
@@ -16,9 +17,10 @@ from collections.abc import Callable
 
 
 class DDPLoop:
-    def __init__(self, overrides: list[str]) -> None:
-        import ray.train
-        import ray.train.torch
+    def __init__(self, overrides: list[str], wrap: Callable | None = None, rank: int = 0, world: int = 1) -> None:
+        """In a Ray Train worker (``wrap`` None): DDP by ``prepare_model``, rank and world from Ray's
+        context. Else the caller has formed the default process group: ``wrap(model)`` makes the DDP
+        module, ``rank``/``world`` as given (bench/powersgd_ddp_oracle.py's spawned gloo ranks)."""
         import torch
 
         import meshdata as data_lib
@@ -29,10 +31,17 @@ class DDPLoop:
         torch.set_num_threads(1)
         cfg = load_config(None, overrides)
         self.train, self.model_cfg = cfg.train, cfg.model
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         model = build_stage(self.model_cfg, range(self.model_cfg.n_layers), self.train.seed)
-        self.model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU)
+        if wrap is None:
+            import ray.train
+            import ray.train.torch
+
+            ctx = ray.train.get_context()
+            self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+            self.model = ray.train.torch.prepare_model(model)  # DDP (gloo on CPU)
+        else:
+            self.rank, self.world = rank, world
+            self.model = wrap(model)
         self.optimizer = build_optimizer(self.model, self.train)
         self.params = list(self.model.parameters())
         self.source = data_lib.open_source("builtin")

@@ -3,8 +3,9 @@
     python bench/gpu.py [--parts a,b,c,d] [--steps N] [--peak-tflops T] [--out PATH]
     python bench/gpu.py --dry-run [--ray] [--out PATH]
 
-Writes ``bench/results/gpu.json`` (or ``--out``). Each part runs the real rank code (``RankRuntime``
-on process groups made by ``build_process_groups``; part d the real ``Controller`` on Ray actors):
+Writes ``bench/results/gpu.json`` (or ``--out``; a dry run: ``gpu_dry_run.json``). Each part runs the
+real rank code (``RankRuntime`` on process groups made by ``build_process_groups``; part d the real
+``Controller`` on Ray actors):
 
 (a) ``cpu_vs_cuda``: a tiny model, 10 fp32 steps on one rank on the CPU (gloo) and on one GPU
     (NCCL); every step's loss within 1e-4 relative. TF32 is switched off for this comparison (it
@@ -25,9 +26,10 @@ on process groups made by ``build_process_groups``; part d the real ``Controller
     (``bench/gpu_mesh.py``).
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (gloo instead of NCCL, compile with the
-"aot_eager" backend instead of inductor, no MFU): a smoke run for CI (tests/unit/test_bench_scripts.py),
+"aot_eager" backend instead of inductor, no MFU): a smoke run for CI (tests/process/test_bench_scripts.py),
 not a measurement. Part d needs Ray and takes minutes on CPU, so the dry run skips it unless
-``--ray`` is given.
+``--ray`` is given. A dry run compares the CPU with the CPU, so it claims no goal: every ``goal_met``
+in its file is null (``withhold_goals``), and it never writes ``gpu.json`` unless ``--out`` says so.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "gpu.json"
+DRY_RUN_OUT = ROOT / "bench" / "results" / "gpu_dry_run.json"
+DRY_RUN_NOTE = "dry run on the CPU (CPU compared with CPU, tiny sizes): a smoke run, not a measurement"
 LOSS_RTOL = 1e-4
 GOAL_MFU, GOAL_STALL = 0.45, 0.02
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets; first match wins.
@@ -239,6 +243,22 @@ def _rm(path: str) -> None:
 
 
 # -- main ------------------------------------------------------------------------------------------
+def output_path(out: str | None, dry: bool) -> Path:
+    """``--out``, else ``gpu.json``; a dry run's own default file is ``gpu_dry_run.json``."""
+    return Path(out) if out else DRY_RUN_OUT if dry else DEFAULT_OUT
+
+
+def withhold_goals(result: dict) -> dict:
+    """A dry run's result with every ``goal_met`` (at any depth) set to None: its parts ran on the CPU
+    at tiny sizes, so no figure in it may read as a goal reached (or missed) on a GPU."""
+    for key, value in result.items():
+        if key == "goal_met":
+            result[key] = None
+        elif isinstance(value, dict):
+            withhold_goals(value)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: a smoke run, not a measurement")
@@ -246,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="a,b,c,d")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per throughput run")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, if not in PEAK_BF16")
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--out", default=None, help=f"default {DEFAULT_OUT} ({DRY_RUN_OUT.name} for --dry-run)")
     args = parser.parse_args(argv)
     from common import write_result  # bench/ is on sys.path
 
@@ -274,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
 
             result["nccl_mesh"] = part_nccl_mesh(dry, run=not dry or args.ray, workdir=workdir)
     result["wall_s"] = time.perf_counter() - t0
-    out = Path(args.out)
+    if dry:
+        withhold_goals(result)
+        result["note"] = DRY_RUN_NOTE
+    out = output_path(args.out, dry)
     write_result(out, result)
     goals = {k: v.get("goal_met") for k, v in result.items() if isinstance(v, dict) and "goal_met" in v}
     print(f"gpu bench ({'dry run' if dry else torch.cuda.get_device_name()}): goals {goals} -> {out}")

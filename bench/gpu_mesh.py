@@ -60,7 +60,7 @@ def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bo
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
-    from workers.reference import ReferenceTrainer
+    from testbed.reference import reference
 
     dp, pp, tp = shape
     name = "recovery" if kill else f"dp{dp}-pp{pp}-tp{tp}"
@@ -86,12 +86,12 @@ def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bo
         controller.metrics.close()
     finally:
         group.shutdown()
-    reference = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path).run(1, STEPS)
+    ref_losses = list(reference(overrides, STEPS).losses)  # one CPU process, cached across the runs
     losses = [summary.losses[s] for s in range(1, STEPS + 1)]
     records = [json.loads(line) for line in open(metrics_path)]
     rebuilds = [r for r in records if r.get("event") in ("rebuild", "grow")]
-    result = {"losses": losses, "reference": reference, "final_step": summary.final_step,
-              "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, reference)),
+    result = {"losses": losses, "reference": ref_losses, "final_step": summary.final_step,
+              "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
               "generations": summary.generations}
     if kill:
         failure = next((r for r in records if r.get("event") == "failure"), {})

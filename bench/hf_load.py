@@ -29,6 +29,7 @@ Writes ``bench/results/hf_load.json`` unless ``--out`` says otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -139,9 +140,9 @@ class BuildAndLoad:
         import torch.distributed as dist
 
         from meshspeak.mesh import MeshShape
-        from meshspeak.messages import RuntimeSpec
         from orchestrator.config.load import load_config
-        from orchestrator.plan.mesh_plan import make_plan, model_fields
+        from orchestrator.control.generation import runtime_spec
+        from orchestrator.plan.mesh_plan import make_plan
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
@@ -152,9 +153,8 @@ class BuildAndLoad:
             overrides.append(f"checkpoint.init_from={self.model_dir}")
         cfg = load_config(None, overrides)
         plan = make_plan(cfg)
-        spec = RuntimeSpec(model=cfg.model, train=cfg.train, data_path="builtin", zero=3,
-                           layers_per_stage=plan.layers_per_stage, virtual_stages=1, collective_timeout_s=300,
-                           use_gpu=False, fsdp_unit_mb=0, **model_fields(cfg, resuming=False))
+        spec = dataclasses.replace(runtime_spec(cfg, plan, data_path="builtin", use_gpu=False, mask_eos_id=None,
+                                                resuming=False), collective_timeout_s=300)
         groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=generation,
                                       shape=MeshShape(DP, 1, TP), world_rank=rank, timeout_s=300,
                                       device=torch.device("cpu"))

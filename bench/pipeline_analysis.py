@@ -1,7 +1,7 @@
 """Analysis for bench/pipeline_bubble.py: the measured bubble of a run and where the rest went.
 
 Pure functions over a ``testbed.world.MeshRun`` made with ``pipeline_probes.timing_probe``:
-the bubble over each step's pipeline window, replays of the schedule (``orchestrator.schedule_sim``,
+the bubble over each step's pipeline window, replays of the schedule (``meshspeak.schedule_sim``,
 communication free) with the measured per-stage means and with every action's own duration, and
 hand-off latencies.
 """

@@ -214,7 +214,7 @@ def notes(report: dict) -> list[str]:
         "done where the receiver already waited; recv_of_an_already_sent_tensor_ms is the receive call "
         "itself where the send came first (gloo moves the data only once the receive is posted, so "
         "the executor posts up to 4 receives ahead on gloo; see workers/pipeline.py).",
-        "simulated_mean_costs runs orchestrator.schedule_sim with the measured mean F and B: with one cost "
+        "simulated_mean_costs runs meshspeak.schedule_sim with the measured mean F and B: with one cost "
         "for every stage it equals the theory, which checks the schedule, not the machine.",
         "interleaved_vs_1f1b_by_m: same model (4 layers), 1F1B with 2 layers per stage vs interleaved with 1 "
         "layer per virtual stage (twice the sends, half-size actions); A/B runs alternate and medians are "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 
-
 def timing_probe(runtime):
     """Record each Executor.run's absolute start/end (perf_counter) and process CPU seconds."""
     executor = runtime.executor

@@ -34,8 +34,9 @@ import time
 import numpy as np
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import RESULTS, environment, load_average, parser, write_result
+from common import environment, load_average, parser, write_result
 from powersgd_probes import powersgd_knobs
+
 from testbed.world import run_mesh, shutdown_pool
 
 GOAL_GAP, GOAL_BYTES = 0.05, 4.0
@@ -43,7 +44,8 @@ TAIL = 10  # steps averaged for the final loss
 
 # model / batch / lr; the built-in corpus (byte tokens) always; warmup 10 steps of the cosine schedule.
 CONFIGS: dict[str, tuple[str, ...]] = {
-    # the defaults: d_model 64, 4 layers, seq 64, global batch 8
+    # the defaults: d_model 64, 4 layers, seq 64, global batch 8, lr 3e-3, 2 warm-up steps
+    "d64_b8_lr3e-3_warmup2": (),
     "d64_b8_lr3e-3": ("train.lr=3e-3", "train.warmup_steps=10"),
     "d64_b8_lr1e-3": ("train.lr=1e-3", "train.warmup_steps=10"),
     "d128_b16_s128_lr1e-3": ("model.d_model=128", "model.seq_len=128", "train.global_batch_size=16",

@@ -22,9 +22,13 @@ def powersgd_knobs(knobs: dict, runtime):
                 states.add(state)
     if len(states) != 1:
         raise RuntimeError(f"expected one PowerSGDState on the rank, found {len(states)}")
-    state = states.pop()
+    set_knobs(states.pop(), knobs)
+    return None
+
+
+def set_knobs(state, knobs: dict) -> None:
+    """Set ``knobs`` on a ``PowerSGDState`` (also bench/powersgd_ddp_oracle.py's, on torch's DDP)."""
     for name, value in knobs.items():
         if not hasattr(state, name):
             raise AttributeError(f"PowerSGDState has no {name!r}")
         setattr(state, name, value)
-    return None

@@ -1,7 +1,7 @@
 """A node drained with notice (a spot preemption): elastimesh vs Ray Train 2.60 ``TorchTrainer`` (goal: 0 steps
 lost, drain -> next step done <= 0.1x Ray Train's).
 
-Both sides run the same model, data and math (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
+Both sides run the same model, data and math (``meshmodels.gpt_model.build_stage``, ``meshdata.order.replica_microbatches``,
 AdamW + clip + ``lr_at``; the Ray Train side is ``bench/ddp_loop.py``) at dp=4, one torch thread per worker, with a
 periodic checkpoint every 2 steps (so elastimesh measured a save before the drain). Each side gets its own
 multi-node Ray on this machine (``ray.cluster_utils.Cluster``): a CPU-less head (driver, store host, Ray Train's

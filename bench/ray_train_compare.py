@@ -1,7 +1,7 @@
 """Goal (b): dp=2 on a local Ray: elastimesh throughput vs Ray Train ``TorchTrainer`` + DDP (goal >= 1.05x).
 
-Both sides train the same model (``workers.model.build_stage`` over all layers, same seed), on the same
-samples (``workers.data.replica_microbatches``: each of the 2 replicas takes its contiguous half of the
+Both sides train the same model (``meshmodels.gpt_model.build_stage`` over all layers, same seed), on the same
+samples (``meshdata.order.replica_microbatches``: each of the 2 replicas takes its contiguous half of the
 same global batch), with the same math (AdamW from ``workers.optim.build_optimizer``, global-norm
 clipping, ``lr_at`` warm-up + cosine), one torch thread per worker, on the CPU with gloo:
 

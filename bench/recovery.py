@@ -1,7 +1,7 @@
 """Recovery after one worker is killed: elastimesh vs Ray Train 2.60 elastic ``TorchTrainer`` (goal <= 0.25x
 restoring from storage, <= 0.05x from in-memory snapshots).
 
-Same model, data and math on both sides (``workers.model.build_stage``, ``workers.data.replica_microbatches``,
+Same model, data and math on both sides (``meshmodels.gpt_model.build_stage``, ``meshdata.order.replica_microbatches``,
 AdamW + clip + ``lr_at``), dp=4 workers, one torch thread each, checkpoints every 2 steps, and one worker
 killed at step 5:
 
@@ -174,7 +174,6 @@ def _train_loop(config: dict) -> None:
 
 
 def run_ray_train(steps: int, workdir: str) -> dict:
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

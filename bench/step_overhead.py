@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 # bench/ is on sys.path; importing common puts the repository root there too (for workers.*).
 from common import bench_config, environment, parser, rank_runtime, write_result
+
 from workers.reference import ReferenceTrainer
 
 # A step of ~0.3 s on one CPU thread: compute dominates any fixed per-step cost.

@@ -1,8 +1,8 @@
 """Goal (c): ZeRO-3 model-state bytes per rank x dp vs the unsharded model state (goal <= 1.05).
 
-For each model and each dp in {1, 2, 4} (tp = pp = 1, mesh.zero = 3) this spawns dp ranks (one process
-each, gloo on the CPU, a parent ``TCPStore`` on port 0), builds each rank's ``RankRuntime`` and trains
-2 steps, so that gradients and both AdamW moments exist. Each rank then counts the model-state bytes it
+For each model and each dp in {1, 2, 4} (tp = pp = 1, mesh.zero = 3) this runs dp ranks (one process
+each, gloo on the CPU, a parent ``TCPStore`` on port 0: ``testbed.gloo_world.run_ranks``), builds each
+rank's ``RankRuntime`` and trains 2 steps, so that gradients and both AdamW moments exist. Each rank then counts the model-state bytes it
 holds, two ways:
 
 * **local** (what the goal counts): ``p.to_local()`` for every parameter, ``p.grad.to_local()``
@@ -29,7 +29,9 @@ import sys
 import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import bench_config, environment, parser, rank_runtime, spawn_ranks, write_result
+from common import bench_config, environment, parser, rank_runtime, write_result
+
+from testbed.gloo_world import run_ranks
 
 STEPS = 2
 GOAL = 1.05
@@ -138,7 +140,7 @@ def _child(rank: int, port: int, dp: int, model: dict[str, int]) -> dict:
 
 
 def run_world(dp: int, model: dict[str, int], timeout_s: float = 300.0) -> list[dict]:
-    return spawn_ranks(dp, _child, (dp, model), timeout_s=timeout_s, what=f"dp={dp}")
+    return [{"rank": rank, **out} for rank, out in enumerate(run_ranks(dp, _child, dp, model, timeout=timeout_s))]
 
 
 def analytic_unsharded_bytes(model: dict[str, int]) -> tuple[int, int]:

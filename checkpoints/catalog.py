@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from checkpoints.errors import CheckpointError, ManifestError
 from checkpoints.layout import DCP_METADATA, MANIFEST, OWNER, expected_file_sizes, parse_step, step_dir_name
 from checkpoints.manifest import CheckpointManifest
+from checkpoints.safe_pickle import UnsafeCheckpointError, check_metadata_file
 from checkpoints.storage import CheckpointStorage, local_path, storage_for
 
 logger = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ def _check_files(path: str, storage: CheckpointStorage, files: dict[str, int]) -
     if not files:
         try:
             files = _sizes_from_dcp_metadata(path)
+        except UnsafeCheckpointError:
+            raise  # not damage to skip over: a crafted checkpoint is refused (README, Trust boundary)
         except Exception as e:
             return f"unreadable DCP {DCP_METADATA} ({type(e).__name__}: {e})"
     for name, expected in sorted(files.items()):
@@ -353,7 +356,9 @@ def _check_files(path: str, storage: CheckpointStorage, files: dict[str, int]) -
 
 def _sizes_from_dcp_metadata(path: str) -> dict[str, int]:
     # Only for manifests without a `files` map: imports torch.distributed.checkpoint (slow, and
-    # something the driver otherwise avoids), so it is the fallback, not the normal path.
+    # something the driver otherwise avoids), so it is the fallback, not the normal path. The pickle
+    # is checked statically first, before torch is imported (checkpoints/safe_pickle.py).
+    check_metadata_file(path)
     from checkpoints.reader import read_metadata
 
     return expected_file_sizes(read_metadata(local_path(path) or path))

@@ -45,7 +45,7 @@ class CheckpointManifest:
     """Model layer indices held by each pipeline stage (virtual stages included), in stage order."""
     model_config: dict[str, Any] = field(default_factory=dict)
     data_identity: str = ""
-    """Content identity of the training data (``workers.data`` source identity: the sidecar's hash),
+    """Content identity of the training data (``meshdata`` source identity: the sidecar's hash),
     not its path: resuming onto moved data is fine, onto other data is refused. "" = not recorded."""
     files: dict[str, int] = field(default_factory=dict)
     """Minimum byte size of each DCP file, relative to the step directory; lets the driver detect a
@@ -57,7 +57,7 @@ class CheckpointManifest:
     after a failure only its own checkpoints; empty in manifests written before runs had ids."""
     skipped_steps: list[int] = field(default_factory=list)
     """Steps up to ``step`` skipped as bad (loss or grad norm not finite): a resume skips them again
-    rather than train their batches (orchestrator/bad_steps.py)."""
+    rather than train their batches (orchestrator/recovery/bad_steps.py)."""
 
     def __post_init__(self) -> None:
         _validate(self)

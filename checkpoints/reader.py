@@ -12,6 +12,12 @@ of a DCP error from deep inside a collective.
 Elastic rebuilds: clear DTensor's sharding caches before rebuilding the model on a re-formed world
 (docs/design.md, Generations; F5); otherwise a same-size, permuted world silently loads shards at
 the wrong offsets. That is the caller's rebuild step, not this module's.
+
+Nothing in a checkpoint directory runs code (README, Trust boundary): DCP's readers unpickle
+``.metadata`` with ``pickle.load`` and its default planner loads byte items (ints, lists, the
+optimizer's hyperparameters) with ``torch.load(weights_only=False)``. The readers here read the
+metadata through ``checkpoints.safe_pickle`` and the planner loads byte items with
+``weights_only=True``; every load in the project goes through them.
 """
 
 from __future__ import annotations
@@ -23,34 +29,73 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, summarize_failure
+from checkpoints.safe_pickle import UnsafeCheckpointError, restricted_loads
 from checkpoints.state import ModelState, OptimizerState, ResumePoint, restore_extras
 from checkpoints.storage import local_path
 
 EXTRA = "extra"
 
 
+class _SafeMetadata:
+    """``read_metadata`` of DCP's ``FileSystemReader`` (torch 2.13: ``filesystem.py``) with the pickle
+    restricted (``checkpoints.safe_pickle``); the rest of the body is DCP's own."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = restricted_loads(metadata_file.read(), str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
+    pass
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but byte items load with ``torch.load(weights_only=True)``
+    (what we save there — ints, floats, strings, lists and dicts of them — all load so)."""
+
+    def load_bytes(self, read_item, value) -> None:  # DefaultLoadPlanner.load_bytes, weights_only=True
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
 def dcp_reader(path: str) -> dcp.StorageReader:
-    """DCP reader for a local/shared path or any fsspec URI."""
+    """DCP reader for a local/shared path or any fsspec URI (its metadata read safely)."""
     lp = local_path(path)
     if lp is not None:
-        return dcp.FileSystemReader(lp)
+        return SafeFileSystemReader(lp)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # not exported in 2.13
 
-    return FsspecReader(path)
+    class SafeFsspecReader(_SafeMetadata, FsspecReader):
+        pass
+
+    return SafeFsspecReader(path)
 
 
 def read_metadata(path: str) -> Metadata:
     """DCP's global metadata of a checkpoint (tensor shapes, dtypes, where each piece is stored).
 
     Raises:
+        UnsafeCheckpointError: ``.metadata`` imports something DCP metadata never does.
         CheckpointError: ``.metadata`` is missing or unreadable.
     """
     try:
         return dcp_reader(path).read_metadata()
+    except UnsafeCheckpointError as e:
+        raise UnsafeCheckpointError(e.message, path) from None
     except Exception as e:
         raise CheckpointError(f"cannot read DCP .metadata ({summarize_failure(e)}); the checkpoint "
                               "is incomplete or damaged: resume from an older one", path) from e
@@ -107,8 +152,8 @@ def load(state_like: dict[str, Any], path: str, process_group: dist.ProcessGroup
     _check_template(plain, metadata, path)
     distributed = dist.is_available() and dist.is_initialized()
     try:
-        dcp.load(plain, storage_reader=reader or dcp_reader(path), process_group=process_group if distributed else None,
-                 no_dist=not distributed)
+        dcp.load(plain, storage_reader=reader or dcp_reader(path), planner=SafeLoadPlanner(),
+                 process_group=process_group if distributed else None, no_dist=not distributed)
         for k, v in state_like.items():
             if _is_stateful(v):
                 v.load_state_dict(plain[k])

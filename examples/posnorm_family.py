@@ -2,7 +2,7 @@
 
 Use it with ``model.family = "examples.posnorm_family:PosNormFamily"`` (the module must be importable
 on the driver and on every rank: run from the repository root, or put it in a package of your own).
-It shows the whole ``ModelFamily`` protocol (``workers/models/family.py``); ``FamilyBase`` supplies the
+It shows the whole ``ModelFamily`` protocol (``meshmodels/family.py``); ``FamilyBase`` supplies the
 parts this family does not need (no Hugging Face map, nothing tied, default loss and counts).
 
 Rules a family follows: a stage keeps the *global* layer index in its parameter names, so any pipeline

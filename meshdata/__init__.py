@@ -15,9 +15,9 @@ one) per row, rows concatenated in order with no separator. ``data prepare`` end
 the tokenizer's EOS; third-party shards (no sidecar) work as long as they have the ``tokens`` column.
 
 Sample ``i`` of sequence length ``L`` is the window ``tokens[i*L : i*L + L + 1]`` (inputs ``[:-1]``,
-targets ``[1:]``); the order in which samples are visited is ``workers.data.order``. With
+targets ``[1:]``); the order in which samples are visited is ``meshdata.order``. With
 ``data.mask_document_boundaries`` a target whose input token is EOS is not counted
-(``workers.data.masks``).
+(``meshdata.masks``).
 
 Modules: ``storage`` (local / fsspec locations), ``index`` (row-group token counts, sidecar, content
 identity), ``source`` (TokenSource, open/validate), ``order`` (sample order), ``masks``, ``inputs`` /

@@ -5,7 +5,7 @@ the text under ``--text-key``; a ``.json`` file holding one array of objects wor
 files (the text in ``--text-column``), given as files, directories (searched recursively for those
 extensions) or glob patterns. The corpus is cut into *units* — groups of small files, newline-aligned
 byte ranges of big JSON-lines files, row-group ranges of Parquet files — in input order; each unit is
-one task (``workers.data.prepare``) and its shards sort after the previous unit's, so the token stream
+one task (``meshdata.prepare``) and its shards sort after the previous unit's, so the token stream
 keeps the input order.
 
 Every bad input is a DataError naming the file (and, for JSON, the line) and the fix.

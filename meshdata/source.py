@@ -1,6 +1,6 @@
 """TokenSource: one flat, lazily read stream of int32 token ids, and the checks a run makes on it.
 
-``open_source(path)`` indexes ``"builtin"``, a local shard directory or a URI (``workers.data.index``)
+``open_source(path)`` indexes ``"builtin"``, a local shard directory or a URI (``meshdata.index``)
 and reads nothing else; ``read(start, stop)`` then fetches only the row groups that overlap
 ``[start, stop)``, keeping a few recently used ones (``cache_bytes``) so that neighbouring windows do
 not fetch a row group twice. A rank actor therefore holds the index (a few numbers per row group)

@@ -5,7 +5,7 @@ caller apply TP and FSDP2 (parameters become DTensors whose local shards are sti
 ``to_empty`` allocates just this rank's shards, and ``init_local`` fills each from the family's
 ``init_tensor`` (a function of (seed, parameter name) only; a family with ``init_slice`` draws just
 the shard) — or the caller loads Hugging Face weights
-into them instead (``workers/models/hf_io.py``). So a rank's peak memory while building is its shards
+into them instead (``meshmodels/hf_io.py``). So a rank's peak memory while building is its shards
 plus one full parameter being initialised (or one block of rows with ``init_slice``), not the whole
 stage, and every mesh still holds exactly the weights one process builds (the single-process
 reference goes through the same two functions).
@@ -32,11 +32,15 @@ def build_local_stage(
     parallelize: Callable[[nn.Module], nn.Module] | None = None,
     init: bool = True,
     dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """The stage holding ``layers``, parallelised by ``parallelize``, with local shards on ``device``.
 
     ``init=False`` leaves the shards uninitialised (``torch.empty``): the caller loads them.
     ``dtype``: the parameters' own dtype (``train.dtype = "float64"``); None keeps fp32.
+    ``cpu_offload`` (``mesh.cpu_offload``, FSDP2's ``CPUOffloadPolicy``): the parameters' shards are
+    made on the host whatever ``device`` computes, as FSDP2's lazy init requires (it refuses
+    offloaded parameters on any other device); buffers, which FSDP does not manage, go to ``device``.
     """
     with torch.device("meta"):
         module = family.build_stage(shape, layers, activation_checkpointing=activation_checkpointing)
@@ -44,7 +48,10 @@ def build_local_stage(
             module.to(dtype)
     if parallelize is not None:
         module = parallelize(module)
-    module.to_empty(device=device)
+    module.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    if cpu_offload:
+        for buffer in module.buffers():
+            buffer.data = buffer.data.to(device)
     if init:
         init_local(module, family, shape, seed)
     return module

@@ -9,6 +9,11 @@ it with no missing or unexpected keys.
 The architecture comes from the checkpoint itself: every save records the family and, for a family
 with a Hugging Face map, the ``config.json`` of the trained shape (``extra.model``, written by
 ``workers/runtime.py``), so the export needs neither the job config nor the original model directory.
+A checkpoint directory is data, never code (README, Trust boundary): its pickled ``.metadata`` and
+byte items are read through ``checkpoints.reader``'s restricted readers; a family recorded there is
+imported only when it is a built-in one or the user names it (``--family pkg.mod:Name``); and the
+tokenizer files are copied from the recorded data path only when that is a local path (a recorded
+URI is never contacted: ``--tokenizer-from`` names where to copy them from).
 Tensors are read one output file at a time (DCP loads only the keys asked for), so the exporter's
 memory is one output file, not the model. DCP's own ``HuggingFaceStorageWriter`` would want the whole
 state dict in one ``save``; ``safetensors.torch.save_file`` per output file avoids that. A tied
@@ -49,20 +54,27 @@ def find_checkpoint(path: str) -> tuple[str, Any]:
                           "manifest.json, or a checkpoint.dir holding one (see `elastimesh ckpt list`)", path)
 
 
-def model_of(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """(family, shape, config.json dict) recorded in the checkpoint."""
-    family, shape, config, _ = _recorded(step_dir, manifest)
-    return family, shape, config
+def model_of(step_dir: str, manifest: Any, family: str = "") -> tuple[Any, Any, dict[str, Any]]:
+    """(family, shape, config.json dict) recorded in the checkpoint (``family``: see ``_recorded``)."""
+    family_obj, shape, config, _ = _recorded(step_dir, manifest, family)
+    return family_obj, shape, config
 
 
-def _recorded(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    """(family, shape, config.json dict, the whole record) from the checkpoint's ``extra.model``."""
+def _recorded(step_dir: str, manifest: Any, family: str = "") -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """(family, shape, config.json dict, the whole record) from the checkpoint's ``extra.model``.
+
+    ``family``: the ``--family`` the user named; without it only a built-in family is imported.
+    """
     from checkpoints.reader import load
-    from meshmodels.family import load_family
+    from meshmodels.family import BUILTIN, load_family
 
     extra = load({}, step_dir)
     record = json.loads(extra.get("model") or "{}")
-    family_ref = record.get("family") or manifest.model_config.get("family") or "gpt"
+    family_ref = family or record.get("family") or manifest.model_config.get("family") or "gpt"
+    if not family and family_ref not in BUILTIN and family_ref not in BUILTIN.values():
+        raise CheckpointError(f"the checkpoint records model family {str(family_ref)[:200]!r}, which is code "
+                              "outside elastimesh: export imports it only when you name it, e.g. "
+                              f"--family {str(family_ref)[:200]}", step_dir)
     config = record.get("hf_config")
     if not config:
         raise CheckpointError(f"model family {family_ref!r} has no Hugging Face export (only families with an "
@@ -74,8 +86,18 @@ def _recorded(step_dir: str, manifest: Any) -> tuple[Any, Any, dict[str, Any], d
     return family, shape, config, record
 
 
+def tokenizer_source(recorded: str, tokenizer_from: str = "") -> str:
+    """Where to copy tokenizer files from: ``--tokenizer-from`` when given, else the data path the
+    checkpoint records if it is a local path; a recorded URI is not contacted ("")."""
+    from checkpoints.storage import local_path
+
+    if tokenizer_from:
+        return tokenizer_from
+    return recorded if recorded and local_path(recorded) is not None else ""
+
+
 def copy_tokenizer_files(data_path: str, out: str) -> list[str]:
-    """Copy the tokenizer files ``data prepare`` put beside the shards (workers/data/tokenizer.py) into
+    """Copy the tokenizer files ``data prepare`` put beside the shards (meshdata/tokenizer.py) into
     ``out``, so the exported directory loads with its tokenizer; returns the names copied. Byte-token
     data (the built-in corpus, shards without a tokenizer) has none: nothing is copied."""
     import fsspec
@@ -111,13 +133,23 @@ def plan_files(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def export_checkpoint(path: str, out: str, dtype: str = "float32",
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, family: str = "",
+                      tokenizer_from: str = "") -> dict[str, Any]:
     """Export the checkpoint at ``path`` into the new directory ``out``; returns a summary.
+
+    ``family`` (``--family``): the model family to import when the checkpoint records one that is
+    not built in. ``tokenizer_from`` (``--tokenizer-from``): where the tokenizer files are (default:
+    the recorded data path, if local). See the module docstring.
 
     Raises:
         CheckpointError: not a committed checkpoint, or one the family cannot export.
         ConfigError: ``out`` exists and is not empty, or a bad ``dtype``.
     """
+    from checkpoints.safe_pickle import check_metadata_file
+
+    step_dir, manifest = find_checkpoint(path)
+    check_metadata_file(step_dir)  # a crafted .metadata is refused before torch is even imported
+
     import warnings
 
     import torch
@@ -127,15 +159,14 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
     # DCP says once per load that it assumes one process: that is the point here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-    from checkpoints.reader import dcp_reader, read_metadata
+    from checkpoints.reader import SafeLoadPlanner, dcp_reader, read_metadata
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError("--out", f"--out {out} exists and is not empty: choose a new directory (nothing was "
                                    "overwritten)")
-    step_dir, manifest = find_checkpoint(path)
-    family, shape, _, record = _recorded(step_dir, manifest)
+    family, shape, _, record = _recorded(step_dir, manifest, family)
     saved = {k[len("model."):]: md for k, md in read_metadata(step_dir).state_dict_metadata.items()
              if k.startswith("model.")}
     expected = family.hf_tensors(shape)
@@ -158,7 +189,7 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
             template = {"model": {ours_name: torch.empty(tuple(saved[ours_name].size),
                                                          dtype=saved[ours_name].properties.dtype)
                                   for ours_name in (family.from_hf(hf) for hf in group)}}
-            dcp.load(template, storage_reader=dcp_reader(step_dir), no_dist=True)
+            dcp.load(template, storage_reader=dcp_reader(step_dir), planner=SafeLoadPlanner(), no_dist=True)
             tensors = {hf: template["model"][family.from_hf(hf)].to(target).contiguous() for hf in group}
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(group, file))
@@ -170,7 +201,8 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
         config["dtype"] = dtype
         _write_json(os.path.join(tmp, "config.json"), config)
         _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
-        tokenizer = copy_tokenizer_files(record.get("data_path", ""), tmp)  # when the data came from one
+        recorded_data = str(record.get("data_path", ""))
+        tokenizer = copy_tokenizer_files(tokenizer_source(recorded_data, tokenizer_from), tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
         os.replace(tmp, out)
@@ -178,7 +210,8 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"step": manifest.step, "checkpoint": step_dir, "out": out, "files": names, "tensors": len(weight_map),
-            "bytes": sum(sizes.values()), "dtype": dtype, "tokenizer_files": tokenizer}
+            "bytes": sum(sizes.values()), "dtype": dtype, "tokenizer_files": tokenizer,
+            "tokenizer_skipped": recorded_data if not tokenizer_from and not tokenizer_source(recorded_data) else ""}
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:

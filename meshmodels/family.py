@@ -13,7 +13,7 @@ names a model's modules (``workers/parallelize.py``, ``runtime.py``, ``pipeline.
   is called under ``torch.device("meta")`` and must create parameters only (compute tables such as
   RoPE lazily, not as buffers); ``init_tensor`` then gives each parameter's full value as a function
   of (seed, name) alone, so every mesh builds exactly the weights one process builds
-  (``workers/models/build.py`` materialises only the local shard of it; an optional
+  (``meshmodels/build.py`` materialises only the local shard of it; an optional
   ``init_slice(shape, name, size, seed, slices)`` lets a family draw just that shard).
 - ``tp_plan`` (tensor/sequence parallel styles by module path), ``blocks`` (the modules FSDP may
   shard as units), ``loss_sum`` (summed token loss of the last stage's output).
@@ -154,7 +154,7 @@ def load_family(ref: str) -> ModelFamily:
     missing = [m for m in REQUIRED if not hasattr(obj, m) or (m != "name" and not callable(getattr(obj, m)))]
     if missing:
         raise ConfigError("model.family", f"model.family = {ref!r} does not satisfy the ModelFamily protocol: "
-                                          f"missing {', '.join(missing)} (subclass workers.models.family.FamilyBase "
+                                          f"missing {', '.join(missing)} (subclass meshmodels.family.FamilyBase "
                                           "for the optional ones)")
     return obj
 

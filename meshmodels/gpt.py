@@ -1,4 +1,4 @@
-"""The built-in GPT as a family (its modules live in ``workers/model.py``): shape from ``[model]``.
+"""The built-in GPT as a family (its modules live in ``meshmodels/gpt_model.py``): shape from ``[model]``.
 
 It is the default family. Parameter names, initialisation and the TP plan are the ones the built-in
 model always had, so its checkpoints and the mesh-equivalence tests are unchanged. It rotates RoPE
@@ -22,7 +22,7 @@ class GPTFamily(FamilyBase):
     name = "gpt"
 
     def shape(self, model_cfg: Any) -> Any:
-        return model_cfg  # the [model] section (orchestrator.config.ModelConfig) is the shape
+        return model_cfg  # the [model] section (meshspeak.sections.ModelConfig) is the shape
 
     def check_mesh(self, shape: Any, tp: int) -> None:
         # TP splits the heads, the vocabulary (embedding / head) and the FFN hidden dimension.
@@ -64,7 +64,7 @@ class GPTFamily(FamilyBase):
 
 
 def megatron_plan(stage: Any) -> dict[str, Any]:
-    """Megatron-style TP with sequence parallelism on the norms, for stages named like ``workers.model.GPT``.
+    """Megatron-style TP with sequence parallelism on the norms, for stages named like ``meshmodels.gpt_model.GPT``.
 
     Vocab-sharded embedding whose partial sums are reduce-scattered straight into sequence shards; q/k/v
     and w1/w3 column-sharded, wo/w2 row-sharded into sequence shards; full logits on every tp rank, so

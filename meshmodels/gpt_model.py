@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope_theta = cfg.rope_theta
         # Computed on first use, not registered as buffers: stages are built on the meta device
-        # (workers/models/build.py), where a buffer would hold no values.
+        # (meshmodels/build.py), where a buffer would hold no values.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +121,7 @@ class Block(nn.Module):
                  attention: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # ``attention``: another family's attention with the same interface (workers/models/llama_model.py).
+        # ``attention``: another family's attention with the same interface (meshmodels/llama_model.py).
         self.attention = (attention or Attention)(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)

@@ -8,7 +8,7 @@ to Hugging Face names. The math follows transformers' ``LlamaForCausalLM`` opera
 Tied embeddings: there is no ``output`` module; the last stage computes logits with
 ``tok_embeddings.weight``. With pp > 1 the last stage holds its own ``tok_embeddings`` (same name, so
 a checkpoint keeps one tensor) and the runtime sums the two copies' gradients each step
-(``workers/models/tied.py``). Under TP the weight is vocab-sharded, so the logits are computed
+(``workers/tied.py``). Under TP the weight is vocab-sharded, so the logits are computed
 vocab-sharded and gathered, as ``ColwiseParallel(output_layouts=Replicate())`` does for ``output``.
 """
 

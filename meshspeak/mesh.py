@@ -4,7 +4,7 @@ Nothing here starts a process or imports torch/ray, so every rule is unit-tested
 
 Rank order puts TP innermost, then PP, then DP (rank = (dp * pp_size + pp) * tp_size + tp), the same
 order as ``init_device_mesh(("dp", "pp", "tp"))``, so the ranks of one TP group are adjacent;
-``orchestrator.placement`` gives each TP group actors of one node, where TP's per-layer collectives
+``orchestrator.plan.placement`` gives each TP group actors of one node, where TP's per-layer collectives
 are cheapest.
 """
 
@@ -141,35 +141,6 @@ def layer_ranges(layers_per_stage: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
-    """Whether a stage is sharded with FSDP2 (ZeRO) at all: the rule the ranks and the plan share.
-
-    With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
-    as fast as plain PyTorch (bench/step_overhead.py); the same holds for fp64, whose parameters are
-    fp64 themselves (no mixed precision). bf16/fp16 always go through FSDP2's
-    MixedPrecisionPolicy (fp32 master weights, 16-bit compute, fp32 gradient reduction), and
-    ``mesh.cpu_offload`` through its CPUOffloadPolicy, even at dp=1 (an elastic shrink to one
-    replica must not silently move the model back onto the GPU).
-    """
-    return dp > 1 or dtype not in ("float32", "float64") or cpu_offload
-
-
-def ddp_applies(zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str = "float32",
-                cpu_offload: bool = False, grad_compression: str = "none") -> bool:
-    """Whether ZeRO-0 runs through torch's ``DistributedDataParallel`` instead of FSDP2's HSDP:
-    the rule the ranks and the plan share (docs/design.md, Data-parallel strategies).
-
-    Only where DDP computes exactly what HSDP(replicate=dp, shard=1) does: plain (non-TP) parameters,
-    one stage per rank, fp32 compute reduced in fp32 (or fp64), no offload and no PowerSGD (which
-    runs on FSDP2's all-reduce hook). There FSDP2 still all-gathers and reduce-scatters over its
-    one-rank shard axis every step besides the dp all-reduce, and pays its per-unit Python hooks;
-    DDP's bucketed all-reduce overlapped with backward does not (bench/ray_train_compare.py).
-    """
-    precision_ok = dtype == "float64" or (dtype == "float32" and grad_reduce == "float32")
-    return (zero == 0 and dp > 1 and pp == 1 and tp == 1 and precision_ok and not cpu_offload
-            and grad_compression != "powersgd")
-
-
 def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     """Group a stage's blocks (by position) into FSDP units of at least ``min_unit_bytes`` each.
 
@@ -196,24 +167,6 @@ def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     if current and units:
         units[-1].extend(current)
     return units
-
-
-def replicate_degree(zero: int, dp: int, cfg_dp: int, cfg_replicate: int) -> int:
-    """How many replica groups a generation with ``dp`` data-parallel ranks has (HSDP's R).
-
-    ZeRO-0 replicates everything: R = dp (shard groups of one rank). Otherwise the *shard group
-    size* S = cfg_dp / cfg_replicate is what the config fixes (the memory per rank depends on it),
-    so an elastic resize adds or drops whole replicas: R = dp / S when S divides dp. When it does not
-    (a shrink that left a partial replica), the generation falls back to plain sharding over all dp
-    ranks (R = 1): every rank still holds a 1/dp shard, which is at least as small as 1/S, and DCP
-    reshards the checkpoint into it. ``mesh.dp_replicate`` = 1 is plain FSDP at every dp.
-    """
-    if zero == 0:
-        return dp
-    if cfg_replicate <= 1:
-        return 1
-    shard = cfg_dp // cfg_replicate
-    return dp // shard if dp % shard == 0 and dp >= shard else 1
 
 
 def hsdp_group_ranks(shape: MeshShape, replicate: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -7,7 +7,7 @@ fan-out call over several actors brought back: these messages per actor, or why 
 Three things are called "generation"; only one of them lives here:
 
 * ``JoinSpec`` (here, driver -> rank): the instruction to join generation N as world rank r.
-* ``orchestrator.generation.GenerationRecord`` (driver side): the driver's record of generation N —
+* ``orchestrator.control.generation.GenerationRecord`` (driver side): the driver's record of generation N —
   its plan, which actor holds each world rank, what each member reported on joining.
 * ``workers.groups.RankGroups`` (worker side): one rank's process groups and DeviceMesh of
   generation N, destroyed whole when the rank leaves it.
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshspeak.dp_plan import DataParallelPlan
 from meshspeak.mesh import MeshShape
 
 
@@ -25,27 +26,26 @@ from meshspeak.mesh import MeshShape
 class RuntimeSpec:
     """What a rank needs to build its model, optimizer and data for one generation."""
 
-    model: Any  # orchestrator.config.ModelConfig
-    train: Any  # orchestrator.config.TrainConfig
+    model: Any  # meshspeak.sections.ModelConfig
+    train: Any  # meshspeak.sections.TrainConfig
     data_path: str
-    zero: int
+    dp: DataParallelPlan  # the generation's data-parallel strategy, decided by the driver's plan
     layers_per_stage: tuple[int, ...]  # over all pp * virtual_stages stages, in stage order
     virtual_stages: int
     collective_timeout_s: float
     use_gpu: bool
     async_checkpoint: bool = True
     fsdp_unit_mb: float = 25.0  # mesh.fsdp_unit_mb
-    # The model family and the shape the driver resolved (workers/models/family.py); "" / None: the
+    # The model family and the shape the driver resolved (meshmodels/family.py); "" / None: the
     # ranks resolve them from `model` themselves.
     family: str = ""
     shape: Any = None
     init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
     mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
     schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
-    cpu_offload: bool = False  # mesh.cpu_offload
-    # HSDP replica groups of this generation (orchestrator.mesh.replicate_degree): dp for ZeRO-0, else
-    # from mesh.dp_replicate and the generation's dp; the ranks build their mesh from it.
-    dp_replicate: int = 1
+    # The driver loads a checkpoint or in-memory snapshot right after the join: the ranks skip the
+    # random init it would overwrite (and refuse to train if no load came: workers/runtime.py).
+    load_follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,9 @@ class JoinSpec:
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
     earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
+    ``store_secret`` (128 random bits per run, kept out of ``repr`` and logs) is put in front of
+    every key: the store has no authentication, and the secret travels only inside Ray's
+    (token-authenticated) calls (README, Trust boundary).
     """
 
     generation: int
@@ -63,6 +66,7 @@ class JoinSpec:
     store_addr: str
     store_port: int
     store_prefix: str
+    store_secret: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +107,11 @@ class StepResult:
     # collective burns none; the benches' per-step CPU figure (bench/full_speed.py, ray_train_compare.py).
     own_s: float = 0.0
     # Wall time inside this rank's blocks' forwards, FSDP's all-gather waits left out: what the
-    # straggler score compares (workers/compute_clock.py, orchestrator/stragglers.py).
+    # straggler score compares (workers/compute_clock.py, orchestrator/recovery/stragglers.py).
     forward_s: float = 0.0
     dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
+    # train.compile: graphs this rank compiled again in the step (workers/compile_stats.py); None: off
+    recompiles: int | None = None
     # In-memory snapshots of this rank's shard that its holder acknowledged since the last result
     # (orchestrator/saves/snapshots.py counts them into complete sets).
     snapshots: tuple[SnapshotAck, ...] = ()
@@ -179,7 +185,7 @@ class WorkerStatus:
 @dataclass(frozen=True, slots=True)
 class SaveAck:
     """Rank -> driver, answer to ``save_checkpoint``: the shard is staged and being written in the
-    background (phase 1 of the two-phase commit, see ``orchestrator.checkpointing``)."""
+    background (phase 1 of the two-phase commit, see ``orchestrator.saves.checkpointing``)."""
 
     stall_s: float  # what the save call cost the training loop
 

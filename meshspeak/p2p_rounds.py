@@ -1,7 +1,7 @@
 """When each rank posts its point-to-point messages as NCCL batches: lockstep rounds (pure data).
 
-The action lists (``orchestrator.schedule``) are proven deadlock-free for an executor whose sends
-return at once and whose receives block (``orchestrator.schedule_sim``): gloo's model. NCCL is
+The action lists (``meshspeak.schedule``) are proven deadlock-free for an executor whose sends
+return at once and whose receives block (``meshspeak.schedule_sim``): gloo's model. NCCL is
 stricter. A rank's P2P ops queue on one stream, and a send larger than NCCL's buffers waits for the
 peer's receive; 1F1B neighbours that both send before they receive (rank r: SEND_F then RECV_B,
 rank r+1: SEND_B then RECV_F) then wait for each other for good. ``torch.distributed.pipelining``
@@ -31,7 +31,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshspeak.schedule import Action, Op, make_schedule, message_key, stage_to_rank
+from meshspeak.schedule import Action, Op, forward_only, make_schedule, message_key, stage_to_rank
 
 SENDS = (Op.SEND_F, Op.SEND_B)
 RECVS = (Op.RECV_F, Op.RECV_B)
@@ -97,14 +97,20 @@ def rank_batches(schedule: str, pp: int, virtual_stages: int, rank: int, actions
     """Pp rank ``rank``'s batches, given its list from the driver's ``pipeline.schedule``.
 
     A rank holds only its own list; the plan needs every rank's, which ``make_schedule`` rebuilds
-    from the schedule's name (the microbatch count follows from the list). A list that is not that
-    schedule's is refused rather than planned from a guess (a wrong plan could hang NCCL).
+    from the schedule's name (the microbatch count follows from the list). The list is either that
+    schedule's or its forward-only part (held-out eval, ``schedule.forward_only``: then every rank
+    runs its forward-only part, and the plan is made from those). Any other list is refused rather
+    than planned from a guess (a wrong plan could hang NCCL).
     """
     forwards = sum(1 for a in actions if a.op == Op.FORWARD)
     full = make_schedule(schedule, pp, forwards // virtual_stages, virtual_stages) if schedule else None
-    if full is None or tuple(full[rank]) != actions:
+    if full is not None and tuple(full[rank]) != actions:
+        forward = [forward_only(rank_list) for rank_list in full]
+        full = forward if tuple(forward[rank]) == actions else None
+    if full is None:
         raise ValueError(f"pp rank {rank}'s action list is not pipeline.schedule={schedule!r}'s (pp={pp}, "
-                         f"virtual_stages={virtual_stages}): NCCL batches are planned from every rank's list")
+                         f"virtual_stages={virtual_stages}) nor its forward-only part: NCCL batches are "
+                         "planned from every rank's list")
     return nccl_batches(full)[rank]
 
 

@@ -3,7 +3,7 @@
 This module owns the *order* of work in a pipeline step. The driver builds the action lists here and
 hands each RankActor its own list; the actor executes it literally, top to bottom, and makes no
 scheduling decisions of its own. Keeping the schedule as data means it can be unit-tested, simulated
-(`orchestrator.schedule_sim`) and logged without a process group, and that an elastic rebuild only
+(`meshspeak.schedule_sim`) and logged without a process group, and that an elastic rebuild only
 has to hand out new lists.
 
 Vocabulary:
@@ -212,6 +212,18 @@ def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int
     if pp == 1 or name == "1f1b":
         return one_f_one_b(pp, num_microbatches)  # for pp == 1 this is F0 B0 F1 B1 ...
     return gpipe(pp, num_microbatches)
+
+
+FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)
+
+
+def forward_only(actions: Sequence[Action]) -> list[Action]:
+    """The forward work of a rank's list, in its order (held-out eval: workers/batching.py).
+
+    Dropping actions cannot deadlock a list that was deadlock-free with them: a forward receive's
+    matching send is still preceded only by forward work on its sender.
+    """
+    return [a for a in actions if a.op in FORWARD_OPS]
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:

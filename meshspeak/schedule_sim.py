@@ -1,6 +1,6 @@
 """Runs pipeline schedules on paper: proves they cannot deadlock and measures their bubble.
 
-This module owns the executor *model* that every list from ``orchestrator.schedule`` must satisfy,
+This module owns the executor *model* that every list from ``meshspeak.schedule`` must satisfy,
 so a schedule bug shows up in a unit test instead of as a hung gloo/NCCL receive. The model is the
 one the workers implement: each pp rank runs its list strictly in order; SEND_F/SEND_B are posted
 asynchronously (they return at once and put a message in a mailbox keyed by
@@ -79,7 +79,7 @@ def simulate(
     """Execute ``schedule`` (index = pp rank) under the async-send / blocking-receive model.
 
     Args:
-        schedule: one ordered action list per pp rank, as built by ``orchestrator.schedule``.
+        schedule: one ordered action list per pp rank, as built by ``meshspeak.schedule``.
         pp: number of pipeline ranks.
         virtual_stages: model chunks per rank; there are ``pp * virtual_stages`` stages.
         f_cost: time of one F on one stage.

@@ -1,6 +1,6 @@
 """The config schema's machinery: one declaration per key, and everything derived from it.
 
-A key is declared once, as a dataclass field of its section in `orchestrator.config`, through
+A key is declared once, as a dataclass field of its section in `meshspeak.sections`, through
 `key(default, doc, ...)`: its type is the annotation, its default and one-line doc are given here,
 and so are its single-value rules (`ge`, `gt`, `le`, `lt`, `choices`) and, for a Python keyword,
 the TOML spelling (`toml="async"`). From that one declaration this module derives the type
@@ -47,7 +47,7 @@ def key(default: Any, doc: str, **rules: Any) -> Any:
 def spec_of(f: dataclasses.Field[Any]) -> KeySpec:
     spec = f.metadata.get("spec")
     if spec is None:  # a section field declared without key(): a programming error, caught by tests
-        raise TypeError(f"config field {f.name!r} is not declared with orchestrator.config_schema.key()")
+        raise TypeError(f"config field {f.name!r} is not declared with meshspeak.schema.key()")
     return spec
 
 
@@ -82,7 +82,7 @@ class ConfigError(ValueError):
         return (type(self), (self.key, self.message))
 
 
-# --- type coercion: one checker per annotation spelling used in orchestrator.config ----------
+# --- type coercion: one checker per annotation spelling used in meshspeak.sections ----------
 
 
 def _type_error(name: str, expected: str, value: object) -> ConfigError:

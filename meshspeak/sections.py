@@ -48,7 +48,7 @@ class MeshConfig:
     zero: int = key(3, "3: params, grads and optimizer state sharded over dp (FSDP2); 2: params "
                        "gathered for the step; 1: as 2 (torch has no ZeRO-1 apart from ZeRO-2); 0: "
                        "replicated, one all-reduce of the grads per FSDP unit", choices=ZERO_STAGES)
-    # See orchestrator.mesh.fsdp_units for the grouping.
+    # See meshspeak.mesh.fsdp_units for the grouping.
     fsdp_unit_mb: float = key(25.0, "consecutive blocks share one FSDP unit (one all-gather and "
                                     "reduce-scatter) up to this many MB of fp32 parameters per tp "
                                     "shard; 0 = one unit per block", ge=0)

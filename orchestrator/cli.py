@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="new directory for the safetensors, config.json, ...")
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     export.add_argument("--max-shard-gb", type=float, default=4.0, help="split the weights into files of this size")
+    export.add_argument("--family", default="", metavar="PKG.MOD:NAME", help="import this model family (needed "
+                        "when the checkpoint records one that is not built in: a checkpoint never names code to run)")
+    export.add_argument("--tokenizer-from", default="", metavar="PATH_OR_URI", help="copy the tokenizer files from "
+                        "here (default: the data path the checkpoint records, if it is a local path)")
     data = sub.add_parser("data", help="prepare Parquet token shards")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     prep = data_sub.add_parser("prepare", help="tokenize text (.txt, .jsonl/.json, .parquet, dirs, globs) "
@@ -164,9 +168,13 @@ def _dispatch(args) -> int:
     if args.command == "export":
         from meshmodels.export import export_checkpoint
 
-        info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30))
+        info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30),
+                                 family=args.family, tokenizer_from=args.tokenizer_from)
         sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
                          f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
+        if info["tokenizer_skipped"]:
+            sys.stdout.write(f"tokenizer files not copied: the checkpoint records data at {info['tokenizer_skipped']}, "
+                             "which export does not contact on its own: pass --tokenizer-from to copy them\n")
         return 0
     if args.command == "data":
         from meshdata import prepare

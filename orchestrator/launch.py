@@ -17,8 +17,9 @@ from contextlib import contextmanager
 
 import ray
 
-from checkpoints.catalog import ensure_writable
+from checkpoints.catalog import ensure_writable, latest_valid
 from checkpoints.errors import CheckpointError
+from checkpoints.safe_pickle import check_metadata_file
 from meshdata import DataError, validate_source
 from meshdata.masks import boundary_eos
 from meshspeak.profile import profile_spec
@@ -175,7 +176,7 @@ def stop_on_signals(stop: StopRequest):
 
 def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
     """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
-    (a Tune trial's, see orchestrator/sweep_trial.py); ``step_listeners`` get every step record."""
+    (a Tune trial's, see orchestrator/sweep/trial.py); ``step_listeners`` get every step record."""
     from meshmodels.family import check_init_from, resolve_model
 
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
@@ -189,6 +190,10 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
             ensure_writable(cfg.checkpoint.dir)
         except CheckpointError as exc:
             raise UserInputError(f"checkpoint.dir: {exc}") from None
+        if cfg.checkpoint.resume:  # the one it would resume: a crafted .metadata is exit 2 now too
+            info = latest_valid(cfg.checkpoint.dir)  # (the controller checks again, at every resume)
+            if info is not None:
+                check_metadata_file(info.path)
     started_local = connect(cfg)
     try:
         stop = StopRequest()

@@ -100,7 +100,14 @@ def step_record(step: int, results: list[StepResult], *, train, seq_len: int, sh
         "bubble": bubble_fraction(results),
         **_loss_scale_fields(results),
         **_dp_bytes_field(results),
+        **_recompiles_field(results),
     }
+
+
+def _recompiles_field(results: list[StepResult]) -> dict[str, Any]:
+    """train.compile: the most graphs one rank compiled again in the step (workers/compile_stats.py)."""
+    counts = [r.recompiles for r in results if getattr(r, "recompiles", None) is not None]
+    return {"recompiles": max(counts)} if counts else {}
 
 
 def _dp_bytes_field(results: list[StepResult]) -> dict[str, Any]:

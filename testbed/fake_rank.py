@@ -7,6 +7,7 @@ the driver's ``keep`` and the newest after it kept). No Ray, no processes."""
 from __future__ import annotations
 
 import os
+import pickle
 from typing import TYPE_CHECKING, Any
 
 from checkpoints.layout import DCP_METADATA, parse_step
@@ -139,7 +140,7 @@ class FakeRank:
     def _retain(self, keep: tuple | None) -> None:
         """workers/snapshots.py's rule: the kept set and the newest after it, per owner."""
         self.group.keep_of[self.actor_id] = keep
-        newest_own = sorted(k for k in self.own if keep is None or k > keep)[-2:]  # workers/snapshots.NEWEST
+        newest_own = sorted(k for k in self.own if keep is None or k > keep)[-2:]  # workers.snapshots.NEWEST
         self.own = {k: v for k, v in self.own.items() if k == keep or k in newest_own}
         after: dict[int, list] = {}
         for key, owner in self.held:
@@ -156,12 +157,15 @@ class FakeRank:
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)
-        self.files = {f"__{self.world_rank}_0.distcp": 16}
+        contents = {f"__{self.world_rank}_0.distcp": b"x" * 16}
         if self.world_rank == 0:
-            self.files[DCP_METADATA] = 8
-        for name, size in self.files.items():
+            # A pickle that imports nothing: the driver checks a checkpoint's .metadata before a
+            # restore (checkpoints/safe_pickle.py), as it would a real DCP one.
+            contents[DCP_METADATA] = pickle.dumps({"fake": "metadata"})
+        self.files = {name: len(data) for name, data in contents.items()}
+        for name, data in contents.items():
             with open(os.path.join(path, name), "wb") as f:
-                f.write(b"x" * size)
+                f.write(data)
         self.saving_step = step
         return SaveAck(stall_s=0.01)
 

@@ -1,4 +1,4 @@
-"""A pool of local rank processes that run one mesh job per generation (used by ``testbed.world``).
+"""A pool of local rank processes that run one job per generation (``testbed.world``, ``testbed.gloo_world``).
 
 Ranks are plain ``multiprocessing.Process`` es (never ``torch.multiprocessing.start_processes``, whose
 ``join`` kills the world when one rank exits: docs/design.md, F14), forked from a ``forkserver``
@@ -15,13 +15,17 @@ kills the pool (the other ranks may be blocked in a collective).
 from __future__ import annotations
 
 import atexit
+import datetime as _dt
+import json
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 START_METHOD = "forkserver"
@@ -29,6 +33,9 @@ START_METHOD = "forkserver"
 PRELOAD = ["torch", "torch.distributed", "numpy", "workers.runtime", "workers.groups"]
 WORKER_START_TIMEOUT_S = 240.0  # first pool on a loaded 2-core machine: imports dominate
 FAILURE_GRACE_S = 2.0  # after the first failure, wait this long for the other ranks' tracebacks
+# Where every native crash that ``testbed.world.run_mesh`` re-ran is recorded (one JSON line
+# each); tests/conftest.py points it at a fresh file per session and prints it at the end.
+NATIVE_CRASH_LOG_ENV = "ELASTIMESH_NATIVE_CRASH_LOG"
 _QUIET_LOGGERS = (  # known noise (docs/design.md, F15)
     "torch.distributed.tensor._redistribute",
     "torch.distributed.fsdp._fully_shard._fsdp_param",
@@ -197,6 +204,33 @@ class _Pool:
         self.workers.clear()
 
 
+def native_crash_log() -> Path:
+    """The file native crashes are recorded in: ``$ELASTIMESH_NATIVE_CRASH_LOG``, else one in the
+    system's temporary directory (runs outside pytest: the benchmarks)."""
+    return Path(os.environ.get(NATIVE_CRASH_LOG_ENV) or Path(tempfile.gettempdir()) / "elastimesh-native-crashes.jsonl")
+
+
+def record_native_crash(error: MeshRunError, what: str) -> Path:
+    """Append one JSON line for a run that ended in a native crash (docs/design.md, F20): when, which
+    test (pytest's ``PYTEST_CURRENT_TEST``), ``what`` ran, and the run's outcome as data."""
+    path = native_crash_log()
+    row = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "run": what, "died": error.died,
+           "raised": list(error.raised), "missing": list(error.missing), "ended_by": error.ended_by,
+           "first_line": str(error).splitlines()[0][:500]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return path
+
+
+def read_native_crashes(path: Path) -> list[dict]:
+    """The records in ``path`` (none if it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _failure_text(world: int, timeout: float, why: list[str], failed: dict[int, str]) -> str:
     head = f"mesh run of {world} ranks failed (timeout {timeout:.0f}s): " + "; ".join(why)
     return "\n".join([head, *(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))])
@@ -226,3 +260,15 @@ def shared_pool() -> _Pool:
 
 def is_shared(pool: _Pool) -> bool:
     return pool is _POOL
+
+
+def native_crash_report(path: Path) -> list[str]:
+    """The terminal summary's lines for the records in ``path`` (none: no lines)."""
+    records = read_native_crashes(path)
+    if not records:
+        return []
+    lines = [f"{len(records)} mesh run(s) re-ran after a native crash (docs/design.md, F20); records in {path}:"]
+    for r in records:
+        lines.append(f"  {r['time']} {r['test'] or '(outside a test)'} {r['run']}: died {r['died']}, "
+                     f"raised {r['raised']}, ended by {r['ended_by']}: {r['first_line']}")
+    return lines

@@ -4,26 +4,26 @@
 ranks, exactly as the actors would (``build_process_groups`` + ``RankRuntime`` + the driver's schedule),
 and returns a :class:`MeshRun`: the global per-step losses (the sum of every replica's share), the
 unsharded final parameters of the whole model and every rank's ``StepResult`` s.
-``reference(overrides, steps)`` runs the single-process ``ReferenceTrainer`` on the same config, once
-per (overrides, steps) in a session.
+The single-process reference to compare with is ``testbed.reference``.
 
 Processes
     Ranks live in ``testbed.rank_pool``'s shared pool of forked processes (one intra-op thread
     each), re-used across runs: every run is a new generation in the same processes, as the elastic
     actors re-form. A failed or timed-out run raises :class:`MeshRunError` with each failed rank's
     traceback and kills the pool (the next run starts a new one): failures never hang. A run whose rank
-    died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning (docs/design.md, F20).
+    died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning, and recorded in a
+    file that tests/conftest.py prints at the end of the session (docs/design.md, F20).
 
 Stage split
     ``pipeline.layers`` when set, else ``balanced_split`` over per-layer parameter counts with the
     embedding added to the first layer and the final norm + head to the last
-    (``orchestrator.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
-    meta device: the same rule ``orchestrator.plan`` uses for the driver.
+    (``meshspeak.mesh.stage_param_counts``), the counts taken from the real ``GPT`` built on the
+    meta device: the same rule ``orchestrator.plan.mesh_plan`` uses for the driver.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import signal
 import time
 import warnings
@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from meshspeak.mesh import MeshShape, balanced_split, replicate_degree, stage_param_counts
+from meshspeak.mesh import MeshShape, balanced_split, stage_param_counts
 from meshspeak.messages import StepResult
 from meshspeak.schedule import Action, make_schedule
 from meshspeak.sections import JobConfig, microbatches_per_replica
 from orchestrator.config.load import load_config
-from testbed.rank_pool import MeshRunError, _Pool, is_shared, shared_pool, shutdown_pool
+from testbed.rank_pool import MeshRunError, _Pool, is_shared, record_native_crash, shared_pool, shutdown_pool
 
-__all__ = ["MeshRun", "MeshRunError", "Reference", "reference", "run_mesh", "shutdown_pool"]
+__all__ = ["MeshRun", "MeshRunError", "run_mesh", "shutdown_pool"]
 
 
 @dataclass
@@ -138,8 +138,8 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     import torch.distributed as dist
 
     from meshdata.masks import mask_eos_for
-    from meshspeak.messages import RuntimeSpec
-    from orchestrator.plan.mesh_plan import model_fields
+    from orchestrator.control.generation import runtime_spec
+    from orchestrator.plan.mesh_plan import make_plan
     from workers.groups import build_process_groups
     from workers.runtime import RankRuntime
 
@@ -147,22 +147,12 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     cfg = load_config(None, list(job.overrides))
     shape = MeshShape(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
     v = cfg.pipeline.virtual_stages
-    spec = RuntimeSpec(
-        model=cfg.model,
-        train=cfg.train,
-        data_path=cfg.data.path,
-        zero=cfg.mesh.zero,
-        fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
-        mask_eos_id=mask_eos_for(cfg.data),
-        schedule=cfg.pipeline.schedule,
-        cpu_offload=cfg.mesh.cpu_offload,
-        layers_per_stage=job.layers_per_stage,
-        virtual_stages=v,
-        collective_timeout_s=job.collective_timeout_s,
-        use_gpu=False,
-        dp_replicate=replicate_degree(cfg.mesh.zero, shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
-        **model_fields(cfg, resuming=False),
-    )
+    # The driver's own construction (one decision of the data-parallel strategy, etc.); the stage
+    # split and the process groups' timeout are the test's.
+    spec = dataclasses.replace(
+        runtime_spec(cfg, make_plan(cfg), data_path=cfg.data.path, use_gpu=False,
+                     mask_eos_id=mask_eos_for(cfg.data), resuming=False),
+        layers_per_stage=job.layers_per_stage, collective_timeout_s=job.collective_timeout_s)
     groups = build_process_groups(
         store_addr="127.0.0.1",
         store_port=store_port,
@@ -171,7 +161,7 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
         world_rank=rank,
         timeout_s=job.collective_timeout_s,
         device=torch.device("cpu"),
-        replicate=spec.dp_replicate,
+        replicate=spec.dp.replicate,
     )
     runtime = RankRuntime(spec, groups)
     finish = job.instrument(runtime) if job.instrument is not None else None
@@ -250,8 +240,11 @@ def run_mesh(
             else:
                 pool.close()
             if attempt == 1 and _native_crash(error):
+                # Recorded, never silent: tests/conftest.py prints every record at the session's end.
+                path = record_native_crash(error, f"run_mesh(dp={dp}, pp={pp}, tp={tp}, steps={steps})")
                 warnings.warn(f"run_mesh: a rank crashed in native code; re-running once in fresh processes "
-                              f"(docs/design.md, F20): {str(error).splitlines()[0]}", stacklevel=2)
+                              f"(docs/design.md, F20; recorded in {path}): {str(error).splitlines()[0]}",
+                              stacklevel=2)
                 continue
             raise
     wall = time.monotonic() - t0
@@ -294,51 +287,7 @@ _NATIVE_CRASH_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
 
 
 def _native_crash(error: BaseException) -> bool:
-    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, never
-    reproduced here; each rank's faulthandler stack is in the test's stderr)."""
+    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, not
+    reproduced in hundreds of stressed runs; each rank's faulthandler stack is in the test's stderr)."""
     return (isinstance(error, MeshRunError) and error.ended_by == "died"
             and any(code in _NATIVE_CRASH_SIGNALS for code in error.died.values()))
-
-
-# --- the single-process reference ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reference:
-    losses: tuple[float, ...]
-    params: dict[str, np.ndarray]  # read-only arrays: the object is shared by every caller
-
-
-def reference(overrides: Sequence[str] = (), steps: int = 10) -> Reference:
-    """The single-process ``ReferenceTrainer`` on steps 1..``steps``, cached per (overrides, steps).
-
-    Only the ``model.``, ``train.``, ``data.`` and ``checkpoint.init_from`` overrides matter (and are the
-    cache key): the mesh and the schedule must not change the math, which is what the mesh tests check.
-    """
-    keep = tuple(o for o in overrides if o.split(".", 1)[0].strip() in ("model", "train", "data")
-                 or o.startswith("checkpoint.init_from"))
-    return _reference(keep, steps)
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(overrides: tuple[str, ...], steps: int) -> Reference:
-    import torch
-
-    from meshdata.masks import mask_eos_for
-    from workers.reference import ReferenceTrainer
-
-    cfg = load_config(None, [*overrides, "mesh.dp=1", "mesh.pp=1", "mesh.tp=1"])
-    # One intra-op thread, like the ranks: on 2 busy cores OpenMP's spinning threads make a step
-    # of the tiny model 10-50x slower (measured 45 ms vs 0.4-3.5 s at load ~10).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
-                                   mask_eos_id=mask_eos_for(cfg.data))
-        losses = tuple(trainer.run(1, steps))
-        params = trainer.params()
-    finally:
-        torch.set_num_threads(threads)
-    for value in params.values():
-        value.setflags(write=False)
-    return Reference(losses=losses, params=params)

@@ -109,6 +109,7 @@ class RankActor:
         # While a join is in progress: (its spec, listening ports before it). A kick then also frees
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
+        self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
         self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
         self.snapshot_worker = SnapshotWorker(self.snapshots)
 
@@ -158,12 +159,13 @@ class RankActor:
                     store_addr=gen.store_addr,
                     store_port=gen.store_port,
                     store_prefix=gen.store_prefix,
+                    store_secret=gen.store_secret,
                     generation=gen.generation,
                     shape=gen.shape,
                     world_rank=gen.world_rank,
                     timeout_s=spec.collective_timeout_s,
                     device=device,
-                    replicate=spec.dp_replicate,
+                    replicate=spec.dp.replicate,
                 )
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -175,6 +177,7 @@ class RankActor:
                 self._joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
             self.orders, self.life, self.step = orders, 0, 0
+            self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
             return RankInfo(
@@ -228,6 +231,7 @@ class RankActor:
             self.snapshot_worker.skipped += 1
             return
         t0 = time.perf_counter()
+        time.sleep(self.faults.take_sleep("snapshot", step))  # test hook: 0 unless armed
         slot = self.snapshots.slot_for()
         planned = self.runtime.plan_snapshot(step, slot)
         key: SnapKey = (self.generation, self.life, step)
@@ -235,8 +239,15 @@ class RankActor:
 
     @_train
     def eval_step(self, path: str, batch: int, mask_eos_id: int | None) -> dict:
-        """Held-out loss of eval batch ``batch`` (forward only, between steps); errors propagate."""
+        """Held-out loss of eval batch ``batch`` (forward only, between steps); errors propagate.
+
+        Training work, queued behind the step whose snapshot it follows: the snapshot's state dict is
+        planned on this thread inside that step (FSDP2's state-dict hook resharded the modules in the
+        middle of an eval forward on another thread: tests/ray/test_data_eval.py); the copy that runs
+        on beside the eval only reads the local shards, which an eval forward never writes."""
         self._refuse("eval")
+        if batch == 0:  # test hook (arm_fault "sleep" at "eval"): consumed by the first block's forward
+            self.runtime.compute_clock.sleep_s = self.faults.take_sleep("eval", self.step)
         return self.runtime.eval_step(path, batch, list(self.orders.actions), mask_eos_id)
 
     @_train
@@ -303,7 +314,8 @@ class RankActor:
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint or snapshot in it) or "ckpt_write" (inside the background write of step ``at``'s
         shard). ``delay_s`` is ignored at "forward" and "ckpt_write". "nan", "slow", "sleep" take
-        ``where="step"`` (workers/faults.py). Bad arguments raise, so a test never arms nothing."""
+        ``where="step"``; "sleep" also takes a ``SLEEP_POINTS`` point (workers/faults.py). Bad
+        arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 
     @_train
@@ -313,9 +325,13 @@ class RankActor:
 
     def _leave(self) -> None:
         if self.runtime is not None:
+            from workers.device import release_memory
+
             self.snapshot_worker.fence()  # the copy reads the state this destroys
+            device = self.runtime.groups.device
             self.runtime.destroy()
             self.runtime = None
+            release_memory(device)  # before the next generation allocates its own
         self.generation, self.world_rank, self.orders = -1, -1, None
 
     def kick(self, peers: list[tuple[str, int]]) -> int:
@@ -328,7 +344,9 @@ class RankActor:
         blocked in the rendezvous itself (waiting in the store for a peer that died before
         registering), so then the connection to the store is shut down too, and on gloo the
         connections of listeners opened since the join began (on NCCL those may be NCCL's
-        bootstrap: left alone); the join then raises and leaves nothing behind.
+        bootstrap: left alone); the join then raises and leaves nothing behind. On NCCL a group's
+        communicator is made at its first collective, which reads its NCCL id from the store, so
+        there the store connection is shut down after the join too (workers/groups.py).
         """
         from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
@@ -343,6 +361,8 @@ class RankActor:
             if self._backend == "gloo":
                 local |= listening_ports() - before
             remote.add(endpoint(gen.store_addr, gen.store_port))
+        elif self._backend == "nccl" and self._store is not None:
+            remote.add(endpoint(*self._store))
         return shutdown_gloo_sockets(local, remote)
 
     def status(self) -> WorkerStatus:

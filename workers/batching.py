@@ -1,7 +1,7 @@
 """A step's tensors from sample ids, with the loss normalisation every mesh shares, and held-out eval.
 
 ``step_data`` turns one replica's microbatch ids into a ``StepData``: windows read from the source,
-targets after an EOS masked (``data.mask_document_boundaries``, workers/data/masks.py), and the
+targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py), and the
 scales that make the summed loss the *global* mean over counted targets — ``grad_scale = dp /
 count`` (FSDP averages gradients over dp) and ``report_scale = 1 / count``. Without masking the count
 is ``G * seq_len``; with it, one scalar all-reduce over dp adds up every replica's count (tp and pp
@@ -9,22 +9,32 @@ peers of a replica read the same windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
 order: a fixed set of windows) forward only through the same pipeline actions, without the backward
-ones. Dropping actions cannot deadlock a schedule that was deadlock-free with them: a forward
-receive's matching send is still preceded only by forward work on its sender.
+ones (``meshspeak.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
+from every rank's forward-only list: ``meshspeak.p2p_rounds.rank_batches``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import meshdata as data_lib
 from meshdata.masks import counted, mask_targets
-from meshspeak.schedule import Action, Op
+from meshspeak.schedule import Action, forward_only
+from workers.optim import checked_all_reduce
 from workers.pipeline import StepData
 
-FORWARD_OPS = (Op.RECV_F, Op.FORWARD, Op.SEND_F)
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A microbatch's tokens on ``device``. On CUDA through pinned memory, copied asynchronously: a
+    pageable source makes the copy synchronous (the driver stages it through its own pinned buffer),
+    so every microbatch would stall the host until the GPU caught up. The pinned block is not reused
+    before the copy ends (torch's caching host allocator records the copy's stream). On the CPU the
+    array's memory is used as it is (no copy)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None) -> tuple[StepData, int]:
@@ -37,12 +47,13 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
         x, y = data_lib.microbatch_tokens(source, ids, seq_len)
         y = mask_targets(x, y, eos)
         local += counted(y)
-        inputs.append(torch.from_numpy(x).to(groups.device))
-        targets.append(torch.from_numpy(y).to(groups.device))
+        inputs.append(to_device(x, groups.device))
+        targets.append(to_device(y, groups.device))
     total = local * dp  # unmasked: every replica holds the same number of targets
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
-        dist.all_reduce(count, group=groups.dp_group)
+        # Checked: the count scales every gradient (workers.optim.checked_all_reduce).
+        checked_all_reduce(count, groups.dp_group, runtime.spec.collective_timeout_s)
         total = int(count.item())
     total = max(1, total)
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total
@@ -57,7 +68,7 @@ def eval_forward(runtime, path: str, batch: int, actions: list[Action], eos: int
     per = g // dp
     ids = np.arange(batch * g, (batch + 1) * g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
     data, total = step_data(runtime, source, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
-    forward = [a for a in actions if a.op in FORWARD_OPS]
+    forward = forward_only(actions)
     with torch.no_grad():
         loss, _, _ = runtime.executor.run(forward, data)
     reports = runtime.num_stages - 1 in runtime.stages and groups.coords.tp == 0

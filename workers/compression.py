@@ -106,6 +106,17 @@ class _PowerSGD:
             flat.copy_(out)
 
 
+def powersgd_state(group: dist.ProcessGroup | None, rank: int, counter: ByteCounter, seed: int,
+                   plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
+    """torch's ``PowerSGDState`` as elastimesh sets it up, its all-reduces counted by ``counter``
+    (also what bench/powersgd_ddp_oracle.py hands torch's own DDP, to compare like with like)."""
+    _CountingDist.counter = counter
+    return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                       start_powerSGD_iter=plain_steps, random_seed=seed,
+                                       # > 0: an all-zero gradient block must not orthogonalise to NaN
+                                       orthogonalization_epsilon=1e-8)
+
+
 def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int, counter: ByteCounter,
                     seed: int, plain_steps: int = 2) -> powerSGD_hook.PowerSGDState:
     """PowerSGD (``rank``) on every FSDP unit of this rank, one state for all (bucket = unit index).
@@ -115,11 +126,7 @@ def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int,
     deferring compression narrows the loss gap (docs/design.md, PowerSGD). The last unit of the list
     (the stage root, reduced last) closes a step.
     """
-    _CountingDist.counter = counter
-    state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=plain_steps, random_seed=seed,
-                                        # > 0: an all-zero gradient block must not orthogonalise to NaN
-                                        orthogonalization_epsilon=1e-8)
+    state = powersgd_state(group, rank, counter, seed, plain_steps)
     for i, unit in enumerate(units):
         unit.set_all_reduce_hook(_PowerSGD(state, _unit_shapes(unit), i, last=i == len(units) - 1))
     return state
@@ -157,7 +164,7 @@ class FixedBytes:
 
 
 def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
-    """ZeRO-0 on plain dp (``orchestrator.mesh.ddp_applies``): torch's DDP over ``group``, bucketed
+    """ZeRO-0 on plain dp (``meshspeak.dp_plan.ddp_applies``): torch's DDP over ``group``, bucketed
     all-reduces overlapped with backward. DDP averages over dp as FSDP2 does, so the loss scaling of
     ``workers.pipeline.StepData`` is unchanged; its parameters are plain tensors, which DCP saves once
     (replicas deduplicated) and reshards into FSDP2/TP layouts and back (docs/design.md)."""
@@ -169,25 +176,21 @@ def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
                                    gradient_as_bucket_view=True)
 
 
-def setup_dp_reduction(stages: list[nn.Module], spec, groups, ddp: bool = False) -> ByteCounter | FixedBytes | None:
-    """ZeRO-0 with dp > 1: count the dp bytes, and with ``train.grad_compression="powersgd"`` attach
-    the compressor (the stages were then sharded over the one-rank shard mesh: ``powersgd_applies``)."""
-    if ddp:
+def setup_dp_reduction(stages: list[nn.Module], dp_plan, train, groups) -> ByteCounter | FixedBytes | None:
+    """As ``dp_plan`` (meshspeak/dp_plan.py) says: with ``count_dp_bytes`` (ZeRO-0, dp > 1) count the dp
+    bytes, and with ``compression == "powersgd"`` attach the compressor (the stages were then sharded
+    over the one-rank shard mesh: ``dp_plan.fsdp_over == "shard"``)."""
+    if not dp_plan.count_dp_bytes:
+        return None
+    if dp_plan.wrapper == "ddp":
         return FixedBytes(sum(p.numel() * p.element_size() for m in stages for p in m.parameters()
                               if p.requires_grad))
-    if not powersgd_applies(spec, groups.shape.dp) and not (spec.zero == 0 and groups.shape.dp > 1):
-        return None
     units = [u for stage in stages for u in fsdp_units_of(stage)]
     if not units:
         return None
     counter = ByteCounter()
-    if powersgd_applies(spec, groups.shape.dp):
-        attach_powersgd(units, groups.dp_group, spec.train.powersgd_rank, counter, spec.train.seed,
-                        spec.train.powersgd_plain_steps)
+    if dp_plan.compression == "powersgd":
+        attach_powersgd(units, groups.dp_group, train.powersgd_rank, counter, train.seed, train.powersgd_plain_steps)
     else:
         attach_counter(units, counter)
     return counter
-
-
-def powersgd_applies(spec, dp: int) -> bool:
-    return spec.zero == 0 and dp > 1 and spec.train.grad_compression == "powersgd"

@@ -8,8 +8,14 @@ that is slow without computing more. What makes a block's forward wait for peers
 all-gather, which runs in FSDP's forward pre-hook, and its reshard in the post-hook: this clock's
 pre-hook is registered after FSDP's (FSDP prepends its own) and its post-hook is prepended, so both
 waits fall outside. Tensor-parallel collectives inside a block do count: a slow TP rank makes its TP
-group look slow together, and the group is compared with the other replicas. On a GPU the forward's
-kernels are asynchronous, so this measures the host's share only (docs/design.md, Stragglers).
+group look slow together, and the group is compared with the other replicas.
+
+On a GPU the host only queues a forward's kernels, so host time would score launch speed, not the
+device. There each block's forward is timed by two CUDA events recorded on the current stream where
+the host stamps would be; FSDP's wait for its all-gather is a wait of that stream, queued in its
+pre-hook before our start event, so the GPU reaches the start event only after the wait: the span
+is the block's own kernels (and TP collectives inside it). The events are read at ``take`` (once a
+step, after the step's last one completed). The CPU path is unchanged (docs/design.md, Stragglers).
 
 The straggler faults (``workers/actor.py`` ``arm_fault`` kinds "sleep" and "slow") act inside the
 first block's forward so that they are what a slow rank's compute would be.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 
@@ -30,7 +37,9 @@ def _burn_cpu(seconds: float) -> None:
 
 
 class ComputeClock:
-    def __init__(self, blocks: Iterable[nn.Module]) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self._spans: list[tuple] = []  # CUDA: (start, end) events of the forwards since the last take
         self.total = 0.0
         self.sleep_s = 0.0  # fault injection for this step: slept inside the next block's forward
         self.busy_s = 0.0  # ... and CPU burnt there
@@ -41,7 +50,7 @@ class ComputeClock:
             self._handles.append(block.register_forward_hook(self._exit, prepend=True))
 
     def _enter(self, module: nn.Module, args) -> None:
-        self._entered[id(module)] = time.perf_counter()
+        self._entered[id(module)] = self._mark()
         if self.sleep_s or self.busy_s:
             sleep, busy, self.sleep_s, self.busy_s = self.sleep_s, self.busy_s, 0.0, 0.0
             if sleep > 0:
@@ -49,13 +58,28 @@ class ComputeClock:
             if busy > 0:
                 _burn_cpu(busy)
 
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def _exit(self, module: nn.Module, args, output) -> None:
         t0 = self._entered.pop(id(module), None)
-        if t0 is not None:
+        if t0 is None:
+            return
+        if self.cuda:
+            self._spans.append((t0, self._mark()))
+        else:
             self.total += time.perf_counter() - t0
 
     def take(self) -> float:
-        """The seconds counted since the last call (one step's)."""
+        """The seconds counted since the last call (one step's); on CUDA waits for the last event."""
+        if self._spans:
+            self._spans[-1][1].synchronize()
+            self.total += sum(start.elapsed_time(end) for start, end in self._spans) / 1e3  # ms
+            self._spans.clear()
         out, self.total = self.total, 0.0
         return out
 

@@ -7,8 +7,8 @@ train a GPU-sized model on the CPU at a thousandth of the speed, or join NCCL pe
 Ray hides the other GPUs of the node from an actor (``CUDA_VISIBLE_DEVICES`` = its own), so the
 local index is usually 0; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` every GPU stays
 visible and the index is the one Ray assigned (``cuda_index``). The rank binds it with
-``torch.cuda.set_device`` before anything touches CUDA, and ``workers.groups`` passes it as the
-process group's ``device_id``, so NCCL's communicators are created eagerly on that GPU.
+``torch.cuda.set_device`` before anything touches CUDA: NCCL's communicators, made lazily at each
+group's first collective (``workers.groups``), are then made on that GPU.
 
 What a CUDA rank sets process-wide (``select_device``): TF32 for fp32 matmuls (the tensor cores'
 fp32 path, ~10 significant bits kept in the products, fp32 accumulation; what bf16 training already
@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 # (3) tears the process down, and 0 leaves a timed-out op blocked for good. An elastic survivor must
 # raise, leave the generation and join the next one in the same process, so only 2 fits (the
 # driver's kick aborts the communicators at once instead of after the timeout: workers.groups).
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+# TORCH_NCCL_USE_COMM_NONBLOCKING=1: a communicator being made can be aborted (workers.groups'
+# docstring); torch's default is blocking unless device_id is given, which we do not give.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
 
 
 class DeviceError(RuntimeError):
@@ -49,6 +51,11 @@ def cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
         gpu_ids: the GPUs Ray assigned to this actor (``ray.get_gpu_ids()``); empty outside Ray,
             where ``LOCAL_RANK`` (torchrun's convention) or 0 is used.
         visible: ``CUDA_VISIBLE_DEVICES`` (None when unset).
+
+    Raises:
+        DeviceError: the assigned GPU is not among the visible ones. Guessing GPU 0 would put this
+            rank on a GPU Ray gave another rank (two ranks on one device: out of memory, or NCCL
+            refusing duplicate GPUs), so the mismatch is reported instead.
     """
     if not gpu_ids:
         return int(os.environ.get("LOCAL_RANK", 0))
@@ -56,7 +63,10 @@ def cuda_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
     if visible is None or not visible.strip():
         return int(assigned)
     listed = [v.strip() for v in visible.split(",")]
-    return listed.index(assigned) if assigned in listed else 0
+    if assigned not in listed:
+        raise DeviceError(f"resources.use_gpu: Ray assigned GPU {assigned} but CUDA_VISIBLE_DEVICES={visible!r} "
+                          "does not list it: leave CUDA_VISIBLE_DEVICES to Ray on the worker nodes")
+    return listed.index(assigned)
 
 
 def no_cuda_reason() -> str | None:
@@ -95,6 +105,22 @@ def select_device(use_gpu: bool, *, gpu_ids: Sequence[int | str] = (), where: st
 def configure_cuda() -> None:
     """Process-wide CUDA settings every rank uses (idempotent)."""
     torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a generation that was just dropped still holds, before the next one is built.
+
+    FSDP2 modules, their hooks and the autograd state form reference cycles, which only the cyclic
+    GC frees, and it runs when allocation counts say so, not when the memory is needed: without
+    this a model using over half of the GPU would hold two generations at the rebuild and run out
+    of memory. ``empty_cache`` then hands the caching allocator's freed blocks back to the driver,
+    so the next generation (or another process on the GPU) can use them.
+    """
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def apply_nccl_env() -> None:

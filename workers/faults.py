@@ -17,30 +17,49 @@ import os
 import signal
 import threading
 
+from workers.write_faults import dcp_write_function, die_inside_next_dcp_write
+
 logger = logging.getLogger(__name__)
 
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 STEP_FAULTS = ("nan", "slow", "sleep")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
+# Delays that widen a race on purpose (kind "sleep"; ``at`` is a step): "snapshot" sleeps ``delay_s``
+# before the snapshot of step ``at`` is planned from the state; "eval" sleeps ``delay_s`` inside the
+# first block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then).
+SLEEP_POINTS = ("snapshot", "eval")
 
 
 class Faults:
     def __init__(self) -> None:
         self._armed: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         self._step: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
+        self._sleeps: dict[str, tuple[int, float]] = {}  # SLEEP_POINTS point -> (at, delay_s)
 
     def arm(self, at: int, kind: str, delay_s: float, where: str, steps: int) -> None:
         """See ``RankActor.arm_fault``; bad arguments raise, so a test never arms nothing."""
         if kind in STEP_FAULTS and where == "step" and steps >= 1:
             self._step[kind] = (at, steps, delay_s)
             return
+        if kind == "sleep" and where in SLEEP_POINTS:
+            self._sleeps[where] = (at, delay_s)
+            return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
                              f"where one of {list(FAULT_POINTS)}")
         if where == "ckpt_write":
-            _dcp_write_function()  # fail now, not silently at the write, if torch moved it
+            dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._armed[where] = (at, kind, delay_s)
+
+    def take_sleep(self, where: str, at: int) -> float:
+        """The armed ``SLEEP_POINTS`` delay at ``where`` for ``at`` (once), else 0."""
+        armed = self._sleeps.get(where)
+        if armed is None or armed[0] != at:
+            return 0.0
+        del self._sleeps[where]
+        logger.warning("fault injection: sleep %.2fs at %s %d", armed[1], where, at)
+        return armed[1]
 
     def take(self, where: str, at: int) -> tuple[int, str, float] | None:
         fault = self._armed.get(where)
@@ -92,31 +111,5 @@ class Faults:
     def before_checkpoint_write(self, step: int) -> None:
         fault = self.take("ckpt_write", step)
         if fault is not None:
-            _die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
 
-
-def _dcp_write_function():
-    """DCP's per-item file write (private; looked up so a torch upgrade fails the fault test loudly)."""
-    from torch.distributed.checkpoint import filesystem
-
-    if not callable(getattr(filesystem, "_write_item", None)):
-        raise RuntimeError("torch.distributed.checkpoint.filesystem._write_item is gone: update the "
-                           "ckpt_write fault injection in workers/faults.py")
-    return filesystem._write_item
-
-
-def _die_inside_next_dcp_write(sig: int) -> None:
-    """Make this process receive ``sig`` on DCP's writer thread, after the first item of the next
-    shard is on disk: the shard file is then partial and the rank never acks it."""
-    from torch.distributed.checkpoint import filesystem
-
-    real = _dcp_write_function()
-
-    def write_then_die(*args, **kwargs):
-        result = real(*args, **kwargs)
-        filesystem._write_item = real
-        logger.warning("fault injection: signal %d inside the checkpoint write", sig)
-        os.kill(os.getpid(), sig)
-        return result
-
-    filesystem._write_item = write_then_die

@@ -1,7 +1,7 @@
 """One generation's process groups and DeviceMesh for one rank, built from a store prefix and destroyed whole.
 
 Worker side: ``RankGroups`` is one rank's share of a generation (the driver's record of the whole
-generation is ``orchestrator.generation.GenerationRecord``; the instruction to join it is a
+generation is ``orchestrator.control.generation.GenerationRecord``; the instruction to join it is a
 ``messages.JoinSpec``). As these change size at runtime, nothing may cache a rank, a world size or a
 group outside the ``RankGroups`` object of the current generation: the runtime gets a new one on
 every rebuild.
@@ -22,12 +22,26 @@ their ring and star algorithms talk to, not a connection to every rank. Each glo
 its listening socket when it is made, so the kick knows this generation's endpoints as before.
 (``split_group``, the other way to cut sub-groups, is unusable on CPU: F6.)
 
-The backend follows the device (``workers.device``): NCCL on CUDA, bound to the rank's GPU with
-``device_id``, gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
+The backend follows the device (``workers.device``): NCCL on CUDA (the rank's GPU is the current
+device), gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
 a rank blocked on a dead peer differs per backend: gloo's blocked ops ignore ``abort()``, so the
 driver's kick shuts down this generation's gloo sockets (``workers.sockets``); NCCL's communicators
 are aborted (``abort_nccl``), and NCCL's own sockets (bootstrap, proxy) are never touched: only the
 checkpoint group's gloo listeners are reported as ``gloo_ports`` on an NCCL job.
+
+NCCL communicators are made lazily (no ``device_id`` in ``init_process_group``), so that every one of
+them can be aborted while it is being made. With ``device_id`` torch creates the default group's
+communicator eagerly, inside ``init_process_group`` (``_new_process_group_helper`` calls
+``eager_connect_single_device`` before ``_update_default_pg`` registers the group), and the
+subgroups by ``ncclCommSplit`` inside ``new_group``: a rank whose peer dies then blocks in a group
+that is not registered yet, which ``_abort_process_group`` cannot reach (``dist.is_initialized()``
+is still False). Lazily, the groups are all registered before any communicator exists; each is
+made at its first collective, in NCCL's nonblocking mode (``workers.device.NCCL_ENV``): the
+communicator enters ``ProcessGroupNCCL``'s ``inInitializationCommMap_`` as soon as its creation
+starts, and ``ProcessGroupNCCL::abort`` aborts that map's communicators too (in blocking mode the
+creation call does not return until every rank joined, and the communicator is in no map yet).
+The NCCL id a new communicator needs comes through the store: the kick shuts that connection
+down on NCCL (``RankActor.kick``). torchft does the same (lazy, no eager connect).
 """
 
 from __future__ import annotations
@@ -125,7 +139,7 @@ class RankGroups:
     gloo_ports: list[int] = field(default_factory=list)
     backend: str = "gloo"  # of the training groups; checkpoints always use gloo
     destroyed: bool = False
-    replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp_replicate); 1 = a 1-D dp axis
+    replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp.replicate); 1 = a 1-D dp axis
     flat_dp_group: dist.ProcessGroup | None = None  # all dp ranks, made only when replicate > 1
 
     @property
@@ -188,6 +202,7 @@ def build_process_groups(
     device: torch.device,
     store_prefix: str | None = None,
     replicate: int = 1,
+    store_secret: str = "",
 ) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
 
@@ -208,11 +223,11 @@ def build_process_groups(
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
         # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
         # reused prefix would meet the previous generation's keys (docs/design.md, F4).
-        store = dist.PrefixStore(store_prefix or f"gen{generation}", base)
-        dist.init_process_group(
-            backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout,
-            device_id=device if nccl else None,  # eager NCCL init on this rank's GPU
-        )
+        # The run's secret goes in front of every key (messages.JoinSpec; README, Trust boundary).
+        prefix = store_prefix or f"gen{generation}"
+        store = dist.PrefixStore(f"{store_secret}-{prefix}" if store_secret else prefix, base)
+        # No device_id, on NCCL too: lazy communicators, each abortable (module docstring).
+        dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
         axis_members = [shape.group_ranks(axis) for axis in AXES]
         if replicate > 1:
             rep, shard = hsdp_group_ranks(shape, replicate)

@@ -33,10 +33,12 @@ class DynamicLossScale:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
-    def unscale_(self, params: list[nn.Parameter], device: torch.device, group: dist.ProcessGroup | None) -> bool:
+    def unscale_(self, params: list[nn.Parameter], device: torch.device, group: dist.ProcessGroup | None,
+                 timeout_s: float = 1800.0) -> bool:
         """Divide this rank's gradients by the scale; True when no rank found an inf or NaN.
 
-        Collective over ``group`` (every rank of the generation); on overflow the gradients are
+        Collective over ``group`` (every rank of the generation), checked (``workers.optim.
+        checked_all_reduce``): the decision is never this rank's own. On overflow the gradients are
         left as they are, to be dropped with the skipped step.
         """
         grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
@@ -51,7 +53,9 @@ class DynamicLossScale:
                 tensors, here, torch.full((), 1.0 / self.scale, device=where))
             found = torch.maximum(found, here.to(device))
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            from workers.optim import checked_all_reduce
+
+            checked_all_reduce(found, group, timeout_s, op=dist.ReduceOp.MAX)
         return not bool(found.item())
 
     def update(self, finite: bool) -> None:

@@ -1,6 +1,6 @@
 """Optimizer and gradient clipping, shared by the mesh runtime and the single-process reference.
 
-The LR (orchestrator/lr_schedule.py) is a pure function of the step, set on every param group before
+The LR (meshspeak/lr_schedule.py) is a pure function of the step, set on every param group before
 each step, so it needs no scheduler state: a resumed or resharded run gets it from the step.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,30 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
             group["lr"] = lr
 
 
+def checked_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float,
+                       op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """An all-reduce whose result decides this rank's update: the host waits for it, and it raises
+    if the collective failed, instead of handing back this rank's own, unreduced value.
+
+    Why: on NCCL a plain ``all_reduce`` returns once it is queued, and reading the result (``.item()``)
+    only waits for the stream. When the watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``,
+    workers/device.py) or the driver's kick aborts the communicator, the kernel ends, the stream goes
+    on and the tensor keeps what this rank put in, with no error: the rank would step on it.
+    ``Work.wait`` with an explicit timeout blocks the host until the work completed and then rethrows
+    its error (torch's ``ProcessGroupNCCL::WorkNCCL::wait``: ``if (blockingWait_ || timeout !=
+    kNoTimeout)`` it polls ``isCompleted()``, which records an aborted communicator's error, and
+    ``if (exception())`` aborts and rethrows in the calling thread) — what ``TORCH_NCCL_BLOCKING_WAIT=1``
+    would do for every collective, here only where a decision is read. On gloo the same call waits
+    and raises as a plain blocking all-reduce does.
+    """
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work.wait(timeout=timedelta(seconds=timeout_s))
+
+
 def clip_grad_norm(
     params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,
     skip_in_norm: frozenset[int] | set[int] = frozenset(), *, holders: int = 1,
-    device: torch.device | None = None,
+    device: torch.device | None = None, timeout_s: float = 1800.0,
 ) -> float:
     """Clip by the global grad norm over every parameter of the model, wherever it is sharded.
 
@@ -59,6 +80,11 @@ def clip_grad_norm(
     the tensor (the product of its sharded mesh axes), so a replicated tensor (ZeRO-0's replicate
     axis, a norm weight replicated over tp) is counted once in the sum over all ranks. A second copy
     of a tied parameter (``id`` in ``skip_in_norm``) is clipped but not counted.
+
+    The all-reduce is checked (``checked_all_reduce``, at most ``timeout_s``): the norm is the one
+    decision every rank steps on, and it is reduced over the whole world after every gradient
+    collective, so a rank whose earlier collective was aborted never gets a norm back either (its
+    peers' contributions never arrive, or its own failed work raises).
     """
     by_mesh: dict[object, list[nn.Parameter]] = {}
     by_holders: dict[int, list[torch.Tensor]] = {}
@@ -84,7 +110,7 @@ def clip_grad_norm(
     if group is not None and dist.get_world_size(group) > 1:
         # Offloaded gradients (mesh.cpu_offload) are host tensors: reduce on the group's device.
         squared = squared.to(device or squared.device)
-        dist.all_reduce(squared, group=group)
+        checked_all_reduce(squared, group, timeout_s)
     # float64 runs (compared with one process at 1e-9) keep the norm in float64; else float32.
     wide = any(g.dtype == torch.float64 for grads in by_holders.values() for g in grads)
     total = squared.sqrt().to(torch.float64 if wide else torch.float32)

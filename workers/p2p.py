@@ -1,7 +1,7 @@
 """How the pipeline executor posts one step's point-to-point messages, per backend.
 
 Messages between two ranks match in posting order (one tag); the schedule guarantees that per rank
-pair the receives come in the order of the sends (orchestrator/schedule.py, unit-tested).
+pair the receives come in the order of the sends (meshspeak/schedule.py, unit-tested).
 
 gloo (``batched=False``): sends are posted when their action is reached; receives up to
 ``lookahead`` actions ahead. Gloo's send is a rendezvous: a send whose receive is not posted yet only
@@ -13,7 +13,7 @@ communication actions, i.e. lookahead 0 on gloo, the slower variant measured the
 
 NCCL (``batched=True``): the messages go out in lockstep batches (``batch_isend_irecv``, as
 ``torch.distributed.pipelining`` posts them), planned from every rank's list by
-``orchestrator.p2p_rounds.nccl_batches``: a rank's k-th batch holds exactly the partners of its
+``meshspeak.p2p_rounds.nccl_batches``: a rank's k-th batch holds exactly the partners of its
 peers' k-th batches, so no NCCL stream can wait on a peer stuck behind it. The plan is posted before
 the action it names; a SEND action is then a no-op and a RECV waits for its batch. Why unbatched
 NCCL would deadlock, and the model the plan is checked in: that module's docstring.

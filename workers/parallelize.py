@@ -1,9 +1,9 @@
 """Apply tensor(+sequence) parallelism and ZeRO (FSDP2) to one pipeline stage, in a fixed order.
 
-The plan and the blocks come from the model family (``workers/models/family.py``); this module names
+The plan and the blocks come from the model family (``meshmodels/family.py``); this module names
 no model's modules. Order (as TorchTitan's ``parallelize_llama``): TP/SP first (so parameters become DTensors on the tp
 axis), activation checkpointing is already inside each block, then FSDP2 ``fully_shard`` per unit of
-consecutive blocks (one block per unit for big blocks; small blocks grouped, ``orchestrator.mesh.fsdp_units``)
+consecutive blocks (one block per unit for big blocks; small blocks grouped, ``meshspeak.mesh.fsdp_units``)
 and on the stage root over the dp axis (giving 2-D (dp, tp) DTensors when both are > 1).
 
 Sequence parallelism keeps the residual stream sharded on the sequence dim between blocks, so what a
@@ -51,11 +51,10 @@ def apply_compile(stage: nn.Module, family, backend: str = "inductor") -> None:
         block.compile(backend=backend)
 
 
-def apply_fsdp(
-    stage: nn.Module, dp_mesh: DeviceMesh, family, *, zero: int, param_dtype: torch.dtype, fsdp_unit_bytes: int = 0,
-    cpu_offload: bool = False, reduce_dtype: torch.dtype = torch.float32,
-) -> None:
-    """Every ZeRO level through FSDP2, on a 1-D dp mesh or a 2-D (replicate, shard) HSDP mesh.
+def apply_fsdp(stage: nn.Module, dp_mesh: DeviceMesh, family, dp_plan, *, param_dtype: torch.dtype,
+               fsdp_unit_bytes: int = 0) -> None:
+    """Every ZeRO level through FSDP2, on a 1-D dp mesh or a 2-D (replicate, shard) HSDP mesh, as
+    ``dp_plan`` (meshspeak/dp_plan.py, decided by the driver) says:
 
     * 3: params resharded after forward (gathered again in backward).
     * 2: params kept gathered from forward through backward; grads reduce-scattered.
@@ -66,20 +65,20 @@ def apply_fsdp(
       and optimizer state, and the grads are all-reduced once per FSDP unit, overlapped with
       backward. FSDP2's HSDP keeps DTensors (``(Replicate, Shard(0))``), so TP, PP, DCP resharding
       and elastic resizes work as they do for ZeRO-3. On plain dp (no TP/PP) ZeRO-0 is torch's DDP
-      instead and this function is not called (``orchestrator.mesh.ddp_applies``, docs/design.md).
+      instead and this function is not called (``meshspeak.dp_plan.ddp_applies``, docs/design.md).
 
-    Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``orchestrator.mesh.fsdp_units``);
+    Blocks are sharded in units of at least ``fsdp_unit_bytes`` (``meshspeak.mesh.fsdp_units``);
     blocks left out of every unit are sharded with the root. Neither the parameter names nor their
     dim-0 sharding over dp depend on the unit size, so neither does what a checkpoint holds.
     """
     # fp64 parameters are their own compute dtype and reduce in fp64 (train.dtype = "float64": runs
-    # compared with the reference at 1e-9); else 16/32-bit compute over fp32 master weights, reduced
-    # in train.grad_reduce.
-    reduce = torch.float64 if param_dtype == torch.float64 else reduce_dtype
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
+    # compared with the reference at 1e-9; the plan's reduce_dtype says so); else 16/32-bit compute
+    # over fp32 master weights, reduced in train.grad_reduce.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, dp_plan.reduce_dtype))
     # Pinned host memory only where there is a device to copy to and from.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    reshard = zero == 3
+    offload = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dp_plan.cpu_offload
+               else OffloadPolicy())
+    reshard = dp_plan.reshard_after_forward
     blocks = list(family.blocks(stage))
     for unit in fsdp_units([_local_bytes(b) for b in blocks], fsdp_unit_bytes):
         members = [blocks[i] for i in unit]
@@ -93,26 +92,22 @@ def apply_fsdp(
 def parallelize_stage(
     stage: nn.Module,
     family,
+    dp_plan,
     *,
     dp_mesh: DeviceMesh,
     tp_mesh: DeviceMesh,
-    zero: int,
     param_dtype: torch.dtype,
-    shard_over_dp: bool,
     fsdp_unit_bytes: int = 0,
     compile: bool = False,
-    cpu_offload: bool = False,
-    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """TP/SP when tp > 1, compile when asked, then FSDP2 when ``shard_over_dp``
-    (``orchestrator.mesh.fsdp_applies``, which is true whenever ``cpu_offload`` is)."""
+    """TP/SP when tp > 1, compile when asked, then FSDP2 when the plan's wrapper is FSDP
+    (``dp_plan``: meshspeak/dp_plan.py; DDP wraps the built stage afterwards, in the runtime)."""
     if tp_mesh.size() > 1:
         apply_tp(stage, tp_mesh, family)
     if compile:
         apply_compile(stage, family)
-    if shard_over_dp:
-        apply_fsdp(stage, dp_mesh, family, zero=zero, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes,
-                   cpu_offload=cpu_offload, reduce_dtype=reduce_dtype)
+    if dp_plan.wrapper == "fsdp":
+        apply_fsdp(stage, dp_mesh, family, dp_plan, param_dtype=param_dtype, fsdp_unit_bytes=fsdp_unit_bytes)
     return stage
 
 

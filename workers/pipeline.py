@@ -2,7 +2,7 @@
 
 The list is executed literally, in order. Sends are posted asynchronously and waited for at the end
 of the step; receives block. The driver's schedule is proven deadlock-free under exactly that model
-(orchestrator/schedule.py's simulator). What crosses a stage boundary is the local tensor each
+(meshspeak/schedule.py's simulator). What crosses a stage boundary is the local tensor each
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
 dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: one op at
 a time, receives a few actions ahead; NCCL: lockstep batches planned from every rank's list, since

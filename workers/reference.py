@@ -36,7 +36,7 @@ class ReferenceTrainer:
         self.optimizer = build_optimizer(self.model, train)
         self.source = data_lib.open_source(data_path)
         self.num_samples = self.source.num_samples(model_cfg.seq_len)
-        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (workers.data.masks)
+        self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (meshdata.masks)
 
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
@@ -63,7 +63,7 @@ class ReferenceTrainer:
         return total
 
     def eval_loss(self, path: str, batches: int, mask_eos_id: int | None = None) -> float:
-        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/evaluation.py)."""
+        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/control/evaluation.py)."""
         source = data_lib.open_source(path)
         end, mbs, seq_len = batches * self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
         total, count = 0.0, 0

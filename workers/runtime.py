@@ -23,11 +23,12 @@ import meshdata as data_lib
 from meshmodels.build import build_local_stage
 from meshmodels.family import runtime_family
 from meshmodels.hf_io import load_hf
-from meshspeak.mesh import ddp_applies, fsdp_applies, layer_ranges
+from meshspeak.mesh import layer_ranges
 from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
 from meshspeak.schedule import Action, stages_of_rank
+from workers import compile_stats
 from workers.batching import eval_forward, step_data
-from workers.compression import powersgd_applies, setup_dp_reduction, wrap_ddp
+from workers.compression import setup_dp_reduction, wrap_ddp
 from workers.compute_clock import ComputeClock
 from workers.groups import RankGroups
 from workers.loss_scale import DynamicLossScale
@@ -53,24 +54,23 @@ class RankRuntime:
         self.stages: dict[int, Stage] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.family, self.shape = runtime_family(spec)
-        # ZeRO-0 on plain dp (no TP/PP, so one stage): torch's DDP, not FSDP2's HSDP; the plan's rule
-        # too (orchestrator.mesh.ddp_applies).
-        use_ddp = ddp_applies(spec.zero, shape.dp, shape.pp, shape.tp, train.dtype, train.grad_reduce,
-                              spec.cpu_offload, train.grad_compression)
+        # The data-parallel strategy comes decided in the spec (meshspeak/dp_plan.py): DDP, FSDP2 or none.
+        dp_plan = spec.dp
+        use_ddp = dp_plan.wrapper == "ddp"
         for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
             first, end = ranges[index]
-            # Built on the meta device; only this rank's shards are ever allocated (workers/models/build.py).
+            # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
             module = build_local_stage(
                 self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
-                activation_checkpointing=train.activation_checkpointing, init=not spec.init_from,
+                activation_checkpointing=train.activation_checkpointing,
+                init=not spec.init_from and not spec.load_follows,  # a load overwrites it anyway
                 dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
+                cpu_offload=dp_plan.cpu_offload,
                 parallelize=lambda m: parallelize_stage(
-                    m, self.family, tp_mesh=groups.tp_mesh, zero=spec.zero,
-                    dp_mesh=groups.shard_mesh if powersgd_applies(spec, shape.dp) else groups.dp_mesh,
-                    param_dtype=self.param_dtype, shard_over_dp=fsdp_applies(shape.dp, train.dtype, spec.cpu_offload) and not use_ddp,
-                    fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
-                    compile=train.compile, cpu_offload=spec.cpu_offload,
-                    reduce_dtype=DTYPES[train.grad_reduce],
+                    m, self.family, dp_plan, tp_mesh=groups.tp_mesh,
+                    dp_mesh=groups.shard_mesh if dp_plan.fsdp_over == "shard" else groups.dp_mesh,
+                    param_dtype=self.param_dtype, fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
+                    compile=train.compile,
                 ),
             )
             self.stages[index] = Stage(
@@ -79,13 +79,14 @@ class RankRuntime:
             )
             self.optimizers.append(build_optimizer(module, train))
         # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], spec, groups, ddp=use_ddp)
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
-        self.compute_clock = ComputeClock(b for st in self.stages.values() for b in self.family.blocks(st.module))
+        self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
+                                          device=groups.device)
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
-        # -- model-family specifics (workers/models): tied copies across stages, initial HF weights
+        # -- model-family specifics (meshmodels/): tied copies across stages, initial HF weights
         modules = {i: st.module for i, st in self.stages.items()}
         self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, groups,
                               spec.collective_timeout_s)
@@ -120,6 +121,9 @@ class RankRuntime:
         # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
         # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
         self.inject_nan_grad = False
+        # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
+        # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
+        self._awaiting_load = spec.load_follows
         self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
         # Called before the optimizer writes the state: a snapshot still copying it finishes first
@@ -128,7 +132,7 @@ class RankRuntime:
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
-        """This rank's lockstep P2P batches on NCCL (orchestrator.p2p_rounds; cached per list)."""
+        """This rank's lockstep P2P batches on NCCL (meshspeak.p2p_rounds; cached per list)."""
         from meshspeak.p2p_rounds import rank_batches
 
         return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
@@ -145,7 +149,13 @@ class RankRuntime:
 
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
         """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
+        self._check_loaded()
         return eval_forward(self, path, batch, actions, mask_eos_id)
+
+    def _check_loaded(self) -> None:
+        if self._awaiting_load:
+            raise RuntimeError("the parameters were left uninitialised for a checkpoint or snapshot load "
+                               "that never came: this generation cannot train")
 
     def train_step(self, step: int, actions: list[Action]) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
@@ -153,7 +163,11 @@ class RankRuntime:
         A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
         optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
         """
+        self._check_loaded()
         t0 = time.perf_counter()
+        compiled = self.spec.train.compile
+        if compiled:
+            compile_stats.PROCESS.start()
         own0 = time.thread_time()
         self.compute_clock.take()  # drop what an eval forward counted since the last step
         self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
@@ -173,7 +187,8 @@ class RankRuntime:
         finite = True
         bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
-            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group)
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group,
+                                     self.spec.collective_timeout_s)
             scaler.update(finite)
         if finite:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
@@ -181,7 +196,8 @@ class RankRuntime:
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
             world = self.groups.world_group if self.groups.shape.world > 1 else None
             norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
-                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device)
+                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
+                                  timeout_s=self.spec.collective_timeout_s)
             if math.isfinite(norm):
                 self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
@@ -210,6 +226,7 @@ class RankRuntime:
             own_s=time.thread_time() - own0,
             forward_s=self.compute_clock.take(),
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
+            recompiles=compile_stats.PROCESS.stop() if compiled else None,
         )
 
     def _poison_grads(self) -> None:
@@ -306,6 +323,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return point.step
 
     # -- in-memory snapshots (checkpoints/snapshot_taker.py; docs/design.md, In-memory snapshots) ---
@@ -350,6 +368,7 @@ class RankRuntime:
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
+        self._awaiting_load = False
         return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes, shard_bytes=self.shard_bytes())
 
     def shard_bytes(self) -> int:

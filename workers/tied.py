@@ -7,6 +7,10 @@ them (same dp/tp coordinates, pipeline positions 0 and pp-1), as DeepSpeed's ``T
 both then take the same optimizer step from the same state, so they stay bit-identical. The gradients
 are already FSDP-reduced and identically sharded on both ranks, so the sum is an all-reduce of the
 local shards. For the global gradient norm only the first stage's copy counts.
+
+With ``mesh.cpu_offload`` FSDP2 leaves the reduced gradients on the host; NCCL reduces device
+memory only, so on a GPU the sum goes through the rank's device and back (as the grad norm's
+all-reduce in workers/optim.py does). On the CPU (gloo) the host tensor is reduced in place.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class TiedGrads:
         self.params: list[nn.Parameter] = []
         self.not_in_norm: set[int] = set()  # ids of copies the grad norm must not count twice
         self.group: dist.ProcessGroup | None = None
+        self.device = groups.device  # where this rank's collectives reduce (NCCL: its GPU)
         shape = groups.shape
         if not names or shape.pp == 1:
             return  # one stage holds both uses of the one parameter
@@ -58,7 +63,13 @@ class TiedGrads:
                 # Without FSDP nothing normalises the layout: a TP head's gradient may come back
                 # replicated while the embedding's is vocab-sharded. Both sides must sum alike.
                 grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if local.device == self.device:
+                dist.all_reduce(local, group=self.group)
+            else:  # an offloaded (host) gradient on a GPU rank
+                on_device = local.to(self.device)
+                dist.all_reduce(on_device, group=self.group)
+                local.copy_(on_device)
 
     def is_copy(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is the last stage's copy (reported and counted once, on the first stage)."""

@@ -2,7 +2,7 @@
 
 The text is synthetic English produced by a small seeded grammar over hand-written word lists, so it is
 free of copyright, needs no download, and is byte-for-byte reproducible: running this script again must
-give the committed file (``python workers/corpus/make_builtin.py --check`` verifies that).
+give the committed file (``python meshdata/corpus/make_builtin.py --check`` verifies that).
 
 The grammar is deliberately structured rather than random word salad, so a small byte-level GPT has
 something to learn at every scale: spelling (fixed words), agreement (singular/plural subjects pick the

@@ -13,7 +13,8 @@ If the driver's node cannot host it (it is draining), the head node and then any
 non-draining node are tried.
 
 Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
-machine), else the node's own address; never the wildcard (the store has no authentication).
+machine), else the node's own address; never the wildcard nor a public address (the store has no
+authentication: ``workers.store.bind_host``).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class StoreProvider:
             try:
                 placed, address = ray.get(handle.where.remote(), timeout=self.start_timeout_s)
             except Exception as exc:
-                errors.append(f"node {node[:8]}: {type(exc).__name__}")
+                errors.append(f"node {node[:8]}: {type(exc).__name__}: {_last_line(exc)}")
                 ray.kill(handle, no_restart=True)
                 continue
             self.handle, self.node_id, self.loopback, self._address = handle, placed, loopback, tuple(address)
@@ -154,6 +155,12 @@ class StoreProvider:
             return
         raise TrainingFailed("could not host the rendezvous store on any live node ("
                              + ("; ".join(errors) or "no live node") + "): check the cluster's health")
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of an error's text (a Ray error ends with the actor's own exception line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def _alive_ips(nodes: Iterable[Mapping]) -> set[str]:

@@ -4,7 +4,7 @@ Actors are numbered by ``actor_id`` for their whole life; their *world rank* cha
 The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
 TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
 placement group for the rest. A group may instead be handed a placement group reserved for it (a Tune
-trial's: `orchestrator/sweep_trial.py`): its bundles are filled first and it is never removed here.
+trial's: `orchestrator/sweep/trial.py`): its bundles are filled first and it is never removed here.
 A dead actor's call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
@@ -62,7 +62,7 @@ class WorkerGroup:
         self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (drain notices name nodes by id)
         self._pgs: list[Any] = []
         self._next_id = 0
-        # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/bundles.py).
+        # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/cluster/bundles.py).
         self._bundles = BundleLedger()
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
         # Actors Ray reported dead of their worker process: their bundle may be refilled at once.

@@ -1,9 +1,9 @@
 """Which config keys a checkpoint depends on: the model fingerprint and the diff that names them.
 
-Kept apart from the config schema and loader (orchestrator.config): this changes when the rules for
+Kept apart from the config schema and loader (meshspeak.sections, orchestrator.config.load): this changes when the rules for
 resuming a checkpoint change, not when a key is added. The input is the [model] section; everything
 else (mesh, batch split, timeouts) may differ between save and resume. The data is checked by content,
-not by ``data.path`` (the manifest's ``data_identity``, orchestrator/checkpointing.py), so a moved
+not by ``data.path`` (the manifest's ``data_identity``, orchestrator/saves/checkpointing.py), so a moved
 corpus resumes.
 """
 

@@ -22,7 +22,7 @@ actors (``tests/ray``):
     REBUILDING -> ERRORED       below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
-survivors (``orchestrator.recovery``), bumps the generation, re-plans the mesh from the live actors,
+survivors (``orchestrator.recovery.settle``), bumps the generation, re-plans the mesh from the live actors,
 has them re-form groups *in the same processes*, and reloads the newest state resharded into the new
 mesh: the in-memory snapshots when every shard has a live copy, else the newest committed checkpoint
 (``orchestrator.saves.snapshots``). A failure while a generation forms takes the same path.
@@ -36,6 +36,7 @@ Everything the controller needs of the cluster goes through the worker group
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -116,6 +117,8 @@ class Controller:
         self.mask_eos_id = mask_eos_for(cfg.data)
         self.evaluator = Evaluator(cfg, eval_path, eval_mask_eos_id)  # [eval]: held-out loss between steps
         self.run_id = uuid.uuid4().hex[:8]
+        # Before every rendezvous key; handed to the ranks only inside Ray calls (messages.JoinSpec).
+        self.store_secret = secrets.token_hex(16)
         self.generation: GenerationRecord | None = None
         self.progress = Progress()
         self.window = StepWindow(steps_in_flight)  # steps sent and not yet read (control/window.py)

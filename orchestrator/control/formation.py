@@ -37,8 +37,12 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
     members, spares = assign_ranks(c.group.live_ids, c.group.node_ips, plan.shape)
     c.spares.formed(number, members, spares)
     c.health.stragglers.forget(set(members.values()))
+    resuming = c.ckpt.resume_point() is not None
+    # The ranks skip the random init a load overwrites (a checkpoint, or a snapshot set with a live copy
+    # of every shard); a load that then never comes fails their first step (workers/runtime.py).
+    snapshot = c.snapshots.active and c.snapshots.usable(set(c.group.live_ids)) is not None
     spec = runtime_spec(c.cfg, plan, data_path=c.data_path, use_gpu=c.use_gpu, mask_eos_id=c.mask_eos_id,
-                        resuming=c.ckpt.resume_point() is not None)
+                        resuming=resuming, load_follows=resuming or snapshot)
     gen = GenerationRecord(number, plan, members)
     holders = c.snapshots.holders_for(gen, {a: c.group.node_ids.get(a, "") for a in members.values()})
     actions = plan.actions()
@@ -49,7 +53,8 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
                                   snapshot_every=c.snapshots.every if holders else 0,
                                   holder=c.group.handle(members[holders[rank]]) if holders else None,
                                   holder_rank=holders.get(rank, -1))
-        args[actor] = (JoinSpec(number, plan.shape, rank, host, port, f"{c.run_id}-gen{number}"), spec, orders)
+        args[actor] = (JoinSpec(number, plan.shape, rank, host, port, f"{c.run_id}-gen{number}",
+                                 store_secret=c.store_secret), spec, orders)
     if spares:
         c.group.call(spares, RankCalls.leave_generation, timeout_s=30.0)
     refs = c.group.submit(list(members.values()), RankCalls.join_generation, args)
@@ -70,7 +75,7 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
     c.progress.next_step = restored.step + 1
     event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
              "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
-             "dp_replicate": spec.dp_replicate, "resumed_from_step": restored.step,
+             "dp_replicate": spec.dp.replicate, "resumed_from_step": restored.step,
              "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
              "reason": decision.reason, "spares": len(spares)}
     if decision.reason == "start":

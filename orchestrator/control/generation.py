@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshspeak.mesh import MeshShape, replicate_degree
+from meshspeak.mesh import MeshShape
 from meshspeak.messages import RankInfo, RuntimeSpec
 from meshspeak.sections import JobConfig
 from orchestrator.plan.mesh_plan import MeshPlan, model_fields
@@ -46,16 +46,17 @@ class RunSummary:
 
 
 def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: bool, mask_eos_id: int | None,
-                 resuming: bool) -> RuntimeSpec:
+                 resuming: bool, load_follows: bool = False) -> RuntimeSpec:
     """What every rank of a generation planned as ``plan`` needs to build its model, optimizer and data.
 
     ``resuming``: a checkpoint will be loaded, so ``checkpoint.init_from`` is not passed on.
+    ``load_follows``: a checkpoint or snapshot will be loaded, so the ranks skip the random init.
     """
     return RuntimeSpec(
         model=cfg.model,
         train=cfg.train,
         data_path=data_path,
-        zero=cfg.mesh.zero,
+        dp=plan.dp,
         layers_per_stage=plan.layers_per_stage,
         virtual_stages=plan.virtual_stages,
         collective_timeout_s=cfg.elastic.collective_timeout_s,
@@ -65,8 +66,7 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         **model_fields(cfg, resuming=resuming),
         mask_eos_id=mask_eos_id,
         schedule=cfg.pipeline.schedule,
-        cpu_offload=cfg.mesh.cpu_offload,
-        dp_replicate=replicate_degree(cfg.mesh.zero, plan.shape.dp, cfg.mesh.dp, cfg.mesh.dp_replicate),
+        load_follows=load_follows,
     )
 
 

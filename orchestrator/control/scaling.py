@@ -9,7 +9,7 @@ in after a failure (so a lost rank costs no dp while one is left), and counted i
 ``ScalingPolicy`` answers the controller's scaling questions with decisions — ``ResizeDecision``
 (form a mesh of this dp), ``NoResize`` (keep the mesh), ``TooFewWorkers`` (stop) — and the numbers of
 actors to start; the controller gathers the counts (live actors, free slots) and carries the
-decisions out. Failures are decided in ``orchestrator.failure_policy``.
+decisions out. Failures are decided in ``orchestrator.recovery.failure_policy``.
 """
 
 from __future__ import annotations

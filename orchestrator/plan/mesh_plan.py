@@ -7,19 +7,12 @@ memory estimate (parameters, gradients, optimizer state, activations) for ``elas
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from meshmodels.family import resolve_model
-from meshspeak.mesh import (
-    MeshShape,
-    balanced_split,
-    ddp_applies,
-    fsdp_applies,
-    fsdp_units,
-    layer_ranges,
-    replicate_degree,
-    stage_param_counts,
-)
+from meshspeak.dp_plan import DataParallelPlan, plan_data_parallel
+from meshspeak.mesh import MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
 from meshspeak.schedule import Action, make_schedule, peak_in_flight, stages_of_rank, theoretical_bubble
 from meshspeak.sections import JobConfig, microbatches_per_replica
 
@@ -30,7 +23,7 @@ def param_counts(model) -> dict[str, int]:
     """Parameter counts of the model by part: ``embed``, one ``layer``, ``head`` (final norm + output,
     the output counted even when tied to the embedding: the last stage holds a copy), ``tied`` (what
     of the head is the embedding's copy; 0 untied) and ``total`` (distinct parameters). From the model
-    family (``workers/models/family.py``); tests check them against the built modules."""
+    family (``meshmodels/family.py``); tests check them against the built modules."""
     counts = dict(resolve_model(model).family.param_counts(resolve_model(model).shape))
     counts.setdefault("tied", 0)
     return counts
@@ -43,6 +36,7 @@ class MeshPlan:
     virtual_stages: int
     schedule_name: str
     microbatches: int
+    dp: DataParallelPlan  # how the generation's ranks hold and reduce over dp (meshspeak/dp_plan.py)
 
     @property
     def num_stages(self) -> int:
@@ -68,6 +62,10 @@ def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
         virtual_stages=cfg.pipeline.virtual_stages,
         schedule_name=cfg.pipeline.schedule,
         microbatches=microbatches_per_replica(cfg.train, dp),
+        dp=plan_data_parallel(zero=cfg.mesh.zero, dp=dp, pp=cfg.mesh.pp, tp=cfg.mesh.tp, dtype=cfg.train.dtype,
+                              grad_reduce=cfg.train.grad_reduce, cpu_offload=cfg.mesh.cpu_offload,
+                              compression=cfg.train.grad_compression, cfg_dp=cfg.mesh.dp,
+                              cfg_replicate=cfg.mesh.dp_replicate),
     )
 
 
@@ -111,12 +109,13 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     dp = plan.shape.dp
     stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages)
     params = sum(stage_params(cfg, plan, s) for s in stages) // t
-    shard = dp // replicate_degree(cfg.mesh.zero, dp, cfg.mesh.dp, cfg.mesh.dp_replicate)
+    shard = dp // plan.dp.replicate
     sharded = params // shard if shard > 1 else params
     act_bytes = BYTES[train.dtype]
     gathered = 0
     if dp > 1:
-        gathered = params if cfg.mesh.zero <= 2 or shard == 1 else _zero3_gathered_params(cfg, plan, stages)
+        gathered = (params if not plan.dp.reshard_after_forward or shard == 1
+                    else _zero3_gathered_params(cfg, plan, stages))
         gathered *= act_bytes
     per_layer = 16 * train.micro_batch_size * m.seq_len * m.d_model * act_bytes // t
     ranges = layer_ranges(list(plan.layers_per_stage))
@@ -163,9 +162,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
     ranges = layer_ranges(list(plan.layers_per_stage))
-    uses_fsdp = fsdp_applies(shape.dp, cfg.train.dtype, cfg.mesh.cpu_offload) and not ddp_applies(
-        cfg.mesh.zero, shape.dp, shape.pp, shape.tp, cfg.train.dtype, cfg.train.grad_reduce, cfg.mesh.cpu_offload,
-        cfg.train.grad_compression)
+    uses_fsdp = plan.dp.wrapper == "fsdp"
     return {
         "mesh": shape.as_dict(),
         "world": shape.world,
@@ -173,6 +170,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         "virtual_stages": plan.virtual_stages,
         "microbatches_per_replica": plan.microbatches,
         "bubble_estimate": theoretical_bubble(shape.pp, plan.microbatches, plan.virtual_stages),
+        "data_parallel": dataclasses.asdict(plan.dp),
         "stages": [
             {"stage": s, "pp_rank": s % shape.pp, "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
              "fsdp_units": stage_fsdp_units(cfg, plan, s) if uses_fsdp else None}
@@ -191,7 +189,7 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
 
 def snapshot_host_memory(cfg: JobConfig, plan: MeshPlan) -> dict[int, int] | None:
     """Host bytes in-memory snapshots take per rank at each pipeline position, or None when they are
-    off (``checkpoint.memory_every``; orchestrator/snapshots.py): the fp32 parameter shard plus its
+    off (``checkpoint.memory_every``; orchestrator/saves/snapshots.py): the fp32 parameter shard plus its
     two Adam moments, held four times (the rank's own newest and in-flight snapshots and the same two
     of the peer it backs up)."""
     from orchestrator.saves.snapshots import host_bytes_per_rank

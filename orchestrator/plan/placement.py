@@ -1,6 +1,6 @@
 """Which actor gets which world rank: TP groups inside a node, then PP, then DP across nodes (pure data).
 
-Rank order is TP innermost (``orchestrator.mesh``): a TP group is ``tp`` consecutive ranks and a
+Rank order is TP innermost (``meshspeak.mesh``): a TP group is ``tp`` consecutive ranks and a
 replica ``pp * tp`` consecutive ranks. TP runs collectives inside every layer, so a TP group split
 across nodes puts them on the slowest link of the job; PP sends one activation per microbatch between
 neighbours, DP one gradient reduction per step. So the rule, per replica in rank order:

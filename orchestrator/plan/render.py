@@ -1,4 +1,4 @@
-"""Render `elastimesh plan`'s data (orchestrator.plan.describe) as a readable text report."""
+"""Render `elastimesh plan`'s data (orchestrator.plan.mesh_plan.describe) as a readable text report."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ def _units(units: list[list[int]] | None, lo: int, hi: int) -> str:
     return " | ".join([*parts, root])
 
 
+def _data_parallel(dp: dict) -> str:
+    """The generation's data-parallel plan (meshspeak/dp_plan.py) in one line."""
+    how = {"ddp": "torch DDP (all-reduce)", "none": "none (one rank)"}.get(dp["wrapper"], "FSDP2")
+    if dp["wrapper"] == "fsdp":
+        how += (", reshard after forward" if dp["reshard_after_forward"] else ", gathered through the step")
+        how += f", {dp['replicate']} replica group(s)" if dp["replicate"] > 1 else ""
+        how += ", over the one-rank shard axis" if dp["fsdp_over"] == "shard" else ""
+    extras = [f"reduce {dp['reduce_dtype']}"] + ([dp["compression"]] if dp["compression"] != "none" else []) + (
+        ["cpu offload"] if dp["cpu_offload"] else [])
+    return f"data-par    zero={dp['zero']}: {how}; {', '.join(extras)}"
+
+
 def render(info: dict) -> str:
     m = info["mesh"]
     lines = [
@@ -26,6 +38,7 @@ def render(info: dict) -> str:
         f"schedule    {info['schedule']} (virtual stages {info['virtual_stages']}), "
         f"{info['microbatches_per_replica']} microbatches per replica, "
         f"bubble estimate {info['bubble_estimate']:.1%}",
+        _data_parallel(info["data_parallel"]),
         "",
         "stage  pp_rank  layers        params  fsdp units (mesh.fsdp_unit_mb)",
     ]

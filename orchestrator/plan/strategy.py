@@ -3,7 +3,7 @@
 "Cheapest" is in communication per step and FSDP unit (docs/design.md, Data-parallel strategies):
 ZeRO-0 (one all-reduce) < ZeRO-2 < ZeRO-3 (one all-gather more), and at one level HSDP with more
 replica groups (smaller shard groups: fewer ranks in each all-gather/reduce-scatter) before fewer.
-ZeRO-1 is not offered: it runs as ZeRO-2. The memory is ``orchestrator.plan.rank_memory``'s
+ZeRO-1 is not offered: it runs as ZeRO-2. The memory is ``orchestrator.plan.mesh_plan.rank_memory``'s
 estimate at the configured mesh, the largest over pipeline positions.
 """
 

@@ -54,6 +54,7 @@ from checkpoints.catalog import (
 )
 from checkpoints.errors import CheckpointError
 from checkpoints.manifest import CheckpointManifest
+from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import SaveAck, WriteAck
 from meshspeak.rank_calls import RankCalls
@@ -114,8 +115,9 @@ class CheckpointCoordinator:
         self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
         self._start: CheckpointInfo | None = None  # the checkpoint this run resumed from, if any
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
+        self._safe: set[str] = set()  # checkpoints whose .metadata passed checkpoints.safe_pickle
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
-        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/bad_steps.py): written, and read back
+        self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
         if self.user_dir:
             try:
                 ensure_writable(self.root)
@@ -318,6 +320,9 @@ class CheckpointCoordinator:
             info = self._start
         if info is None:
             return None
+        if info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
+            check_metadata_file(info.path)
+            self._safe.add(info.path)
         if info.manifest.model_fingerprint != self.fingerprint:
             keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
             raise UserInputError(
@@ -374,7 +379,7 @@ class CheckpointCoordinator:
 
 
 def _data_identity(cfg: JobConfig) -> str:
-    """Content identity of the job's data (workers.data: torch-free, cached per process)."""
+    """Content identity of the job's data (meshdata: torch-free, cached per process)."""
     from meshdata import open_source
 
     return open_source(cfg.data.path).identity

@@ -1,7 +1,7 @@
 """`elastimesh tune JOB.toml --search KEY=SPACE ... --samples N`: a Ray Tune sweep of elastimesh jobs.
 
 Ray Tune (`ray.tune.Tuner`, a function trainable) runs the trials; each trial is a whole elastic job
-(`orchestrator/sweep_trial.py` says how it reserves and releases its ranks). `--scheduler asha` stops
+(`orchestrator/sweep/trial.py` says how it reserves and releases its ranks). `--scheduler asha` stops
 bad trials early (`ASHAScheduler` on the per-step loss, `step` as its time axis); `--search-alg
 optuna` samples with Optuna's TPE (the optional `tune` extra) instead of at random.
 

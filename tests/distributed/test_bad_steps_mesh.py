@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from testbed.reference import MESH_FP64, assert_params_match, reference
 from testbed.world import run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", 'train.dtype="float64"',
@@ -36,23 +37,6 @@ def nan_on_rank_3_at_step_3(runtime):
     return None
 
 
-def _reference_skipping(skip: set[int]):
-    import torch
-
-    from orchestrator.config.load import load_config
-    from workers.reference import ReferenceTrainer
-
-    cfg = load_config(None, list(SMALL))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train)
-        losses = trainer.run(1, STEPS, skip=skip)
-        return losses, trainer.params()
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.timeout(300)
 def test_nan_in_one_rank_gradient_skips_the_step_everywhere() -> None:
     run = run_mesh(2, 2, 1, SMALL, STEPS, instrument=nan_on_rank_3_at_step_3)
@@ -60,12 +44,11 @@ def test_nan_in_one_rank_gradient_skips_the_step_everywhere() -> None:
     for rank, flags in bad.items():  # one decision: every rank skipped step 3, and only it
         assert [i + 1 for i, f in enumerate(flags) if f] == [BAD_STEP], (rank, flags)
         assert run.results[rank][BAD_STEP - 1].skipped
-    ref_losses, ref_params = _reference_skipping({BAD_STEP})
-    assert ref_losses[BAD_STEP - 1] is None
+    ref = reference(SMALL, STEPS, skip={BAD_STEP})
+    assert ref.losses[BAD_STEP - 1] is None
     good = [i for i in range(STEPS) if i != BAD_STEP - 1]
-    np.testing.assert_allclose([run.losses[i] for i in good], [ref_losses[i] for i in good], rtol=1e-9)
-    for name, want in ref_params.items():
-        np.testing.assert_allclose(run.params[name], want, rtol=0, atol=1e-9, err_msg=name)
+    np.testing.assert_allclose([run.losses[i] for i in good], [ref.losses[i] for i in good], rtol=1e-9)
+    assert_params_match(run.params, ref.params, MESH_FP64)
     # ... and differ from a run that trained on batch 3: the skip changed the parameters.
-    _, trained = _reference_skipping(set())
-    assert max(float(np.abs(trained[n] - ref_params[n]).max()) for n in ref_params) > 1e-4
+    trained = reference(SMALL, STEPS).params
+    assert max(float(np.abs(trained[n] - ref.params[n]).max()) for n in ref.params) > 1e-4

@@ -20,7 +20,8 @@ from torch import nn
 from checkpoints.catalog import commit, latest_valid
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
-from testbed.spawn import run_world
+from testbed.gloo_world import run_world
+from testbed.rank_pool import shutdown_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 D_IN, HIDDEN, D_OUT, GLOBAL_BATCH, SAVED_STEP = 10, 22, 6, 8, 2
@@ -145,6 +146,13 @@ def _reference(path: str) -> dict[str, Any]:
     losses = [_train_step(model, opt, sched, None, s, 1) for s in (resume.step + 1, resume.step + 2)]
     return {"resume": (resume.step, resume.data_cursor), "loaded": loaded, "lr": lr, "rng": rng_draw,
             "losses": losses}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worker_pool():
+    """The ranks are re-used across this module's worlds; stop them when it is done."""
+    yield
+    shutdown_pool()
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import pytest
 
 from meshdata import open_source, prepare
 from meshdata.masks import mask_eos_for
-from tests.distributed.test_mesh_equivalence import assert_matches_reference
-from testbed.world import reference, run_mesh, shutdown_pool
-from tests.unit.test_data_prepare import make_tokenizer
+from testbed.reference import assert_matches_reference, reference
+from testbed.tiny_tokenizer import make_tokenizer
+from testbed.world import run_mesh, shutdown_pool
 
 STEPS = 4
 BASE = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", "model.vocab_size=512",
@@ -55,7 +55,7 @@ def eval_after_training(path: str, batches: int, runtime):
 
 
 def mesh_eval_loss(extras: dict) -> float:
-    """What orchestrator/evaluation.py computes from the ranks' answers."""
+    """What orchestrator/control/evaluation.py computes from the ranks' answers."""
     batches = len(next(iter(extras.values())))
     total = count = 0.0
     for b in range(batches):
@@ -76,7 +76,7 @@ def test_masked_training_on_prepared_shards_matches_reference(shards, shape):
     assert src.eos_id is not None and len(src.index.files) > 1
     run = run_mesh(*shape, overrides, STEPS, instrument=functools.partial(eval_after_training, shards, 2))
     ref = reference(overrides, STEPS)
-    assert_matches_reference(run, ref)
+    assert_matches_reference(run.losses, run.params, ref)
     unmasked = reference((*overrides, "data.mask_document_boundaries=false"), STEPS)
     assert abs(unmasked.losses[0] - ref.losses[0]) > 1e-3  # the mask is really in effect
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.reference import MESH_FP64, assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 FP64 = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", 'train.dtype="float64"',
         "train.global_batch_size=8", "train.micro_batch_size=1")
@@ -28,8 +29,6 @@ def _worker_pool():
 def test_fp64_mesh_matches_fp64_reference_to_1e9() -> None:
     ref = reference(FP64, STEPS)
     run = run_mesh(2, 1, 2, FP64, STEPS)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-9, atol=0)
-    assert set(run.params) == set(ref.params)
+    assert_matches_reference(run.losses, run.params, ref, MESH_FP64)
     for name, expected in ref.params.items():
         assert expected.dtype == np.float64 and run.params[name].dtype == np.float64, name
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-9, err_msg=name)

@@ -7,7 +7,9 @@
   skip that update (its parameters stay bit-identical through the step, the others change), the
   loss scale halves on every rank, and the halved scale is saved in the checkpoint and used again
   after a resume in a new generation.
-* ``train.compile``: a compiled run equals the eager reference (slow: inductor on 2 shared cores).
+* ``train.compile``: a compiled run equals the eager reference, at dp=1 and with FSDP2 at dp=2, also
+  after a rebuild in the same processes, whose recompiles the step records report (slow: inductor on
+  2 shared cores).
 * TP's ``loss_parallel``: the last stage's logits stay sharded over the vocabulary (each tp rank
   holds V / tp columns) and the loss still equals the reference's.
 """
@@ -19,7 +21,8 @@ import functools
 import numpy as np
 import pytest
 
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
          "train.global_batch_size=4", "train.micro_batch_size=1")
@@ -35,10 +38,7 @@ def _worker_pool():
 @pytest.mark.parametrize("dp", [1, 2])
 def test_cpu_offload_matches_reference(dp):
     run = run_mesh(dp, 1, 1, (*SMALL, "mesh.cpu_offload=true"), steps=4)
-    ref = reference(SMALL, 4)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(run.losses, run.params, reference(SMALL, 4))
 
 
 def _checksum(runtime) -> float:
@@ -139,7 +139,25 @@ def test_tp_loss_is_vocab_parallel_and_matches_reference():
 @pytest.mark.timeout(900)
 def test_compiled_blocks_train_like_the_eager_reference():
     run = run_mesh(1, 1, 1, (*SMALL, "train.compile=true"), steps=3, timeout=840)
-    ref = reference(SMALL, 3)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(run.losses, run.params, reference(SMALL, 3))
+
+@pytest.mark.slow  # inductor compiles C++ kernels: minutes on 2 shared cores
+@pytest.mark.timeout(3000)
+def test_compiled_fsdp2_blocks_at_dp2_train_like_eager_and_report_recompiles_across_a_rebuild(capsys):
+    """train.compile with FSDP2 at dp=2 equals the eager reference. The same processes then form a
+    new generation (new process groups and generation-unique mesh names: a rebuild, as the actors
+    do it) and train again: equal again. Every step after a rank's first compiled one reports the
+    graphs compiled again (``recompiles``): none inside a generation; what the rebuild cost is
+    printed for the record (the figure in the report)."""
+    shutdown_pool()  # fresh processes: nothing compiled in them yet
+    overrides = (*SMALL, "train.compile=true")
+    ref = reference(SMALL, 2)
+    first = run_mesh(2, 1, 1, overrides, steps=2, timeout=2400)
+    np.testing.assert_allclose(first.losses, ref.losses, rtol=1e-5, atol=0)
+    assert [[r.recompiles for r in first.results[rank]] for rank in (0, 1)] == [[0, 0], [0, 0]]
+    rebuilt = run_mesh(2, 1, 1, overrides, steps=2, timeout=2400)
+    np.testing.assert_allclose(rebuilt.losses, ref.losses, rtol=1e-5, atol=0)
+    counts = {rank: [r.recompiles for r in rebuilt.results[rank]] for rank in (0, 1)}
+    assert all(c[1] == 0 for c in counts.values()), counts  # the rebuilt generation's second step
+    with capsys.disabled():
+        print(f"\nrecompiles after a rebuild (rank -> steps 1, 2 of the new generation): {counts}")

@@ -22,8 +22,8 @@ import pytest
 from checkpoints.catalog import commit
 from checkpoints.layout import step_dir_name
 from checkpoints.manifest import CheckpointManifest
+from testbed.command_line import assert_bad_input, run_cli
 from testbed.world import mesh_config, run_mesh
-from tests.process.test_cli_bad_input import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -150,10 +150,8 @@ class LoadFirst:
 def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
     """Tied embedding on two stages at (2,2,2), saved at step 2, resumed at (3,1,1) where it is one
     parameter: steps 3-4 and the final weights equal one process's uninterrupted run."""
-    import numpy as np
-
     from testbed.hf_models import save_tiny_llama
-    from testbed.world import reference
+    from testbed.reference import assert_matches_reference, reference
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
@@ -162,7 +160,4 @@ def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
     first = run_mesh(2, 2, 2, overrides, 2, instrument=SaveAfter(root, 2), collect_params=False)
     step_dir = commit_run(root, first, overrides, 2)
     resumed = run_mesh(3, 1, 1, overrides, 2, first_step=3, instrument=LoadFirst(step_dir))
-    ref = reference(overrides, 4)
-    np.testing.assert_allclose(first.losses + resumed.losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(resumed.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(first.losses + resumed.losses, resumed.params, reference(overrides, 4))

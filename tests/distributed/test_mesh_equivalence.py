@@ -27,19 +27,13 @@ import numpy as np
 import pytest
 
 from orchestrator.plan.mesh_plan import describe, make_plan
-from testbed.world import MeshRun, MeshRunError, Reference, mesh_config, reference, run_mesh, shutdown_pool
+from testbed.mesh_cases import SMALL, STEPS, mesh_id
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import MeshRunError, mesh_config, run_mesh, shutdown_pool
 
-SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")
 SCHEDULE_BATCH = ("train.global_batch_size=8", "train.micro_batch_size=1")
-STEPS = 10
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-5
 
 ONE_F_ONE_B = [(2, 1, 1), (1, 2, 1), (4, 1, 1), (1, 1, 2), (2, 1, 2), (1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
-
-
-def _id(shape: tuple[int, int, int]) -> str:
-    return "dp{}-pp{}-tp{}".format(*shape)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,41 +43,27 @@ def _worker_pool():
     shutdown_pool()
 
 
-def assert_matches_reference(run: MeshRun, ref: Reference) -> None:
-    np.testing.assert_allclose(
-        run.losses, ref.losses, rtol=LOSS_RTOL, atol=0, err_msg="per-step global loss vs reference"
-    )
-    assert set(run.params) == set(ref.params), (
-        f"missing on the mesh: {sorted(set(ref.params) - set(run.params))}; "
-        f"extra on the mesh: {sorted(set(run.params) - set(ref.params))}"
-    )
-    for name, expected in sorted(ref.params.items()):
-        got = run.params[name]
-        assert got.shape == expected.shape, f"{name}: shape {got.shape} != reference {expected.shape}"
-        np.testing.assert_allclose(got, expected, rtol=0, atol=PARAM_ATOL, err_msg=f"parameter {name}")
-
-
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape", ONE_F_ONE_B, ids=_id)
+@pytest.mark.parametrize("shape", ONE_F_ONE_B, ids=mesh_id)
 def test_1f1b_matches_reference(shape: tuple[int, int, int]) -> None:
     dp, pp, tp = shape
     run = run_mesh(dp, pp, tp, SMALL, STEPS, schedule="1f1b")
     assert len(run.layers_per_stage) == pp and sum(run.layers_per_stage) == 4
-    assert_matches_reference(run, reference(SMALL, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(SMALL, STEPS))
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("schedule", "virtual_stages"), [("gpipe", 1), ("interleaved_1f1b", 2)], ids=["gpipe", "interleaved"]
 )
-@pytest.mark.parametrize("shape", [(1, 2, 1), (2, 2, 2)], ids=_id)
+@pytest.mark.parametrize("shape", [(1, 2, 1), (2, 2, 2)], ids=mesh_id)
 def test_schedule_matches_reference(shape: tuple[int, int, int], schedule: str, virtual_stages: int) -> None:
     dp, pp, tp = shape
     overrides = SMALL + SCHEDULE_BATCH
     run = run_mesh(dp, pp, tp, overrides, STEPS, schedule=schedule, virtual_stages=virtual_stages)
     assert len(run.layers_per_stage) == pp * virtual_stages
     assert run.microbatches == 8 // dp
-    assert_matches_reference(run, reference(overrides, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(overrides, STEPS))
 
 
 def count_fsdp_units(runtime):
@@ -111,7 +91,7 @@ FSDP_UNIT_CASES = [
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("shape", "zero", "unit_mb", "units"), FSDP_UNIT_CASES,
-                         ids=[f"{_id(c[0])}-zero{c[1]}-unit{c[2]}MB" for c in FSDP_UNIT_CASES])
+                         ids=[f"{mesh_id(c[0])}-zero{c[1]}-unit{c[2]}MB" for c in FSDP_UNIT_CASES])
 def test_fsdp_unit_size_changes_collectives_not_math(shape, zero, unit_mb, units) -> None:
     """``mesh.fsdp_unit_mb`` regroups blocks into FSDP units; the training stays the reference's."""
     dp, pp, tp = shape
@@ -121,7 +101,7 @@ def test_fsdp_unit_size_changes_collectives_not_math(shape, zero, unit_mb, units
     # `elastimesh plan` shows the same units (its block units + the root) for every stage.
     cfg = mesh_config(dp, pp, tp, overrides)
     assert [len(s["fsdp_units"]) + 1 for s in describe(cfg, make_plan(cfg))["stages"]] == [units] * pp
-    assert_matches_reference(run, reference(SMALL, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(SMALL, STEPS))
 
 
 @pytest.mark.timeout(180)
@@ -197,11 +177,22 @@ def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: fl
 
 
 @pytest.mark.timeout(120)
-def test_harness_re_runs_once_after_a_native_crash_then_fails() -> None:
+def test_harness_re_runs_once_after_a_native_crash_then_fails(tmp_path, monkeypatch) -> None:
     """A rank killed by SIGABRT (docs/design.md, F20) gets one re-run in fresh processes, with a
-    warning; crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    warning and a record in the session's native-crash file (printed at the end by tests/conftest.py);
+    crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report, read_native_crashes
+
+    log = tmp_path / "native_crashes.jsonl"
+    monkeypatch.setenv(NATIVE_CRASH_LOG_ENV, str(log))
     with pytest.warns(UserWarning, match="crashed in native code") as caught, \
             pytest.raises(MeshRunError, match=r"ranks died \(rank -> exit code\): \{1: -6\}") as info:
         run_mesh(2, 1, 1, SMALL, 1, instrument=abort_on_rank_one, collective_timeout_s=60)
     assert info.value.died == {1: -6}
     assert len([w for w in caught if "native code" in str(w.message)]) == 1
+    (record,) = read_native_crashes(log)  # the first crash, which was re-run; the second failed the test
+    assert record["died"] == {"1": -6} and record["ended_by"] == "died"
+    assert "test_harness_re_runs_once_after_a_native_crash_then_fails" in record["test"]
+    assert record["run"] == "run_mesh(dp=2, pp=1, tp=1, steps=1)"
+    report = native_crash_report(log)
+    assert len(report) == 2 and report[0].startswith("1 mesh run(s) re-ran after a native crash")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_mesh_equivalence import SMALL
+from testbed.mesh_cases import SMALL
 from testbed.world import run_mesh, shutdown_pool
 
 

@@ -13,8 +13,9 @@ import math
 import numpy as np
 import pytest
 
-from tests.distributed.test_mesh_equivalence import SMALL
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.mesh_cases import SMALL
+from testbed.reference import reference
+from testbed.world import run_mesh, shutdown_pool
 
 
 @pytest.fixture(scope="module", autouse=True)

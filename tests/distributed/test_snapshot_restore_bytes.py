@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from testbed.spawn import run_world
+from testbed.gloo_world import run_world
 from testbed.mlp import GLOBAL_BATCH, SOURCES, build, full_params, train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices

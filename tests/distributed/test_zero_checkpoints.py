@@ -4,7 +4,7 @@ Each leg is a ``run_mesh`` run that loads the previous leg's checkpoint before i
 saves after its last (``RankRuntime.save_checkpoint``: DCP, resharding on load). The eight losses
 and the final parameters must equal one process's uninterrupted eight steps (1e-5), so parameters
 *and* optimizer state crossed every change of layout: ZeRO-0 on plain dp (torch DDP: plain
-replicated tensors, ``orchestrator.mesh.ddp_applies``), sharded (Shard(0) over dp, TP DTensors on
+replicated tensors, ``meshspeak.dp_plan.ddp_applies``), sharded (Shard(0) over dp, TP DTensors on
 (dp, tp)), and HSDP (Replicate, Shard(0)) on (2, 2).
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from checkpoints.layout import step_dir_name
-from tests.distributed.test_mesh_equivalence import SMALL
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.mesh_cases import SMALL
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -73,10 +73,7 @@ def assert_legs_match_one_process(legs, root: str) -> None:
                        collect_params=i == len(legs) - 1, instrument=LoadTrainSave(load, root, last))
         losses += run.losses
         load = os.path.join(root, step_dir_name(last))
-    ref = reference(SMALL, 2 * len(legs))
-    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5, atol=0)
-    for name, expected in ref.params.items():
-        np.testing.assert_allclose(run.params[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert_matches_reference(losses, run.params, reference(SMALL, 2 * len(legs)))
 
 
 PSGD = ("mesh.zero=0", 'train.grad_compression="powersgd"')

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.test_mesh_equivalence import SMALL, _id, assert_matches_reference
-from testbed.world import reference, run_mesh, shutdown_pool
+from testbed.mesh_cases import SMALL, mesh_id
+from testbed.reference import assert_matches_reference, reference
+from testbed.world import run_mesh, shutdown_pool
 
 STEPS = 4
 SHAPES = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 1)]
@@ -38,18 +39,18 @@ def _placements(runtime):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=mesh_id)
 @pytest.mark.parametrize("zero", [0, 1])
 def test_zero_level_matches_reference(shape, zero) -> None:
     dp, pp, tp = shape
     run = run_mesh(dp, pp, tp, (*SMALL, f"mesh.zero={zero}"), STEPS, instrument=_placements)
-    if zero == 0 and pp == 1 and tp == 1:  # plain dp: torch's DDP (orchestrator.mesh.ddp_applies)
+    if zero == 0 and pp == 1 and tp == 1:  # plain dp: torch's DDP (meshspeak.dp_plan.ddp_applies)
         assert all(stages == ["ddp"] for stages in run.extras.values()), run.extras
     elif zero == 0:  # replicated over dp: (replicate=dp, shard=1), plus tp when tp > 1
         for stages in run.extras.values():
             for ndim, placements in stages:
                 assert ndim == 2 + (tp > 1) and placements[0] == "Replicate", stages
-    assert_matches_reference(run, reference(SMALL, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(SMALL, STEPS))
 
 
 @pytest.mark.timeout(240)
@@ -58,7 +59,7 @@ def test_hsdp_matches_reference(zero) -> None:
     run = run_mesh(4, 1, 1, (*SMALL, f"mesh.zero={zero}", "mesh.dp_replicate=2"), STEPS, instrument=_placements)
     for stages in run.extras.values():
         assert stages == [(2, ("Replicate", "Shard"))], stages
-    assert_matches_reference(run, reference(SMALL, STEPS))
+    assert_matches_reference(run.losses, run.params, reference(SMALL, STEPS))
 
 
 @pytest.mark.timeout(240)

@@ -26,8 +26,8 @@ import signal
 
 import pytest
 
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 from tests.e2e.raycluster import fake_autoscaling_config, records, running_cluster, wait_for
-from testbed.ray_harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -110,4 +110,4 @@ def test_autoscaler_v2_adds_a_node_the_job_grows_then_takes_it_away(cluster, tmp
     stopped = next(r for r in recs if r.get("event") == "stopped")
     losses = {r["step"]: r["loss"] for r in recs if "loss" in r}  # a re-run step: the last one wins
     assert all(math.isfinite(v) for v in losses.values())
-    assert_matches_reference(losses, None, overrides, stopped["step"])
+    assert_matches_reference(losses, None, reference(overrides, stopped["step"]), CONTROLLER_FP32)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 from tests.e2e.raycluster import RayCluster, records, running_cluster, wait_for
-from testbed.ray_harness import TEST_LR, assert_matches_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -96,7 +96,7 @@ def test_worker_node_lost_mid_run_the_run_shrinks_and_finishes(cluster, tmp_path
     assert rebuild["dp"] < 4
     assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
     losses = {r["step"]: r["loss"] for r in recs if "loss" in r}  # a re-run step: the last one wins
-    assert_matches_reference(losses, None, overrides, steps)
+    assert_matches_reference(losses, None, reference(overrides, steps), CONTROLLER_FP32)
     print(f"node loss after step {lost_at}: failure at step {failure['step']}, rebuilt at "
           f"dp={rebuild['dp']} from step {rebuild['resumed_from_step']} in {rebuild['recovery_s']:.1f}s")
 
@@ -128,7 +128,8 @@ def test_worker_node_sigterm_drains_and_the_run_evacuates_it(cluster, tmp_path):
     assert rebuild["reason"] == "preemption" and rebuild["resumed_from_step"] == preemption["step"] - 1
     trained = [r["step"] for r in recs if "loss" in r]
     assert trained == list(range(1, steps + 1))  # no step logged twice
-    assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None, overrides, steps)
+    assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None,
+                             reference(overrides, steps), CONTROLLER_FP32)
     print(f"SIGTERM drain: notice at step {preemption['step']} with {preemption['deadline_s']:.1f}s left, "
           f"re-formed at dp={rebuild['dp']} in {rebuild['recovery_s']:.1f}s, node gone {stopped_in:.1f}s "
           "after the signal")
@@ -155,6 +156,7 @@ def test_worker_node_sigterm_with_1s_drain_falls_back_to_the_failure_path(cluste
     rebuild, = [r for r in recs if r.get("event") == "rebuild"]
     assert rebuild["dp"] < 4
     assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
-    assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None, overrides, steps)
+    assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None,
+                             reference(overrides, steps), CONTROLLER_FP32)
     print(f"SIGTERM with a 1 s drain: notice seen: {bool(preemptions)}, failure at step {failure['step']}, "
           f"rebuilt at dp={rebuild['dp']} from step {rebuild['resumed_from_step']}")

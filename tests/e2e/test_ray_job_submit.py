@@ -73,7 +73,7 @@ def scrape(cluster: RayCluster, name: str, timeout_s: float = 60) -> str:
 @pytest.mark.timeout(1200)
 def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, tmp_path):
     from checkpoints.catalog import latest_valid
-    from testbed.ray_harness import TEST_LR, assert_matches_reference
+    from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
     steps = 200
     metrics = tmp_path / "metrics.jsonl"
@@ -135,7 +135,8 @@ def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, 
     assert trained == list(range(1, steps + 1))  # across the stop, no step trained twice
     assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
     assert f"resumed_from_step={stopped_at}" in cluster.job_logs("resume-2")
-    assert_matches_reference({r["step"]: r["loss"] for r in steps_of(recs)}, None, overrides, steps)
+    assert_matches_reference({r["step"]: r["loss"] for r in steps_of(recs)}, None,
+                             reference(overrides, steps), CONTROLLER_FP32)
     print(f"stop/resume: stopped and saved after step {stopped_at}, resubmitted run SUCCEEDED in "
           f"{resumed_in:.1f}s, losses equal the single-process run")
 

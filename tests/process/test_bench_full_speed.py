@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.process.test_bench_scripts import _run_script
+from testbed.command_line import run_bench_script
 
 
 @pytest.mark.slow  # a local Ray, 4 rank actors, a shrink and a grow: ~1 min idle, more when loaded
 @pytest.mark.timeout(600)
 def test_full_speed_quick_writes_json(tmp_path: Path) -> None:
-    result = _run_script("full_speed.py", tmp_path / "full_speed.json", "--zero", "0", timeout=580)
+    result = run_bench_script("full_speed.py", tmp_path / "full_speed.json", "--zero", "0", timeout=580)
     assert result["benchmark"] == "full_speed" and result["final_step"] == 24
     assert [g["dp"] for g in result["generations"]] == [4, 2, 4]
     for g in result["generations"]:

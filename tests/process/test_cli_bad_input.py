@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from testbed.command_line import assert_bad_input, run_cli
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True, text=True,
-                          timeout=100, cwd=cwd)
-
-
-def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if "elastimesh: error:" in line]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tokenizer_vocab_larger_than_model_is_exit_2_before_any_actor(tmp_path):
-    from tests.unit.test_data_prepare import make_tokenizer
+    from testbed.tiny_tokenizer import make_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok")
     (tmp_path / "a.txt").write_text("some words for the corpus " * 200)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.process.test_cli_bad_input import assert_bad_input, run_cli
+from testbed.command_line import assert_bad_input, run_cli
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.process.test_cli_bad_input import assert_bad_input, run_cli
+from testbed.command_line import assert_bad_input, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 

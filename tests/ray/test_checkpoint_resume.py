@@ -34,7 +34,8 @@ from orchestrator.control.controller import State
 from orchestrator.errors import TrainingFailed
 from orchestrator.saves import checkpointing
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
 
@@ -151,7 +152,8 @@ def test_resume_at_another_mesh_equals_one_process(source, target, stopped_run, 
     assert (shape.dp, shape.pp, shape.tp) == target
     assert [(r["dp"], r["pp"], r["tp"]) for r in _records(run_dir) if r.get("step") in (5, 6) and "loss" in r][-2:] \
         == [target, target]
-    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller),
+                             reference(overrides, STEPS), CONTROLLER_FP32)
     assert pool8.pids == pids  # the same processes did both runs: rebuilt in place, never restarted
 
 
@@ -182,7 +184,8 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous(damage, stopped_run
     assert any("skipping checkpoint" in r.getMessage() and str(newest) in r.getMessage() for r in caplog.records)
     assert [e["resumed_from_step"] for e in events(run_dir / "m.jsonl", "start")] == [0, 2]
     assert _steps_of_last_run(run_dir) == [3, 4, 5, 6]
-    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller),
+                             reference(overrides, STEPS), CONTROLLER_FP32)
     assert _valid_steps(run_dir) == [2, 4, 6]  # the damaged step 4 was replaced by a good one
 
 
@@ -216,7 +219,8 @@ def test_disk_full_during_a_save_stops_cleanly_and_a_rerun_resumes(stopped_run, 
     monkeypatch.setattr(checkpointing, "prepare_step", real_prepare)
     controller, summary, overrides = _resume(run_dir, (2, 1, 1), pool8, store_address)
     assert [e["resumed_from_step"] for e in events(run_dir / "m.jsonl", "start")] == [0, 4, 4]
-    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+    assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller),
+                             reference(overrides, STEPS), CONTROLLER_FP32)
     assert _valid_steps(run_dir) == [2, 4, 6]
 
 

@@ -9,9 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import TEST_LR, events, make_controller
+from testbed.ray_harness import events, make_controller
+from testbed.reference import TEST_LR
 
 pytestmark = pytest.mark.ray
 
@@ -48,3 +50,49 @@ def test_eval_records_equal_reference_on_any_mesh(ray_local, store_address, tmp_
         want.append(trainer.eval_loss("builtin", 3))
     np.testing.assert_allclose([r["loss"] for r in records], want, rtol=1e-5)
     assert b"eval/perplexity" in b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
+
+
+
+@pytest.mark.timeout(600)
+def test_eval_beside_snapshots_every_step_equals_eval_without_them(ray_local, store_address, tmp_path):
+    """checkpoint.memory_every=1 and eval.every=1: after each step the controller submits the
+    snapshot (training work, not awaited) and then the eval. FSDP2's state-dict hook reshards the
+    modules a snapshot reads, so an eval forward running beside it on another thread computes with
+    (or hands the snapshot) the wrong parameters: eval must queue behind the snapshot on the rank's
+    training thread. The race is made certain after step 2 (test hooks): the snapshot waits 1.5 s
+    before reading the state, the eval sleeps 4 s inside its first block's forward (parameters
+    unsharded). The eval losses equal the single-process reference's, and nothing fails."""
+    from workers.reference import ReferenceTrainer
+
+    steps, batches = 3, 2
+    overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "eval.every", "eval.batches"))]
+    overrides += [f"train.steps={steps}", "eval.every=1", f"eval.batches={batches}", "checkpoint.memory_every=1",
+                  f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    cfg = load_config(None, overrides)
+    group = make_group(2)
+
+    def widen_the_race(controller, step):
+        if step == 2:
+            for actor in controller.generation.members.values():
+                controller.group.call([actor], RankCalls.arm_fault, (2, "sleep", 1.5, "snapshot"), timeout_s=30)
+                controller.group.call([actor], RankCalls.arm_fault, (2, "sleep", 4.0, "eval"), timeout_s=30)
+
+    try:
+        controller = make_controller(cfg, group, store_address)
+        controller.step_hooks.append(widen_the_race)
+        summary = controller.run()
+    finally:
+        group.shutdown()
+    assert events(tmp_path / "m.jsonl", "failure") == []
+    assert summary.final_step == steps and summary.restarts == 0
+    assert 2 in [r["step"] for r in events(tmp_path / "m.jsonl", "snapshot")]  # taken beside the eval
+    records = events(tmp_path / "m.jsonl", "eval")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+
+    ref_cfg = load_config(None, [o for o in overrides if not o.startswith(("mesh.", "checkpoint."))])
+    trainer = ReferenceTrainer(ref_cfg.model, ref_cfg.train)
+    want = []
+    for step in range(1, steps + 1):
+        trainer.run(step, step)
+        want.append(trainer.eval_loss("builtin", batches))
+    np.testing.assert_allclose([r["loss"] for r in records], want, rtol=1e-5)

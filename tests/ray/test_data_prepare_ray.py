@@ -11,7 +11,7 @@ import pytest
 from meshdata import DataError, prepare
 from meshdata.index import SIDECAR
 from orchestrator.cluster.prepare_tasks import RayFanOut
-from tests.unit.test_data_prepare import make_tokenizer
+from testbed.tiny_tokenizer import make_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

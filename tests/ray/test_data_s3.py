@@ -19,9 +19,10 @@ import pytest
 
 from checkpoints.catalog import list_checkpoints
 from orchestrator.config.load import load_config
-from testbed.s3 import FaultProxy, MotoS3
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import TEST_LR, events, last_losses, make_controller
+from testbed.ray_harness import events, last_losses, make_controller
+from testbed.reference import TEST_LR, reference
+from testbed.s3 import FaultProxy, MotoS3
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ def corpus(s3, tmp_path_factory) -> Path:
     import json
 
     from meshdata import prepare
-    from tests.unit.test_data_prepare import make_tokenizer
+    from testbed.tiny_tokenizer import make_tokenizer
 
     root = tmp_path_factory.mktemp("s3corpus")
     make_tokenizer(root / "tok")
@@ -73,7 +74,6 @@ def _train(cfg, store_address, actors: int) -> dict:
 def test_train_checkpoint_resume_reshard_on_s3(s3, corpus, ray_local, store_address, tmp_path):
     from meshdata import open_source
     from meshdata.masks import mask_eos_for
-    from workers.reference import ReferenceTrainer
 
     moto, proxy = s3
     common = BASE + ["data.path=s3://elastimesh/corpus", "checkpoint.dir=s3://elastimesh/run",
@@ -91,9 +91,9 @@ def test_train_checkpoint_resume_reshard_on_s3(s3, corpus, ray_local, store_addr
     losses = last_losses(tmp_path / "m.jsonl")
 
     cfg = load_config(None, [*BASE, f"data.path={corpus}", "mesh.dp=1"])
-    trainer = ReferenceTrainer(cfg.model, cfg.train, str(corpus), mask_eos_id=mask_eos_for(cfg.data))
-    assert trainer.mask_eos_id is not None  # masking on: EOS recorded by prepare
-    np.testing.assert_allclose([losses[s] for s in range(1, 7)], trainer.run(1, 6), rtol=1e-5)
+    assert mask_eos_for(cfg.data) is not None  # masking on: EOS recorded by prepare
+    np.testing.assert_allclose([losses[s] for s in range(1, 7)], reference([*BASE, f"data.path={corpus}"], 6).losses,
+                               rtol=1e-5)
 
 
 def _cli_train(*overrides: str) -> subprocess.CompletedProcess:

@@ -17,14 +17,8 @@ import pytest
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
-from testbed.ray_harness import (
-    TEST_LR,
-    assert_matches_reference,
-    events,
-    last_losses,
-    make_controller,
-    mesh_params,
-)
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 ray = pytest.importorskip("ray")
 
@@ -137,6 +131,7 @@ def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, t
         assert {a: group.pids[a] for a in survivors} == survivors  # the survivors were never restarted
         new = set(group.live_ids) - set(survivors)
         assert len(new) == 2 and _actors_by_node(group).keys() >= {added[0].node_id}
-        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller),
+                                 reference(overrides, STEPS), CONTROLLER_FP32)
     finally:
         group.shutdown()

@@ -10,8 +10,9 @@ import pytest
 
 from checkpoints.catalog import check_checkpoint
 from checkpoints.layout import step_dir_name
-from testbed.ray_harness import assert_matches_reference, events, last_losses
-from tests.ray.test_elastic import _resumed_from_newest_committed, _run_with_fault
+from testbed.fault_runs import resumed_from_newest_committed, run_with_fault
+from testbed.ray_harness import events, last_losses
+from testbed.reference import CONTROLLER_FP32, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
 
@@ -29,7 +30,7 @@ def test_rank_dies_during_rebuild(ray_local, store_address, tmp_path, where):
     at the start of joining (actor 0 is then blocked in the rendezvous, waiting in the store for a
     peer that never registers) or at the start of loading the checkpoint (actor 0 is blocked in
     DCP's collectives). The driver frees actor 0 and forms generation 3 with the spare, actor 3."""
-    controller, summary, overrides = _run_with_fault(
+    controller, summary, overrides = run_with_fault(
         tmp_path, store_address, ["mesh.dp=4", "mesh.tp=1"], "kill", victim_rank=1, at_step=5,
         delay_s=0.0, extra=[SLOW_TIMEOUT], more=[(2, 2, "kill", 0.0, where)])
     metrics = tmp_path / "m.jsonl"
@@ -42,8 +43,8 @@ def test_rank_dies_during_rebuild(ray_local, store_address, tmp_path, where):
     rebuild, = events(metrics, "rebuild")  # generation 2 never trained
     assert (rebuild["generation"], rebuild["dp"]) == (3, 2)
     assert sorted(controller.generation.members.values()) == [0, 3]
-    assert _resumed_from_newest_committed(metrics) == [rebuild["resumed_from_step"]]
-    assert_matches_reference(last_losses(metrics), None, overrides, 8)
+    assert resumed_from_newest_committed(metrics) == [rebuild["resumed_from_step"]]
+    assert_matches_reference(last_losses(metrics), None, reference(overrides, 8), CONTROLLER_FP32)
 
 
 @pytest.mark.timeout(400)
@@ -59,7 +60,7 @@ def test_rank_dies_while_its_checkpoint_shard_is_written(ray_local, store_addres
             path = str(ckpt / step_dir_name(4))
             seen[step] = (check_checkpoint(path), sorted(os.listdir(path)) if os.path.isdir(path) else None)
 
-    controller, summary, overrides = _run_with_fault(
+    controller, summary, overrides = run_with_fault(
         tmp_path, store_address, ["mesh.dp=2", "mesh.tp=1"], "kill", victim_rank=1, at_step=4,
         where="ckpt_write", hooks=[look_at_step4])
     metrics = tmp_path / "m.jsonl"
@@ -79,4 +80,4 @@ def test_rank_dies_while_its_checkpoint_shard_is_written(ray_local, store_addres
     # The step-4 checkpoint that exists now was committed by generation 2 (dp=1).
     valid, _, manifest = check_checkpoint(str(ckpt / step_dir_name(4)))
     assert valid and manifest.generation == 2 and manifest.world_size == 1
-    assert_matches_reference(last_losses(metrics), None, overrides, 8)
+    assert_matches_reference(last_losses(metrics), None, reference(overrides, 8), CONTROLLER_FP32)

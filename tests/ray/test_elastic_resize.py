@@ -15,14 +15,8 @@ import pytest
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import (
-    TEST_LR,
-    assert_matches_reference,
-    events,
-    last_losses,
-    make_controller,
-    mesh_params,
-)
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
 
@@ -65,6 +59,7 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         threads = group.call(list(group.actors), RankCalls.train_threads, timeout_s=30)
         assert threads.ok and set(threads.results.values()) == {1}
         assert [e["dp"] for e in events(tmp_path / "m.jsonl", "rebuild")] == [2, 4, 2]
-        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller),
+                                 reference(overrides, STEPS), CONTROLLER_FP32)
     finally:
         group.shutdown()

@@ -3,7 +3,7 @@
 ZeRO-0 (mesh.zero=0) is FSDP2 on a (replicate=dp, shard=1) mesh, so a resize changes the replicate
 axis; HSDP (dp=4, dp_replicate=2) keeps shard groups of 2 ranks: the shrink to dp=2 drops a whole
 replica (one group of 2: plain FSDP over 2), the grow back to dp=4 adds it again
-(orchestrator.mesh.replicate_degree). State crosses each resize through the checkpoint (DCP reshards).
+(meshspeak.dp_plan.replicate_degree). State crosses each resize through the checkpoint (DCP reshards).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller, mesh_params
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
 
@@ -39,6 +40,7 @@ def test_shrink_and_grow_match_reference(strategy, ray_local, store_address, tmp
         resizes = events(tmp_path / "m.jsonl", "rebuild") + events(tmp_path / "m.jsonl", "grow")
         got = [(e["dp"], e["dp_replicate"]) for e in sorted(resizes, key=lambda e: e["generation"])]
         assert got == ([(2, 2), (4, 4)] if strategy[0] == "mesh.zero=0" else [(2, 1), (4, 2)])
-        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller), overrides, STEPS)
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller),
+                                 reference(overrides, STEPS), CONTROLLER_FP32)
     finally:
         group.shutdown()

@@ -24,7 +24,8 @@ import pytest
 from orchestrator.cluster.store_provider import StoreProvider
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
-from testbed.ray_harness import TEST_LR, assert_matches_reference, events, last_losses, make_controller
+from testbed.ray_harness import events, last_losses, make_controller
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 ray = pytest.importorskip("ray")
 
@@ -116,7 +117,7 @@ def test_drain_with_20s_notice_saves_and_reforms_without_the_node(cluster, tmp_p
     assert trained == list(range(1, STEPS + 1))  # no step logged twice
     assert {a: summary.pids[a] for a in survivors} == survivors  # the survivors kept their processes
     assert not on_victim & set(summary.pids)
-    assert_matches_reference(last_losses(m), None, overrides, STEPS)
+    assert_matches_reference(last_losses(m), None, reference(overrides, STEPS), CONTROLLER_FP32)
 
 
 @pytest.mark.timeout(600)
@@ -130,4 +131,4 @@ def test_drain_with_1s_notice_falls_back_to_the_failure_path(cluster, tmp_path):
     assert len(failure["ranks"]) == 2
     assert summary.final_step == STEPS and summary.restarts == 0  # a preemption is not a fault
     assert {a: summary.pids[a] for a in survivors} == survivors
-    assert_matches_reference(last_losses(m), None, overrides, STEPS)
+    assert_matches_reference(last_losses(m), None, reference(overrides, STEPS), CONTROLLER_FP32)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -20,29 +19,13 @@ import pytest
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import (
-    TEST_LR,
-    assert_matches_reference,
-    assert_params_match,
-    events,
-    last_losses,
-    make_controller,
-    mesh_params,
-)
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, assert_params_match, reference
 
 pytestmark = pytest.mark.ray
 
 BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=8",
         "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6", "mesh.tp=1"]
-
-
-@lru_cache(maxsize=4)
-def reference_skipping(overrides: tuple[str, ...], steps: int, skip: frozenset[int]):
-    from workers.reference import ReferenceTrainer
-
-    cfg = load_config(None, [o for o in overrides if o.startswith(("model.", "train."))])
-    trainer = ReferenceTrainer(cfg.model, cfg.train)
-    return trainer.run(1, steps, skip=set(skip)), trainer.params()
 
 
 def _start(tmp_path, store_address, extra: list[str], actors: int):
@@ -67,12 +50,12 @@ def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address
     assert summary.final_step == 8 and summary.restarts == 0
     bad, = events(tmp_path / "m.jsonl", "bad_step")
     assert (bad["step"], bad["reason"]) == (3, "grad_norm")
-    ref_losses, ref_params = reference_skipping(tuple(overrides), 8, frozenset({3}))
+    ref = reference(overrides, 8, skip={3})
     losses = last_losses(tmp_path / "m.jsonl")
     assert sorted(losses) == [1, 2, 4, 5, 6, 7, 8]
-    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref_losses[s - 1] for s in sorted(losses)],
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref.losses[s - 1] for s in sorted(losses)],
                                rtol=1e-5)
-    assert_params_match(params, ref_params)
+    assert_params_match(params, ref.params, CONTROLLER_FP32)
 
 
 @pytest.mark.timeout(400)
@@ -99,7 +82,7 @@ def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, 
     assert sorted(final.values()) == sorted([other, spare]) and len(final) == 2  # dp unchanged
     assert group.pids.get(other, other_pid) == other_pid and summary.restarts == 0
     assert events(tmp_path / "m.jsonl", "spare_promoted")[0]["actors"] == [spare]
-    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)
+    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, reference(overrides, 8), CONTROLLER_FP32)
 
 
 @pytest.mark.timeout(400)
@@ -127,7 +110,7 @@ def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, st
     assert requested["count"] == 1
     new_spare, = [a for e in events(tmp_path / "m.jsonl", "actors_ready") for a in e["actors"]] + late
     assert len(live) == 3 and new_spare in live and new_spare not in final.values()
-    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, 8)
+    assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, reference(overrides, 8), CONTROLLER_FP32)
 
 
 @pytest.mark.timeout(300)
@@ -145,9 +128,9 @@ def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, stor
     assert (rollback["step"], rollback["resumed_from_step"], rollback["skipped"]) == (6, 4, [5, 6])
     assert [(e["step"], e["reason"]) for e in events(tmp_path / "m.jsonl", "bad_step")] == [
         (5, "grad_norm"), (6, "grad_norm"), (5, "recorded"), (6, "recorded")]
-    ref_losses, ref_params = reference_skipping(tuple(overrides), 8, frozenset({5, 6}))
+    ref = reference(overrides, 8, skip={5, 6})
     losses = last_losses(tmp_path / "m.jsonl")
     assert sorted(losses) == [1, 2, 3, 4, 7, 8]
-    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref_losses[s - 1] for s in sorted(losses)],
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref.losses[s - 1] for s in sorted(losses)],
                                rtol=1e-5)
-    assert_params_match(params, ref_params)
+    assert_params_match(params, ref.params, CONTROLLER_FP32)

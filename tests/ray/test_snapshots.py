@@ -1,4 +1,4 @@
-"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/snapshots.py) on a local
+"""In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/saves/snapshots.py) on a local
 multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
 resharded into the smaller mesh, the losses the single-process reference's, the survivors never
 restarted; a rank killed together with the holder of its snapshot falls back to storage, and the
@@ -17,14 +17,8 @@ import pytest
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
-from testbed.ray_harness import (
-    TEST_LR,
-    assert_matches_reference,
-    events,
-    last_losses,
-    make_controller,
-    mesh_params,
-)
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 ray = pytest.importorskip("ray")
 
@@ -80,7 +74,8 @@ def _run(tmp_path, head_store, victims_of, at: int):
         survivors = {a: p for a, p in pids.items() if a not in armed}
         assert {a: group.pids[a] for a in survivors} == survivors  # never restarted
         path = tmp_path / "m.jsonl"
-        assert_matches_reference(last_losses(path), mesh_params(controller), overrides, STEPS)
+        assert_matches_reference(last_losses(path), mesh_params(controller),
+                                 reference(overrides, STEPS), CONTROLLER_FP32)
         trained = [r["step"] for r in map(json.loads, open(path)) if "loss" in r and "event" not in r]
         rebuilds = events(path, "rebuild")
         assert len(rebuilds) == 1, [e for e in map(json.loads, open(path)) if "event" in e]

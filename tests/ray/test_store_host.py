@@ -9,13 +9,8 @@ from meshspeak.rank_calls import RankCalls
 from orchestrator.cluster.store_provider import StoreProvider
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import (
-    TEST_LR,
-    assert_matches_reference,
-    events,
-    last_losses,
-    make_controller,
-)
+from testbed.ray_harness import events, last_losses, make_controller
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 ray = pytest.importorskip("ray")
 
@@ -61,7 +56,7 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
         assert failure["step"] == 5 and failure["ranks"] == [1]
         rebuild, = events(tmp_path / "m.jsonl", "rebuild")
         assert rebuild["dp"] == 1
-        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, overrides, STEPS)
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, reference(overrides, STEPS), CONTROLLER_FP32)
     finally:
         group.shutdown()
         provider.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config.load import load_config
-from testbed.ray_harness import TEST_LR, assert_matches_reference, last_losses, make_controller, mesh_params
+from testbed.ray_harness import last_losses, make_controller, mesh_params
+from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
 
@@ -21,7 +22,7 @@ def test_mesh_matches_single_process(dp, tp, pool4, store_address, tmp_path):
     controller = make_controller(cfg, pool4, store_address)
     summary = controller.run()
     assert summary.final_step == 10
-    assert_matches_reference(summary.losses, mesh_params(controller), overrides, 10)
+    assert_matches_reference(summary.losses, mesh_params(controller), reference(overrides, 10), CONTROLLER_FP32)
     assert last_losses(tmp_path / "m.jsonl") == summary.losses
 
 
@@ -38,4 +39,4 @@ def test_rebuild_twice_in_same_processes(pool4, store_address, tmp_path):
     assert summary.generations == 3
     assert controller.generation.shape.dp == 1
     assert pool4.pids == pids_before  # no actor was restarted
-    assert_matches_reference(summary.losses, mesh_params(controller), overrides, 10)
+    assert_matches_reference(summary.losses, mesh_params(controller), reference(overrides, 10), CONTROLLER_FP32)

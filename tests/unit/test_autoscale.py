@@ -1,4 +1,4 @@
-"""orchestrator.autoscale without Ray: which bundles the job asks the autoscaler for, how many fit the
+"""orchestrator.cluster.autoscale without Ray: which bundles the job asks the autoscaler for, how many fit the
 nodes there are, and that the request is withdrawn exactly once. (tests/e2e/test_autoscale_grow.py
 shows a real autoscaler acting on the request and the job growing.)"""
 

@@ -59,3 +59,52 @@ def test_forward_counts_and_the_hooks_around_it_do_not(monkeypatch):
     clock.remove()
     blocks[0](x)
     assert clock.take() == 0.0
+
+
+class FakeEvent:
+    """torch.cuda.Event as the clock uses it: recorded on the stream, read once at take()."""
+
+    now = 0.0  # the GPU's time, advanced by the fake kernels below
+    synced = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.t = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.now
+
+    def elapsed_time(self, end: "FakeEvent") -> float:  # milliseconds, as CUDA's
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self) -> None:
+        FakeEvent.synced += 1
+
+
+def test_on_cuda_the_blocks_are_timed_by_events_on_the_stream_not_by_the_host(monkeypatch):
+    """On a GPU the host only launches: a block whose kernels take 0.5 s of device time but 1 ms of
+    host time scores 0.5 s. FSDP's all-gather wait (a stream wait in its pre-hook) lands before the
+    start event, so it does not count. The events are read once, at take()."""
+    fake_host = FakeTime()
+    monkeypatch.setattr(cc, "time", fake_host)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+    class GpuBlock(nn.Module):
+        def forward(self, x):
+            FakeEvent.now += 0.5  # the kernels' device time
+            fake_host.sleep(0.001)  # the host's launch time
+            return x
+
+    blocks = [GpuBlock(), GpuBlock()]
+    for b in blocks:
+        b.register_forward_pre_hook(lambda m, a: setattr(FakeEvent, "now", FakeEvent.now + 3.0), prepend=True)
+    clock = cc.ComputeClock(blocks, device=torch.device("cuda", 0))
+    x = torch.zeros(1)
+    for b in blocks:
+        x = b(x)
+    assert FakeEvent.synced == 0
+    assert clock.take() == 1.0 and FakeEvent.synced == 1
+    assert clock.take() == 0.0
+    cpu = cc.ComputeClock(blocks[:1], device=torch.device("cpu"))  # the CPU path: host time, as before
+    blocks[0](x)
+    assert abs(cpu.take() - 0.001) < 1e-12

@@ -21,6 +21,7 @@ from meshspeak.sections import (
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.config.load import load_config
 from orchestrator.config.validate import check_mesh
+from testbed.config_errors import error_for
 
 
 def _toml_value(value: object) -> str:
@@ -45,14 +46,6 @@ def write(tmp_path: Path, text: str) -> str:
     path = tmp_path / "job.toml"
     path.write_text(text)
     return str(path)
-
-
-def error_for(*overrides: str, path: str | None = None) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    err = info.value
-    assert "\n" not in str(err)  # the CLI prints exactly one line
-    return err
 
 
 # --- defaults, schema, round trip ----------------------------------------------------------

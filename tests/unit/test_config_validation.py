@@ -6,7 +6,7 @@ import pytest
 
 from meshspeak.sections import dp_bounds, microbatches_per_replica
 from orchestrator.config.load import load_config
-from tests.unit.test_config import error_for
+from testbed.config_errors import error_for
 
 # --- validation ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The controller at a step boundary when a node is announced as draining (orchestrator/preemption.py)
+"""The controller at a step boundary when a node is announced as draining (orchestrator/recovery/preemption.py)
 or a stop is requested (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest), on a fake worker
 group (testbed/controller_run.py).
 

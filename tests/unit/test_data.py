@@ -1,4 +1,4 @@
-"""Unit tests for workers/data/: sources, validation errors, and the mesh-independent sample order."""
+"""Unit tests for meshdata/: sources, validation errors, and the mesh-independent sample order."""
 
 from __future__ import annotations
 

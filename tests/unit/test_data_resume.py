@@ -4,7 +4,9 @@ model is exit 2 before any actor)."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -27,13 +29,14 @@ class _Events:
 def _committed(root: Path, cfg, identity: str) -> None:
     step = root / step_dir_name(5)
     step.mkdir(parents=True)
-    (step / DCP_METADATA).write_bytes(b"m" * 10)
+    metadata = pickle.dumps({"fake": "metadata"})  # imports nothing: passes the driver's .metadata check
+    (step / DCP_METADATA).write_bytes(metadata)
     (step / "__0_0.distcp").write_bytes(b"s" * 20)
     commit(str(root), CheckpointManifest(
         step=5, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint=model_fingerprint(cfg),
         data_cursor=5 * cfg.train.global_batch_size, global_batch_size=cfg.train.global_batch_size, world_size=1,
         ranks_acked=[0], model_config=config_to_dict(cfg)["model"], data_identity=identity,
-        files={DCP_METADATA: 10, "__0_0.distcp": 20}))
+        files={DCP_METADATA: len(metadata), "__0_0.distcp": 20}))
 
 
 def test_resume_follows_data_content_not_path(tmp_path):

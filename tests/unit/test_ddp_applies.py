@@ -1,6 +1,6 @@
-"""Where ZeRO-0 runs through torch DDP rather than FSDP2's HSDP (orchestrator.mesh.ddp_applies)."""
+"""Where ZeRO-0 runs through torch DDP rather than FSDP2's HSDP (meshspeak.dp_plan.ddp_applies)."""
 
-from meshspeak.mesh import ddp_applies
+from meshspeak.dp_plan import ddp_applies
 
 
 def test_plain_dp_zero0_fp32_is_ddp():

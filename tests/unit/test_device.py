@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import pytest
@@ -44,11 +45,64 @@ def test_cuda_index_is_the_assigned_gpu_among_the_visible_ones(gpu_ids, visible,
     assert cuda_index(gpu_ids, visible) == index
 
 
+@pytest.mark.parametrize(("gpu_ids", "visible"), [([3], "0,1"), ([1], "GPU-a,GPU-b"), (["GPU-c"], "0")])
+def test_an_assigned_gpu_that_is_not_visible_is_an_error_not_gpu_0(gpu_ids, visible):
+    with pytest.raises(DeviceError, match=f"Ray assigned GPU {gpu_ids[0]} but CUDA_VISIBLE_DEVICES"):
+        cuda_index(gpu_ids, visible)
+
+
 def test_cuda_index_outside_ray_is_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert cuda_index([], "0,1,2,3") == 2
     monkeypatch.delenv("LOCAL_RANK")
     assert cuda_index([], None) == 0
+
+
+def test_nccl_groups_are_made_without_device_id_and_in_nonblocking_mode(monkeypatch):
+    """No eager NCCL init: every communicator is made after its group is registered, so the kick's
+    abort reaches it while it is being made (workers/groups.py docstring, from torch's source)."""
+    from meshspeak.mesh import MeshShape
+    from workers import device as device_mod
+    from workers import groups
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Stop
+
+    monkeypatch.setattr(groups.dist, "TCPStore", lambda *a, **k: object())
+    monkeypatch.setattr(groups.dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(groups.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(groups, "backend_for", lambda device: "nccl")
+    for name in device_mod.NCCL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(Stop):
+        groups.build_process_groups(store_addr="127.0.0.1", store_port=1, generation=1, shape=MeshShape(2, 1, 1),
+                                    world_rank=0, timeout_s=5, device=torch.device("cuda", 0))
+    assert seen["backend"] == "nccl" and seen.get("device_id") is None
+    assert os.environ["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
+def test_after_the_join_the_nccl_kick_also_cuts_the_store(monkeypatch):
+    """A lazily made NCCL communicator reads its id from the store at the first collective."""
+    from workers import actor as actor_mod
+    from workers import groups, sockets
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    for backend in ("gloo", "nccl"):
+        rank = actor_mod.RankActor(0)
+        calls: dict[str, object] = {}
+        monkeypatch.setattr(groups, "abort_nccl", lambda: True)
+        monkeypatch.setattr(sockets, "shutdown_gloo_sockets", lambda local, remote: calls.setdefault("remote", set(remote)) and 0)
+        rank._backend, rank._store = backend, ("127.0.0.1", 29500)
+        rank.kick([("10.0.0.2", 6000)])
+        want = {("10.0.0.2", 6000)} | ({("127.0.0.1", 29500)} if backend == "nccl" else set())
+        assert calls["remote"] == want, backend
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

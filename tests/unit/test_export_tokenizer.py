@@ -1,4 +1,4 @@
-"""An export ships the tokenizer the run's data was prepared with (workers/models/export.py)."""
+"""An export ships the tokenizer the run's data was prepared with (meshmodels/export.py)."""
 
 from __future__ import annotations
 

@@ -129,3 +129,76 @@ def test_loss_scale_follows_gradscalers_rule():
     restored = DynamicLossScale()
     restored.load_state_dict(scale.state_dict())
     assert restored.state_dict() == {"scale": 2.0, "growth_tracker": 0}
+
+
+def test_a_failed_decision_all_reduce_raises_instead_of_handing_back_the_unreduced_value(monkeypatch):
+    """What NCCL does when the watchdog or the kick aborts an all-reduce: the call had returned at
+    once, the work ends with an error and the tensor still holds this rank's own value. The grad
+    norm and the fp16 overflow decision wait on the work with a timeout (which makes NCCL's wait
+    block the host and rethrow) and raise; neither hands back a value to step on."""
+    from datetime import timedelta
+
+    from torch import nn
+
+    from workers import optim
+    from workers.loss_scale import DynamicLossScale
+
+    waits = []
+
+    class AbortedWork:
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            raise RuntimeError("NCCL communicator was aborted on rank 0")
+
+    monkeypatch.setattr(optim.dist, "all_reduce",
+                        lambda tensor, op=None, group=None, async_op=False: AbortedWork() if async_op else None)
+    monkeypatch.setattr(optim.dist, "get_world_size", lambda group=None: 2)
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    with pytest.raises(RuntimeError, match="aborted"):
+        optim.clip_grad_norm([param], 1.0, group=object(), timeout_s=7.0)
+    with pytest.raises(RuntimeError, match="aborted"):
+        DynamicLossScale().unscale_([param], torch.device("cpu"), object(), timeout_s=7.0)
+    assert waits == [timedelta(seconds=7.0)] * 2
+    assert torch.equal(param.grad, torch.full((3,), 2.0 / 2.0**16))  # unscaled locally, never stepped
+
+
+def test_microbatch_tokens_go_to_cuda_pinned_and_asynchronously_and_stay_put_on_the_cpu(monkeypatch):
+    """A pageable host->device copy is synchronous; the token batches are pinned and copied with
+    non_blocking on CUDA. The CPU build cannot pin or copy to CUDA, so the calls are recorded."""
+    import numpy as np
+
+    from workers.batching import to_device
+
+    array = np.arange(6, dtype=np.int64).reshape(2, 3)
+    on_cpu = to_device(array, torch.device("cpu"))
+    assert on_cpu.data_ptr() == array.ctypes.data  # no copy at all on the CPU
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", a, k)) or self)
+    to_device(array, torch.device("cuda", 0))
+    assert calls == ["pin", ("to", (torch.device("cuda", 0),), {"non_blocking": True})]
+
+
+def test_compiled_step_records_report_the_most_recompiles_of_any_rank(monkeypatch):
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import StepResult
+    from orchestrator.metrics import step_record
+    from workers import compile_stats
+
+    cfg = load_config(None, ["train.compile=true"])
+    results = [StepResult(step=5, world_rank=r, ok=True, loss=0.5, step_time_s=0.1, recompiles=n)
+               for r, n in enumerate((0, 3))]
+    record = step_record(5, results, train=cfg.train, seq_len=64, shape=MeshShape(2, 1, 1), generation=2)
+    assert record["recompiles"] == 3
+    plain = [StepResult(step=5, world_rank=0, ok=True, loss=0.5, step_time_s=0.1)]
+    assert "recompiles" not in step_record(5, plain, train=cfg.train, seq_len=64, shape=MeshShape(1, 1, 1),
+                                           generation=1)
+    graphs = iter([10, 14, 14, 14, 14, 16])  # the first compiled step compiles 4; then 0; then 2 again
+    monkeypatch.setattr(compile_stats, "compiled_graphs", lambda: next(graphs))
+    counter = compile_stats.RecompileCounter()
+    counts = []
+    for _ in range(3):
+        counter.start()
+        counts.append(counter.stop())
+    assert counts == [0, 0, 2]

@@ -1,6 +1,6 @@
 """The llama family against transformers (the oracle): logits and step-1 loss on tiny perturbed models.
 
-Each variant is built offline with transformers, its weights perturbed (``testbed/hf_models``),
+Each variant is built offline with transformers, its weights perturbed (``testbed/hf_models.py``),
 saved with ``save_pretrained``; elastimesh shapes the model from ``config.json`` (``model.from_hf``),
 loads the safetensors through DCP's ``HuggingFaceStorageReader`` (``checkpoint.init_from``'s path) and
 must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off.

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshspeak.mesh import (
-    MeshAxis,
-    MeshShape,
-    balanced_split,
-    fsdp_applies,
-    fsdp_units,
-    layer_ranges,
-    stage_param_counts,
-)
+from meshspeak.mesh import MeshAxis, MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
+from meshspeak.dp_plan import fsdp_applies
 from orchestrator.config.load import load_config
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp, grow_target
 from orchestrator.plan.mesh_plan import describe, make_plan, param_counts

@@ -1,10 +1,11 @@
-"""HSDP / ZeRO-0 replica groups as pure data: orchestrator.mesh.replicate_degree and hsdp_group_ranks."""
+"""HSDP / ZeRO-0 replica groups as pure data: meshspeak.dp_plan.replicate_degree and hsdp_group_ranks."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshspeak.mesh import MeshShape, hsdp_group_ranks, replicate_degree
+from meshspeak.mesh import MeshShape, hsdp_group_ranks
+from meshspeak.dp_plan import replicate_degree
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Big models build small: a stage is built on the meta device and only what ``parallelize`` leaves on
-this rank is ever allocated (workers/models/build.py). No processes: the "sharding" here keeps 1/8
+this rank is ever allocated (meshmodels/build.py). No processes: the "sharding" here keeps 1/8
 of every parameter's rows, as an 8-way dp shard would, and the host memory growth is measured."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each pp rank's ``Executor`` runs its real action list on tiny CPU stages with a recording transport
 (receives yield zeros), so what is checked is exactly the sequence of calls the executor makes. The
-NCCL path must post only ``batch_isend_irecv`` batches, the ones ``orchestrator.p2p_rounds`` plans;
+NCCL path must post only ``batch_isend_irecv`` batches, the ones ``meshspeak.p2p_rounds`` plans;
 those are then played in the strictest NCCL model (``strict_deadlock``: a rank's batches one after
 the other, an op completes only when its partner is posted in the peer's current batch, no
 buffering). Real NCCL only relaxes this, so what completes there completes on NCCL. The gloo path's
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from meshspeak.p2p_rounds import batch_ops, nccl_batches, rank_batches, strict_deadlock
-from meshspeak.schedule import Op, make_schedule, stages_of_rank
+from meshspeak.schedule import Op, forward_only, make_schedule, stages_of_rank
 from workers.p2p import Message, Transport
 from workers.pipeline import Executor, Stage, StepData
 
@@ -62,9 +62,12 @@ class _Head(nn.Module):
         return self.proj(x)
 
 
-def _record(schedule: str, pp: int, m: int, v: int, batched: bool) -> list[list]:
-    """Run every pp rank's action list; returns each rank's recorded calls."""
+def _record(schedule: str, pp: int, m: int, v: int, batched: bool, forward: bool = False) -> list[list]:
+    """Run every pp rank's action list (``forward``: its forward-only part, as held-out eval runs it,
+    under no_grad); returns each rank's recorded calls."""
     actions = make_schedule(schedule, pp, m, v)
+    if forward:
+        actions = [forward_only(rank_actions) for rank_actions in actions]
     num_stages = pp * v
     data = StepData(inputs=[torch.randn(B, S, D) for _ in range(m)],
                     targets=[torch.randint(0, V, (B, S)) for _ in range(m)], grad_scale=1.0, report_scale=1.0)
@@ -80,7 +83,8 @@ def _record(schedule: str, pp: int, m: int, v: int, batched: bool) -> list[list]
                             pp_group=None, recv_lookahead=0 if batched else 2, transport=transport,
                             nccl_plan=(lambda acts, r=rank: rank_batches(schedule, pp, v, r, tuple(acts)))
                             if batched else None)
-        loss, timings, _ = executor.run(actions[rank], data)
+        with torch.set_grad_enabled(not forward):
+            loss, timings, _ = executor.run(actions[rank], data)
         assert len(timings) == len(actions[rank])
         assert all(t.end_s >= t.start_s >= 0 for t in timings)
         calls.append(transport.calls)
@@ -104,6 +108,35 @@ def test_nccl_path_posts_only_the_planned_batches_and_they_cannot_deadlock(sched
         comms = [a for a in actions[rank] if a.op not in (Op.FORWARD, Op.BACKWARD)]
         assert sum(len(ops) for ops in recorded[rank]) == len(comms)
     assert strict_deadlock(recorded) == []
+
+
+EVAL_CASES = [("1f1b", 1, 4, 1), ("gpipe", 1, 2, 1), ("1f1b", 2, 1, 1), ("1f1b", 2, 4, 1), ("gpipe", 2, 4, 1),
+              ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)]
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "v"), EVAL_CASES)
+def test_held_out_eval_runs_on_the_nccl_path_with_planned_batches(schedule, pp, m, v):
+    """Eval runs each rank's forward-only list (workers/batching.py) through the executor that has the
+    NCCL planner (workers/runtime.py, at any pp): planned from every rank's forward-only list, posted
+    as batches only, deadlock-free in the strict model; at pp=1 nothing is posted."""
+    calls = _record(schedule, pp, m, v, batched=True, forward=True)
+    actions = [forward_only(a) for a in make_schedule(schedule, pp, m, v)]
+    planned = batch_ops(actions, nccl_batches(actions))
+    recorded = [[ops for _, ops in rank] for rank in calls]
+    assert recorded == planned
+    assert {kind for rank in calls for kind, _ in rank} == ({"batch"} if pp > 1 else set())
+    for rank in range(pp):  # every forward message exactly once, and no backward one
+        sends = sum(1 for a in actions[rank] if a.op == Op.SEND_F)
+        recvs = sum(1 for a in actions[rank] if a.op == Op.RECV_F)
+        assert sum(send for batch in recorded[rank] for send, _ in batch) == sends
+        assert sum(not send for batch in recorded[rank] for send, _ in batch) == recvs
+    assert strict_deadlock(recorded) == []
+
+
+def test_a_partial_forward_list_is_still_refused():
+    forward = forward_only(make_schedule("1f1b", 2, 4)[0])
+    with pytest.raises(ValueError, match="nor its forward-only part"):
+        rank_batches("1f1b", 2, 1, 0, tuple(forward[:-1]))
 
 
 @pytest.mark.parametrize(("schedule", "pp", "m", "v"), [("1f1b", 2, 4, 1), ("interleaved_1f1b", 2, 4, 2)])

@@ -1,4 +1,4 @@
-"""Drain notices turned into decisions (orchestrator.preemption): pure, no Ray."""
+"""Drain notices turned into decisions (orchestrator.recovery.preemption): pure, no Ray."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def test_per_action_costs_equal_to_f_and_b_give_the_theory(pp, m):
 
 
 def test_a_slow_action_costs_the_whole_pipeline():
-    """What bench/pipeline_analysis replays measured durations for: 1F1B's steady state has no slack."""
+    """What bench/pipeline_analysis.py replays measured durations for: 1F1B's steady state has no slack."""
     schedule = make_schedule("1f1b", 2, 8)
     slow = Action(1, Op.BACKWARD, 3)  # the last stage's B of microbatch 3 takes 4 units instead of 2
     base = simulate(schedule, 2, cost=lambda a: 1.0 if a.op == Op.FORWARD else 2.0).makespan

@@ -7,7 +7,8 @@ import socket
 import pytest
 
 from orchestrator.cluster.store_provider import FixedStore, StoreSource, host_candidates, one_machine
-from workers.store import listen_on
+from testbed.controller_run import make  # noqa: F401  (the fixture)
+from workers.store import bind_host, listen_on
 
 HEAD = {"node:__internal_head__": 1.0, "CPU": 3.0}
 
@@ -48,3 +49,60 @@ def test_listen_on_binds_only_the_given_address(host):
         socket.create_connection((host, port), timeout=5).close()
     finally:
         sock.close()
+
+
+def test_the_store_binds_loopback_or_a_private_node_address_never_a_public_one():
+    assert bind_host("10.1.2.3", loopback=True) == "127.0.0.1"
+    assert bind_host("fd00::5", loopback=True) == "::1"
+    for private in ("10.1.2.3", "172.17.0.2", "192.168.1.9", "fd00::5", "100.64.0.1"):
+        assert bind_host(private, loopback=False) == private
+    for public in ("8.8.8.8", "2001:4860:4860::8888"):
+        with pytest.raises(RuntimeError, match="public"):
+            bind_host(public, loopback=False)
+
+
+def test_every_rendezvous_key_carries_the_runs_secret_and_no_repr_shows_it(monkeypatch):
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import JoinSpec
+    from workers import groups
+
+    secret = "ab" * 16
+    spec = JoinSpec(1, MeshShape(1, 1, 1), 0, "127.0.0.1", 1, "run-gen1", store_secret=secret)
+    assert secret not in repr(spec)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def prefix_store(prefix, store):
+        seen["prefix"] = prefix
+        raise Stop
+
+    monkeypatch.setattr(groups.dist, "TCPStore", lambda *a, **k: object())
+    monkeypatch.setattr(groups.dist, "PrefixStore", prefix_store)
+    import torch
+
+    with pytest.raises(Stop):
+        groups.build_process_groups(store_addr="127.0.0.1", store_port=1, generation=1, shape=spec.shape,
+                                    world_rank=0, timeout_s=5, device=torch.device("cpu"),
+                                    store_prefix=spec.store_prefix, store_secret=spec.store_secret)
+    assert seen["prefix"] == f"{secret}-run-gen1"
+
+
+
+def test_the_controller_hands_every_rank_its_runs_128_bit_secret(make, monkeypatch):
+    """One secret per run (16 random bytes, hex), the same for every rank and generation, another for
+    the next run; it reaches the ranks only as the JoinSpec argument of a (Ray) call."""
+    from testbed import fake_group
+
+    seen = []
+    real = fake_group.FakeRank.join_generation
+    monkeypatch.setattr(fake_group.FakeRank, "join_generation",
+                        lambda self, spec, *rest: seen.append(spec) or real(self, spec, *rest))
+    first = make()
+    first.steps(2)
+    first_secrets = {spec.store_secret for spec in seen}
+    seen.clear()
+    make().steps(1)
+    (one,), (other,) = first_secrets, {spec.store_secret for spec in seen}
+    assert len(one) == 32 and int(one, 16) >= 0 and one != other

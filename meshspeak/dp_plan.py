@@ -1,0 +1,103 @@
+"""The data-parallel strategy of a generation, decided once (pure; no torch, no Ray).
+
+The driver's plan (``orchestrator/plan/mesh_plan.py``) turns ``mesh.zero``, ``mesh.dp_replicate``,
+``mesh.cpu_offload``, ``train.dtype``, ``train.grad_reduce`` and ``train.grad_compression`` and the
+generation's (dp, pp, tp) into one ``DataParallelPlan``, ships it to every rank in the generation's
+``RuntimeSpec`` and shows it in ``elastimesh plan``; the ranks only apply it
+(``workers/runtime.py``, ``workers/parallelize.py``, ``workers/compression.py``) and never re-derive
+any part of it. TorchTitan splits the same way: ``ParallelDims`` decides, ``parallelize_*`` applies.
+
+Which wrapper a stage gets (docs/design.md, Data-parallel strategies):
+
+* ``"ddp"``: torch's ``DistributedDataParallel`` — ZeRO-0 where it computes exactly what HSDP
+  (replicate = dp, shard = 1) does (``ddp_applies``);
+* ``"fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (1-D, or (replicate, shard) for HSDP and ZeRO-0),
+  or over the one-rank shard mesh when PowerSGD does the all-reduce across replicas;
+* ``"none"``: one fp32/fp64 rank, nothing to reduce (``fsdp_applies`` is false).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelPlan:
+    """How one generation's ranks hold and reduce their parameters over dp (see the module docstring)."""
+
+    zero: int  # mesh.zero, as configured (1 runs as 2: workers/parallelize.py says why)
+    wrapper: str  # "ddp" | "fsdp" | "none"
+    reshard_after_forward: bool  # FSDP2: ZeRO-3 gathers again in backward; 0-2 keep the gathered params
+    replicate: int  # HSDP replica groups R of the dp axis (dp for ZeRO-0); the ranks build (R, dp / R)
+    fsdp_over: str  # "dp": the dp mesh; "shard": the one-rank shard mesh (PowerSGD reduces across replicas)
+    reduce_dtype: str  # the gradient reduction's dtype (train.grad_reduce; fp64 reduces in fp64)
+    cpu_offload: bool  # FSDP2 CPUOffloadPolicy (mesh.cpu_offload)
+    compression: str  # "none" | "powersgd": the all-reduce of replicated gradients (ZeRO-0, dp > 1)
+    count_dp_bytes: bool  # ZeRO-0 with dp > 1: step records carry the bytes all-reduced over dp
+
+
+def plan_data_parallel(*, zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str,
+                       cpu_offload: bool, compression: str, cfg_dp: int, cfg_replicate: int) -> DataParallelPlan:
+    """The one data-parallel decision for a generation of ``(dp, pp, tp)`` ranks.
+
+    ``cfg_dp`` / ``cfg_replicate`` are ``mesh.dp`` / ``mesh.dp_replicate`` as configured: HSDP keeps the
+    shard-group size they fix across elastic resizes (``replicate_degree``).
+    """
+    ddp = ddp_applies(zero, dp, pp, tp, dtype, grad_reduce, cpu_offload, compression)
+    powersgd = zero == 0 and dp > 1 and compression == "powersgd"
+    wrapper = "ddp" if ddp else ("fsdp" if fsdp_applies(dp, dtype, cpu_offload) else "none")
+    return DataParallelPlan(
+        zero=zero, wrapper=wrapper, reshard_after_forward=zero == 3,
+        replicate=replicate_degree(zero, dp, cfg_dp, cfg_replicate),
+        fsdp_over="shard" if powersgd else "dp",
+        reduce_dtype="float64" if dtype == "float64" else grad_reduce,
+        cpu_offload=cpu_offload, compression="powersgd" if powersgd else "none",
+        count_dp_bytes=zero == 0 and dp > 1,
+    )
+
+
+def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
+    """Whether a stage is sharded with FSDP2 (ZeRO) at all: the rule the ranks and the plan share.
+
+    With one dp rank in fp32 there is nothing for FSDP to do: skipping it keeps the single-rank path
+    as fast as plain PyTorch (bench/step_overhead.py); the same holds for fp64, whose parameters are
+    fp64 themselves (no mixed precision). bf16/fp16 always go through FSDP2's
+    MixedPrecisionPolicy (fp32 master weights, 16-bit compute, fp32 gradient reduction), and
+    ``mesh.cpu_offload`` through its CPUOffloadPolicy, even at dp=1 (an elastic shrink to one
+    replica must not silently move the model back onto the GPU).
+    """
+    return dp > 1 or dtype not in ("float32", "float64") or cpu_offload
+
+
+def ddp_applies(zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str = "float32",
+                cpu_offload: bool = False, grad_compression: str = "none") -> bool:
+    """Whether ZeRO-0 runs through torch's ``DistributedDataParallel`` instead of FSDP2's HSDP:
+    the rule the ranks and the plan share (docs/design.md, Data-parallel strategies).
+
+    Only where DDP computes exactly what HSDP(replicate=dp, shard=1) does: plain (non-TP) parameters,
+    one stage per rank, fp32 compute reduced in fp32 (or fp64), no offload and no PowerSGD (which
+    runs on FSDP2's all-reduce hook). There FSDP2 still all-gathers and reduce-scatters over its
+    one-rank shard axis every step besides the dp all-reduce, and pays its per-unit Python hooks;
+    DDP's bucketed all-reduce overlapped with backward does not (bench/ray_train_compare.py).
+    """
+    precision_ok = dtype == "float64" or (dtype == "float32" and grad_reduce == "float32")
+    return (zero == 0 and dp > 1 and pp == 1 and tp == 1 and precision_ok and not cpu_offload
+            and grad_compression != "powersgd")
+
+
+def replicate_degree(zero: int, dp: int, cfg_dp: int, cfg_replicate: int) -> int:
+    """How many replica groups a generation with ``dp`` data-parallel ranks has (HSDP's R).
+
+    ZeRO-0 replicates everything: R = dp (shard groups of one rank). Otherwise the *shard group
+    size* S = cfg_dp / cfg_replicate is what the config fixes (the memory per rank depends on it),
+    so an elastic resize adds or drops whole replicas: R = dp / S when S divides dp. When it does not
+    (a shrink that left a partial replica), the generation falls back to plain sharding over all dp
+    ranks (R = 1): every rank still holds a 1/dp shard, which is at least as small as 1/S, and DCP
+    reshards the checkpoint into it. ``mesh.dp_replicate`` = 1 is plain FSDP at every dp.
+    """
+    if zero == 0:
+        return dp
+    if cfg_replicate <= 1:
+        return 1
+    shard = cfg_dp // cfg_replicate
+    return dp // shard if dp % shard == 0 and dp >= shard else 1

@@ -1,0 +1,31 @@
+"""Session-wide: the record of native crashes the mesh harness re-ran, printed at the end of the run.
+
+``testbed.world.run_mesh`` re-runs a mesh once when a rank died of SIGABRT/SIGSEGV/SIGBUS
+(docs/design.md, F20: a heap-check abort seen once in CI and not reproduced since). A re-run must not
+hide it: each one is appended to the file ``$ELASTIMESH_NATIVE_CRASH_LOG`` names
+(``testbed.rank_pool.record_native_crash``). This points that variable at a fresh file for the
+session (unless it is set already, e.g. by CI to keep a history across runs) and, at the end, prints
+every record in it in the terminal summary.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report
+
+
+def pytest_configure(config) -> None:
+    if not os.environ.get(NATIVE_CRASH_LOG_ENV):
+        directory = tempfile.mkdtemp(prefix="elastimesh-native-crashes-")
+        os.environ[NATIVE_CRASH_LOG_ENV] = str(Path(directory) / "native_crashes.jsonl")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    lines = native_crash_report(Path(os.environ.get(NATIVE_CRASH_LOG_ENV, "")))
+    if lines:
+        terminalreporter.section("native crashes re-run", sep="=", red=True, bold=True)
+        for line in lines:
+            terminalreporter.write_line(line)
