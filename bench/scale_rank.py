@@ -18,6 +18,7 @@ Concurrency groups as the real actor's: WorkerGroup declares them (meshspeak.ran
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 
@@ -152,12 +153,13 @@ class FakeRankActor:
     @ray.method(concurrency_group=TRAIN_GROUP)
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)
-        self.files = {f"__{self.world_rank}_0.distcp": 16}
-        if self.world_rank == 0:
-            self.files[".metadata"] = 8
-        for name, size in self.files.items():
+        contents = {f"__{self.world_rank}_0.distcp": b"x" * 16}
+        if self.world_rank == 0:  # a pickle that imports nothing: the driver checks .metadata before a restore
+            contents[".metadata"] = pickle.dumps({"fake": "metadata"})
+        self.files = {name: len(data) for name, data in contents.items()}
+        for name, data in contents.items():
             with open(os.path.join(path, name), "wb") as f:
-                f.write(b"x" * size)
+                f.write(data)
         return SaveAck(stall_s=0.0)
 
     def wait_checkpoint(self) -> WriteAck:

@@ -22,6 +22,7 @@ same fan-out block until kicked, as real ranks do in a collective whose peer is 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from meshspeak.messages import CallOutcome, StepResult
@@ -147,6 +148,7 @@ class FakeWorkerGroup:
         refs: dict[FakeCall, int] = {}
         for actor in actor_ids:
             call = FakeCall(actor, method, args.get(actor, ()) if isinstance(args, dict) else args)
+            _bind(method, call.args)
             self.log.append((method, actor, call.args))
             self._run(call)
             refs[call] = actor
@@ -276,3 +278,8 @@ class FakeWorkerGroup:
             return None
         del self._faults[(call.method, call.actor)]
         return kind, message
+
+
+def _bind(method: RankCall, args: tuple) -> None:
+    """The arguments fit the table's signature, or TypeError at submit, as Ray's ``.remote`` raises."""
+    inspect.signature(method).bind(None, *args)

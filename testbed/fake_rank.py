@@ -89,6 +89,9 @@ class FakeRank:
         pass  # the real actor's test hook; faults here are armed on the group (FakeWorkerGroup.fail)
 
     def train_step(self, step: int, keep: tuple = (), after: int | None = None) -> StepResult:
+        if self.step != (step - 1 if after is None else after):  # as RankActor.train_step: calls in order
+            return StepResult(step=step, world_rank=self.world_rank, ok=False,
+                              error=f"RuntimeError: step {step} arrived after step {self.step}: calls out of order")
         self._retain(tuple(keep) or None)
         self._push_answered()
         self.step = step

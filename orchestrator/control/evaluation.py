@@ -29,15 +29,12 @@ class Evaluator:
 
     def run(self, group, gen, metrics, step: int) -> CallOutcome | None:
         """Evaluate generation ``gen``; None when done, the failed outcome otherwise."""
-        actions = gen.plan.actions()
         loss_sum = 0.0
         count = 0
         for batch in range(self.cfg.eval.batches):
-            args = {actor: (self.path, batch, actions[gen.shape.coords(rank).pp], self.mask_eos_id)
-                    for rank, actor in gen.members.items()}
-            refs = group.submit(list(gen.members.values()), RankCalls.eval_step, args)
-            outcome = group.collect(refs, self.cfg.elastic.step_timeout_s,
-                                               stop_early=lambda o: bool(o.dead or o.failed))
+            # Each rank runs the forward-only part of the action list it got once per generation.
+            refs = group.submit(list(gen.members.values()), RankCalls.eval_step, (self.path, batch, self.mask_eos_id))
+            outcome = group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
             if not outcome.ok:
                 return outcome
             results = list(outcome.results.values())
@@ -47,5 +44,5 @@ class Evaluator:
             count += batch_count
         loss = loss_sum / max(1, count)
         metrics.eval(step=step, loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
-                                batches=self.cfg.eval.batches)
+                     batches=self.cfg.eval.batches)
         return None

@@ -1,0 +1,91 @@
+"""Steps in flight (orchestrator/control/window.py) on the fake worker group: the driver sends step k+1
+before it reads step k, a checkpoint save rides right behind its step, what must happen between two
+steps drains the window first, action lists go once per generation, and a step that breaks takes the
+steps queued behind it to the failure path unrecorded (the exactly-once rule: each step's record and
+loss comes from one generation's complete run of it)."""
+
+from __future__ import annotations
+
+from meshspeak.rank_calls import RankCalls
+from orchestrator.control.controller import State
+from orchestrator.control.evaluation import Evaluator
+from testbed.controller_run import make  # noqa: F401  (the fixture)
+
+
+def _order(r, actor: int) -> list[tuple[str, int]]:
+    """(call, step) of actor ``actor``'s training calls, in the order they were sent."""
+    out = []
+    for method, who, args in r.group.log:
+        if who != actor:
+            continue
+        if method is RankCalls.train_step:
+            out.append(("train", args[0]))
+        elif method is RankCalls.save_checkpoint:
+            out.append(("save", args[1]))
+        elif method is RankCalls.eval_step:
+            out.append(("eval", args[1]))
+    return out
+
+
+def test_the_next_step_is_sent_before_the_last_is_read(make):
+    r = make(window=2)
+    r.steps(1)  # FORMING -> RUNNING
+    r.steps(1)  # sends steps 1 and 2, reads step 1
+    assert [args[0] for _, args in r.group.calls(RankCalls.train_step)][::4] == [1, 2]
+    assert [rec["step"] for rec in r.records() if "loss" in rec and "event" not in rec] == [1]
+    r.steps(1)  # sends step 3, reads step 2
+    assert [args[0] for _, args in r.group.calls(RankCalls.train_step)][::4] == [1, 2, 3]
+
+
+def test_action_lists_go_once_per_generation_and_steps_carry_their_number(make):
+    r = make(window=2)
+    r.steps(7)
+    assert r.c.step() == State.FINISHED
+    joins = r.group.calls(RankCalls.join_generation)
+    assert len(joins) == 4 and all(args[2].actions for _, args in joins)  # GenerationOrders
+    steps = r.group.calls(RankCalls.train_step)
+    assert len(steps) == 4 * 6
+    # (step, keep, after): nothing per-step but the step's number and the snapshot key to keep
+    assert {len(args) for _, args in steps} == {3}
+    assert [args[2] for actor, args in steps if actor == 0] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_save_rides_right_behind_its_step(make):
+    r = make(window=2)  # checkpoint.every=2
+    assert r.c.run().final_step == 6
+    assert _order(r, 0) == [("train", 1), ("train", 2), ("save", 2), ("train", 3), ("train", 4), ("save", 4),
+                            ("train", 5), ("train", 6), ("save", 6)]
+    assert r.committed() == [2, 4, 6]
+
+
+def test_an_eval_drains_the_window_and_runs_between_its_step_and_the_next(make):
+    r = make("eval.every=3", "checkpoint.every=0", window=3)
+    r.c.evaluator = Evaluator(r.cfg, "builtin", None)
+    assert r.c.run().final_step == 6
+    assert _order(r, 0) == [("train", 1), ("train", 2), ("train", 3)] + [("eval", b) for b in range(4)] + [
+        ("train", 4), ("train", 5), ("train", 6)] + [("eval", b) for b in range(4)]
+    assert [e["step"] for e in r.events("eval")] == [3, 6]
+
+
+def test_a_requested_resize_drains_the_window_first(make):
+    r = make(window=3, actors=4)
+    r.c.resize_requests = {4: 2}
+    assert r.c.run().final_step == 6
+    sent_by_gen1 = [args[0] for actor, args in r.group.calls(RankCalls.train_step) if actor == 3]
+    assert sent_by_gen1 == [1, 2, 3]  # actor 3 left at the resize: step 4 was never sent to it
+    assert r.c.generation.shape.dp == 2
+
+
+def test_a_broken_step_takes_the_steps_behind_it_unrecorded(make):
+    """A rank dies in step 4 while step 5 is queued behind it: generation 1 records neither; generation
+    2 resumes from the checkpoint of step 2 and records steps 3..6 (step 3 re-run once)."""
+    r = make(window=2)
+    r.group.fail(RankCalls.train_step, 1, "die", at=4)
+    assert r.c.run().final_step == 6
+    sent = [args[0] for actor, args in r.group.calls(RankCalls.train_step) if actor == 0]
+    assert sent == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 was in flight when step 4 broke
+    records = [(rec["step"], rec["generation"]) for rec in r.records() if "loss" in rec and "event" not in rec]
+    assert records == [(1, 1), (2, 1), (3, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
+    (rebuild,) = r.events("rebuild")
+    assert rebuild["resumed_from_step"] == 2 and r.c.generation.number == 2
+    assert r.c.losses == {s: float(s) for s in range(1, 7)}
