@@ -312,11 +312,23 @@ class RankRuntime:
         if self._writer is not None:
             self._writer.wait_staged()
 
+    def _finish_checkpoint_write(self) -> None:
+        """Before a load: the save in flight is done, staged and written. Loading overwrites the tensors
+        its staging may be copying, and its write runs DCP's collectives on the checkpoint group a load
+        uses too (two collectives at once on one gloo group hang or abort it). An in-place rollback can
+        come while the save queued behind the rolled-back step still writes (orchestrator/control/
+        window.py). Its outcome stays the driver's to read (``wait_checkpoint``) or to drop."""
+        from concurrent.futures import wait
+
+        self._wait_checkpoint_staging()
+        if self._save_future is not None:
+            wait([self._save_future])  # not .result(): a failure is reported where it is read
+
     def load_checkpoint(self, path: str) -> int:
         """Load (resharding into this generation's mesh) and return the checkpoint's step."""
         from checkpoints.reader import load_training_state
 
-        self._wait_checkpoint_staging()  # loading overwrites the tensors a save may be copying
+        self._finish_checkpoint_write()
         point = load_training_state(
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
@@ -352,10 +364,11 @@ class RankRuntime:
 
         from checkpoints.memory import RemoteReader
         from checkpoints.reader import load_training_state
+        from checkpoints.state import local_state_bytes
         from meshspeak.messages import RestoreAck
         from workers.snapshot_push import fetch_metadata, fetch_pieces
 
-        self._wait_checkpoint_staging()
+        self._finish_checkpoint_write()
         key = tuple(source.key)
         providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
         metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
@@ -369,21 +382,8 @@ class RankRuntime:
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
         self._awaiting_load = False
-        return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes, shard_bytes=self.shard_bytes())
-
-    def shard_bytes(self) -> int:
-        """This rank's own state: its parameters' and optimizer states' local bytes."""
-        from torch.distributed.tensor import DTensor
-
-        def local(t) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-
-        total = sum(local(p) for p in self.params)
-        for opt in self.optimizers:
-            for state in opt.state.values():
-                total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
-        return total
+        return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes,
+                          shard_bytes=local_state_bytes(self.params, self.optimizers))
 
     def destroy(self) -> None:
         if self._writer is not None:

@@ -321,7 +321,7 @@ class Controller:
         self.ckpt.drop_staged(self.group)
         self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
         try:
-            restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt)
+            restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt, at_most=step)
         except RestoreFailed as exc:
             return self.fail(Phase.LOADING, exc.outcome)
         self.metrics.event("rollback", step=step, resumed_from_step=restored.step, restored_from=restored.source,

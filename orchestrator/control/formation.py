@@ -63,7 +63,8 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
     if not outcome.ok:
         return c.fail(Phase.JOINING, outcome)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
-        restored = c.snapshots.restore_best(c.group, c.generation, c.ckpt)
+        restored = c.snapshots.restore_best(c.group, c.generation, c.ckpt,
+                                            at_most=c.progress.next_step - 1)
     except RestoreFailed as exc:
         return c.fail(Phase.LOADING, exc.outcome)
     c.last_restore = restored

@@ -61,10 +61,12 @@ def covered(members: dict[int, int], holders: dict[int, int], live: set[int]) ->
         actor in live or members[holders[rank]] in live for rank, actor in members.items())
 
 
-def newest_covered(inventories: dict[int, object], worlds: dict[int, int]) -> tuple[SnapKey, dict[int, int]] | None:
+def newest_covered(inventories: dict[int, object], worlds: dict[int, int],
+                   at_most: int | None = None) -> tuple[SnapKey, dict[int, int]] | None:
     """The newest snapshot set of which every rank's shard is held by one of the answering actors,
     and who gives each (old world rank -> actor id: the owner's own copy first, else a held one).
-    ``inventories``: actor id -> its ``SnapshotInventory``; ``worlds``: generation -> its rank count."""
+    ``inventories``: actor id -> its ``SnapshotInventory``; ``worlds``: generation -> its rank count;
+    ``at_most``: no set of a later step (one the driver never recorded: see ``restore_best``)."""
     givers: dict[SnapKey, dict[int, int]] = {}
     for actor, inv in sorted(inventories.items()):
         for key, rank in inv.own:
@@ -73,6 +75,8 @@ def newest_covered(inventories: dict[int, object], worlds: dict[int, int]) -> tu
         for key, rank in inv.held:
             givers.setdefault(tuple(key), {}).setdefault(rank, actor)
     for key in sorted(givers, reverse=True):
+        if at_most is not None and key[2] > at_most:
+            continue
         world = worlds.get(key[0])
         if world and set(givers[key]) >= set(range(world)):
             return key, {rank: givers[key][rank] for rank in range(world)}
@@ -209,14 +213,17 @@ class SnapshotCoordinator:
             return None
         return snap
 
-    def restore_best(self, group, gen, ckpt) -> Restored:
+    def restore_best(self, group, gen, ckpt, *, at_most: int) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at
         least as new as the newest storage checkpoint, else that checkpoint (``ckpt.restore``).
+        ``at_most``: the last step the driver recorded. With steps in flight the ranks may have taken
+        (and pushed) snapshots of steps after it that were never recorded: a rollback's bad steps
+        are replayed from before them, and a broken step's successors are not counted.
 
         The one entry point for resuming a generation (a rebuild after a failure, a resize, a
         rollback). Raises ``RestoreFailed`` when a member died or failed while loading.
         """
-        found = self._find(group) if self.active else None
+        found = self._find(group, at_most) if self.active else None
         info = ckpt.resume_point()
         storage_step = info.step if info is not None else 0
         if choose_source(found[0][2] if found else None, storage_step) == "storage":
@@ -240,7 +247,7 @@ class SnapshotCoordinator:
         return Restored(key[2], "snapshot", time.perf_counter() - t0,
                         fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks))
 
-    def _find(self, group) -> tuple[SnapKey, dict[int, int]] | None:
+    def _find(self, group, at_most: int) -> tuple[SnapKey, dict[int, int]] | None:
         live = list(group.live_ids)
         polled = group.call(live, RankCalls.snapshot_inventory, timeout_s=INVENTORY_TIMEOUT_S)
-        return newest_covered(polled.results, self._worlds)
+        return newest_covered(polled.results, self._worlds, at_most)

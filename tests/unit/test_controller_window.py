@@ -89,3 +89,25 @@ def test_a_broken_step_takes_the_steps_behind_it_unrecorded(make):
     (rebuild,) = r.events("rebuild")
     assert rebuild["resumed_from_step"] == 2 and r.c.generation.number == 2
     assert r.c.losses == {s: float(s) for s in range(1, 7)}
+
+
+def test_a_rollback_with_steps_in_flight_restores_from_before_the_bad_steps(make):
+    """Two bad steps in a row (5, 6) with step 7 queued behind step 6: the ranks train 7 and snapshot it
+    before the driver reads 6 and rolls back. The rollback restores the newest set up to step 6 (step 4:
+    bad steps take no snapshot), never step 7's, which the driver did not record; 5 and 6 replay as
+    recorded skips."""
+    r = make("checkpoint.memory_every=1", "train.max_bad_steps=2", "train.steps=8", window=2)
+    r.group.bad_step(5)
+    r.group.bad_step(6)
+    r.steps(1)
+    while r.c.next_step <= 6:
+        r.steps(1)
+    for rank in r.group.ranks.values():
+        rank.bad_at.clear()  # the replay skips them as recorded, it does not run them
+    assert r.c.run().final_step == 8
+    sent = [args[0] for actor, args in r.group.calls(RankCalls.train_step) if actor == 0]
+    assert sent == [1, 2, 3, 4, 5, 6, 7, 7, 8]  # step 7 was in flight when step 6 was read
+    (rollback,) = r.events("rollback")
+    assert (rollback["step"], rollback["resumed_from_step"], rollback["restored_from"]) == (6, 4, "snapshot")
+    assert [(e["step"], e["reason"]) for e in r.events("bad_step")] == [
+        (5, "grad_norm"), (6, "grad_norm"), (5, "recorded"), (6, "recorded")]

@@ -46,6 +46,8 @@ def test_newest_covered_set_and_who_gives_each_shard():
     }
     key, givers = newest_covered(inventories, {1: 1, 2: 4})
     assert key == k4 and givers == {0: 10, 1: 13, 2: 12, 3: 13}  # own copies first, else a holder's
+    # Step 4 trained in flight but never recorded by the driver: restores stop at step 3.
+    assert newest_covered(inventories, {1: 1, 2: 4}, at_most=3)[0] == k3
     del inventories[13]  # rank 1's copies gone with rank 3
     assert newest_covered(inventories, {1: 1, 2: 4}) is None
     assert newest_covered({13: SnapshotInventory(own=((old, 0),), held=())}, {1: 1, 2: 4}) == (old, {0: 13})
