@@ -1,6 +1,6 @@
 """Scale: the driver off the step's critical path and snapshots off the driver, at hundreds of ranks.
 
-    python bench/scale.py [--sizes 16,64,128,256] [--step-s 1.0] [--steps 14] [--snapshot-mb 1]
+    python bench/scale.py [--sizes 16,64,128,256] [--step-s 1.0] [--steps 14] [--snapshot-mb 0.25]
                           [--sim 1024,4096] [--quick] [--out bench/results/scale.json]
 
 Part 0, capacity: the memory of one minimal Ray actor on this machine (USS/PSS/RSS of 8 of them), and
@@ -36,6 +36,7 @@ from common import load_average, machine, parser, write_result
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 NODES = 4
 MINIMAL_ACTOR_SAMPLE = 8
+MEMORY_MARGIN_MIB = 4096  # left free for everything else on the machine (raylets, the driver, other users)
 
 
 def overrides(n: int, steps: int, tmp: Path) -> list[str]:
@@ -70,7 +71,13 @@ def capacity() -> dict:
     return {"actor_rss_mib": round(statistics.mean(i.rss for i in info) / mib, 1),
             "actor_uss_mib": round(statistics.mean(i.uss for i in info) / mib, 1), "actor_pss_mib": round(pss, 1),
             "memory_total_mib": round(psutil.virtual_memory().total / mib), "memory_available_mib": round(available),
-            "actors_that_fit_now": int(available // pss)}
+            "actors_that_fit_now": int(max(0, available - MEMORY_MARGIN_MIB) // pss)}
+
+
+def _available_mib() -> int:
+    import psutil
+
+    return round(psutil.virtual_memory().available / 2**20)
 
 
 def head_created_bytes(ray) -> int:
@@ -239,7 +246,7 @@ def main() -> None:
     p.add_argument("--sim", default="256,1024,4096")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--step-s", type=float, default=1.0)
-    p.add_argument("--snapshot-mb", type=float, default=1.0)
+    p.add_argument("--snapshot-mb", type=float, default=0.25)
     p.add_argument("--skip-real", action="store_true")
     args = p.parse_args()
     if args.quick:
@@ -251,9 +258,11 @@ def main() -> None:
     real_runs = []
     if not args.skip_real:
         for n in map(int, args.sizes.split(",")):
-            if n * result["capacity"]["actor_pss_mib"] > result["capacity"]["memory_available_mib"] * 0.9:
+            need, free = (n + 1) * result["capacity"]["actor_pss_mib"], _available_mib()
+            if need > free - MEMORY_MARGIN_MIB:  # the machine is shared: never push it into the OOM killer
                 real_runs.append({"ranks": n, "skipped": "not enough memory available for the actors",
-                                  "memory_available_mib": result["capacity"]["memory_available_mib"]})
+                                  "memory_needed_mib": round(need), "memory_available_mib": free,
+                                  "margin_mib": MEMORY_MARGIN_MIB})
                 print(real_runs[-1], flush=True)
                 continue
             real_runs.append({**real(n, args), "load_average": load_average()})

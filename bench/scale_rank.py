@@ -3,7 +3,9 @@ with the real messages and the real call pattern, and only the training is prete
 
 * ``train_step`` sleeps the configured step time on the training thread and answers a ``StepResult``
   of realistic size (per-action timings for ``actions`` pipeline actions); steps are queued as the
-  driver sends them and checked for order, as ``workers/actor.py`` does.
+  driver sends them and checked for order, as ``workers/actor.py`` does. A ``kick`` ends the step
+  under way with an error that later steps of the generation repeat, as a real rank's collectives
+  fail once the driver shut its sockets.
 * Every ``snapshot_every`` steps it takes a snapshot of ``snapshot_bytes`` (a fresh numpy array: the
   bytes the real rank's copy produces) and pushes it itself to the holder the driver named, on a
   thread of its own (``holder.keep_snapshot.remote``: the bytes go owner node -> holder node); one
@@ -56,6 +58,7 @@ class FakeRankActor:
         self._lock = threading.Lock()
         self._acks: list[SnapshotAck] = []
         self._pushing = threading.Event()
+        self._kicked = threading.Event()  # the driver's kick: the generation's "collectives" are broken
 
     # -- life and health --------------------------------------------------------------------------
     def ping(self) -> tuple[int, str, str]:
@@ -69,7 +72,10 @@ class FakeRankActor:
                             busy=False, step=self.step, error=self.error)
 
     def kick(self, peers: list[tuple[str, int]]) -> int:
-        return 0  # no collectives to free: a fake step never blocks on a peer
+        """As the real kick shuts the generation's sockets: the step under way fails now and every
+        later one of the generation refuses (a real rank's next collective would fail)."""
+        self._kicked.set()
+        return 1
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -86,6 +92,7 @@ class FakeRankActor:
         self.generation, self.world_rank, self.orders = gen.generation, gen.world_rank, orders
         self.life = self.step = 0
         self.error = None
+        self._kicked.clear()
         return RankInfo(world_rank=gen.world_rank, pid=os.getpid(), node_ip=ray.util.get_node_ip_address(),
                         gloo_listeners=(), setup_s=0.0, num_params_local=self.snapshot_bytes // 4)
 
@@ -100,7 +107,9 @@ class FakeRankActor:
         if self.error is not None:
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         t0 = time.perf_counter()
-        time.sleep(self.step_s)
+        if self._kicked.wait(self.step_s):  # "a peer died": the step's collective raises
+            self.error = "RuntimeError: Connection closed by peer (kicked)"
+            return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         wall = time.perf_counter() - t0
         self.step = step
         self._retain(tuple(keep) or None)
