@@ -269,10 +269,12 @@ class Controller:
 
     def _barrier(self, step: int) -> bool:
         """Whether ``step`` must wait until every step before it was read: the end, a requested resize,
-        a hook due, a replayed skip, an eval after the step before, or a second save in the window."""
+        a hook due, a replayed skip, an eval or a checkpoint save after the step before. A save goes
+        out only once its step was read good (never one of a step that broke or turns out bad), and
+        before the next step changes the state."""
         return (step > self.cfg.train.steps or step in self.resize_requests
                 or any(_due(hook, step) for hook in self.step_hooks) or self.health.bad_steps.is_skipped(step)
-                or self.evaluator.due(step - 1) or (self.ckpt.due(step) and self.ckpt.staged is not None))
+                or self.evaluator.due(step - 1) or self.ckpt.due(step - 1))
 
     def _decide(self, step: int) -> Decision | None:
         at = Boundary(step, adopted=self.spares.adopt_started())
@@ -283,11 +285,8 @@ class Controller:
         return None
 
     def _send(self, step: int) -> None:
-        """Send ``step`` to every member, and its checkpoint save right behind it when one is due."""
-        gen = self.generation
-        flight = self.window.send(self.group, list(gen.members.values()), step, self.snapshots.keep)
-        if self.ckpt.due(step):
-            flight.extra = self.ckpt.queue_save(self.group, gen, step)
+        """Send ``step`` to every member."""
+        self.window.send(self.group, list(self.generation.members.values()), step, self.snapshots.keep)
 
     def _trained(self, step: int, results: list[StepResult]) -> ControllerState:
         """Step ``step`` trained on every rank: record it (or its skip), then the boundary's saves."""
@@ -318,7 +317,6 @@ class Controller:
         broken = self.window.drain(self.group, self.cfg.elastic.step_timeout_s, _step_broken)
         if broken is not None:
             return self.fail(Phase.STEP, broken)
-        self.ckpt.drop_staged(self.group)
         self.ckpt.finish(self.group, self.generation, step)  # no save in flight while loading
         try:
             restored = self.snapshots.restore_best(self.group, self.generation, self.ckpt, at_most=step)

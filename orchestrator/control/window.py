@@ -6,9 +6,9 @@ send step k+1 (and a checkpoint save due after step k) before step k answered: t
 moment step k ends, without waiting for the driver to read step k's result, decide and send the next
 call. The controller keeps ``size`` steps queued that way and reads them oldest first, all of a
 step's answers in one batch (``WorkerGroup.collect``). What must happen *between* two steps on every
-rank in a given order is either queued in that order too (checkpoint saves), done by the rank itself
-(in-memory snapshots), or known in advance, so the window stops short of it and drains first (a
-requested resize, an eval, a step hook, a step replayed as a recorded skip: ``Controller._barrier``).
+rank in a given order is either done by the rank itself (in-memory snapshots) or known in advance, so
+the window stops short of it and drains first (a checkpoint save, an eval, a requested resize, a step
+hook, a step replayed as a recorded skip: ``Controller._barrier``): an ordinary step never waits.
 Decisions that come up at a boundary unannounced (a stop, a drain notice, a straggler, a grow) stop
 the window from growing; the steps in flight finish and are recorded, then the decision is carried
 out at the boundary after the last one.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
@@ -36,7 +36,6 @@ DEFAULT_SIZE = 2  # steps in flight: one running, one queued behind it (enough t
 class InFlight:
     step: int
     refs: dict  # train_step call -> actor id
-    extra: dict = field(default_factory=dict)  # calls queued behind it (a checkpoint save) -> actor id
 
 
 class StepWindow:
@@ -82,9 +81,7 @@ class StepWindow:
         for the failure path to free and wait for (``orchestrator.recovery.settle``)."""
         merged = CallOutcome(results=dict(outcome.results), dead=dict(outcome.dead), failed=dict(outcome.failed),
                              pending=list(outcome.pending), pending_refs=dict(outcome.pending_refs))
-        first = self.flights[0]
-        younger = [first.extra] + [f.refs for f in list(self.flights)[1:]] + [f.extra for f in list(self.flights)[1:]]
-        for refs in younger:
+        for refs in [f.refs for f in list(self.flights)[1:]]:
             for ref, actor in refs.items():
                 merged.pending_refs[ref] = actor
                 if actor not in merged.pending and actor not in merged.dead:
@@ -99,5 +96,5 @@ class StepWindow:
             _, outcome = self.read_oldest(group, timeout_s, stop_early)
             if not outcome.ok or stop_early(outcome):
                 return self.broken(outcome)
-            group.drain(list(self.done().extra))
+            self.done()
         return None

@@ -75,17 +75,6 @@ class RestoreFailed(TrainingFailed):
 
 
 @dataclass
-class StagedSave:
-    """Driver side: a save queued behind its step on every rank's training thread (the step window);
-    its ``SaveAck``s are read once the step itself answered."""
-
-    step: int
-    gen: Any
-    path: str
-    refs: dict  # save_checkpoint call -> actor id
-
-
-@dataclass
 class PendingSave:
     """Driver side: the one save in flight. Every member staged its shard (``SaveAck``s in); the
     ``wait_checkpoint`` calls in ``refs`` answer with a ``WriteAck`` each once the shard is durable."""
@@ -109,7 +98,6 @@ class CheckpointCoordinator:
         self.data_identity = _data_identity(cfg)
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
-        self._staged: StagedSave | None = None
         self.last_committed = 0
         self.save_measured_s: float | None = None  # stage + write of the last commit (preemption budget)
         self.run_id = uuid.uuid4().hex[:12]  # replaced by the resumed checkpoint's run id (_claim_root)
@@ -131,39 +119,10 @@ class CheckpointCoordinator:
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    @property
-    def staged(self) -> StagedSave | None:
-        """A save queued behind a step not read yet."""
-        return self._staged
-
-    def queue_save(self, group, gen, step: int) -> dict:
-        """Right after step ``step`` was sent (a checkpoint step): queue its save behind it on every
-        rank, so no rank waits for the driver between the step and the save. Finishes the save in
-        flight first (at most one). Returns the save calls (for the step window)."""
-        self._try_commit(group, block=True)
-        try:
-            path = prepare_step(self.root, step, run_id=self.run_id)
-        except CheckpointError as exc:
-            self._storage_failed(step, self.root, exc.message)
-        refs = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (path, step))
-        self._staged = StagedSave(step=step, gen=gen, path=path, refs=refs)
-        return refs
-
-    def drop_staged(self, group) -> None:
-        """The step a staged save follows is dropped unrecorded (an in-place reload): so is its save."""
-        if self._staged is not None:
-            self._abandoned.extend(self._staged.refs)
-            self._staged = None
-        self._reap_abandoned(group)
-
     def after_step(self, group, gen, step: int) -> None:
         self._reap_abandoned(group)
         self._try_commit(group, block=False)
-        staged = self._staged
-        if staged is not None and staged.step == step:
-            self._staged = None
-            self._started(group, staged.gen, step, staged.path, staged.refs)
-        elif self.due(step):
+        if self.due(step):
             self._start_save(group, gen, step)
 
     def save_now(self, group, gen, step: int) -> None:
@@ -185,8 +144,6 @@ class CheckpointCoordinator:
             logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending.step)
             self._abandoned.extend(self._pending.refs)
         self._pending = None
-        if self._staged is not None:  # its calls were handed to the failure path with the step's
-            self._staged = None
 
     def _reap_abandoned(self, group) -> None:
         # Read the acks of abandoned saves once they fail, so Ray does not log each as an

@@ -1,6 +1,6 @@
 """Steps in flight (orchestrator/control/window.py) on the fake worker group: the driver sends step k+1
-before it reads step k, a checkpoint save rides right behind its step, what must happen between two
-steps drains the window first, action lists go once per generation, and a step that breaks takes the
+before it reads step k, what must happen between two steps (a checkpoint save, an eval, a resize)
+drains the window first, action lists go once per generation, and a step that breaks takes the
 steps queued behind it to the failure path unrecorded (the exactly-once rule: each step's record and
 loss comes from one generation's complete run of it)."""
 
@@ -28,7 +28,7 @@ def _order(r, actor: int) -> list[tuple[str, int]]:
 
 
 def test_the_next_step_is_sent_before_the_last_is_read(make):
-    r = make(window=2)
+    r = make("checkpoint.every=0", window=2)
     r.steps(1)  # FORMING -> RUNNING
     r.steps(1)  # sends steps 1 and 2, reads step 1
     assert [args[0] for _, args in r.group.calls(RankCalls.train_step)][::4] == [1, 2]
@@ -50,8 +50,10 @@ def test_action_lists_go_once_per_generation_and_steps_carry_their_number(make):
     assert [args[2] for actor, args in steps if actor == 0] == [0, 1, 2, 3, 4, 5]
 
 
-def test_a_checkpoint_save_rides_right_behind_its_step(make):
+def test_a_checkpoint_save_goes_between_its_step_read_good_and_the_next(make):
     r = make(window=2)  # checkpoint.every=2
+    r.steps(3)  # forms, reads step 1, reads step 2 and starts its save (step 3 is sent after it)
+    assert _order(r, 0) == [("train", 1), ("train", 2), ("save", 2)]
     assert r.c.run().final_step == 6
     assert _order(r, 0) == [("train", 1), ("train", 2), ("save", 2), ("train", 3), ("train", 4), ("save", 4),
                             ("train", 5), ("train", 6), ("save", 6)]
@@ -77,15 +79,16 @@ def test_a_requested_resize_drains_the_window_first(make):
 
 
 def test_a_broken_step_takes_the_steps_behind_it_unrecorded(make):
-    """A rank dies in step 4 while step 5 is queued behind it: generation 1 records neither; generation
-    2 resumes from the checkpoint of step 2 and records steps 3..6 (step 3 re-run once)."""
+    """A rank dies in step 5 while step 6 is queued behind it: generation 1 records neither (nor is the
+    save of step 4, still being written, committed); generation 2 resumes from the checkpoint of step
+    2 and records steps 3..6."""
     r = make(window=2)
-    r.group.fail(RankCalls.train_step, 1, "die", at=4)
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
     assert r.c.run().final_step == 6
     sent = [args[0] for actor, args in r.group.calls(RankCalls.train_step) if actor == 0]
-    assert sent == [1, 2, 3, 4, 5, 3, 4, 5, 6]  # step 5 was in flight when step 4 broke
+    assert sent == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]  # step 6 was in flight when step 5 broke
     records = [(rec["step"], rec["generation"]) for rec in r.records() if "loss" in rec and "event" not in rec]
-    assert records == [(1, 1), (2, 1), (3, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
+    assert records == [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
     (rebuild,) = r.events("rebuild")
     assert rebuild["resumed_from_step"] == 2 and r.c.generation.number == 2
     assert r.c.losses == {s: float(s) for s in range(1, 7)}
@@ -96,7 +99,7 @@ def test_a_rollback_with_steps_in_flight_restores_from_before_the_bad_steps(make
     before the driver reads 6 and rolls back. The rollback restores the newest set up to step 6 (step 4:
     bad steps take no snapshot), never step 7's, which the driver did not record; 5 and 6 replay as
     recorded skips."""
-    r = make("checkpoint.memory_every=1", "train.max_bad_steps=2", "train.steps=8", window=2)
+    r = make("checkpoint.memory_every=1", "checkpoint.every=0", "train.max_bad_steps=2", "train.steps=8", window=2)
     r.group.bad_step(5)
     r.group.bad_step(6)
     r.steps(1)
