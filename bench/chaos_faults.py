@@ -65,7 +65,7 @@ class Campaign:
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:
-        """At each step boundary (the driver's main thread: Ray's ``Cluster.add_node`` installs a
+        """After each recorded step (the driver's main thread: Ray's ``Cluster.add_node`` installs a
         signal handler, which only the main thread may): add the replacement nodes that are due."""
         now = time.time()
         for due in [t for t in self.replacements if t <= now]:
