@@ -359,9 +359,13 @@ class RemoteReader(MemoryReader):
         answers = self.fetch({owner: [(r.storage_index, tuple(r.storage_offsets), tuple(r.lengths)) for r in reqs]
                               for owner, reqs in wanted.items()})
         for owner, reqs in wanted.items():
+            # Equal byte items (the optimizer's hyperparameters, one per parameter) are one object on
+            # the provider (``Deferred.to_bytes``), and one answer is pickled once: each crosses once.
+            sent: set[int] = set()
             for req, piece in zip(reqs, answers[owner], strict=True):
                 if req.type == LoadItemType.BYTE_IO:
-                    self.fetched_bytes += len(piece)
+                    self.fetched_bytes += 0 if id(piece) in sent else len(piece)
+                    sent.add(id(piece))
                     planner.load_bytes(req, io.BytesIO(piece))
                     continue
                 self.fetched_bytes += piece.numel() * piece.element_size()

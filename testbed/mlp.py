@@ -1,13 +1,15 @@
 """A 2-layer MLP trained on FSDP2 / TP meshes of spawned gloo ranks, for tests that move training state
-between meshes (tests/distributed/test_snapshot_restore_bytes.py). Sizes shard unevenly: 22 rows over
-dp=4 -> 6,6,6,4. ``build(dp, tp)`` makes the model, AdamW and a LambdaLR on a (dp, tp) mesh."""
+between meshes (tests/distributed/test_snapshot_restore_bytes.py). Sizes shard unevenly: 190 rows over
+dp=4 -> 48,48,48,46. ``build(dp, tp)`` makes the model, AdamW and a LambdaLR on a (dp, tp) mesh."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-D_IN, HIDDEN, D_OUT, GLOBAL_BATCH = 10, 22, 6, 8
+# Big enough that the state, not the optimizer's few hyperparameter items (~11 KB per restore), is
+# what a restore moves; 190 rows shard unevenly over dp=4.
+D_IN, HIDDEN, D_OUT, GLOBAL_BATCH = 64, 190, 32, 8
 SOURCES = {"fsdp": (4, 1), "tp": (2, 2)}  # name -> (dp, tp) of a 4-rank layout
 
 

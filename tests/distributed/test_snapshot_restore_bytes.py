@@ -2,8 +2,8 @@
 shard needs (checkpoints.memory.RemoteReader): at most 2x the rank's own state, whatever the old and
 new meshes, and the loaded state is bit-identical to what was saved.
 
-Snapshots are taken on two 4-rank layouts (FSDP2 dp=4; TP + FSDP2 dp=2 x tp=2, unevenly sharded: 22
-rows over dp=4 -> 6,6,6,4) and loaded into dp=2, one process, dp=2 x tp=2 and dp=4; each new rank's
+Snapshots are taken on two 4-rank layouts (FSDP2 dp=4; TP + FSDP2 dp=2 x tp=2, unevenly sharded: 190
+rows over dp=4 -> 48,48,48,46) and loaded into dp=2, one process, dp=2 x tp=2 and dp=4; each new rank's
 reads go through a fetch function that serves the old ranks' snapshots and counts the bytes it hands
 out, as the providers' ``snapshot_pieces`` do over Ray (workers/snapshot_push.py). The loader before
 this one (``MemoryReader``) needed every old rank's whole snapshot on every new rank.
@@ -62,8 +62,10 @@ def _restore(rank: int, world: int, dp: int, tp: int, snapshots: dict[str, list]
             answers = {owner: snaps[owner].pieces(requests) for owner, requests in wanted.items()}
             for owner, pieces in answers.items():
                 served["old_ranks"].add(owner)
+                # One answer crosses as one pickle: an object repeated in it (equal byte items) once.
+                distinct = {id(p): p for p in pieces}.values()
                 served["bytes"] += sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else len(p)
-                                       for p in pieces)
+                                       for p in distinct)
             return answers
 
         reader = RemoteReader([s.metadata for s in snaps], 2, fetch)
