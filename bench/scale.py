@@ -249,8 +249,11 @@ def main() -> None:
     p.add_argument("--snapshot-mb", type=float, default=0.25)
     p.add_argument("--skip-real", action="store_true")
     args = p.parse_args()
-    if args.quick:
-        args.sizes, args.sim, args.steps = "16,64", "256,1024", 12
+    if args.quick:  # smaller sizes unless given
+        quick = {"sizes": "16,64", "sim": "256,1024", "steps": 12}
+        for name, value in quick.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     result: dict = {"benchmark": "scale", "quick": args.quick, "step_s": args.step_s, "snapshot_mb": args.snapshot_mb,
                     "steps": args.steps, "machine_before": machine(load_average=load_average())}
     result["capacity"] = capacity() if not args.skip_real else None
