@@ -5,12 +5,14 @@
 For each world size N (mesh dp = N/4, pp = 2, tp = 2), N local gloo ranks (``testbed.gloo_world.run_ranks``)
 form a generation ``--repeats`` times in the same processes, two ways:
 
-* ``scaling`` — ``workers.groups.build_process_groups`` as it is: each rank makes only the groups it
-  belongs to (``new_group(use_local_synchronization=True)``) and gloo connects pairs lazily
+* ``own_groups`` — the groups ``workers.groups.build_process_groups`` makes: each rank only the groups
+  it belongs to (``new_group(use_local_synchronization=True)``), gloo connecting pairs lazily
   (``TORCH_GLOO_LAZY_INIT``);
 * ``world_wide`` — the formation before it (the code of commit 913fafc, kept here as the baseline):
   every rank calls ``new_group`` for every group of every axis, in the same order, and gloo connects
-  every pair of a group's members when the group is made.
+  every pair of a group's members when the group is made;
+* ``build_process_groups`` — the whole join's group part as a rank runs it (own groups, plus the
+  DeviceMesh and the DTensor cache clearing), for the absolute figure.
 
 After forming, every rank runs what one training step of this mesh runs on each group: one all-reduce
 on the world group (the grad norm), on the dp, pp and tp groups, and one on the checkpoint group (DCP's
@@ -57,6 +59,27 @@ def _world_wide(store_port: int, prefix: str, shape, world_rank: int, timeout):
     return mine, ckpt
 
 
+def _own_groups(store_port: int, prefix: str, shape, world_rank: int, timeout):
+    """The groups ``workers.groups.build_process_groups`` makes, and only those (no DeviceMesh, no
+    cache clearing: what ``_world_wide`` does not do either): each rank its own groups, members
+    meeting by their ranks, gloo pairs connected on first use."""
+    import torch.distributed as dist
+
+    from workers.groups import AXES, GLOO_LAZY_INIT
+
+    os.environ[GLOO_LAZY_INIT] = "1"
+    base = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, base), rank=world_rank,
+                            world_size=shape.world, timeout=timeout)
+    mine = [dist.new_group(next(m for m in shape.group_ranks(axis) if world_rank in m), timeout=timeout,
+                           backend="gloo", use_local_synchronization=True) for axis in AXES]
+    ckpt = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo", use_local_synchronization=True)
+    return mine, ckpt
+
+
+MODES = ("world_wide", "own_groups", "build_process_groups")
+
+
 def _rank(rank: int, store_port: int, world: int, repeats: int) -> dict:
     from datetime import timedelta
 
@@ -71,17 +94,18 @@ def _rank(rank: int, store_port: int, world: int, repeats: int) -> dict:
     timeout = timedelta(seconds=120)
     out: dict[str, list] = {}
     for repeat in range(repeats):
-        for mode in ("world_wide", "scaling"):
+        for mode in MODES:
             listeners = sockets.listening_ports()
             t0 = time.perf_counter()
-            if mode == "scaling":
+            if mode == "build_process_groups":
                 groups = build_process_groups(store_addr="127.0.0.1", store_port=store_port, generation=repeat + 1,
                                               shape=shape, world_rank=rank, timeout_s=120,
-                                              device=torch.device("cpu"), store_prefix=f"scaling-{repeat}")
+                                              device=torch.device("cpu"), store_prefix=f"{mode}-{repeat}")
                 axis_groups = [groups.mesh.get_group(groups.axis_names[a]) for a in ("dp", "pp", "tp")]
                 ckpt = groups.ckpt_group
             else:
-                axis_groups, ckpt = _world_wide(store_port, f"world_wide-{repeat}", shape, rank, timeout)
+                make = _world_wide if mode == "world_wide" else _own_groups
+                axis_groups, ckpt = make(store_port, f"{mode}-{repeat}", shape, rank, timeout)
             formed_s = time.perf_counter() - t0
             opened = len(sockets.listening_ports() - listeners)
             t = torch.ones(4)
@@ -99,7 +123,7 @@ def _rank(rank: int, store_port: int, world: int, repeats: int) -> dict:
 def measure(world: int, repeats: int) -> dict:
     ranks = run_ranks(world, _rank, world, repeats, timeout=600)
     result = {"ranks": world, "mesh": {"dp": world // 4, "pp": 2, "tp": 2}}
-    for mode in ("world_wide", "scaling"):
+    for mode in MODES:
         per_repeat = [max(r[mode][i]["formed_s"] for r in ranks) for i in range(repeats)]
         result[mode] = {
             "formation_s": round(statistics.median(per_repeat), 4),

@@ -245,7 +245,7 @@ def test_formation_quick_writes_json(tmp_path: Path) -> None:
     result = run_bench_script("formation.py", tmp_path / "formation.json", timeout=590)
     assert [s["ranks"] for s in result["sizes"]] == [4, 8]
     for size in result["sizes"]:
-        for mode in ("world_wide", "scaling"):
+        for mode in ("world_wide", "own_groups", "build_process_groups"):
             assert size[mode]["formation_s"] > 0 and size[mode]["connections_per_rank_max"] > 0
         # each rank's own groups, pairs connected on first use: fewer connections than a full mesh
-        assert size["scaling"]["connections_per_rank_max"] < size["world_wide"]["connections_per_rank_max"]
+        assert size["own_groups"]["connections_per_rank_max"] < size["world_wide"]["connections_per_rank_max"]
