@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import make_controller
@@ -37,13 +38,13 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
     group = make_group(cfg.mesh.world)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # INITIALIZING -> RUNNING (generation 1 formed)
+        controller.step()  # FORMING -> RUNNING (generation 1 formed)
         members = controller.generation.members
         faults = [(victim_rank, at_step, kind, delay_s, where), *more]
         victims = {members[f[0]] for f in faults}
         survivors = {a: group.pids[a] for a in group.live_ids if a not in victims}
         for rank, at, fault_kind, delay, where in faults:
-            group.call([members[rank]], "arm_fault", (at, fault_kind, delay, where), timeout_s=10)
+            group.call([members[rank]], RankCalls.arm_fault, (at, fault_kind, delay, where), timeout_s=10)
         controller.step_hooks.extend(hooks)
         summary = controller.run()
         for actor, pid in survivors.items():  # no survivor was restarted

@@ -263,3 +263,26 @@ def test_powersgd_ddp_oracle_quick_writes_json(tmp_path: Path) -> None:
     (row,) = result["summary"]
     assert row["ddp_plain_loss"] > 0 and row["ddp_powersgd_loss"] > 0 and row["elastimesh_gap"] is None
     assert row["ddp_bytes_ratio"] >= 4  # rank 2 on the default model: 21.7x, as bench/results/powersgd.json
+
+
+@pytest.mark.timeout(120)
+def test_scale_simulated_part_writes_json(tmp_path: Path) -> None:
+    """bench/scale.py's simulated part alone: the real controller on 64 in-process ranks, one rank lost."""
+    result = run_bench_script("scale.py", tmp_path / "scale.json", "--skip-real", "--sim", "64")
+    assert result["benchmark"] == "scale" and result["real"] == []
+    (sim,) = result["simulated"]
+    assert sim["ranks"] == 64 and sim["steps_measured"] > 0
+    assert sim["driver_cpu_per_step_s"] > 0 and sim["driver_cpu_per_recovery_s"] > 0
+    assert 0 < sim["of_which_sim_group_us_per_rank"] < sim["driver_cpu_per_step_per_rank_us"]
+
+
+@pytest.mark.slow  # 4 and 8 gloo ranks forming twice each, both ways
+@pytest.mark.timeout(600)
+def test_formation_quick_writes_json(tmp_path: Path) -> None:
+    result = run_bench_script("formation.py", tmp_path / "formation.json", timeout=590)
+    assert [s["ranks"] for s in result["sizes"]] == [4, 8]
+    for size in result["sizes"]:
+        for mode in ("world_wide", "own_groups", "build_process_groups"):
+            assert size[mode]["formation_s"] > 0 and size[mode]["connections_per_rank_max"] > 0
+        # each rank's own groups, pairs connected on first use: fewer connections than a full mesh
+        assert size["own_groups"]["connections_per_rank_max"] < size["world_wide"]["connections_per_rank_max"]
