@@ -63,6 +63,10 @@ class SimGroup:
     def starting(self) -> int:
         return 0
 
+    @property
+    def lost_ids(self) -> list[int]:
+        return []  # no node dies under the simulated group: ranks are killed one by one
+
     def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
         raise RuntimeError("the simulated cluster is full")
 
