@@ -198,12 +198,17 @@ def _figures(records, transitions, killed, created, kill_after) -> dict:
 
 
 def _rank_idle(ray, group, idle: dict, records, kill_after: int) -> dict:
-    """The driver on the step's critical path, seen from the ranks: for each steady step, the longest
-    any member's training thread waited for that step's call after its previous step ended (a real
-    step, synchronised by its collectives, starts when the last rank gets its call)."""
+    """The driver on the step's critical path, seen from the ranks. The fake ranks do not wait for
+    each other as real ones do in their collectives, so a fast one runs ahead and then waits for the
+    slowest: for each steady step, the wait of the rank that finished the step before *last* (the one
+    a real, synchronised step waits for) for that step's call."""
     final_gen = max(r[4] for r in records if r[0] <= kill_after)
     steady = sorted(r[0] for r in records if r[4] == final_gen and r[0] <= kill_after)[2:]
-    waits = [max(per.get(step, 0.0) for per in idle.values()) for step in steady if idle]
+    waits = []
+    for step in steady:
+        seen = [per[step] for per in idle.values() if step in per]
+        if seen:
+            waits.append(max(seen, key=lambda w: w[1])[0])  # the last to end the step before
     return {"rank_wait_for_driver_per_step_s": round(statistics.mean(waits), 4) if waits else None,
             "rank_wait_for_driver_per_step_max_s": round(max(waits), 4) if waits else None,
             "rank_wait_for_driver_median_s": round(statistics.median(waits), 4) if waits else None}

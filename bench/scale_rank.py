@@ -62,7 +62,7 @@ class FakeRankActor:
         # Seconds this rank's training thread sat idle before each step (since its previous step
         # ended): the time it waited for the driver's next call (``idle_before``).
         self._last_end: float | None = None
-        self.idle: dict[int, float] = {}
+        self.idle: dict[int, tuple[float, float]] = {}
 
     # -- life and health --------------------------------------------------------------------------
     def ping(self) -> tuple[int, str, str]:
@@ -112,8 +112,8 @@ class FakeRankActor:
         if self.error is not None:
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         t0 = time.perf_counter()
-        if self._last_end is not None:
-            self.idle[step] = t0 - self._last_end
+        if self._last_end is not None:  # (idle seconds, when the step before ended: wall clock)
+            self.idle[step] = (t0 - self._last_end, time.time() - (t0 - self._last_end))
         if self._kicked.wait(self.step_s):  # "a peer died": the step's collective raises
             self.error = "RuntimeError: Connection closed by peer (kicked)"
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
@@ -135,9 +135,10 @@ class FakeRankActor:
                           step_time_s=wall, compute_s=wall * 0.9, timings=timings, own_s=0.001, forward_s=wall / 2,
                           snapshots=acks)
 
-    def idle_before(self) -> dict[int, float]:
-        """Step -> seconds the training thread waited for that step's call after the step before
-        ended, in the current generation (bench/scale.py reads it directly: not a rank call)."""
+    def idle_before(self) -> dict[int, tuple[float, float]]:
+        """Step -> (seconds the training thread waited for that step's call after the step before
+        ended, when that step ended by the wall clock), in the current generation (bench/scale.py
+        reads it directly: not a rank call)."""
         return dict(self.idle)
 
     def _push(self, key: tuple) -> None:
