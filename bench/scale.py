@@ -37,6 +37,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 NODES = 4
 MINIMAL_ACTOR_SAMPLE = 8
 START_BATCH = 32  # actors started at a time (memory is checked between batches)
+ACTOR_MIB = 64  # a fake rank actor's private memory, about (part 0 measures it)
 MEMORY_MARGIN_MIB = 4096  # left free for everything else on the machine (raylets, the driver, other users)
 
 
@@ -72,7 +73,7 @@ def capacity() -> dict:
     return {"actor_rss_mib": round(statistics.mean(i.rss for i in info) / mib, 1),
             "actor_uss_mib": round(statistics.mean(i.uss for i in info) / mib, 1), "actor_pss_mib": round(pss, 1),
             "memory_total_mib": round(psutil.virtual_memory().total / mib), "memory_available_mib": round(available),
-            "actors_that_fit_now": int(max(0, available - MEMORY_MARGIN_MIB) // pss)}
+            "actors_that_fit_now": int(max(0, available - MEMORY_MARGIN_MIB) // statistics.mean(i.uss / mib for i in info))}
 
 
 def _available_mib() -> int:
@@ -115,7 +116,7 @@ def real(n: int, args) -> dict:
         t0 = time.perf_counter()
         started = 0
         while started < n + 1:  # in batches, stopping before the shared machine runs short of memory
-            if _available_mib() < MEMORY_MARGIN_MIB + START_BATCH * 100:
+            if _available_mib() < MEMORY_MARGIN_MIB + START_BATCH * ACTOR_MIB:
                 out.update(skipped=f"memory: {_available_mib()} MiB available after {started} actors "
                                    f"(a margin of {MEMORY_MARGIN_MIB} MiB is kept for the machine's other users)")
                 return out
@@ -294,8 +295,11 @@ def main() -> None:
     real_runs = []
     if not args.skip_real:
         for n in map(int, args.sizes.split(",")):
-            need, free = (n + 1) * result["capacity"]["actor_pss_mib"], _available_mib()
-            if need > free - MEMORY_MARGIN_MIB:  # the machine is shared: never push it into the OOM killer
+            # What each more actor adds is its private memory (USS): the shared libraries are mapped once.
+            need, free = (n + 1) * result["capacity"]["actor_uss_mib"], _available_mib()
+            # The machine is shared: never push it into the OOM killer. The start itself checks again
+            # between batches, keeping MEMORY_MARGIN_MIB free (``real``).
+            if need > free - MEMORY_MARGIN_MIB / 2:
                 real_runs.append({"ranks": n, "skipped": "not enough memory available for the actors",
                                   "memory_needed_mib": round(need), "memory_available_mib": free,
                                   "margin_mib": MEMORY_MARGIN_MIB})
