@@ -6,8 +6,8 @@ For each world size N (mesh dp = N/4, pp = 2, tp = 2), N local gloo ranks (``tes
 form a generation ``--repeats`` times in the same processes, two ways:
 
 * ``own_groups`` — the groups ``workers.groups.build_process_groups`` makes: each rank only the groups
-  it belongs to (``new_group(use_local_synchronization=True)``), gloo connecting pairs lazily
-  (``TORCH_GLOO_LAZY_INIT``);
+  it belongs to (``new_group(use_local_synchronization=True)``), gloo connecting each group's pairs
+  when it is made (workers/groups.py says why not lazily);
 * ``world_wide`` — the formation before it (the code of commit 913fafc, kept here as the baseline):
   every rank calls ``new_group`` for every group of every axis, in the same order, and gloo connects
   every pair of a group's members when the group is made;
@@ -62,12 +62,12 @@ def _world_wide(store_port: int, prefix: str, shape, world_rank: int, timeout):
 def _own_groups(store_port: int, prefix: str, shape, world_rank: int, timeout):
     """The groups ``workers.groups.build_process_groups`` makes, and only those (no DeviceMesh, no
     cache clearing: what ``_world_wide`` does not do either): each rank its own groups, members
-    meeting by their ranks, gloo pairs connected on first use."""
+    meeting by their ranks."""
     import torch.distributed as dist
 
     from workers.groups import AXES, GLOO_LAZY_INIT
 
-    os.environ[GLOO_LAZY_INIT] = "1"
+    os.environ.pop(GLOO_LAZY_INIT, None)
     base = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, base), rank=world_rank,
                             world_size=shape.world, timeout=timeout)

@@ -36,6 +36,8 @@ from common import load_average, machine, parser, write_result
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 NODES = 4
 MINIMAL_ACTOR_SAMPLE = 8
+START_BATCH = 32  # actors started at a time (memory is checked between batches)
+ACTOR_MIB = 64  # a fake rank actor's private memory, about (part 0 measures it)
 MEMORY_MARGIN_MIB = 4096  # left free for everything else on the machine (raylets, the driver, other users)
 
 
@@ -71,7 +73,7 @@ def capacity() -> dict:
     return {"actor_rss_mib": round(statistics.mean(i.rss for i in info) / mib, 1),
             "actor_uss_mib": round(statistics.mean(i.uss for i in info) / mib, 1), "actor_pss_mib": round(pss, 1),
             "memory_total_mib": round(psutil.virtual_memory().total / mib), "memory_available_mib": round(available),
-            "actors_that_fit_now": int(max(0, available - MEMORY_MARGIN_MIB) // pss)}
+            "actors_that_fit_now": int(max(0, available - MEMORY_MARGIN_MIB) // statistics.mean(i.uss / mib for i in info))}
 
 
 def _available_mib() -> int:
@@ -112,7 +114,15 @@ def real(n: int, args) -> dict:
         group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=900, actor_class=FakeRankActor,
                             actor_kwargs={"step_s": args.step_s, "snapshot_bytes": int(args.snapshot_mb * 2**20)})
         t0 = time.perf_counter()
-        group.add(n + 1)
+        started = 0
+        while started < n + 1:  # in batches, stopping before the shared machine runs short of memory
+            if _available_mib() < MEMORY_MARGIN_MIB + START_BATCH * ACTOR_MIB:
+                out.update(skipped=f"memory: {_available_mib()} MiB available after {started} actors "
+                                   f"(a margin of {MEMORY_MARGIN_MIB} MiB is kept for the machine's other users)")
+                return out
+            batch = min(START_BATCH, n + 1 - started)
+            group.add(batch)
+            started += batch
         out["actors_start_s"] = round(time.perf_counter() - t0, 2)
         cfg = load_config(None, overrides(n, args.steps, tmp))
         metrics = MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False)
@@ -125,12 +135,17 @@ def real(n: int, args) -> dict:
         killed: list[float] = []
         created: list[tuple[int, int]] = []
 
+        before_kill: dict[int, dict[int, float]] = {}  # actor -> step -> idle seconds, of the last generation
+
         def maybe_kill(record) -> None:  # after step kill_after was read: SIGKILL a member
             if record["step"] == kill_after and not killed:
+                members = list(controller.generation.members.values())
+                # What each rank waited for the driver before each step, read before the kill.
+                before_kill.update(zip(members, ray.get([group.handle(a).idle_before.remote() for a in members])))
                 victim = controller.generation.members[1]
                 pid = group.pids[victim]
                 if pid > 1:
-                    killed.append(time.perf_counter())
+                    killed.append((time.perf_counter(), record["generation"]))
                     os.kill(pid, signal.SIGKILL)
 
         metrics.step_listeners.append(lambda r: created.append((r["step"], head_created_bytes(ray))))
@@ -143,6 +158,7 @@ def real(n: int, args) -> dict:
         if controller.state.kind == State.ERRORED:
             raise controller.error
         out.update(_figures(records, transitions, killed, created, kill_after))
+        out.update(_rank_idle(ray, group, before_kill, records, kill_after))
         out["restore"] = (None if controller.last_restore is None else
                           {"source": controller.last_restore.source, "fetched_bytes": controller.last_restore.fetched_bytes,
                            "shard_bytes": controller.last_restore.shard_bytes})
@@ -166,7 +182,8 @@ def _figures(records, transitions, killed, created, kill_after) -> dict:
     steps_seen = {s for s, _ in created}
     by_step = dict(created)
     head = [by_step[b[0]] - by_step[a[0]] for a, b in zip(steady, steady[1:]) if a[0] in steps_seen and b[0] in steps_seen]
-    after_kill = [r[1] for r in records if killed and r[1] > killed[0]]
+    # The next step the new generation completed (a step in flight may still complete in the old one).
+    after_kill = [r[1] for r in records if killed and r[1] > killed[0][0] and r[4] > killed[0][1]]
     forming = [t for t in transitions if t[1] == "running" and t[0] in ("forming", "rebuilding")]
     return {
         "steady_steps": len(steady),
@@ -174,11 +191,28 @@ def _figures(records, transitions, killed, created, kill_after) -> dict:
         "driver_overhead_per_step_max_s": round(max(gaps), 4) if gaps else None,
         "driver_cpu_per_step_s": round(statistics.mean(cpu), 4) if cpu else None,
         "head_node_object_store_bytes_per_step": statistics.mean(head) if head else None,
-        "kill_to_next_step_s": round(after_kill[0] - killed[0], 3) if after_kill else None,
+        "kill_to_next_step_s": round(after_kill[0] - killed[0][0], 3) if after_kill else None,
         "formation_s": [{"from": f, "s": round(s, 3)} for f, _, s in forming],
         "grow_s": next((round(s, 3) for f, t, s in transitions if f == "forming" and t == "running"
                         and transitions.index((f, t, s)) > 0), None),
     }
+
+
+def _rank_idle(ray, group, idle: dict, records, kill_after: int) -> dict:
+    """The driver on the step's critical path, seen from the ranks. The fake ranks do not wait for
+    each other as real ones do in their collectives, so a fast one runs ahead and then waits for the
+    slowest: for each steady step, the wait of the rank that finished the step before *last* (the one
+    a real, synchronised step waits for) for that step's call."""
+    final_gen = max(r[4] for r in records if r[0] <= kill_after)
+    steady = sorted(r[0] for r in records if r[4] == final_gen and r[0] <= kill_after)[2:]
+    waits = []
+    for step in steady:
+        seen = [per[step] for per in idle.values() if step in per]
+        if seen:
+            waits.append(max(seen, key=lambda w: w[1])[0])  # the last to end the step before
+    return {"rank_wait_for_driver_per_step_s": round(statistics.mean(waits), 4) if waits else None,
+            "rank_wait_for_driver_per_step_max_s": round(max(waits), 4) if waits else None,
+            "rank_wait_for_driver_median_s": round(statistics.median(waits), 4) if waits else None}
 
 
 def _result_bytes() -> int:
@@ -261,8 +295,11 @@ def main() -> None:
     real_runs = []
     if not args.skip_real:
         for n in map(int, args.sizes.split(",")):
-            need, free = (n + 1) * result["capacity"]["actor_pss_mib"], _available_mib()
-            if need > free - MEMORY_MARGIN_MIB:  # the machine is shared: never push it into the OOM killer
+            # What each more actor adds is its private memory (USS): the shared libraries are mapped once.
+            need, free = (n + 1) * result["capacity"]["actor_uss_mib"], _available_mib()
+            # The machine is shared: never push it into the OOM killer. The start itself checks again
+            # between batches, keeping MEMORY_MARGIN_MIB free (``real``).
+            if need > free - MEMORY_MARGIN_MIB / 2:
                 real_runs.append({"ranks": n, "skipped": "not enough memory available for the actors",
                                   "memory_needed_mib": round(need), "memory_available_mib": free,
                                   "margin_mib": MEMORY_MARGIN_MIB})

@@ -59,6 +59,10 @@ class FakeRankActor:
         self._acks: list[SnapshotAck] = []
         self._pushing = threading.Event()
         self._kicked = threading.Event()  # the driver's kick: the generation's "collectives" are broken
+        # Seconds this rank's training thread sat idle before each step (since its previous step
+        # ended): the time it waited for the driver's next call (``idle_before``).
+        self._last_end: float | None = None
+        self.idle: dict[int, tuple[float, float]] = {}
 
     # -- life and health --------------------------------------------------------------------------
     def ping(self) -> tuple[int, str, str]:
@@ -93,6 +97,7 @@ class FakeRankActor:
         self.life = self.step = 0
         self.error = None
         self._kicked.clear()
+        self._last_end, self.idle = None, {}
         return RankInfo(world_rank=gen.world_rank, pid=os.getpid(), node_ip=ray.util.get_node_ip_address(),
                         gloo_listeners=(), setup_s=0.0, num_params_local=self.snapshot_bytes // 4)
 
@@ -107,10 +112,13 @@ class FakeRankActor:
         if self.error is not None:
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         t0 = time.perf_counter()
+        if self._last_end is not None:  # (idle seconds, when the step before ended: wall clock)
+            self.idle[step] = (t0 - self._last_end, time.time() - (t0 - self._last_end))
         if self._kicked.wait(self.step_s):  # "a peer died": the step's collective raises
             self.error = "RuntimeError: Connection closed by peer (kicked)"
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         wall = time.perf_counter() - t0
+        self._last_end = t0 + wall
         self.step = step
         self._retain(tuple(keep) or None)
         with self._lock:
@@ -126,6 +134,12 @@ class FakeRankActor:
         return StepResult(step=step, world_rank=self.world_rank, ok=True, loss=1.0 / max(1, self.world_rank + 1),
                           step_time_s=wall, compute_s=wall * 0.9, timings=timings, own_s=0.001, forward_s=wall / 2,
                           snapshots=acks)
+
+    def idle_before(self) -> dict[int, tuple[float, float]]:
+        """Step -> (seconds the training thread waited for that step's call after the step before
+        ended, when that step ended by the wall clock), in the current generation (bench/scale.py
+        reads it directly: not a rank call)."""
+        return dict(self.idle)
 
     def _push(self, key: tuple) -> None:
         try:

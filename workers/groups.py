@@ -14,13 +14,14 @@ an earlier generation's mesh as equal to the current one.
 
 Formation that scales with the world (docs/design.md, Generations): a rank makes only the groups it is
 a member of (``new_group(..., use_local_synchronization=True)``: members meet under a key derived from
-their ranks, non-members never call), not every group of the world, and gloo groups connect lazily
-(``TORCH_GLOO_LAZY_INIT``): a pair of ranks connects when it first communicates, so the whole-world
-groups — the default group (the grad norm's one all-reduce, fp16's skip decision) and the checkpoint
-group (DCP's plan gather and scatter, the load's metadata broadcast) — cost each rank only the peers
-their ring and star algorithms talk to, not a connection to every rank. Each gloo group still opens
-its listening socket when it is made, so the kick knows this generation's endpoints as before.
-(``split_group``, the other way to cut sub-groups, is unusable on CPU: F6.)
+their ranks, non-members never call), not every group of the world. (``split_group``, the other way to
+cut sub-groups, is unusable on CPU: F6.) gloo still connects every pair of a group's members when the
+group is made, the two whole-world groups (the default one: the grad norm's all-reduce, fp16's skip
+decision; the checkpoint group: DCP) included. Lazily made pairs (``TORCH_GLOO_LAZY_INIT``) would cut a
+rank's connections to the few its algorithms use, but the kick frees a generation by shutting down the
+connections that exist: a pair made after it (a DCP collective on the checkpoint group's writer
+thread, after a peer died mid-write) worked on, and a survivor then blocked in its next collective
+until the timeout, once per collective (bench/chaos.py: a 140 s recovery), so pairs connect eagerly.
 
 The backend follows the device (``workers.device``): NCCL on CUDA (the rank's GPU is the current
 device), gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
@@ -217,7 +218,7 @@ def build_process_groups(
     nccl = backend == "nccl"
     if nccl:
         apply_nccl_env()
-    os.environ[GLOO_LAZY_INIT] = "1"  # read when a gloo group is made (see the module docstring)
+    os.environ.pop(GLOO_LAZY_INIT, None)  # eager pairs (see the module docstring); read per group
     listeners_before = sockets.listening_ports()
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)

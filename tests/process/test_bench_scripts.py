@@ -284,5 +284,5 @@ def test_formation_quick_writes_json(tmp_path: Path) -> None:
     for size in result["sizes"]:
         for mode in ("world_wide", "own_groups", "build_process_groups"):
             assert size[mode]["formation_s"] > 0 and size[mode]["connections_per_rank_max"] > 0
-        # each rank's own groups, pairs connected on first use: fewer connections than a full mesh
-        assert size["own_groups"]["connections_per_rank_max"] < size["world_wide"]["connections_per_rank_max"]
+        # each rank makes its own groups only: never more connections than when it made every group
+        assert size["own_groups"]["connections_per_rank_max"] <= size["world_wide"]["connections_per_rank_max"]
