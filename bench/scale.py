@@ -116,11 +116,11 @@ def real(n: int, args) -> dict:
         t0 = time.perf_counter()
         started = 0
         while started < n + 1:  # in batches, stopping before the shared machine runs short of memory
-            if _available_mib() < MEMORY_MARGIN_MIB + START_BATCH * ACTOR_MIB:
+            batch = min(START_BATCH, n + 1 - started)  # the check asks room for this batch only
+            if _available_mib() < MEMORY_MARGIN_MIB + batch * ACTOR_MIB:
                 out.update(skipped=f"memory: {_available_mib()} MiB available after {started} actors "
                                    f"(a margin of {MEMORY_MARGIN_MIB} MiB is kept for the machine's other users)")
                 return out
-            batch = min(START_BATCH, n + 1 - started)
             group.add(batch)
             started += batch
         out["actors_start_s"] = round(time.perf_counter() - t0, 2)
