@@ -214,6 +214,8 @@ class CallOutcome:
     failed: dict[int, str] = field(default_factory=dict)  # the method raised
     pending: list[int] = field(default_factory=list)  # no answer before the deadline
     pending_refs: dict = field(default_factory=dict)  # call ref -> actor_id, for a later collect()
+    # Pending actors that answered no liveness probe (orchestrator/recovery/hang_watch.py) -> reason.
+    hung: dict[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -31,7 +31,6 @@ from meshspeak.messages import (
     WriteAck,
 )
 
-
 # The actor's concurrency groups (workers/actor.py says why): one thread runs all training work; one
 # takes a peer's snapshot push and serves a restore's reads; the default pool serves the rest.
 TRAIN_GROUP = "train"

@@ -72,6 +72,7 @@ from orchestrator.control.window import DEFAULT_SIZE, StepWindow
 from orchestrator.errors import TrainingFailed
 from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.recovery.failure_policy import FailurePolicy, Phase, Raise, diagnose
+from orchestrator.recovery.hang_watch import HangWatch
 from orchestrator.recovery.preemption import PreemptionWatcher
 from orchestrator.recovery.settle import settle
 from orchestrator.saves.checkpointing import CheckpointCoordinator, RestoreFailed
@@ -122,6 +123,7 @@ class Controller:
         self.generation: GenerationRecord | None = None
         self.progress = Progress()
         self.window = StepWindow(steps_in_flight)  # steps sent and not yet read (control/window.py)
+        self.hang_watch = HangWatch(cfg.elastic.hang_probe_factor, clock)  # probes a step that runs long
         self.last_restore: Restored | None = None
         self.recovery = Recovery(metrics, clock)
         self.ckpt = CheckpointCoordinator(cfg, metrics)
@@ -222,11 +224,13 @@ class Controller:
             if state is not None:
                 return state
         self._top_up()
-        flight, outcome = self.window.read_oldest(self.group, self.cfg.elastic.step_timeout_s, _step_broken)
+        flight, outcome = self.window.read_oldest(self.group, self.cfg.elastic.step_timeout_s, _step_broken,
+                                                  self.hang_watch)
         results = list(outcome.results.values())
         if not (outcome.ok and all(r.ok for r in results)):
             return self.fail(Phase.STEP, self.window.broken(outcome), results)
         self.window.done()
+        self.hang_watch.step_read()
         return self._trained(flight.step, results)
 
     def _boundary(self) -> ControllerState | None:
@@ -351,6 +355,7 @@ class Controller:
         """Something broke in ``phase``: free the survivors, record the failure, carry out the policy's
         decision (Rebuilding, or raise the error it carries)."""
         gen = self.generation
+        self.hang_watch.pause()  # the recovery is no step interval
         if not phase.forming or not self.recovery.under_way:
             self.recovery.begins()  # a failed formation is part of the recovery under way
         listeners = {actor: info.gloo_listeners for actor, info in gen.infos.items()}

@@ -73,6 +73,7 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
                     number, restored.step, restored.fetched_bytes, restored.shard_bytes)
     c.snapshots.begin_generation(c.generation, holders)
     c.window.reset(restored.step)
+    c.hang_watch.pause()  # the formation is no step interval
     c.progress.next_step = restored.step + 1
     event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
              "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,

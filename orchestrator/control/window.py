@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
+from orchestrator.recovery.hang_watch import HangWatch, collect_watching
 
 DEFAULT_SIZE = 2  # steps in flight: one running, one queued behind it (enough to hide the driver)
 
@@ -67,11 +68,15 @@ class StepWindow:
         self.after = step
         return flight
 
-    def read_oldest(self, group, timeout_s: float, stop_early: Callable[[CallOutcome], bool]) -> tuple[InFlight, CallOutcome]:
-        """Wait for the oldest step's answers (all of them at once). It stays in the window until
-        ``done`` (a broken one is handed to ``broken`` with the rest)."""
+    def read_oldest(self, group, timeout_s: float, stop_early: Callable[[CallOutcome], bool],
+                    watch: HangWatch | None = None) -> tuple[InFlight, CallOutcome]:
+        """Wait for the oldest step's answers (all of them at once), probing the ranks still in it
+        with ``watch`` (recovery/hang_watch.py). It stays in the window until ``done`` (a broken one
+        is handed to ``broken`` with the rest)."""
         flight = self.flights[0]
-        return flight, group.collect(flight.refs, timeout_s, stop_early=stop_early)
+        if watch is None:
+            return flight, group.collect(flight.refs, timeout_s, stop_early=stop_early)
+        return flight, collect_watching(group, flight.refs, timeout_s, stop_early, watch, flight.step)
 
     def done(self) -> InFlight:
         return self.flights.popleft()
@@ -80,7 +85,8 @@ class StepWindow:
         """The oldest step broke: its outcome with every younger call in flight added as still running,
         for the failure path to free and wait for (``orchestrator.recovery.settle``)."""
         merged = CallOutcome(results=dict(outcome.results), dead=dict(outcome.dead), failed=dict(outcome.failed),
-                             pending=list(outcome.pending), pending_refs=dict(outcome.pending_refs))
+                             pending=list(outcome.pending), pending_refs=dict(outcome.pending_refs),
+                             hung=dict(outcome.hung))
         for refs in [f.refs for f in list(self.flights)[1:]]:
             for ref, actor in refs.items():
                 merged.pending_refs[ref] = actor

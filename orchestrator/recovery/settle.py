@@ -5,7 +5,8 @@ must happen before the next generation can form, and fast (seconds, not ``collec
 
 1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
    actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
-   wedged process fails to answer — those count as hung;
+   wedged process fails to answer — those count as hung (the ones a liveness probe already found,
+   ``CallOutcome.hung``, are not asked again: recovery/hang_watch.py);
 2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
    takes ~5 s: docs/design.md, F3);
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
@@ -70,10 +71,12 @@ def settle(
     found = Casualties()
     found.reasons.update(outcome.dead)
     found.reasons.update(outcome.failed)
-    dead = set(outcome.dead)
-    if outcome.pending:
-        polled = group.call(outcome.pending, RankCalls.status, timeout_s=STATUS_POLL_S)
-        hung = set(outcome.pending) - set(polled.results)
+    dead = set(outcome.dead) | set(outcome.hung)
+    found.reasons.update(outcome.hung)  # found by a liveness probe already (recovery/hang_watch.py)
+    asked = [a for a in outcome.pending if a not in dead]
+    if asked:
+        polled = group.call(asked, RankCalls.status, timeout_s=STATUS_POLL_S)
+        hung = set(asked) - set(polled.results)
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
     group.kill_now(dead)

@@ -213,9 +213,19 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
     episode: Recovery | None = None
     preempted: set[int] = set()  # ranks of drain notices too short for a save (failure path follows)
     due: list[list] = []  # [bucket, seconds] stalls still to take from the next gaps
+    # Seconds before a marker event (a snapshot or checkpoint completing, a spare requested...) that
+    # the next step record takes as part of its own gap: with steps in flight the driver logs the
+    # acknowledgements that come with step k's results just before step k's record, so the marker,
+    # not the step, closes the interval in which step k trained (control/window.py).
+    carry = 0.0
     for i, (rec, t) in enumerate(zip(session, times)):
         gap, cursor = max(0.0, t - cursor), max(cursor, t)
         event = rec.get("event")
+        if is_step(rec):
+            gap, carry = gap + carry, 0.0
+        elif carry and not _marker(rec, episode, started):
+            _spend(due, carry, "overhead", ledger)  # as the marker's own gap was spent before
+            carry = 0.0
         if episode is None and i in resizes:  # a grow or requested resize begins with this gap
             episode = Recovery(resizes[i], t - gap)
             ledger.recoveries.append(episode)
@@ -269,7 +279,15 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
             ledger.add("recovery", gap, "rollback")
             ledger.recoveries.append(Recovery("rollback", t - gap, t, None, str(rec.get("restored_from", ""))))
         else:
-            _spend(due, gap, "overhead", ledger)
+            carry += gap  # a marker: see ``carry`` above
+    _spend(due, carry, "overhead", ledger)
+
+
+def _marker(rec: dict, episode, started: bool) -> bool:
+    """Whether ``rec`` reaches ``_account_session``'s last branch (a marker between steps)."""
+    event = rec.get("event")
+    return (episode is None and started and not _opens(rec)
+            and event not in ("eval", "done", "stopped", "bad_step", "rollback"))
 
 
 def _spend(due: list[list], gap: float, rest_bucket: str, ledger: Ledger) -> None:

@@ -84,6 +84,26 @@ def test_a_run_still_going_and_a_second_process() -> None:
     assert sum(ledger.seconds.values()) == pytest.approx(33.5) == pytest.approx(ledger.wall_s)
 
 
+def test_steps_in_flight_put_the_snapshot_event_before_the_step_it_came_with() -> None:
+    # With a window of steps in flight, step k's results carry the acknowledgements of step k-1's
+    # snapshot, so the driver writes that ``snapshot`` event just before step k's record: the marker,
+    # not step k-1's record, starts the interval in which step k trained. Each step is still useful
+    # in full; the stall goes to snapshot (as the run's chaos campaign found: 9% before, all steps).
+    records = [{"event": "launch", "time": 100.0}, {"event": "start", "generation": 1, "time": 100.5},
+               _step(1, 102.0, 1.0, 1)]
+    t = 102.0
+    for step in range(2, 12):
+        records.append({"event": "snapshot", "step": step - 1, "stall_s": 0.05, "time": t + 0.9})
+        t += 1.0
+        records.append(_step(step, t, 0.9, 1))
+    records.append({"event": "done", "step": 11, "time": t + 0.1})
+    ledger = account(records)
+    assert ledger.seconds["useful"] == pytest.approx(1.0 + 10 * 0.9)
+    assert ledger.seconds["snapshot"] == pytest.approx(10 * 0.05)
+    assert ledger.seconds["overhead"] == pytest.approx(10 * 0.05)
+    assert sum(ledger.seconds.values()) == pytest.approx(t + 0.1 - 100.0)
+
+
 def _recorded() -> list[dict]:
     return [json.loads(line) for line in RECORDED.read_text().splitlines()]
 
@@ -161,9 +181,10 @@ def test_recorded_chaos_run_against_independent_figures() -> None:
     first = steps[0]
     assert ledger.seconds["startup"] == pytest.approx(first["time"] - first["step_time_s"] - launch["time"])
     checkpoint, snapshot = stalls_by_window(records)
-    # abs: a late event written while the next step ran leaves that step a few microseconds short
-    assert ledger.seconds["checkpoint"] == pytest.approx(checkpoint, abs=1e-5)
-    assert ledger.seconds["snapshot"] == pytest.approx(snapshot, abs=1e-5)
+    # abs: an event written while the next step ran (the gap before it belongs to that step: the
+    # ``carry`` in goodput.py) moves the few microseconds after the step began to overhead
+    assert ledger.seconds["checkpoint"] == pytest.approx(checkpoint, abs=5e-4)
+    assert ledger.seconds["snapshot"] == pytest.approx(snapshot, abs=5e-4)
     assert checkpoint > 1.0 and snapshot > 1.0  # this run has both, the final save's wait among them
     assert ledger.seconds["evaluation"] == ledger.seconds["down"] == 0.0  # no eval, one process
 

@@ -1,0 +1,87 @@
+"""Telling a hung rank from a slow step while the step runs (driver side; no Ray, no torch).
+
+A rank that stops (SIGSTOP, a frozen VM, a wedged host) leaves its peers blocked in a collective, and
+the driver used to learn of it only when ``elastic.step_timeout_s`` ran out and a status poll went
+unanswered (the chaos campaign: 13 s per hang with a 10 s timeout, its costliest fault). A frozen
+process answers nothing, but a live rank blocked in a collective still answers ``status()`` on its
+second thread within ``settle.STATUS_POLL_S`` (workers/actor.py). So once the oldest step in flight
+has run ``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the
+ranks that have not answered it are probed, and again every such interval: one that does not answer
+the probe is hung, and the step fails at once. A step that is merely slow is never cut short by
+this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for a live rank that makes
+no progress (e.g. a device kernel that never returns). As NVIDIA's resiliency extension derives its
+hang timeouts from observed iteration times, the interval follows the run's own steps; unlike a
+tighter timeout, a probe only ever adds a status call.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import RankCalls
+from orchestrator.recovery.settle import STATUS_POLL_S
+
+PROBE_FLOOR_S = 1.0  # never probe sooner than this into a step (short steps: keep the calls rare)
+HISTORY = 16  # recent step intervals the median is taken over (a checkpoint step is an outlier)
+MIN_HISTORY = 3  # before this many, only elastic.step_timeout_s applies (a generation's first steps)
+
+
+class HangWatch:
+    def __init__(self, factor: float, clock: Callable[[], float]) -> None:
+        self.factor = factor  # 0: no probes
+        self.clock = clock
+        self.intervals: deque[float] = deque(maxlen=HISTORY)
+        self._last: float | None = None
+
+    def step_read(self) -> None:
+        """A step was read: the time since the one before is one interval of the run's pace."""
+        now = self.clock()
+        if self._last is not None:
+            self.intervals.append(now - self._last)
+        self._last = now
+
+    def pause(self) -> None:
+        """Something other than steps ran (a boundary, a recovery): the next interval starts later."""
+        self._last = None
+
+    def probe_after_s(self) -> float | None:
+        """How long into a step the ranks still in it are probed (None: not yet known, or off)."""
+        if not self.factor or len(self.intervals) < MIN_HISTORY:
+            return None
+        return max(PROBE_FLOOR_S, self.factor * statistics.median(self.intervals))
+
+
+def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: HangWatch, step: int) -> CallOutcome:
+    """``group.collect(refs, timeout_s, stop_early=...)``, probing the ranks still in the call every
+    ``watch.probe_after_s()``: the actors that do not answer a probe come back in ``pending`` with the
+    outcome's ``hung`` set (``settle`` then kills them without polling again)."""
+    every = watch.probe_after_s()
+    if every is None or every >= timeout_s:
+        return group.collect(refs, timeout_s, stop_early=stop_early)
+    start = watch.clock()
+    merged = CallOutcome()
+    for _ in range(int(timeout_s // every) + 1):  # bounded also when the clock stands still (tests)
+        left = timeout_s - (watch.clock() - start)
+        outcome = group.collect(refs, max(0.0, min(every, left)), stop_early=stop_early)
+        merged.results.update(outcome.results)
+        merged.dead.update(outcome.dead)
+        merged.failed.update(outcome.failed)
+        merged.pending, merged.pending_refs = outcome.pending, outcome.pending_refs
+        if not outcome.pending or outcome.dead or outcome.failed or (stop_early and stop_early(merged)):
+            return merged
+        if watch.clock() - start >= timeout_s:
+            return merged
+        polled = group.call(outcome.pending, RankCalls.status, timeout_s=STATUS_POLL_S)
+        silent = set(outcome.pending) - set(polled.results) - set(polled.dead)
+        merged.dead.update(polled.dead)
+        if silent or polled.dead:
+            ran = watch.clock() - start
+            reason = (f"no answer within {STATUS_POLL_S:g} s to a liveness probe while step {step} ran "
+                      f"{ran:.1f} s (elastic.hang_probe_factor: stopped or wedged)")
+            merged.hung = {actor: reason for actor in sorted(silent)}
+            return merged
+        refs = outcome.pending_refs
+    return merged

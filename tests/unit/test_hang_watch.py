@@ -1,0 +1,91 @@
+"""Liveness probes while a step runs (orchestrator/recovery/hang_watch.py), on a fake worker group: a
+rank that answers no probe is hung and the step fails at once, blamed on it and killed, without the
+status poll being asked again; a live but slow step is never cut short (every rank answers, so only
+``elastic.step_timeout_s`` ends it); ``hang_probe_factor = 0`` and a run without a pace yet probe nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshspeak.rank_calls import RankCalls
+from orchestrator.control.controller import State
+from orchestrator.recovery.hang_watch import MIN_HISTORY, PROBE_FLOOR_S, HangWatch
+from testbed.controller_run import make  # noqa: F401  (the fixture)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_probe_interval_follows_the_median_step_with_a_floor():
+    clock = Clock()
+    watch = HangWatch(3.0, clock)
+    for t in (0.0, 2.0, 4.0, 6.0):  # three intervals of 2 s once the first read set the start
+        clock.t = t
+        assert watch.probe_after_s() is None
+        watch.step_read()
+    assert len(watch.intervals) == MIN_HISTORY and watch.probe_after_s() == 6.0
+    clock.t = 66.0  # one checkpoint step of 60 s: the median does not move
+    watch.step_read()
+    assert watch.probe_after_s() == 6.0
+    watch.pause()  # a recovery: the next read starts a new interval, it is not one
+    clock.t = 200.0
+    watch.step_read()
+    assert list(watch.intervals) == [2.0, 2.0, 2.0, 60.0]
+    fast = HangWatch(3.0, clock)
+    for t in (0.0, 0.1, 0.2, 0.3):
+        clock.t = t
+        fast.step_read()
+    assert fast.probe_after_s() == PROBE_FLOOR_S
+    off = HangWatch(0.0, clock)
+    off.intervals.extend([1.0] * 5)
+    assert off.probe_after_s() is None
+
+
+def _statuses(r) -> list[int]:
+    return [actor for actor, _ in r.group.calls(RankCalls.status)]
+
+
+def test_a_rank_that_answers_no_probe_is_hung_at_once(make):
+    r = make("train.steps=10")
+    r.group.fail(RankCalls.train_step, 2, "hang", at=6)
+    r.steps(6)  # start, steps 1-5: a pace is known
+    assert r.c.hang_watch.probe_after_s() == PROBE_FLOOR_S
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [2] and failure["step"] == 6
+    assert failure["reason"].startswith("no answer within 3 s to a liveness probe while step 6 ran")
+    assert r.group.killed == [2]
+    # Probed once (the survivors were blocked in the step, so they are asked too); settle did not
+    # ask the hung actor again, only the rest.
+    assert _statuses(r).count(2) == 1
+    r.steps(1)
+    assert r.c.generation.number == 2 and 2 not in r.c.generation.members.values()
+
+
+def test_a_slow_step_with_every_rank_answering_runs_to_the_step_timeout(make):
+    r = make("train.steps=10")
+    for actor in range(4):
+        r.group.fail(RankCalls.train_step, actor, "slow", at=6)
+    r.steps(6)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [] and failure["reason"].startswith("step 6 exceeded elastic.step_timeout_s=120")
+    assert r.group.killed == []
+    assert _statuses(r).count(0) > 1  # probed again and again: each time every rank answered
+
+
+@pytest.mark.parametrize("factor,at", [("0", 6), ("3", 3)])
+def test_no_probes_when_off_or_before_the_pace_is_known(make, factor, at):
+    r = make("train.steps=10", f"elastic.hang_probe_factor={factor}")
+    r.group.fail(RankCalls.train_step, 2, "hang", at=at)
+    r.steps(at)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [2] and failure["reason"] == "no progress within elastic.step_timeout_s"
+    assert _statuses(r).count(2) == 1  # settle's poll only
