@@ -47,7 +47,7 @@ class FakeRank:
     def __init__(self, actor_id: int, node_ip: str) -> None:
         self.actor_id, self.node_ip, self.pid = actor_id, node_ip, 10_000 + actor_id
         self.generation = self.world_rank = -1
-        self.world = 0
+        self.world = self.dp_rank = 0
         self.step = 0
         self.dead = self.hung = False
         self.files: dict[str, int] = {}
@@ -65,6 +65,7 @@ class FakeRank:
 
     def join_generation(self, spec: JoinSpec, runtime: RuntimeSpec) -> RankInfo:
         self.generation, self.world_rank, self.world = spec.generation, spec.world_rank, spec.shape.world
+        self.dp_rank = spec.shape.coords(spec.world_rank).dp
         return RankInfo(world_rank=spec.world_rank, pid=self.pid, node_ip=self.node_ip,
                         gloo_listeners=((self.node_ip, 40_000 + self.actor_id),), setup_s=0.01,
                         num_params_local=100)
@@ -72,13 +73,16 @@ class FakeRank:
     def leave_generation(self) -> None:
         self.generation = self.world_rank = -1
 
-    def train_step(self, step: int, actions: Any) -> StepResult:
+    def train_step(self, step: int, actions: Any, split: tuple[int, ...] | None = None) -> StepResult:
         self.step = step
         # Each rank reports 1/world of the loss, so the step's loss is the step number.
         bad = self.bad_at.get(step, "")
+        # elastic.rebalance: ``forward_s`` is the time at the even share; a rank's speed is fixed, so its
+        # time follows its replica's count.
+        forward = self.forward_s if split is None else self.forward_s * split[self.dp_rank] * len(split) / sum(split)
         return StepResult(step=step, world_rank=self.world_rank, ok=True, loss=step / self.world,
                           step_time_s=0.5, compute_s=0.4, bad=bad, skipped=bool(bad), own_s=self.forward_s,
-                          forward_s=self.forward_s)
+                          forward_s=forward)
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         os.makedirs(path, exist_ok=True)

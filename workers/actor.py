@@ -62,6 +62,7 @@ FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 # Faults that leave the process running, in the ``steps`` train steps from ``at``: "nan" puts a NaN
 # into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps
 # ``delay_s`` inside the first block's forward of the step (a straggler: workers/compute_clock.py).
+# "sleep" at where="microbatch": in every microbatch's (a slower device: bench/rebalance.py).
 STEP_FAULTS = ("nan", "slow", "sleep")
 # Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
@@ -174,7 +175,7 @@ class RankActor:
             )
 
     @_train
-    def train_step(self, step: int, actions: list[Action]) -> StepResult:
+    def train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
         self.busy, self.step = True, step
         self._maybe_fire_fault("step", step)
         try:
@@ -183,7 +184,7 @@ class RankActor:
             self._arm_forward_fault(step)
             self._arm_step_faults(step)
             with profiled_step(self.profile, step, self.world_rank, self.generation):
-                return self.runtime.train_step(step, actions)
+                return self.runtime.train_step(step, actions, split)
         except Exception as exc:  # latched: the driver decides (rebuild, retry or stop)
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("step %d failed: %s\n%s", step, self.error, traceback.format_exc(limit=4))
@@ -265,10 +266,10 @@ class RankActor:
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint in it) or "ckpt_write" (inside the background write of step ``at``'s shard).
         ``delay_s`` is ignored at "forward" and "ckpt_write". ``STEP_FAULTS`` ("nan", "slow", "sleep": see
-        there) take ``where="step"``; "sleep" also takes a ``SLEEP_POINTS`` point (see there). Bad
+        there) take ``where="step"``; "sleep" also takes "microbatch" or a ``SLEEP_POINTS`` point. Bad
         arguments raise, so a test never arms nothing."""
-        if kind in STEP_FAULTS and where == "step" and steps >= 1:
-            self._step_faults[kind] = (at, steps, delay_s)
+        if (kind in STEP_FAULTS and where == "step" or kind == "sleep" and where == "microbatch") and steps >= 1:
+            self._step_faults[kind if where == "step" else "sleep_each"] = (at, steps, delay_s)
             return
         if kind == "sleep" and where in SLEEP_POINTS:
             self._sleeps[where] = (at, delay_s)
@@ -349,12 +350,14 @@ class RankActor:
             return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
 
         self.runtime.inject_nan_grad = armed("nan") is not None
-        slow, sleep = armed("slow"), armed("sleep")
+        slow, sleep, each = armed("slow"), armed("sleep"), armed("sleep_each")
         self.runtime.inject_busy_s = slow[2] if slow is not None else 0.0
         self.runtime.inject_sleep_s = sleep[2] if sleep is not None else 0.0
-        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s or self.runtime.inject_sleep_s:
-            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs", step,
-                           self.runtime.inject_nan_grad, self.runtime.inject_busy_s, self.runtime.inject_sleep_s)
+        self.runtime.inject_sleep_each_s = each[2] if each is not None else 0.0
+        if self.runtime.inject_nan_grad or self.runtime.inject_busy_s or self.runtime.inject_sleep_s or each:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs sleep/microbatch=%.3fs", step,
+                           self.runtime.inject_nan_grad, self.runtime.inject_busy_s, self.runtime.inject_sleep_s,
+                           self.runtime.inject_sleep_each_s)
 
     def _arm_forward_fault(self, step: int) -> None:
         """A one-shot forward hook on this rank's first stage signals the process when that forward

@@ -194,6 +194,12 @@ def _check_relations(cfg: JobConfig) -> None:
         f"all-reduce of replicated gradients; got mesh.zero={cfg.mesh.zero}): set mesh.zero=0 or "
         f"train.grad_compression=\"none\"",
     )
+    _require(
+        not cfg.elastic.rebalance or cfg.mesh.dp >= 2,
+        "elastic.rebalance",
+        f"elastic.rebalance=true needs mesh.dp >= 2 (it moves microbatches between data-parallel "
+        f"replicas; got mesh.dp={cfg.mesh.dp}): raise mesh.dp or set elastic.rebalance=false",
+    )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(

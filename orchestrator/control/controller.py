@@ -44,6 +44,7 @@ from orchestrator.control.boundary_exits import BoundaryExits
 from orchestrator.control.evaluation import Evaluator
 from orchestrator.control.generation import GenerationRecord, RunSummary, State, runtime_spec
 from orchestrator.control.rank_health import RankHealth
+from orchestrator.control.rebalance import Rebalancer
 from orchestrator.control.scaling import ResizeDecision, ScalingPolicy, carry_out
 from orchestrator.errors import TrainingFailed, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, step_record
@@ -99,6 +100,7 @@ class Controller(RankHealth, BoundaryExits):
         self._init_rank_health()  # bad steps, stragglers, spares (orchestrator/control/rank_health.py)
         self.snapshots = SnapshotCoordinator(cfg, metrics)  # checkpoint.memory_every (orchestrator/saves/snapshots.py)
         self.scaling = ScalingPolicy(cfg)
+        self.rebalance = Rebalancer(cfg, metrics)  # elastic.rebalance: each step's microbatch split
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self._failure_at: float | None = None  # when the current recovery (or planned resize) began
         self._pending_rebuild_event: dict | None = None  # emitted with the first step it trains
@@ -196,10 +198,7 @@ class Controller(RankHealth, BoundaryExits):
     # -- steps ------------------------------------------------------------------------------------
     def _train_step(self, step: int) -> CallOutcome:
         gen = self.generation
-        actions = gen.plan.actions()
-        args = {
-            actor: (step, actions[gen.shape.coords(rank).pp]) for rank, actor in gen.members.items()
-        }
+        args = self.rebalance.step_args(step)  # the plan's lists, or per replica (control/rebalance.py)
         refs = self.group.submit(list(gen.members.values()), "train_step", args)
         return self.group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=_step_broken)
 
@@ -211,6 +210,7 @@ class Controller(RankHealth, BoundaryExits):
         self.metrics.step(record)
         self.metrics.timeline(step, results)
         self._score_stragglers(results)
+        self.rebalance.observe(step, results)
         self._emit_rebuild_event()
 
     def _emit_rebuild_event(self) -> None:
@@ -318,6 +318,7 @@ class Controller(RankHealth, BoundaryExits):
             self._fail(Phase.LOADING, exc.outcome)
             return
         self.snapshots.begin_generation(self.group, self.generation)
+        self.rebalance.begin(self.generation)
         self.next_step = restored.step + 1
         event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
                  "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
