@@ -9,7 +9,8 @@ hysteresis); this module maps a generation onto it and step results into its mea
   counts after a resize that keeps its pipeline position (an elastic resize changes only dp); a new
   generation starts at the even split and may rebalance at its first step;
 * a rank's seconds per microbatch are its ``StepResult.forward_s`` (the straggler score's compute
-  clock: workers/compute_clock.py) over its replica's count in the split that step was sent with.
+  clock: workers/compute_clock.py) over its replica's count in the split that step was sent with;
+  a generation's first step is not measured (it pays one-time set-ups: connections, caches).
 
 The controller calls ``begin`` when a generation formed, ``step_args`` to send a step (the split is
 decided there, at the step boundary) and ``observe`` with a trained step's results. With the key off,
@@ -33,6 +34,7 @@ class Rebalancer:
         self.policy = SplitPolicy()
         self.generation: GenerationRecord | None = None
         self._sent: dict[int, Split] = {}  # step -> the split it was sent with
+        self._first = True  # the next step sent is the generation's first: not measured
 
     @property
     def active(self) -> bool:
@@ -42,6 +44,7 @@ class Rebalancer:
         """Generation ``gen`` formed: its replicas' keys, the even split."""
         self.generation = gen
         self._sent.clear()
+        self._first = True
         if not self.active:
             return
         replicas: list[list[tuple[int, int]]] = [[] for _ in range(gen.shape.dp)]
@@ -61,7 +64,10 @@ class Rebalancer:
             seconds = self.policy.replica_seconds()
             self.metrics.event("rebalance", step=step, microbatches=list(self.policy.split),
                                speeds=[round(1.0 / s, 3) if s > 0 else None for s in seconds])
-        split = self._sent[step] = self.policy.split
+        split = self.policy.split
+        if not self._first:
+            self._sent[step] = split
+        self._first = False
         lists = {count: gen.plan.actions(count) for count in set(split)}
         args = {}
         for rank, actor in gen.members.items():
