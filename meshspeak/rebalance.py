@@ -81,10 +81,18 @@ class SplitRules:
 
 
 def split_rules(pp: int, virtual_stages: int, schedule: str) -> SplitRules:
-    """The rules of a generation's pipeline: ``(pp - 1) / v`` microbatch times of fill
-    (meshspeak.schedule.theoretical_bubble's model) and quanta of pp for interleaved 1F1B."""
+    """The rules of a generation's pipeline: its fill and drain in microbatch times — ``(pp - 1) / v``
+    for 1F1B, GPipe and interleaved (meshspeak.schedule.theoretical_bubble's model), a third of 1F1B's
+    for ZB-H1 and a sixth for ZB-V (their bubbles with equal F, I and W costs:
+    meshspeak/zero_bubble.py) — and quanta of pp for interleaved 1F1B; the zero-bubble schedules
+    take any count."""
     quantum = pp if schedule == "interleaved_1f1b" and virtual_stages > 1 else 1
-    return SplitRules(quantum=quantum, fill=(pp - 1) / virtual_stages)
+    fill = (pp - 1) / virtual_stages
+    if schedule == "zb-h1":
+        fill = (pp - 1) / 3
+    elif schedule == "zbv":
+        fill = (pp - 1) / 6
+    return SplitRules(quantum=quantum, fill=fill)
 
 
 def split_by_speed(total: int, seconds_per_mb: Sequence[float], rules: SplitRules = SplitRules()) -> Split:

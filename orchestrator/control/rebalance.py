@@ -78,6 +78,8 @@ class Rebalancer:
     def observe(self, step: int, results: list[StepResult]) -> None:
         """A trained step: each rank's seconds per microbatch, for the next decision."""
         split = self._sent.pop(step, None)
+        for older in [s for s in self._sent if s < step]:  # skipped as bad: never recorded
+            del self._sent[older]
         if split is None or not self.active:
             return
         gen = self.generation

@@ -65,6 +65,8 @@ def test_quanta_minimum_and_unmeasured_replicas():
     assert split_by_speed(8, [0.1, 100.0], rules) == (6, 2)
     assert split_by_speed(8, [0.1, 100.0]) == (7, 1)  # plain: one microbatch at least
     assert split_rules(pp=4, virtual_stages=1, schedule="1f1b") == SplitRules(quantum=1, fill=3.0)
+    assert split_rules(pp=4, virtual_stages=1, schedule="zb-h1") == SplitRules(quantum=1, fill=1.0)
+    assert split_rules(pp=4, virtual_stages=2, schedule="zbv") == SplitRules(quantum=1, fill=0.5)
     assert split_by_speed(6, [0.0, 0.0, 0.0]) == (2, 2, 2)  # nothing measured: even
     # A 0 counts as the fastest measured one.
     assert split_by_speed(6, [0.0, 0.1, 0.2]) == split_by_speed(6, [0.1, 0.1, 0.2]) == (3, 2, 1)
