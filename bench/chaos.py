@@ -147,18 +147,18 @@ def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: flo
 
 def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict, params, done_at, t_run) -> dict:
     import numpy as np
+    from rich.console import Console
 
     from checkpoints.catalog import list_checkpoints
+    from orchestrator.report.goodput import account
+    from orchestrator.report.page import render_table
+    from orchestrator.report.read import read_records
     from testbed.reference import reference
 
-    records = [json.loads(line) for line in open(tmp / "metrics.jsonl")]
-    steps = [r for r in records if "loss" in r and "event" not in r]
-    seen, rerun, last = set(), 0, {}
-    for r in steps:
-        rerun += r["step"] in seen
-        seen.add(r["step"])
-        last[r["step"]] = r
-    useful = sum(r["step_time_s"] for r in last.values())
+    records = read_records(str(tmp / "metrics.jsonl"))
+    ledger = account(records)  # the goodput accounting of `elastimesh report`, printed as it does
+    Console().print(render_table(ledger, "the chaos campaign's metrics"))
+    rerun, useful = ledger.steps_rerun, ledger.seconds["useful"]
     ckpts = [i for i in list_checkpoints(str(tmp / "ckpt")) if i.committed]
     corrupt = [i.path for i in ckpts if not i.valid and i.path not in campaign.truncated]
     damaged_found = [p for p in campaign.truncated if any(i.path == p and not i.valid for i in ckpts)
@@ -192,7 +192,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
         "fault_to_progress_s_by_kind": lost_time(campaign.injected, done_at, t_run),
         "useful_step_time_s": useful, "wall_s": wall,
         "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
-        "goal_goodput": GOAL_GOODPUT,
+        "goal_goodput": GOAL_GOODPUT, "goodput_accounting": ledger.as_dict(),
         "goal_met": bool(survived and not corrupt and diff is not None and diff <= GOAL_PARAM
                          and useful / wall["run_s"] >= GOAL_GOODPUT),
         "machine": machine(load_average=load_average()),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from meshspeak.schedule import Action, Op, message_key
+from meshspeak.schedule import COMPUTE_OPS, Action, Op, message_key, placement_of
 from meshspeak.schedule_sim import simulate
 
 WARMUP_STEPS = 2  # steps 1-2 are left out of every figure
@@ -28,7 +28,11 @@ def _parse(name: str) -> Action:
 
 
 def bubble_stats(run) -> dict:
-    """Measured bubble of a run (pp ranks, dp = tp = 1) over the steps after the warm-up."""
+    """Measured bubble of a run (pp ranks, dp = tp = 1) over the steps after the warm-up.
+
+    ``measured`` is the idle share of the pipeline window; ``idle_over_busy`` = measured / (1 -
+    measured) is the same idle time relative to the compute time (Megatron's (p-1)/m for 1F1B,
+    ZB-H1's (p-1)/(3m)), which is what "a third of 1F1B's bubble" compares."""
     pp = run.shape.pp
     steps = range(WARMUP_STEPS, len(run.results[0]))
     per_step, per_rank_window, per_rank_step = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
@@ -50,7 +54,7 @@ def bubble_stats(run) -> dict:
             for t in result.timings:
                 a = _parse(t.action)
                 spans[a] = (win[r][0] + t.start_s, win[r][0] + t.end_s)
-                if a.op in (Op.FORWARD, Op.BACKWARD):
+                if a.op in COMPUTE_OPS:
                     busy += t.end_s - t.start_s
                     durations[a] = t.end_s - t.start_s
                     costs.setdefault((a.stage, a.op), []).append(t.end_s - t.start_s)
@@ -72,12 +76,24 @@ def bubble_stats(run) -> dict:
         handoffs += waiting
         late_recvs += late
     mean_cost = {k: statistics.mean(v) for k, v in costs.items()}
-    f_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.FORWARD)
-    b_mean = statistics.mean(v for (s, op), v in mean_cost.items() if op == Op.BACKWARD)
-    sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean)
+    op_mean = {op: statistics.mean(v for (s, o), v in mean_cost.items() if o == op)
+               for op in COMPUTE_OPS if any(o == op for _, o in mean_cost)}  # fmt: skip
+    f_mean = op_mean[Op.FORWARD]
+    # A zero-bubble run has I and W instead of B: its "B" is their sum.
+    b_mean = op_mean.get(Op.BACKWARD, op_mean.get(Op.BACKWARD_INPUT, 0.0) + op_mean.get(Op.BACKWARD_WEIGHT, 0.0))
+    sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean,
+                   i_cost=op_mean.get(Op.BACKWARD_INPUT), w_cost=op_mean.get(Op.BACKWARD_WEIGHT),
+                   placement=placement_of(run.schedule))
     replayed = _replay(run, lambda a: mean_cost[(a.stage, a.op)])
+    measured = statistics.mean(per_step)
+    per_stage = {
+        f"{op.value}_s_per_stage": [mean_cost[(s, op)] for s in range(pp * run.virtual_stages)]
+        for op in op_mean
+    }
     return {
-        "measured": statistics.mean(per_step),
+        "measured": measured,
+        "idle_over_busy": measured / (1 - measured),
+        "simulated_idle_over_busy": sim.bubble_fraction / (1 - sim.bubble_fraction),
         "measured_median_over_steps": statistics.median(per_step),
         "measured_per_step": per_step,
         "measured_per_rank": [statistics.mean(x) for x in per_rank_window],
@@ -96,8 +112,8 @@ def bubble_stats(run) -> dict:
         },
         "mean_F_s": f_mean,
         "mean_B_s": b_mean,
-        "F_s_per_stage": [mean_cost[(s, Op.FORWARD)] for s in range(pp * run.virtual_stages)],
-        "B_s_per_stage": [mean_cost[(s, Op.BACKWARD)] for s in range(pp * run.virtual_stages)],
+        **{f"mean_{op.value}_s": op_mean[op] for op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if op in op_mean},
+        **per_stage,
         "pipeline_window_s": statistics.mean(windows),
         "pipeline_window_s_per_step": windows,
         "step_time_s": statistics.mean(
@@ -113,7 +129,8 @@ def bubble_stats(run) -> dict:
 def _replay(run, cost) -> float:
     """Bubble of the run's schedule under the simulator's model (free communication), where
     ``cost(action)`` is the seconds an F or B action takes."""
-    return simulate(run.actions, run.shape.pp, run.virtual_stages, cost=cost).bubble_fraction
+    return simulate(run.actions, run.shape.pp, run.virtual_stages, cost=cost,
+                    placement=placement_of(run.schedule)).bubble_fraction
 
 
 def _handoff_latencies(spans: dict[Action, tuple[float, float]]) -> tuple[list[float], list[float]]:

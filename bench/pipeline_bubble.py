@@ -1,7 +1,8 @@
-"""Pipeline benchmark: measured 1F1B bubble vs theory, interleaved vs 1F1B, activation memory 1F1B vs GPipe.
+"""Pipeline benchmark: measured 1F1B bubble vs theory, interleaved vs 1F1B, zero-bubble vs both, activation memory.
 
-Usage: ``python bench/pipeline_bubble.py [--quick] [--out PATH]``; writes ``bench/results/pipeline_bubble.json``
-and prints a short summary. Runs real local gloo meshes (``testbed.world.run_mesh``: the
+Usage: ``python bench/pipeline_bubble.py [--quick] [--only zero_bubble] [--out PATH]``; writes
+``bench/results/pipeline_bubble.json`` (``--only zero_bubble``: ``pipeline_zero_bubble.json``, parts 4 and
+3's ZB-H1 row only) and prints a short summary. Runs real local gloo meshes (``testbed.world.run_mesh``: the
 ``RankRuntime`` ranks and the driver's schedules), dp=1, tp=1.
 
 1. Bubble, pp in {2, 4} x m in {4, 8, 16}, 1F1B, ``n_layers = 2 pp`` with ``pipeline.layers`` = 2 per
@@ -18,10 +19,13 @@ and prints a short summary. Runs real local gloo meshes (``testbed.world.run_mes
    measured per-stage F/B costs (stage imbalance, no comm cost), and the CPU the ranks got.
 2. Interleaved 1F1B (v=2, one layer per virtual stage) vs 1F1B (two layers per stage), pp=2, m=4 and 8, same
    model; runs alternate A/B/A/B to spread the machine's load drift over both.
-3. Activation memory, pp=2, m=8, 1F1B vs GPipe: the stage forward runs under
+3. Activation memory, pp=2, m=8, 1F1B vs GPipe vs ZB-H1: the stage forward runs under
    ``torch.autograd.graph.saved_tensors_hooks`` that count the bytes of the distinct storages autograd
    saves (parameters and buffers excluded) while they are alive; the peak over the step is compared with
    ``peak_in_flight(actions) x`` the bytes one microbatch's forward saves (measured on its first F).
+   ZB-H1 keeps a microbatch's saved tensors until its W: its peak should equal 1F1B's (rank 0's).
+4. Zero bubble: ZB-H1 and ZB-V vs 1F1B and interleaved 1F1B at pp in {2, 4}, m in {8, 16}
+   (``pipeline_zero_bubble.py`` says what is measured).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 from common import load_average, machine, parser, write_result
 from pipeline_analysis import WARMUP_STEPS, bubble_stats
 from pipeline_probes import memory_probe, timing_probe
+from pipeline_zero_bubble import zero_bubble_sweep
 
 from meshspeak.schedule import peak_in_flight, theoretical_bubble
 from testbed.world import run_mesh, shutdown_pool
@@ -115,11 +120,11 @@ def interleaved_vs_1f1b(steps: int, rounds: int, m: int) -> dict:
     return out
 
 
-def activation_memory(steps: int) -> dict:
+def activation_memory(steps: int, schedules=("1f1b", "gpipe", "zb-h1")) -> dict:
     pp, m = 2, 8
     overrides = (*MODEL, "model.n_layers=4", "pipeline.layers=[2, 2]", f"train.global_batch_size={m * MICRO}")
     out: dict = {"pp": pp, "m": m}
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in schedules:
         run = run_mesh(1, pp, 1, overrides, steps, schedule=schedule, collect_params=False,
                        instrument=memory_probe, timeout=400)  # fmt: skip
         ranks = []
@@ -135,22 +140,46 @@ def activation_memory(steps: int) -> dict:
                 "expected_peak_microbatches": inflight,
                 "expected_peak_bytes": inflight * per_mb,
                 "live_after_step_bytes": last["live_after_step"],
+                # zero-bubble: saved activations plus the gradients pending W's keep (0 otherwise)
+                "peak_with_kept_gradients_bytes": last["peak_with_kept_gradients_bytes"],
+                "kept_after_step_bytes": last["kept_after_step"],
             })  # fmt: skip
-        out[schedule] = {"ranks": ranks, "peak_saved_bytes_max": max(x["peak_saved_bytes"] for x in ranks)}
-    out["gpipe_over_1f1b"] = out["gpipe"]["peak_saved_bytes_max"] / out["1f1b"]["peak_saved_bytes_max"]
-    out["expected_gpipe_over_1f1b"] = m / pp  # rank 0 holds m (GPipe) vs pp (1F1B) microbatches
-    out["goal_met"] = out["gpipe_over_1f1b"] > 1.0 and all(
-        abs(x["measured_peak_microbatches"] - x["expected_peak_microbatches"]) < 0.5
-        for s in ("1f1b", "gpipe") for x in out[s]["ranks"]
-    )  # fmt: skip
+        out[schedule] = {"ranks": ranks, "peak_saved_bytes_max": max(x["peak_saved_bytes"] for x in ranks),
+                         "peak_in_flight_max": max(x["expected_peak_microbatches"] for x in ranks),
+                         "peak_with_kept_gradients_bytes_max": max(x["peak_with_kept_gradients_bytes"]
+                                                                   for x in ranks)}  # fmt: skip
+    matches = all(abs(x["measured_peak_microbatches"] - x["expected_peak_microbatches"]) < 0.5
+                  for s in schedules for x in out[s]["ranks"])  # fmt: skip
+    if "gpipe" in out:
+        out["gpipe_over_1f1b"] = out["gpipe"]["peak_saved_bytes_max"] / out["1f1b"]["peak_saved_bytes_max"]
+        out["expected_gpipe_over_1f1b"] = m / pp  # rank 0 holds m (GPipe) vs pp (1F1B) microbatches
+        out["goal_met"] = out["gpipe_over_1f1b"] > 1.0 and matches
+    if "zb-h1" in out:
+        zb, ofob = out["zb-h1"], out["1f1b"]
+        # The schedule's claim (Qi et al.): no rank holds more microbatches than 1F1B's busiest one;
+        # measured: every rank's saved bytes peak at what its list says (`matches`).
+        out["zb_h1_same_peak_microbatches"] = zb["peak_in_flight_max"] == ofob["peak_in_flight_max"] and matches
+        # In bytes the busiest ZB-H1 rank is the last one (it holds pp microbatches where 1F1B's holds
+        # 1), whose microbatch saves more than the first stage's (the head and the loss), and pending
+        # W's also keep gradients: both ratios are reported as measured.
+        out["zb_h1_over_1f1b"] = zb["peak_saved_bytes_max"] / ofob["peak_saved_bytes_max"]
+        out["zb_h1_over_1f1b_with_kept_gradients"] = (
+            zb["peak_with_kept_gradients_bytes_max"] / ofob["peak_with_kept_gradients_bytes_max"])
+        out["zb_h1_goal_met"] = out["zb_h1_same_peak_microbatches"]
     return out
 
 
 def main() -> None:
-    args = parser(__doc__, "pipeline_bubble", "fewer steps and microbatch counts (~2 min)").parse_args()
+    p = parser(__doc__, "pipeline_bubble", "fewer steps and microbatch counts (~2 min)")
+    p.add_argument("--only", choices=("zero_bubble",), help="run only the zero-bubble part (4) and ZB-H1's memory")
+    args = p.parse_args()
+    if args.only and args.out.name == "pipeline_bubble.json":  # never overwrite the full run's figures
+        args.out = args.out.with_name("pipeline_zero_bubble.json")
 
     import torch
 
+    if args.only:
+        return zero_bubble_main(args, torch)
     t0 = time.monotonic()
     steps = 5 if args.quick else 8
     ms = (4, 8) if args.quick else (4, 8, 16)
@@ -166,8 +195,10 @@ def main() -> None:
         for m in IV_MS:
             print(f"interleaved vs 1F1B (pp=2, m={m})", flush=True)
             report["interleaved_vs_1f1b_by_m"][m] = interleaved_vs_1f1b(steps, 1 if args.quick else 5, m)
-        print("activation memory 1F1B vs GPipe (pp=2, m=8)", flush=True)
+        print("activation memory 1F1B vs GPipe vs ZB-H1 (pp=2, m=8)", flush=True)
         report["activation_memory"] = activation_memory(3)
+        print("zero bubble vs 1F1B and interleaved", flush=True)
+        report["zero_bubble"] = zero_bubble_sweep(MODEL, MICRO, *ZB_SHAPES[args.quick], steps, 1 if args.quick else 2)
     finally:
         shutdown_pool()
     rows = report["bubble_1f1b"]
@@ -176,6 +207,8 @@ def main() -> None:
         "bubble_within_5_points_pp4": all(r["goal_met"] for r in rows if r["pp"] == 4),
         "interleaved_faster": all(r["goal_met"] for r in report["interleaved_vs_1f1b_by_m"].values()),
         "gpipe_holds_more_activations": report["activation_memory"]["goal_met"],
+        "zb_h1_same_activation_peak": report["activation_memory"]["zb_h1_goal_met"],
+        "zb_h1_bubble_third_of_1f1b": all(r["goal_met"] for r in report["zero_bubble"]),
     }
     report["machine"]["load_average_end"] = load_average()
     report["wall_s"] = time.monotonic() - t0
@@ -189,6 +222,62 @@ def main() -> None:
               f"{iv['speedup_at_equal_compute_theory']:.3f}x)")
     print(f"activation peak GPipe/1F1B {mem['gpipe_over_1f1b']:.2f}x (expected {mem['expected_gpipe_over_1f1b']:.1f}x)")
     print(f"goals {report['goals']}; wall {report['wall_s']:.0f}s; wrote {path}")
+
+
+# Zero-bubble sweep shapes: (pps, ms) for the full run and for --quick.
+ZB_SHAPES = {False: ((2, 4), (8, 16)), True: ((2,), (8,))}
+
+
+def zero_bubble_main(args, torch) -> None:
+    """``--only zero_bubble``: part 4 and ZB-H1's activation peak, in a file of their own."""
+    t0 = time.monotonic()
+    steps = 5 if args.quick else 8
+    report: dict = {
+        "machine": machine(torch=torch.__version__, load_average_start=load_average()),
+        "config": {"model": list(MODEL), "dp": 1, "tp": 1, "steps": steps, "warmup_steps_skipped": WARMUP_STEPS,
+                   "quick": args.quick, "layers_per_pp_rank": 2},  # fmt: skip
+    }
+    try:
+        print("activation memory 1F1B vs ZB-H1 (pp=2, m=8)", flush=True)
+        report["activation_memory"] = activation_memory(3, ("1f1b", "zb-h1"))
+        mem = report["activation_memory"]
+        print(f"ZB-H1 / 1F1B peak: microbatches {mem['zb-h1']['peak_in_flight_max']} / "
+              f"{mem['1f1b']['peak_in_flight_max']}, saved bytes {mem['zb_h1_over_1f1b']:.3f}, with kept gradients "
+              f"{mem['zb_h1_over_1f1b_with_kept_gradients']:.3f}", flush=True)
+        print("zero bubble vs 1F1B and interleaved", flush=True)
+        report["zero_bubble"] = zero_bubble_sweep(MODEL, MICRO, *ZB_SHAPES[args.quick], steps, 1 if args.quick else 2)
+    finally:
+        shutdown_pool()
+    report["goals"] = {
+        "zb_h1_same_activation_peak": report["activation_memory"]["zb_h1_goal_met"],
+        "zb_h1_bubble_third_of_1f1b": all(r["goal_met"] for r in report["zero_bubble"]),
+    }
+    report["machine"]["load_average_end"] = load_average()
+    report["wall_s"] = time.monotonic() - t0
+    report["notes"] = zero_bubble_notes(report)
+    write_result(args.out, report)
+    print(f"goals {report['goals']}; wall {report['wall_s']:.0f}s; wrote {args.out}")
+
+
+def zero_bubble_notes(report: dict) -> list[str]:
+    cpus = report["machine"]["cpus"]
+    return [
+        f"Machine: {cpus} cores, no GPU, one intra-op thread per rank; load average "
+        f"{report['machine']['load_average_start']} at start, {report['machine']['load_average_end']} at the "
+        "end (other jobs shared the cores). Medians over steps 3..N of every round.",
+        "idle_over_busy = measured / (1 - measured) is the idle time relative to the compute time: 1F1B "
+        "(p-1)/m, interleaved (p-1)/(2m), ZB-H1 (p-1)/(3m) when F, I and W cost the same; the goal compares "
+        "it (the paper's bubble size), not the idle share of the step, whose ratio is (m+p-1)/(3m+p-1) > 1/3 "
+        "even in theory. simulated_idle_over_busy is the schedule simulated with the run's own mean action "
+        "costs (communication free): ZB-H1's bubble is (p-1)(F+I-W) per rank, so when a W costs less than an "
+        "F or an I the schedule itself cannot reach a third; the _simulated_at_measured_costs ratio shows "
+        "what these costs allow, the measured one what the machine gave.",
+        "The first stage's I computes nothing (its input is token ids) and its W is its whole backward, as "
+        "in torch's zero-bubble schedules.",
+        "peak_in_flight_stage_units: microbatches held until their W (or B) on the busiest rank, in whole "
+        "pp-stage units (zbv and interleaved hold half-size virtual stages); activation_memory measures "
+        "ZB-H1's saved bytes against 1F1B's.",
+    ]
 
 
 def notes(report: dict) -> list[str]:

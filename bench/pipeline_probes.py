@@ -3,7 +3,8 @@
 ``run_mesh(instrument=...)`` calls one on every rank after its ``RankRuntime`` is built; what ``finish()``
 returns comes back to the benchmark. ``timing_probe`` records each ``Executor.run`` window (absolute
 ``perf_counter`` start/end, shared by all local processes) and its process CPU seconds; ``memory_probe``
-counts the live bytes autograd saves inside each stage forward.
+counts the live bytes autograd saves inside each stage forward and, under the zero-bubble schedules,
+the gradients each pending W keeps from its I.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def memory_probe(runtime):
     for stage in runtime.stages.values():
         for t in [*stage.module.parameters(), *stage.module.buffers()]:
             excluded.add(t.untyped_storage().data_ptr())
-    state = {"live": 0, "peak": 0, "refs": {}, "first_f": None, "first_start": 0, "forwards": 0}
+    # live/peak: saved activations; kept/peak_total: zero-bubble's kept gradients, and both together.
+    state = {"live": 0, "peak": 0, "refs": {}, "first_f": None, "first_start": 0, "forwards": 0, "kept": 0,
+             "peak_total": 0}
     per_step: list[dict] = []
 
     class Saved:
@@ -60,8 +63,14 @@ def memory_probe(runtime):
         if count == 0:
             state["live"] += nbytes
             state["peak"] = max(state["peak"], state["live"])
+            state["peak_total"] = max(state["peak_total"], state["live"] + state["kept"])
         state["refs"][key] = (count + 1, nbytes)
-        return Saved(tensor, key)
+        # Detached: a saved output of a node would otherwise reference that node (through its
+        # grad_fn) from what the node saves, a cycle Python cannot collect. A backward with
+        # retain_graph=False breaks it by releasing what it ran through; a zero-bubble I
+        # (retain_graph=True) and its W leave nodes on the input path unreleased, and those would
+        # stay alive for good and be counted (workers/split_backward.py).
+        return Saved(tensor.detach(), key)
 
     def unpack(packed):
         return packed.tensor if isinstance(packed, Saved) else packed
@@ -93,13 +102,33 @@ def memory_probe(runtime):
     runtime.executor.loss_fn = hooked_loss
 
     executor = runtime.executor
+    # Zero-bubble: from its I to its W a microbatch also holds the gradients the W starts from
+    # (WeightPass.kept_bytes, workers/split_backward.py), which 1F1B's backward frees at once.
+    backward_input = executor._backward_input
+
+    def counted_backward_input(stage, mb):
+        backward_input(stage, mb)
+        weights = stage.weight_passes[mb]
+        kept, run_weights = weights.kept_bytes, weights.run
+        state["kept"] += kept
+        state["peak_total"] = max(state["peak_total"], state["live"] + state["kept"])
+
+        def run():
+            run_weights()
+            state["kept"] -= kept
+
+        weights.run = run
+
+    executor._backward_input = counted_backward_input
     inner = executor.run
 
     def run(actions, data):
         state["peak"], state["first_f"], state["forwards"] = state["live"], None, 0
+        state["peak_total"] = state["live"] + state["kept"]
         out = inner(actions, data)
         per_step.append({"peak_bytes": state["peak"], "one_microbatch_bytes": state["first_f"],
-                         "live_after_step": state["live"]})  # fmt: skip
+                         "live_after_step": state["live"], "peak_with_kept_gradients_bytes": state["peak_total"],
+                         "kept_after_step": state["kept"]})  # fmt: skip
         return out
 
     executor.run = run

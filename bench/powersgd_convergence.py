@@ -79,12 +79,13 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict]] = {
 }
 
 
-def run_one(config: str, variant: str, steps: int) -> dict:
+def run_one(config: str, variant: str, steps: int, timeout: float = 3000) -> dict:
     extra, knobs = VARIANTS[variant]
-    overrides = (*CONFIGS[config], *extra, f"train.steps={steps}", "mesh.zero=0")
+    # mesh.zero=0 before the variant's own keys: a variant may name another level (bench/compression.py)
+    overrides = (*CONFIGS[config], "mesh.zero=0", *extra, f"train.steps={steps}")
     instrument = functools.partial(powersgd_knobs, knobs) if knobs else None
     load0, t0 = load_average(), time.monotonic()
-    run = run_mesh(2, 1, 1, overrides, steps, collect_params=False, instrument=instrument, timeout=3000,
+    run = run_mesh(2, 1, 1, overrides, steps, collect_params=False, instrument=instrument, timeout=timeout,
                    collective_timeout_s=300)
     wall = time.monotonic() - t0
     sent = [max(r[i].dp_bytes for r in run.results.values()) for i in range(steps)]

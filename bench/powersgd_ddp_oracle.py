@@ -36,9 +36,11 @@ from pathlib import Path
 import numpy as np
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import RESULTS, environment, load_average, parser, spawn_ranks, write_result
+from common import RESULTS, environment, load_average, parser, write_result
 from powersgd_convergence import CONFIGS, TAIL, VARIANTS
 from powersgd_convergence import summarise as summarise_mesh
+
+from testbed.gloo_world import run_ranks
 
 WORLD = 2
 BUCKET_MB = 1024
@@ -86,7 +88,7 @@ def run_one(config: str, variant: str, steps: int) -> dict:
     extra, knobs = VARIANTS[variant]
     overrides = (*CONFIGS[config], *extra, f"train.steps={steps}", "mesh.zero=0", f"mesh.dp={WORLD}")
     load0, t0 = load_average(), time.monotonic()
-    ranks = spawn_ranks(WORLD, _rank, (overrides, knobs, steps), timeout_s=3000, what=f"{config} {variant}")
+    ranks = run_ranks(WORLD, _rank, overrides, knobs, steps, timeout=3000)
     wall = time.monotonic() - t0
     buckets = ranks[0]["bucket_sizes"]  # DDP's logging data: the sizes as one comma-separated string
     if len(str(buckets).split(",")) != 1:

@@ -14,6 +14,19 @@ Which wrapper a stage gets (docs/design.md, Data-parallel strategies):
 * ``"fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (1-D, or (replicate, shard) for HSDP and ZeRO-0),
   or over the one-rank shard mesh when PowerSGD does the all-reduce across replicas;
 * ``"none"``: one fp32/fp64 rank, nothing to reduce (``fsdp_applies`` is false).
+
+Which reduction carries the gradients over dp (``compression``, docs/design.md, Gradient compression):
+
+* ``"none"``: the wrapper's own (DDP's bucketed all-reduce, FSDP2's reduce-scatter / HSDP all-reduce);
+* ``"powersgd"``: ZeRO-0 only; FSDP2 over the one-rank shard mesh, PowerSGD on its all-reduce hook;
+* ``"int8"`` / ``"int4"``: blockwise-quantized (qgZ): a DDP comm hook (ZeRO-0 on plain dp), FSDP2's
+  all-reduce hook over the one-rank shard mesh (ZeRO-0 with TP/PP/bf16), or FSDP2's custom
+  reduce-scatter over dp (ZeRO-1..3);
+* ``"onebit_adam"``: ZeRO-0 only (``train.optimizer``): the plain mean during 1-bit Adam's warm-up,
+  then no gradient reduction at all (the optimizer sends 1-bit momentum); seams as int8's at ZeRO-0.
+
+A compression that a generation cannot use (dp = 1; PowerSGD or 1-bit Adam above ZeRO-0, which the
+config rules refuse) plans as ``"none"``.
 """
 
 from __future__ import annotations
@@ -32,17 +45,18 @@ class DataParallelPlan:
     fsdp_over: str  # "dp": the dp mesh; "shard": the one-rank shard mesh (PowerSGD reduces across replicas)
     reduce_dtype: str  # the gradient reduction's dtype (train.grad_reduce; fp64 reduces in fp64)
     cpu_offload: bool  # FSDP2 CPUOffloadPolicy (mesh.cpu_offload)
-    compression: str  # "none" | "powersgd": the all-reduce of replicated gradients (ZeRO-0, dp > 1)
-    count_dp_bytes: bool  # ZeRO-0 with dp > 1: step records carry the bytes all-reduced over dp
+    compression: str  # "none" | "powersgd" | "int8" | "int4" | "onebit_adam": the dp reduction (module doc)
+    count_dp_bytes: bool  # dp > 1: step records carry the bytes a rank sent over dp (compressed or not)
 
 
 def plan_data_parallel(*, zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str,
                        cpu_offload: bool, compression: str, cfg_dp: int, cfg_replicate: int,
-                       rebalance: bool = False) -> DataParallelPlan:
+                       optimizer: str = "adamw", rebalance: bool = False) -> DataParallelPlan:
     """The one data-parallel decision for a generation of ``(dp, pp, tp)`` ranks.
 
     ``cfg_dp`` / ``cfg_replicate`` are ``mesh.dp`` / ``mesh.dp_replicate`` as configured: HSDP keeps the
-    shard-group size they fix across elastic resizes (``replicate_degree``).
+    shard-group size they fix across elastic resizes (``replicate_degree``). ``compression`` and
+    ``optimizer`` are ``train.grad_compression`` and ``train.optimizer`` (``reduction``).
 
     ``rebalance`` (``elastic.rebalance``: replicas run different numbers of microbatches,
     meshspeak/rebalance.py): ZeRO-3 keeps each unit gathered from its first forward to the step's
@@ -53,17 +67,31 @@ def plan_data_parallel(*, zero: int, dp: int, pp: int, tp: int, dtype: str, grad
     all-gathers and reduce-scatters each unit once per step whatever its count; between steps the
     parameters are sharded as before. ``elastimesh plan`` estimates the memory so.
     """
+    reduction = dp_reduction(zero, dp, compression, optimizer)
     ddp = ddp_applies(zero, dp, pp, tp, dtype, grad_reduce, cpu_offload, compression)
-    powersgd = zero == 0 and dp > 1 and compression == "powersgd"
     wrapper = "ddp" if ddp else ("fsdp" if fsdp_applies(dp, dtype, cpu_offload) else "none")
+    # ZeRO-0 whose all-reduce is ours and not DDP's (a comm hook there): FSDP2 over the one-rank shard
+    # mesh communicates nothing over dp itself; its all-reduce hook hands us each unit's gradients.
+    own_all_reduce = zero == 0 and reduction != "none" and wrapper == "fsdp"
     return DataParallelPlan(
         zero=zero, wrapper=wrapper, reshard_after_forward=zero == 3 and not rebalance,
         replicate=replicate_degree(zero, dp, cfg_dp, cfg_replicate),
-        fsdp_over="shard" if powersgd else "dp",
+        fsdp_over="shard" if own_all_reduce else "dp",
         reduce_dtype="float64" if dtype == "float64" else grad_reduce,
-        cpu_offload=cpu_offload, compression="powersgd" if powersgd else "none",
-        count_dp_bytes=zero == 0 and dp > 1,
+        cpu_offload=cpu_offload, compression=reduction,
+        count_dp_bytes=dp > 1 and wrapper != "none",
     )
+
+
+def dp_reduction(zero: int, dp: int, compression: str, optimizer: str = "adamw") -> str:
+    """Which reduction carries a generation's gradients over dp (the module docstring's list)."""
+    if dp <= 1:
+        return "none"
+    if optimizer == "onebit_adam":
+        return "onebit_adam" if zero == 0 else "none"
+    if compression == "powersgd":
+        return "powersgd" if zero == 0 else "none"
+    return compression if compression in ("int8", "int4") else "none"
 
 
 def fsdp_applies(dp: int, dtype: str, cpu_offload: bool = False) -> bool:
@@ -86,9 +114,10 @@ def ddp_applies(zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: s
 
     Only where DDP computes exactly what HSDP(replicate=dp, shard=1) does: plain (non-TP) parameters,
     one stage per rank, fp32 compute reduced in fp32 (or fp64), no offload and no PowerSGD (which
-    runs on FSDP2's all-reduce hook). There FSDP2 still all-gathers and reduce-scatters over its
-    one-rank shard axis every step besides the dp all-reduce, and pays its per-unit Python hooks;
-    DDP's bucketed all-reduce overlapped with backward does not (bench/ray_train_compare.py).
+    runs on FSDP2's all-reduce hook; int8/int4 and 1-bit Adam's warm-up run as DDP comm hooks).
+    There FSDP2 still all-gathers and reduce-scatters over its one-rank shard axis every step besides
+    the dp all-reduce, and pays its per-unit Python hooks; DDP's bucketed all-reduce overlapped with
+    backward does not (bench/ray_train_compare.py).
     """
     precision_ok = dtype == "float64" or (dtype == "float32" and grad_reduce == "float32")
     return (zero == 0 and dp > 1 and pp == 1 and tp == 1 and precision_ok and not cpu_offload

@@ -109,7 +109,7 @@ class StepResult:
     # Wall time inside this rank's blocks' forwards, FSDP's all-gather waits left out: what the
     # straggler score compares (workers/compute_clock.py, orchestrator/recovery/stragglers.py).
     forward_s: float = 0.0
-    dp_bytes: int | None = None  # ZeRO-0: bytes this rank all-reduced over dp in the step (workers/compression.py)
+    dp_bytes: int | None = None  # dp > 1: bytes this rank sent over dp in the step (workers/compression.py)
     # train.compile: graphs this rank compiled again in the step (workers/compile_stats.py); None: off
     recompiles: int | None = None
 

@@ -13,7 +13,10 @@ batch is received in the peer's k-th batch.
 round it computes up to and including its next run of sends, or up to a receive whose message was
 not sent in an earlier round. Its batch for the round holds those sends and the receives of the
 messages the other ranks send in the same round, posted where the rank stopped (before the RECV
-that will wait for them, after the sends). The rounds end only if the lists complete in the gloo
+that will wait for them, after the sends). Within a batch the receives from one peer come in the
+order that peer's batch sends them (NCCL matches a pair's messages in posting order), which need not
+be the receiver's list order: zbv's V has a rank receive activations and gradients from one
+neighbour in another order than the neighbour computes them. The rounds end only if the lists complete in the gloo
 model too (otherwise ``ScheduleDeadlock``-like ``ValueError``).
 
 ``strict_deadlock`` plays batches in the strictest NCCL model: a rank's batches run one after the
@@ -39,8 +42,9 @@ RECVS = (Op.RECV_F, Op.RECV_B)
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """Post the communication actions ``members`` (indices into the rank's list, in list order) in
-    one ``batch_isend_irecv`` right before action ``post_at`` (``len(list)``: after the last one)."""
+    """Post the communication actions ``members`` (indices into the rank's list: its sends in list
+    order, then its receives in the order their senders send them) in one ``batch_isend_irecv``
+    right before action ``post_at`` (``len(list)``: after the last one)."""
 
     post_at: int
     members: tuple[int, ...]
@@ -75,7 +79,7 @@ def nccl_batches(schedule: Sequence[Sequence[Action]]) -> list[list[Batch]]:
             moved |= i != pos[r]
             pos[r] = i
         members = {r: list(idx) for r, idx in sends.items()}
-        for r, idx in sends.items():
+        for r, idx in sends.items():  # receives appended in each sender's send order
             for i in idx:
                 key = message_key(schedule[r][i])
                 if key not in receiver:
@@ -88,7 +92,7 @@ def nccl_batches(schedule: Sequence[Sequence[Action]]) -> list[list[Batch]]:
             raise ValueError(f"schedule deadlocks before any NCCL batching: blocked at {stuck}")
         for r in range(pp):
             if members[r]:
-                batches[r].append(Batch(pos[r], tuple(sorted(members[r]))))
+                batches[r].append(Batch(pos[r], tuple(members[r])))
     return batches
 
 
@@ -114,21 +118,24 @@ def rank_batches(schedule: str, pp: int, virtual_stages: int, rank: int, actions
     return nccl_batches(full)[rank]
 
 
-def batch_ops(schedule: Sequence[Sequence[Action]], batches: list[list[Batch]]) -> list[list[list[tuple[bool, int]]]]:
-    """Each rank's batches as lists of (is_send, peer pp rank), the form ``strict_deadlock`` plays."""
+def batch_ops(schedule: Sequence[Sequence[Action]], batches: list[list[Batch]],
+              placement: str = "loop") -> list[list[list[tuple[bool, int]]]]:
+    """Each rank's batches as lists of (is_send, peer pp rank), the form ``strict_deadlock`` plays
+    (``placement``: ``schedule.placement_of`` the schedule's name)."""
     pp = len(schedule)
     out = []
     for rank, rank_batches in enumerate(batches):
         ops = []
         for batch in rank_batches:
-            ops.append([(a.op in SENDS, _peer(a, pp)) for a in (schedule[rank][i] for i in batch.members)])
+            ops.append([(a.op in SENDS, _peer(a, pp, placement))
+                        for a in (schedule[rank][i] for i in batch.members)])
         out.append(ops)
     return out
 
 
-def _peer(action: Action, pp: int) -> int:
+def _peer(action: Action, pp: int, placement: str) -> int:
     _, src, dst, _ = message_key(action)
-    return stage_to_rank(dst if action.op in SENDS else src, pp)
+    return stage_to_rank(dst if action.op in SENDS else src, pp, placement)
 
 
 def strict_deadlock(batches: Sequence[Sequence[Sequence[tuple[bool, int]]]]) -> list[int]:

@@ -6,15 +6,9 @@ scheduling decisions of its own. Keeping the schedule as data means it can be un
 (`meshspeak.schedule_sim`) and logged without a process group, and that an elastic rebuild only
 has to hand out new lists.
 
-Vocabulary:
-  * ``pp`` pipeline ranks, ``virtual_stages`` (v) model chunks per rank, ``num_stages = pp * v``.
-  * Stage ``s`` lives on pp rank ``s % pp``: rank ``r`` holds stages ``r, r + pp, r + 2pp, ...``
-    (Megatron's interleaved placement; with v == 1 it is simply stage == rank).
-  * Every F/B is wrapped in its communication: RECV_F right before an F, SEND_F right after it,
-    RECV_B right before a B, SEND_B right after it. The executor posts sends asynchronously and
-    blocks on receives, so a list is runnable iff the simulator finds no cycle of waits.
-  * The first stage has no RECV_F/SEND_B; the last stage has no SEND_F/RECV_B because the loss is
-    computed inside its F and its B starts from that loss.
+The vocabulary (ops, actions, stage placement, how an F or a B is wrapped in its messages) is
+``meshspeak.actions``'s, re-exported here; the zero-bubble lists (I/W split backwards) are
+``meshspeak.zero_bubble``'s, reached through ``make_schedule``.
 
 No torch, no ray: pure stdlib.
 """
@@ -22,69 +16,32 @@ No torch, no ray: pure stdlib.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 
-SCHEDULE_NAMES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b")
+from meshspeak import zero_bubble
+from meshspeak.actions import (
+    COMPUTE_OPS,
+    GRAD_INPUT_OPS,
+    PLACEMENTS,
+    SCHEDULE_NAMES,
+    ZERO_BUBBLE,
+    Action,
+    MessageKey,
+    Op,
+    Schedule,
+    backward_actions,
+    check_shape,
+    forward_actions,
+    message_key,
+    placement_of,
+    stage_to_rank,
+    stages_of_rank,
+)
 
-
-class Op(StrEnum):
-    """One step of a rank's program. Values double as the compact text form (``2F0``)."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    RECV_F = "RECV_F"  # receive the activation entering `stage` for `microbatch` from stage - 1
-    SEND_F = "SEND_F"  # send the activation leaving `stage` to stage + 1
-    RECV_B = "RECV_B"  # receive the gradient of `stage`'s output from stage + 1
-    SEND_B = "SEND_B"  # send the gradient of `stage`'s input to stage - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """``op`` on pipeline stage ``stage`` for microbatch ``microbatch`` (all zero-based)."""
-
-    stage: int
-    op: Op
-    microbatch: int
-
-    def __str__(self) -> str:
-        # Same shape as torch.distributed.pipelining's _Action: "2F0", "1SEND_F3".
-        return f"{self.stage}{self.op.value}{self.microbatch}"
-
-
-Schedule = list[list[Action]]
-
-# (kind, src_stage, dst_stage, microbatch); kind is "F" for activations and "B" for gradients.
-MessageKey = tuple[str, int, int, int]
-
-
-def message_key(action: Action) -> MessageKey:
-    """The message a send posts or a receive takes: both ends of one hand-off give the same key."""
-    stage, mb = action.stage, action.microbatch
-    if action.op == Op.SEND_F:
-        return ("F", stage, stage + 1, mb)
-    if action.op == Op.RECV_F:
-        return ("F", stage - 1, stage, mb)
-    if action.op == Op.SEND_B:
-        return ("B", stage, stage - 1, mb)
-    if action.op == Op.RECV_B:
-        return ("B", stage + 1, stage, mb)
-    raise ValueError(f"{action} is not a communication action")
-
-
-def stage_to_rank(stage: int, pp: int) -> int:
-    """The pp rank that holds ``stage`` (interleaved placement: stage modulo pp)."""
-    if pp < 1 or stage < 0:
-        raise ValueError(f"need pp >= 1 and stage >= 0, got pp={pp} stage={stage}")
-    return stage % pp
-
-
-def stages_of_rank(rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """The stages held by pp rank ``rank``, in model order: ``[rank, rank + pp, ...]``."""
-    _check_shape(pp, 1, virtual_stages)
-    if not 0 <= rank < pp:
-        raise ValueError(f"pp rank must be in [0, {pp}), got {rank}")
-    return [rank + chunk * pp for chunk in range(virtual_stages)]
+__all__ = [
+    "COMPUTE_OPS", "GRAD_INPUT_OPS", "PLACEMENTS", "SCHEDULE_NAMES", "ZERO_BUBBLE", "Action", "MessageKey",
+    "Op", "Schedule", "gpipe", "interleaved_one_f_one_b", "make_schedule", "message_key", "one_f_one_b",
+    "peak_in_flight", "placement_of", "stage_to_rank", "stages_of_rank", "theoretical_bubble",
+]
 
 
 def gpipe(pp: int, num_microbatches: int) -> Schedule:
@@ -94,14 +51,14 @@ def gpipe(pp: int, num_microbatches: int) -> Schedule:
     the makespan is the same as reversed order and ascending order keeps the lists easy to read.
     Every rank holds all ``m`` activations at the F/B boundary, so prefer 1F1B unless m <= pp.
     """
-    _check_shape(pp, num_microbatches, 1)
+    check_shape(pp, num_microbatches, 1)
     schedule: Schedule = []
     for rank in range(pp):
         actions: list[Action] = []
         for mb in range(num_microbatches):
-            actions += _forward(rank, mb, pp)
+            actions += forward_actions(rank, mb, pp)
         for mb in range(num_microbatches):
-            actions += _backward(rank, mb, pp)
+            actions += backward_actions(rank, mb, pp)
         schedule.append(actions)
     return schedule
 
@@ -114,19 +71,19 @@ def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
     rank ``r`` (vs. ``m`` for GPipe) at the same bubble. ``m < pp`` is valid here, it just never
     reaches the steady state; the config layer is the one that rejects it as wasteful.
     """
-    _check_shape(pp, num_microbatches, 1)
+    check_shape(pp, num_microbatches, 1)
     schedule: Schedule = []
     for rank in range(pp):
         # Earlier ranks must run ahead so the last stage never waits once the pipe is full.
         warmup = min(pp - rank - 1, num_microbatches)
         actions: list[Action] = []
         for mb in range(warmup):  # warm-up
-            actions += _forward(rank, mb, pp)
+            actions += forward_actions(rank, mb, pp)
         for i in range(num_microbatches - warmup):  # steady state: F of mb warmup+i, B of mb i
-            actions += _forward(rank, warmup + i, pp)
-            actions += _backward(rank, i, pp)
+            actions += forward_actions(rank, warmup + i, pp)
+            actions += backward_actions(rank, i, pp)
         for mb in range(num_microbatches - warmup, num_microbatches):  # cool-down
-            actions += _backward(rank, mb, pp)
+            actions += backward_actions(rank, mb, pp)
         schedule.append(actions)
     return schedule
 
@@ -147,7 +104,7 @@ def interleaved_one_f_one_b(pp: int, num_microbatches: int, virtual_stages: int)
         ValueError: ``m % pp != 0`` (the grouping above needs whole groups of pp microbatches), or
             ``pp == 1`` with ``virtual_stages > 1`` (nothing to interleave on a single rank).
     """
-    _check_shape(pp, num_microbatches, virtual_stages)
+    check_shape(pp, num_microbatches, virtual_stages)
     if virtual_stages == 1:
         return one_f_one_b(pp, num_microbatches)
     if pp == 1:
@@ -176,32 +133,36 @@ def interleaved_one_f_one_b(pp: int, num_microbatches: int, virtual_stages: int)
         warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
         actions: list[Action] = []
         for k in range(warmup):  # warm-up
-            actions += _forward(stage_of(rank, k, True), microbatch_of(k), num_stages)
+            actions += forward_actions(stage_of(rank, k, True), microbatch_of(k), num_stages)
         for i in range(total - warmup):  # steady state
             k = warmup + i
-            actions += _forward(stage_of(rank, k, True), microbatch_of(k), num_stages)
-            actions += _backward(stage_of(rank, i, False), microbatch_of(i), num_stages)
+            actions += forward_actions(stage_of(rank, k, True), microbatch_of(k), num_stages)
+            actions += backward_actions(stage_of(rank, i, False), microbatch_of(i), num_stages)
         for k in range(total - warmup, total):  # cool-down
-            actions += _backward(stage_of(rank, k, False), microbatch_of(k), num_stages)
+            actions += backward_actions(stage_of(rank, k, False), microbatch_of(k), num_stages)
         schedule.append(actions)
     return schedule
 
 
 def make_schedule(name: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule named by ``pipeline.schedule``: "1f1b", "gpipe" or "interleaved_1f1b".
+    """The schedule named by ``pipeline.schedule``: "1f1b", "gpipe", "interleaved_1f1b", "zb-h1" or
+    "zbv" (the last two: ``meshspeak.zero_bubble``).
 
-    With ``pp == 1`` every schedule is plain gradient accumulation, ``F0 B0 F1 B1 ...``: there is no
-    pipeline to fill, and freeing each microbatch's activations before the next forward is free.
+    With ``pp == 1`` every schedule but the zero-bubble ones is plain gradient accumulation,
+    ``F0 B0 F1 B1 ...``: there is no pipeline to fill, and freeing each microbatch's activations
+    before the next forward is free.
 
     Raises:
-        ValueError: unknown name, ``virtual_stages > 1`` with a non-interleaved schedule, or the
-            constraints of the chosen schedule (see each function).
+        ValueError: unknown name, ``virtual_stages`` other than the schedule's (1; >= 2 for
+            interleaved_1f1b; 2 for zbv), or the constraints of the chosen schedule (see each function).
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(
             f"pipeline.schedule={name!r} is not known: choose one of {', '.join(SCHEDULE_NAMES)}"
         )
-    _check_shape(pp, num_microbatches, virtual_stages)
+    check_shape(pp, num_microbatches, virtual_stages)
+    if name in ZERO_BUBBLE:
+        return zero_bubble.make(name, pp, num_microbatches, virtual_stages)
     if virtual_stages > 1 and name != "interleaved_1f1b":
         raise ValueError(
             f"pipeline.virtual_stages={virtual_stages} needs pipeline.schedule='interleaved_1f1b', "
@@ -227,17 +188,19 @@ def forward_only(actions: Sequence[Action]) -> list[Action]:
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most microbatches whose F is done but whose B is not, summed over the rank's stages.
+    """Most microbatches whose F is done but whose B (or W) is not, summed over the rank's stages.
 
     Activation memory of a rank scales with this number (times the per-stage activation size),
-    which is what ``elastimesh plan`` uses for its estimate.
+    which is what ``elastimesh plan`` uses for its estimate. A split backward holds a microbatch
+    until its W: the I frees only what the input gradient alone needed, so this counts the upper
+    bound.
     """
     in_flight = peak = 0
     for action in actions:
         if action.op == Op.FORWARD:
             in_flight += 1
             peak = max(peak, in_flight)
-        elif action.op == Op.BACKWARD:
+        elif action.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
             in_flight -= 1
     return peak
 
@@ -251,33 +214,5 @@ def theoretical_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) 
     the whole step instead, ``bubble / (ideal + bubble)``, which is what the simulator measures and
     gives ``(p - 1) / (m + p - 1)`` for v == 1. Assumes uniform stage costs and free communication.
     """
-    _check_shape(pp, num_microbatches, virtual_stages)
+    check_shape(pp, num_microbatches, virtual_stages)
     return (pp - 1) / (virtual_stages * num_microbatches + pp - 1)
-
-
-def _check_shape(pp: int, num_microbatches: int, virtual_stages: int) -> None:
-    if pp < 1 or num_microbatches < 1 or virtual_stages < 1:
-        raise ValueError(
-            "need pp >= 1, num_microbatches >= 1 and virtual_stages >= 1, got "
-            f"pp={pp} num_microbatches={num_microbatches} virtual_stages={virtual_stages}"
-        )
-
-
-def _forward(stage: int, microbatch: int, num_stages: int) -> list[Action]:
-    """F with its comms: the input arrives right before it, the output leaves right after."""
-    actions = [Action(stage, Op.FORWARD, microbatch)]
-    if stage > 0:
-        actions.insert(0, Action(stage, Op.RECV_F, microbatch))
-    if stage < num_stages - 1:
-        actions.append(Action(stage, Op.SEND_F, microbatch))
-    return actions
-
-
-def _backward(stage: int, microbatch: int, num_stages: int) -> list[Action]:
-    """B with its comms; the last stage's B starts from its own loss, so it receives nothing."""
-    actions = [Action(stage, Op.BACKWARD, microbatch)]
-    if stage < num_stages - 1:
-        actions.insert(0, Action(stage, Op.RECV_B, microbatch))
-    if stage > 0:
-        actions.append(Action(stage, Op.SEND_B, microbatch))
-    return actions

@@ -5,7 +5,9 @@ so a schedule bug shows up in a unit test instead of as a hung gloo/NCCL receive
 one the workers implement: each pp rank runs its list strictly in order; SEND_F/SEND_B are posted
 asynchronously (they return at once and put a message in a mailbox keyed by
 ``(kind, src_stage, dst_stage, microbatch)``); RECV_F/RECV_B block until that message exists; F and
-B take ``f_cost`` / ``b_cost`` time units and communication takes none.
+B take ``f_cost`` / ``b_cost`` time units, a zero-bubble I / W ``i_cost`` / ``w_cost`` (B's halves by
+default), and communication takes none. Stages on one rank (zbv's V) hand over in memory: the F (I)
+of the later (earlier) stage needs its neighbour's F (I) done earlier in the same list.
 
 Because a rank's clock only moves through its own compute and the timestamps of the messages it
 receives, the result does not depend on the order in which the simulator visits the ranks.
@@ -18,7 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from meshspeak.schedule import Action, MessageKey, Op, message_key
+from meshspeak.schedule import GRAD_INPUT_OPS, Action, MessageKey, Op, message_key, stage_to_rank
+
+SENDS = (Op.SEND_F, Op.SEND_B)
+RECVS = (Op.RECV_F, Op.RECV_B)
 
 
 class ScheduleError(ValueError):
@@ -75,6 +80,9 @@ def simulate(
     f_cost: float = 1.0,
     b_cost: float = 2.0,
     cost: Callable[[Action], float] | None = None,
+    i_cost: float | None = None,
+    w_cost: float | None = None,
+    placement: str = "loop",
 ) -> SimResult:
     """Execute ``schedule`` (index = pp rank) under the async-send / blocking-receive model.
 
@@ -84,6 +92,8 @@ def simulate(
         virtual_stages: model chunks per rank; there are ``pp * virtual_stages`` stages.
         f_cost: time of one F on one stage.
         b_cost: time of one B on one stage (about 2x F for a transformer).
+        i_cost, w_cost: time of a zero-bubble I and W (default: ``b_cost / 2`` each).
+        placement: how stages sit on ranks (``schedule.placement_of``: "v" for zbv).
         cost: instead of ``f_cost``/``b_cost``, the time of each F or B action (>= 0), e.g. the
             durations measured on a real run, to replay that run with free communication.
 
@@ -94,23 +104,27 @@ def simulate(
         ScheduleDeadlock: every unfinished rank waits for a message that will never be sent.
         ScheduleError: an action sits on a rank that does not hold its stage, computes before its
             input arrived, sends something twice, leaves a message unreceived, or a microbatch is
-            forwarded without being backwarded.
+            forwarded without being backwarded (or I'd without its W).
     """
     if pp < 1 or virtual_stages < 1:
         raise ValueError(f"need pp >= 1 and virtual_stages >= 1, got pp={pp} v={virtual_stages}")
-    if f_cost <= 0 or b_cost <= 0:
-        raise ValueError(f"costs must be > 0, got f_cost={f_cost} b_cost={b_cost}")
+    i_cost = b_cost / 2 if i_cost is None else i_cost
+    w_cost = b_cost / 2 if w_cost is None else w_cost
+    if min(f_cost, b_cost, i_cost, w_cost) <= 0:
+        raise ValueError(f"costs must be > 0, got f_cost={f_cost} b_cost={b_cost} i_cost={i_cost} "
+                         f"w_cost={w_cost}")
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected pp={pp}")
     num_stages = pp * virtual_stages
+    rank_of = _rank_of(pp, placement, num_stages)
     for rank, actions in enumerate(schedule):
         for action in actions:
-            _check_placement(action, rank, pp, num_stages)
+            _check_placement(action, rank, num_stages, rank_of)
 
     if cost is None:
-        by_op = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost}
+        by_op = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost, Op.BACKWARD_INPUT: i_cost, Op.BACKWARD_WEIGHT: w_cost}
         cost = lambda action: by_op[action.op]  # noqa: E731
-    machine = _Machine(num_stages, cost, pp)
+    machine = _Machine(num_stages, cost, pp, rank_of)
     position = [0] * pp
     progressed = True
     while progressed:
@@ -138,15 +152,17 @@ def simulate(
 class _Machine:
     """Mutable state of one simulation: clocks, mailbox and what has been computed."""
 
-    def __init__(self, num_stages: int, cost: Callable[[Action], float], pp: int) -> None:
+    def __init__(self, num_stages: int, cost: Callable[[Action], float], pp: int,
+                 rank_of: Callable[[int], int]) -> None:
         self.last_stage = num_stages - 1
         self.cost = cost
+        self.rank_of = rank_of
         self.clock = [0.0] * pp
         self.busy: list[list[BusyInterval]] = [[] for _ in range(pp)]
         self.mailbox: dict[MessageKey, float] = {}  # message -> time it was posted
         self.sent: set[MessageKey] = set()
         self.received: set[MessageKey] = set()
-        self.computed: set[tuple[int, Op, int]] = set()  # (stage, F or B, microbatch)
+        self.computed: set[tuple[int, Op, int]] = set()  # (stage, F/B/I/W, microbatch)
 
     def run(self, rank: int, action: Action) -> bool:
         """Run ``action`` on ``rank``; False: it is a receive whose message has not arrived yet."""
@@ -160,8 +176,10 @@ class _Machine:
             self.clock[rank] = max(self.clock[rank], self.mailbox.pop(key))
             self.received.add(key)
         elif op in (Op.SEND_F, Op.SEND_B):
-            produced_by = Op.FORWARD if op == Op.SEND_F else Op.BACKWARD
-            self._require((stage, produced_by, mb), rank, action, f"its {produced_by} before")
+            if op == Op.SEND_F:
+                self._require((stage, Op.FORWARD, mb), rank, action, "its F before")
+            else:
+                self._require_grad_input(stage, mb, rank, action)
             key = message_key(action)
             if key in self.sent:
                 raise ScheduleError(f"rank {rank}: {action} sends a message a second time")
@@ -169,7 +187,9 @@ class _Machine:
             self.mailbox[key] = self.clock[rank]
         else:
             self._check_inputs(rank, action)
-            if (stage, op, mb) in self.computed:
+            # A B and an I of one (stage, microbatch) both compute its input gradient.
+            twins = GRAD_INPUT_OPS if op in GRAD_INPUT_OPS else (op,)
+            if any((stage, twin, mb) in self.computed for twin in twins):
                 raise ScheduleError(f"rank {rank}: {action} runs a second time")
             duration = self.cost(action)
             if duration < 0:
@@ -183,12 +203,24 @@ class _Machine:
     def _check_inputs(self, rank: int, action: Action) -> None:
         stage, mb = action.stage, action.microbatch
         if action.op == Op.FORWARD:
-            if stage > 0:
+            if stage > 0 and self.rank_of(stage - 1) == rank:  # handed over in memory
+                self._require((stage - 1, Op.FORWARD, mb), rank, action, f"stage {stage - 1}'s F before")
+            elif stage > 0:
                 self._need_message(("F", stage - 1, stage, mb), rank, action)
             return
+        if action.op == Op.BACKWARD_WEIGHT:
+            self._require((stage, Op.BACKWARD_INPUT, mb), rank, action, "its I before")
+            return
         self._require((stage, Op.FORWARD, mb), rank, action, "its F before")
-        if stage < self.last_stage:  # the last stage's B starts from the loss its F computed
+        if stage < self.last_stage and self.rank_of(stage + 1) == rank:
+            self._require_grad_input(stage + 1, mb, rank, action)
+        elif stage < self.last_stage:  # the last stage's B starts from the loss its F computed
             self._need_message(("B", stage + 1, stage, mb), rank, action)
+
+    def _require_grad_input(self, stage: int, mb: int, rank: int, action: Action) -> None:
+        if not any((stage, op, mb) in self.computed for op in GRAD_INPUT_OPS):
+            raise ScheduleError(f"rank {rank}: {action} needs stage {stage}'s B or I of microbatch {mb} "
+                                "before it")
 
     def _need_message(self, key: MessageKey, rank: int, action: Action) -> None:
         if key not in self.received:
@@ -203,7 +235,10 @@ class _Machine:
             left = ", ".join(f"{k}" for k in sorted(self.mailbox))
             raise ScheduleError(f"messages sent but never received: {left}")
         forwarded = {(s, mb) for s, op, mb in self.computed if op == Op.FORWARD}
-        backwarded = {(s, mb) for s, op, mb in self.computed if op == Op.BACKWARD}
+        backwarded = {(s, mb) for s, op, mb in self.computed if op in (Op.BACKWARD, Op.BACKWARD_WEIGHT)}
+        split = {(s, mb) for s, op, mb in self.computed if op == Op.BACKWARD_INPUT}
+        if split - backwarded:
+            raise ScheduleError(f"(stage, microbatch) given an I but never its W: {sorted(split - backwarded)}")
         if forwarded != backwarded:
             missing = sorted(forwarded - backwarded)
             raise ScheduleError(f"(stage, microbatch) forwarded but never backwarded: {missing}")
@@ -217,15 +252,27 @@ def _matching_send(action: Action) -> str:
     return "nothing"  # only receives block; kept total so the message can always be built
 
 
-def _check_placement(action: Action, rank: int, pp: int, num_stages: int) -> None:
-    """Structural checks that need no execution: right rank, no comm past either pipeline end."""
+def _rank_of(pp: int, placement: str, num_stages: int) -> Callable[[int], int]:
+    if placement == "v" and num_stages != 2 * pp:
+        raise ValueError(f"the V placement holds 2 stages per rank: got {num_stages} stages for pp={pp}")
+    return lambda stage: stage_to_rank(stage, pp, placement)
+
+
+def _check_placement(action: Action, rank: int, num_stages: int, rank_of: Callable[[int], int]) -> None:
+    """Structural checks that need no execution: right rank, no comm past either pipeline end, no
+    message between two stages of one rank."""
     if not isinstance(action, Action) or action.op not in tuple(Op):
         raise ScheduleError(f"rank {rank}: {action!r} is not an Action with a known Op")
     if not 0 <= action.stage < num_stages or action.microbatch < 0:
         raise ScheduleError(f"rank {rank}: {action} is out of range ({num_stages} stages)")
-    if action.stage % pp != rank:
-        raise ScheduleError(f"rank {rank}: {action} belongs to rank {action.stage % pp}")
+    if rank_of(action.stage) != rank:
+        raise ScheduleError(f"rank {rank}: {action} belongs to rank {rank_of(action.stage)}")
     if action.stage == 0 and action.op in (Op.RECV_F, Op.SEND_B):
         raise ScheduleError(f"rank {rank}: {action}: the first stage has no previous stage")
     if action.stage == num_stages - 1 and action.op in (Op.SEND_F, Op.RECV_B):
         raise ScheduleError(f"rank {rank}: {action}: the last stage has no next stage")
+    if action.op in SENDS or action.op in RECVS:
+        _, src, dst, _ = message_key(action)
+        if rank_of(src) == rank_of(dst):
+            raise ScheduleError(f"rank {rank}: {action}: stages {src} and {dst} share a rank and hand "
+                                "over in memory, not by a message")

@@ -30,9 +30,11 @@ __all__ = [
 
 # Allowed values of the enum-like keys (the rules between keys use them too).
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb-h1", "zbv")
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("float32", "bfloat16")
+GRAD_COMPRESSION = ("none", "powersgd", "int8", "int4")
+OPTIMIZERS = ("adamw", "onebit_adam")
 BUILTIN_DATA = "builtin"
 BUILTIN_VOCAB = 256  # the built-in corpus is tokenised as raw bytes
 
@@ -93,7 +95,9 @@ class TrainConfig:
     global_batch_size: int = key(8, "sequences per optimizer step, whatever the mesh", ge=1)
     micro_batch_size: int = key(2, "sequences per microbatch per DP replica", ge=1)
     lr: float = key(3e-3, "peak learning rate after warmup", gt=0)
-    min_lr_ratio: float = key(0.1, "cosine decay ends at lr * min_lr_ratio", ge=0, le=1)
+    min_lr_ratio: float = key(0.1, "the decay ends at lr * min_lr_ratio (1 = constant after warmup)", ge=0, le=1)
+    lr_decay: str = key("cosine", "shape of the decay from lr to lr * min_lr_ratio over the steps after "
+                                  "warmup", choices=("cosine", "linear"))
     warmup_steps: int = key(2, "linear warmup steps", ge=0)
     weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
     beta1: float = key(0.9, "AdamW beta1", ge=0, lt=1)
@@ -103,6 +107,9 @@ class TrainConfig:
     dtype: str = key("float32", "compute dtype (fp32 master weights); float16 adds dynamic loss "
                                 "scaling, for GPUs without bf16; float64 keeps weights, optimizer state "
                                 "and reductions in fp64 (exact comparisons)", choices=DTYPES)
+    loss_scale_initial: float = key(65536.0, "float16: the dynamic loss scale's first value", gt=0)
+    loss_scale_window: int = key(2000, "float16: overflow-free steps in a row before the loss scale doubles "
+                                       "(an overflow halves it and skips the step)", ge=1)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
     max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "
@@ -110,18 +117,31 @@ class TrainConfig:
     grad_reduce: str = key("float32", "dtype of the data-parallel gradient reduction (FSDP2 "
                                       "reduce_dtype); bfloat16 halves its bytes", choices=GRAD_REDUCE)
     grad_compression: str = key("none", "powersgd: low-rank compressed gradient all-reduce (torch's "
-                                        "DDP PowerSGD hook, error feedback reset on every resize); "
-                                        "needs mesh.zero=0", choices=("none", "powersgd"))
+                                        "DDP PowerSGD hook; needs mesh.zero=0); int8 / int4: blockwise "
+                                        "quantized all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1..3), "
+                                        "quantize -> all-to-all -> dequantize-reduce as ZeRO++'s qgZ; "
+                                        "error feedback reset on every resize", choices=GRAD_COMPRESSION)
     powersgd_rank: int = key(2, "PowerSGD matrix approximation rank", ge=1)
     powersgd_plain_steps: int = key(2, "steps of each generation all-reduced uncompressed before "
                                        "PowerSGD starts (torch's start_powerSGD_iter; it suggests ~10% "
                                        "of the run)", ge=2)
+    quant_block: int = key(128, "int8/int4 gradient compression: values per fp32 scale (blockwise absmax); "
+                                "even for int4", ge=2)
+    optimizer: str = key("adamw", 'adamw, or "onebit_adam": DeepSpeed\'s 1-bit Adam (Adam for '
+                                  "onebit_warmup_steps, then frozen variance and 1-bit compressed momentum "
+                                  "with error feedback; needs mesh.zero=0 and grad_compression=\"none\")",
+                         choices=OPTIMIZERS)
+    onebit_warmup_steps: int = key(100, "onebit_adam: uncompressed Adam steps before the variance freezes "
+                                        "(DeepSpeed's freeze_step; it suggests 15-25% of the run); below "
+                                        "train.steps", ge=1)
 
 
 @dataclass(**_SECTION)
 class PipelineConfig:
-    schedule: str = key("1f1b", "pipeline schedule", choices=SCHEDULES)
-    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 only for interleaved_1f1b", ge=1)
+    schedule: str = key("1f1b", "pipeline schedule; zb-h1 and zbv split each backward into input and "
+                                "weight gradients (zero bubble, Qi et al. 2024)", choices=SCHEDULES)
+    virtual_stages: int = key(1, "model chunks per pp rank; >= 2 for interleaved_1f1b, 2 for zbv (its V), "
+                                 "else 1", ge=1)
     # TOML has no null, so an empty list also means "balanced".
     layers: tuple[int, ...] | None = key(None, "layers per stage in stage order (pp * virtual_stages "
                                                "entries); empty = balanced by parameter count")
@@ -190,6 +210,15 @@ class MetricsConfig:
     profile_steps: str = key("", 'torch.profiler trace of steps "A:B" (1 <= A <= B <= train.steps) '
                                  "on every rank, one file per rank and step; empty = off")
     profile_dir: str = key("", "where the profiler traces go; empty = profiles/ beside metrics.path")
+    # Experiment trackers (orchestrator/tracking/): optional extras, written from the driver only.
+    mlflow_uri: str = key("", "MLflow tracking URI (a directory, file://, http(s)://, databricks): the "
+                              "config as params, steps and events as metrics; empty = off "
+                              "(pip install 'elastimesh[mlflow]')")
+    mlflow_experiment: str = key("elastimesh", "MLflow experiment the run goes into")
+    wandb_project: str = key("", "Weights & Biases project: the config, steps and events; files under "
+                                 "wandb/ beside metrics.path; empty = off (pip install 'elastimesh[wandb]')")
+    wandb_mode: str = key("online", 'W&B mode: "offline" writes the run only locally (`wandb sync` '
+                                    "uploads it later)", choices=("online", "offline"))
 
 
 @dataclass(**_SECTION)

@@ -1,4 +1,4 @@
-"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, ckpt list|inspect, data prepare.
+"""`elastimesh` / `python -m orchestrator`: train, plan, config, tune, report, ckpt list|inspect, data prepare.
 
 Exit codes (README.md, "Use"): 0 done; 2 bad input — one line on stderr naming the key or file
 and the fix, no traceback; 1 training failed within the elastic limits.
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("config", nargs="?", help="job TOML file")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+        _add_deepspeed(p)
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
             p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
@@ -41,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     conf = sub.add_parser("config", help="print the resolved job config as TOML, or (--doc) every key")
     conf.add_argument("config", nargs="?", help="job TOML file")
     conf.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    _add_deepspeed(conf)
     conf.add_argument("--doc", action="store_true", help="print the table of every key (type, default, "
                       "allowed values, meaning) as README shows it")
     _add_tune(sub)
+    report = sub.add_parser("report", help="goodput table, figures and an HTML page from a run's metrics JSONL")
+    report.add_argument("metrics", help="the run's metrics.path: a file or a URI (s3://...); a run still going too")
+    report.add_argument("--out", help="directory for report.html, report.json and the PNGs (default: report/)")
     ckpt = sub.add_parser("ckpt", help="list or inspect checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ckpt_sub.add_parser("list", help="committed and partial checkpoints under DIR").add_argument("dir")
@@ -73,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_deepspeed(p) -> None:
+    p.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="a DeepSpeed config: its batch, ZeRO, precision, "
+                   "optimizer, scheduler, checkpointing and pipeline fields as config keys (README: DeepSpeed)")
+
+
+def _load(args):
+    """The job config of ``args`` (config, --set, --deepspeed); a DeepSpeed field with no counterpart
+    is one warning line on stderr."""
+    return load_config(args.config, args.overrides, deepspeed=getattr(args, "deepspeed", None),
+                       warn=lambda line: sys.stderr.write(f"elastimesh: warning: {line}\n"))
+
+
 def _add_tune(sub) -> None:
     from orchestrator.sweep.tuner import SCHEDULERS, SEARCH_ALGS
 
@@ -80,8 +97,10 @@ def _add_tune(sub) -> None:
     p.add_argument("config", nargs="?", help="job TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--search", action="append", default=[], metavar="KEY=SPACE",
-                   help="choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b) (upper bound excluded)")
-    p.add_argument("--samples", type=int, default=1, help="trials to run")
+                   help="grid(a,b,...) (every value), choice(a,b,...) (drawn at random), uniform(a,b), "
+                   "loguniform(a,b) or randint(a,b) (upper bound excluded)")
+    p.add_argument("--samples", type=int, default=1, help="trials to run (with grid(...): repeats of the grid)")
+    p.add_argument("--verbose", action="store_true", help="also print Ray Tune's own per-trial status tables")
     p.add_argument("--scheduler", choices=SCHEDULERS, default="fifo", help="asha: stop bad trials early")
     p.add_argument("--grace-steps", type=int, default=0, help="ASHA's first rung (default: steps / 4)")
     p.add_argument("--search-alg", choices=SEARCH_ALGS, default="random",
@@ -118,7 +137,7 @@ def _dispatch(args) -> int:
         from orchestrator.plan.mesh_plan import describe, make_plan
         from orchestrator.plan.render import render
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args)
         info = describe(cfg, make_plan(cfg))
         if args.memory_gib is not None:
             from orchestrator.plan.strategy import recommend
@@ -129,18 +148,18 @@ def _dispatch(args) -> int:
         sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
         return 0
     if args.command == "config":
-        from meshspeak.schema import dump_toml
-        from meshspeak.sections import config_doc, config_to_dict
+        from meshspeak.sections import config_doc
+        from orchestrator.config.load import config_toml
 
         if args.doc:
             sys.stdout.write(config_doc())
         else:
-            sys.stdout.write(dump_toml(config_to_dict(load_config(args.config, args.overrides))))
+            sys.stdout.write(config_toml(_load(args)))
         return 0
     if args.command == "train":
         from orchestrator.launch import run_job
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args)
         summary = run_job(cfg, progress=not args.no_progress and sys.stderr.isatty())
         if summary.resume_step is not None:  # stopped by a signal: one line saying where it resumes
             where = (f"committed in checkpoint.dir={cfg.checkpoint.dir}; running it again resumes from step "
@@ -155,6 +174,10 @@ def _dispatch(args) -> int:
         from orchestrator.sweep.tuner import tune_command
 
         return tune_command(args)
+    if args.command == "report":
+        from orchestrator.report.command import report_command
+
+        return report_command(args)
     if args.command == "ckpt":
         from checkpoints.catalog import list_checkpoints
         from checkpoints.inspect_view import describe, format_table, require_root

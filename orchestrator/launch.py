@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -30,6 +31,7 @@ from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 from orchestrator.control.controller import Controller, RunSummary
 from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
+from orchestrator.tracking.sinks import open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +181,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
     (a Tune trial's, see orchestrator/sweep/trial.py); ``step_listeners`` get every step record."""
     from meshmodels.family import check_init_from, resolve_model
 
+    launched_at = time.time()  # the report's start-up counts from here (orchestrator/report/goodput.py)
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
     source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)
     boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
@@ -198,7 +201,8 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
     try:
         stop = StopRequest()
         with stop_on_signals(stop):
-            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners), stop)
+            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners), stop,
+                        launched_at)
     finally:
         if started_local:
             ray.shutdown()
@@ -221,11 +225,12 @@ def validate_eval(cfg: JobConfig, vocab: int):
 
 
 def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: bool, reserved,
-         listeners, stop: StopRequest) -> RunSummary:
+         listeners, stop: StopRequest, launched_at: float) -> RunSummary:
     metrics = None
     group = None
     store = None
     capacity = CapacityRequest()
+    failed = True  # until the controller returns: the trackers' run status
     try:
         use_gpu = resolve_gpu(cfg)
         if not started_local and not cfg.checkpoint.dir and len(ray.nodes()) > 1:
@@ -245,11 +250,18 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
         if cfg.elastic.spares:  # hot spares: wanted, not required (the controller asks again later)
+            room = min(cfg.elastic.spares, group.free_slots())  # never a group left pending: bundles.py
             try:
-                group.add(cfg.elastic.spares, strategy="SPREAD")
+                if room:
+                    group.add(room, strategy="SPREAD")
             except WorkerGroupStartupError as exc:
+                room = 0
                 logger.warning("elastic.spares=%d: not started yet (%s)", cfg.elastic.spares, exc)
-        metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None)
+            if room < cfg.elastic.spares:
+                logger.info("elastic.spares=%d: %d started; the rest as the cluster makes room",
+                            cfg.elastic.spares, room)
+        metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None,
+                             launched_at=launched_at, trackers=open_trackers(cfg))
         metrics.step_listeners.extend(listeners)
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
@@ -260,11 +272,13 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
         controller.stop_requested = stop
         stop.on_stop.append(capacity.release)
         stop.graceful = True  # from now on a signal saves at the next step boundary first
-        return controller.run()
+        summary = controller.run()
+        failed = False
+        return summary
     finally:
         capacity.release()  # first: if the job is being killed, this is what must not be lost
         if metrics is not None:
-            metrics.close()
+            metrics.close("FAILED" if failed else "FINISHED")
         if group is not None:
             group.shutdown()
         if store is not None:

@@ -45,6 +45,9 @@ def check_outputs(cfg) -> None:
         if "://" not in cfg.tensorboard_dir:  # remote URIs are tensorboardX's business
             _check_dir("metrics.tensorboard_dir", cfg.tensorboard_dir,
                        "set metrics.tensorboard_dir to a writable directory, or unset it")
+    from orchestrator.tracking.sinks import check_trackers
+
+    check_trackers(cfg)  # metrics.mlflow_uri / metrics.wandb_project: their extras are installed
     if cfg.profile_steps:  # the ranks write the traces; on one machine this is their directory too
         from meshspeak.profile import profile_dir
 
@@ -111,7 +114,8 @@ def _recompiles_field(results: list[StepResult]) -> dict[str, Any]:
 
 
 def _dp_bytes_field(results: list[StepResult]) -> dict[str, Any]:
-    """ZeRO-0: the most bytes one rank all-reduced over dp in the step (PowerSGD's compressed P/Q)."""
+    """dp > 1: the most bytes one rank sent over dp in the step (compressed, where it is: PowerSGD's P/Q,
+    int8/int4 rows, 1-bit Adam's signs)."""
     sent = [r.dp_bytes for r in results if getattr(r, "dp_bytes", None) is not None]
     return {"dp_bytes": max(sent)} if sent else {}
 
@@ -144,13 +148,23 @@ def write_timeline(path: str, step: int, results: list[StepResult]) -> None:
 
 
 class MetricsLog:
-    def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True) -> None:
+    """The one place records go: the JSONL file, TensorBoard, Ray metrics, the progress display and
+    the experiment trackers (``trackers``: orchestrator/tracking/sinks.py), all from the driver.
+
+    ``launched_at``: when the run began (before Ray and the actors started); the first record, a
+    ``launch`` event, carries it, so ``elastimesh report`` can count the start-up (default: now).
+    """
+
+    def __init__(self, cfg, *, progress_total: int | None = None, ray_metrics: bool = True,
+                 launched_at: float | None = None, trackers=()) -> None:
         self.cfg = cfg
         self.step_listeners: list[Callable[[dict], None]] = []  # e.g. a Tune trial reporting each step
+        self.trackers = list(trackers)
         self._file = None
         if cfg.path:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.path)), exist_ok=True)
             self._file = open(cfg.path, "a", buffering=1)
+        self._write({"event": "launch", "time": launched_at if launched_at is not None else time.time()})
         self._tb = None
         if cfg.tensorboard_dir:
             from tensorboardX import SummaryWriter
@@ -180,7 +194,10 @@ class MetricsLog:
             self._file.write(json.dumps(rec) + "\n")
 
     def step(self, rec: dict) -> None:
+        rec.setdefault("time", time.time())  # when it was written: the report's time axis
         self._write(rec)
+        for tracker in self.trackers:
+            tracker.step(rec)
         if self._tb is not None:
             for key in ("loss", "lr", "tokens_per_s", "step_time_s", "bubble"):
                 if key in rec:
@@ -204,6 +221,8 @@ class MetricsLog:
     def event(self, event: str, **fields: Any) -> None:
         rec = {"event": event, **fields, "time": time.time()}
         self._write(rec)
+        for tracker in self.trackers:
+            tracker.event(rec)
         if self._ray is not None:
             self._ray.on_event(rec)
         message = f"{event}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
@@ -223,7 +242,11 @@ class MetricsLog:
         if self.cfg.timeline:
             write_timeline(self.cfg.timeline, step, results)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """``status``: the trackers' run status, "FINISHED" or "FAILED"."""
+        for tracker in self.trackers:
+            tracker.close(status)
+        self.trackers = []
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:

@@ -2,7 +2,7 @@
 
 It implements what ``Controller``, ``CheckpointCoordinator`` and ``orchestrator.recovery.settle`` call
 on ``orchestrator.cluster.worker_group.WorkerGroup`` (submit / collect / call / add / kill / kill_now /
-free_slots / draining_nodes / all_done / drain / first_cause, and live_ids / pids / node_ips /
+free_slots / lost_ids / draining_nodes / all_done / drain / first_cause, and live_ids / pids / node_ips /
 node_ids), with in-memory ranks that answer with the real messages (RankInfo, StepResult, SaveAck, WriteAck, WorkerStatus). Checkpoint
 shards are real (tiny) files, so the real catalog validates and commits them.
 
@@ -175,6 +175,7 @@ class FakeWorkerGroup:
         self.node_ip = node_ip
         self.capacity = capacity
         self.pending_starts = 0  # start_background: asked for, not placed yet
+        self.lost: set[int] = set()  # actors whose node died (what lost_ids reports while they live)
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
         self.log: list[tuple[str, int, tuple]] = []  # (method, actor, args) of every call, in order
         self.killed: list[int] = []
@@ -233,6 +234,11 @@ class FakeWorkerGroup:
 
     def free_slots(self) -> int:
         return self.capacity
+
+    @property
+    def lost_ids(self) -> list[int]:
+        """Live actors on a node that died (scripted: ``lost``)."""
+        return sorted(a for a in self.ranks if a in self.lost)
 
     def draining_nodes(self) -> dict[str, float | None]:
         return dict(self.draining)

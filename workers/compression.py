@@ -1,4 +1,4 @@
-"""ZeRO-0's data-parallel gradient reduction: counted, and optionally PowerSGD-compressed.
+"""Data-parallel gradient reduction: counted, and optionally compressed (PowerSGD, int8/int4, 1-bit Adam).
 
 ``train.grad_compression="powersgd"`` runs torch's DDP communication hook
 (``ddp_comm_hooks.powerSGD_hook``: low-rank P/Q all-reduces with error feedback and warm start) on
@@ -12,37 +12,29 @@ works with TP's DTensor parameters too). Plain ZeRO-0 on dp alone runs through t
 warm-start P/Q) lives in the generation's ``RankRuntime``: every resize starts it afresh, like a new
 DDP job; it is not checkpointed.
 
-Bytes: ``ByteCounter`` sums ``nbytes`` of every tensor the hook's all-reduces send (it stands in
-for ``torch.distributed`` inside the two hook modules), and under plain ZeRO-0 FSDP2's all-reduce
-hook adds the ``nbytes`` of each unit's all-reduced buffer; the runtime reports the step's total as
-``StepResult.dp_bytes`` (the metrics' ``dp_bytes`` field).
+``"int8"`` / ``"int4"`` (``workers/quantized_comm.py``) plug in at the same seams: a DDP comm hook on
+plain dp, the all-reduce hook on the one-rank shard mesh otherwise, and FSDP2's custom reduce-scatter
+under ZeRO-1..3. ``train.optimizer="onebit_adam"`` (``workers/onebit_adam.py``) uses the ZeRO-0 seams
+for its warm-up: a plain all-reduce of the gradients until the optimizer compresses, none after.
+
+Bytes (``quantized_comm.ByteCounter``, reported as ``StepResult.dp_bytes``): what this rank sends to
+the other dp ranks in the step, counted on the tensors the collectives are given (``wire_bytes``: a
+ring all-reduce sends 2(n-1)/n of its buffer, a reduce-scatter (n-1)/n; the quantized collectives
+count the rows they send). ``ByteCounter`` stands in for ``torch.distributed`` inside the two DDP
+hook modules; under plain ZeRO-0 FSDP2's all-reduce hook and under ZeRO-1..3 its reduce-scatter
+count each unit's buffer; under DDP a step's bytes are the parameters' (``FixedBytes``).
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-
-class ByteCounter:
-    """Counts the bytes this rank all-reduces over dp in a step (reset by the runtime each step)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes += nbytes
-
-    def take(self) -> int:
-        with self._lock:
-            out, self.bytes = self.bytes, 0
-        return out
+from workers.quantize import BITS
+from workers.quantized_comm import (ByteCounter, CountingReduceScatter, DdpQuantizedState, QuantizedAllReduce,
+                                    QuantizedReduceScatter, quantized_ddp_hook, wire_bytes)
 
 
 class _CountingDist:
@@ -55,7 +47,8 @@ class _CountingDist:
 
     def all_reduce(self, tensor, *args, **kwargs):
         if _CountingDist.counter is not None:
-            _CountingDist.counter.add(tensor.numel() * tensor.element_size())
+            n = dist.get_world_size(kwargs.get("group"))
+            _CountingDist.counter.add(wire_bytes("all_reduce", tensor.numel() * tensor.element_size(), n))
         return dist.all_reduce(tensor, *args, **kwargs)
 
 
@@ -132,11 +125,12 @@ def attach_powersgd(units: list[nn.Module], group: dist.ProcessGroup, rank: int,
     return state
 
 
-def attach_counter(units: list[nn.Module], counter: ByteCounter) -> None:
-    """Plain ZeRO-0: count the bytes of each unit's all-reduced gradient buffer (FSDP2 calls the
-    hook after its HSDP all-reduce, with that buffer)."""
+def attach_counter(units: list[nn.Module], counter: ByteCounter, n: int) -> None:
+    """Plain ZeRO-0 (and HSDP's replica all-reduce): count the bytes of each unit's all-reduced
+    gradient buffer over ``n`` ranks (FSDP2 calls the hook after its HSDP all-reduce, with that buffer)."""
     for unit in units:
-        unit.set_all_reduce_hook(lambda flat: counter.add(flat.numel() * flat.element_size()))
+        unit.set_all_reduce_hook(
+            lambda flat: counter.add(wire_bytes("all_reduce", flat.numel() * flat.element_size(), n)))
 
 
 def fsdp_units_of(module: nn.Module) -> list[nn.Module]:
@@ -176,21 +170,81 @@ def wrap_ddp(module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
                                    gradient_as_bucket_view=True)
 
 
-def setup_dp_reduction(stages: list[nn.Module], dp_plan, train, groups) -> ByteCounter | FixedBytes | None:
-    """As ``dp_plan`` (meshspeak/dp_plan.py) says: with ``count_dp_bytes`` (ZeRO-0, dp > 1) count the dp
-    bytes, and with ``compression == "powersgd"`` attach the compressor (the stages were then sharded
-    over the one-rank shard mesh: ``dp_plan.fsdp_over == "shard"``)."""
+def setup_dp_reduction(stages: list[nn.Module], dp_plan, train, groups, ddp_modules: list[nn.Module] = (),
+                       optimizers: list = ()) -> ByteCounter | FixedBytes | None:
+    """As ``dp_plan`` (meshspeak/dp_plan.py) says: with ``count_dp_bytes`` (dp > 1) count the bytes of
+    every step, and attach the reduction ``dp_plan.compression`` names (``train`` holds its knobs).
+
+    ``ddp_modules``: the stages' DDP wrappers (``dp_plan.wrapper == "ddp"``: the reduction is a comm
+    hook), else the stages are FSDP2's (ZeRO-0 with a reduction of ours sharded over the one-rank shard
+    mesh: ``dp_plan.fsdp_over == "shard"``). ``optimizers``: the stages' optimizers (1-bit Adam's
+    warm-up hooks ask them whether it is over; they count the compressed momentum they send).
+    """
     if not dp_plan.count_dp_bytes:
         return None
+    dp, reduction = groups.shape.dp, dp_plan.compression
+    quantized = reduction in BITS
+    counter = ByteCounter()
+    if reduction == "onebit_adam":
+        for opt in optimizers:
+            opt.counter = counter
     if dp_plan.wrapper == "ddp":
-        return FixedBytes(sum(p.numel() * p.element_size() for m in stages for p in m.parameters()
-                              if p.requires_grad))
+        if reduction == "none":
+            return FixedBytes(wire_bytes("all_reduce", sum(p.numel() * p.element_size() for m in stages
+                                                           for p in m.parameters() if p.requires_grad), dp))
+        for ddp in ddp_modules:
+            if quantized:
+                ddp.register_comm_hook(DdpQuantizedState(groups.dp_group, reduction, train.quant_block, counter),
+                                       quantized_ddp_hook)
+            else:  # 1-bit Adam (PowerSGD never runs under DDP: ddp_applies)
+                ddp.register_comm_hook(_OnebitWarmup(groups.dp_group, counter, optimizers), onebit_ddp_hook)
+        return counter
     units = [u for stage in stages for u in fsdp_units_of(stage)]
     if not units:
         return None
-    counter = ByteCounter()
-    if dp_plan.compression == "powersgd":
+    if dp_plan.zero >= 1:  # FSDP2's reduce-scatter over the shard group, then HSDP's replica all-reduce
+        for unit in units:
+            unit.set_custom_reduce_scatter(
+                QuantizedReduceScatter(reduction, train.quant_block, counter) if quantized
+                else CountingReduceScatter(counter))
+        if dp_plan.replicate > 1:
+            attach_counter(units, counter, dp_plan.replicate)
+    elif reduction == "powersgd":
         attach_powersgd(units, groups.dp_group, train.powersgd_rank, counter, train.seed, train.powersgd_plain_steps)
+    elif quantized:
+        for unit in units:
+            unit.set_all_reduce_hook(QuantizedAllReduce(groups.dp_group, reduction, train.quant_block, counter))
+    elif reduction == "onebit_adam":
+        hook = _OnebitWarmup(groups.dp_group, counter, optimizers)
+        for unit in units:
+            unit.set_all_reduce_hook(hook.reduce)
     else:
-        attach_counter(units, counter)
+        attach_counter(units, counter, dp)
     return counter
+
+
+class _OnebitWarmup:
+    """1-bit Adam's gradient reduction: the plain mean over dp (counted) until the optimizers compress
+    their momentum, then none (each rank keeps its local gradient; workers/onebit_adam.py)."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: ByteCounter, optimizers: list) -> None:
+        self.group, self.counter, self.optimizers = group, counter, optimizers
+        self.n = dist.get_world_size(group)
+
+    def reduce(self, flat: torch.Tensor) -> None:
+        if not self.optimizers[0].compressing:
+            self.counter.add(wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.n))
+            dist.all_reduce(flat.div_(self.n), group=self.group)
+
+
+def onebit_ddp_hook(state: _OnebitWarmup, bucket):  # no annotations: DDP checks them
+    """DDP communication hook of 1-bit Adam (``_OnebitWarmup``): the bucket's mean, or its local values."""
+    buffer = bucket.buffer()
+    if state.optimizers[0].compressing:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+    state.counter.add(wire_bytes("all_reduce", buffer.numel() * buffer.element_size(), state.n))
+    return dist.all_reduce(buffer.div_(state.n), group=state.group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+

@@ -18,8 +18,15 @@ from torch.distributed.tensor import DTensor, Replicate
 from meshspeak.lr_schedule import lr_at  # noqa: F401  (re-exported for the runtime)
 
 
-def build_optimizer(module: nn.Module, train) -> torch.optim.AdamW:
+def build_optimizer(module: nn.Module, train, dp_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW, or 1-bit Adam compressing its momentum over ``dp_group``
+    (workers/onebit_adam.py; None in one process)."""
     params = list(module.parameters())
+    if train.optimizer == "onebit_adam":
+        from workers.onebit_adam import OnebitAdam
+
+        return OnebitAdam(params, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8,
+                          weight_decay=train.weight_decay, warmup_steps=train.onebit_warmup_steps, group=dp_group)
     # On CUDA the fused kernel: the whole update of all parameters in a few kernels instead of one
     # launch per op per tensor group (DTensor parameters included: it has a sharding rule). Elsewhere
     # (the CPU, parameters offloaded to the host) the multi-tensor path: CPU tensors default to the

@@ -1,7 +1,10 @@
 """How the pipeline executor posts one step's point-to-point messages, per backend.
 
-Messages between two ranks match in posting order (one tag); the schedule guarantees that per rank
-pair the receives come in the order of the sends (meshspeak/schedule.py, unit-tested).
+On gloo every message carries its own tag (``message_tag``: kind, source stage, microbatch), so a
+receive takes exactly its message whatever order the two ranks post them in: zbv's V has a rank
+receive activations and gradients from one neighbour in another order than the neighbour sends
+them. NCCL ignores tags and matches a rank pair's messages in posting order; its lockstep batches
+post them in the same order on both sides (meshspeak/p2p_rounds.py).
 
 gloo (``batched=False``): sends are posted when their action is reached; receives up to
 ``lookahead`` actions ahead. Gloo's send is a rendezvous: a send whose receive is not posted yet only
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from meshspeak.p2p_rounds import Batch
-from meshspeak.schedule import Action, Op
+from meshspeak.schedule import Action, Op, message_key
 
 COMM_OPS = (Op.RECV_F, Op.RECV_B, Op.SEND_F, Op.SEND_B)
 
@@ -50,15 +53,21 @@ class Transport:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        return dist.isend(tensor, dst=peer, group=self.group)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
+        return dist.isend(tensor, dst=peer, group=self.group, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        return dist.irecv(tensor, src=peer, group=self.group)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
+        return dist.irecv(tensor, src=peer, group=self.group, tag=tag)
 
     def batch(self, messages: list[Message]) -> list[dist.Work]:
         ops = [dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, m.peer, self.group) for m in messages]
         return dist.batch_isend_irecv(ops)
+
+
+def message_tag(action: Action, num_stages: int) -> int:
+    """A tag unique to the message a communication action sends or takes, within one step."""
+    kind, src, _, mb = message_key(action)
+    return (mb * num_stages + src) * 2 + (kind == "B")
 
 
 class StepPosting:
@@ -73,9 +82,10 @@ class StepPosting:
 
     def __init__(self, actions: list[Action], transport: Transport, *, peer: Callable[[int], int],
                  new_buffer: Callable[[], torch.Tensor], outgoing: Callable[[Action], torch.Tensor],
-                 plan: list[Batch] | None = None, lookahead: int = 0) -> None:
+                 plan: list[Batch] | None = None, lookahead: int = 0, num_stages: int) -> None:
         self.actions, self.transport, self.lookahead = actions, transport, lookahead
         self.peer, self.new_buffer, self.outgoing = peer, new_buffer, outgoing
+        self.num_stages = num_stages
         self.sent: list[dist.Work] = []
         self.plan = deque(plan) if plan is not None else None
         self.batched = plan is not None
@@ -120,14 +130,17 @@ class StepPosting:
         while self.to_post and len(self.posted) < limit:
             i = self.to_post.popleft()
             buf = self.new_buffer()
-            self.posted.append((i, buf, self.transport.irecv(buf, self._src_dst(self.actions[i]))))
+            action = self.actions[i]
+            work = self.transport.irecv(buf, self._src_dst(action), message_tag(action, self.num_stages))
+            self.posted.append((i, buf, work))
 
     # -- what the executor calls --------------------------------------------------------------------
     def send(self, index: int) -> None:
         if self.batched:  # posted by its batch, right after this run of sends (p2p_rounds)
             return
         action = self.actions[index]
-        self.sent.append(self.transport.isend(self.outgoing(action), self._src_dst(action)))
+        tag = message_tag(action, self.num_stages)
+        self.sent.append(self.transport.isend(self.outgoing(action), self._src_dst(action), tag))
 
     def recv(self, index: int) -> torch.Tensor:
         if self.batched:

@@ -6,7 +6,10 @@ of the step; receives block. The driver's schedule is proven deadlock-free under
 (dp, tp) rank holds (a sequence shard under sequence parallelism), sent to the rank with the same
 dp/tp coordinates in the neighbouring pipeline position. How the messages are posted (gloo: one op at
 a time, receives a few actions ahead; NCCL: lockstep batches planned from every rank's list, since
-NCCL's sends are not asynchronous in the simulator's sense) is ``workers.p2p``'s business.
+NCCL's sends are not asynchronous in the simulator's sense) is ``workers.p2p``'s business. Two
+neighbouring stages on this rank (zbv's V) hand over in memory: the later stage's F takes the
+earlier one's output (detached, as a received tensor would be) and the earlier one's backward takes
+the later one's input gradient. The zero-bubble I and W actions are ``workers.split_backward``'s.
 
 Per-action timings (bubble, straggler scores) are host ``perf_counter`` stamps on the CPU. On CUDA
 the host only enqueues kernels, so host stamps would time launches; there they are CUDA events on
@@ -16,6 +19,7 @@ The loss share is accumulated on the compute device: the last stage's loss is a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,13 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshmodels.gpt_model import lm_loss_sum
 from meshspeak.messages import ActionTiming
 from meshspeak.p2p_rounds import Batch
-from meshspeak.schedule import Action, Op
+from meshspeak.schedule import COMPUTE_OPS, Action, Op, stage_to_rank
 from workers.p2p import StepPosting, Transport
 from workers.parallelize import loss_context, uses_fsdp
+from workers.split_backward import WeightPass, backward_input, hold_gradients, reduce_gradients
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Stage:
     is_first: bool
     is_last: bool
     last_backward_mb: int = -1
+    last_weight_mb: int = -1  # zero-bubble: the microbatch whose W ends the stage's step
     # ZeRO-0 under torch DDP (workers.compression.wrap_ddp): the wrapper that forwards run through;
     # ``module`` stays the bare stage (names, checkpoints, eval and the optimizer use it).
     ddp: nn.Module | None = None
@@ -49,12 +56,14 @@ class Stage:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     grad_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     grad_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    weight_passes: dict[int, WeightPass] = field(default_factory=dict)  # I done, W pending
 
     def clear(self) -> None:
         self.inputs.clear()
         self.outputs.clear()
         self.grad_outputs.clear()
         self.grad_inputs.clear()
+        self.weight_passes.clear()
 
 
 @dataclass
@@ -109,6 +118,7 @@ class Executor:
         loss_fn=None,
         nccl_plan: Callable[[list[Action]], list[Batch]] | None = None,
         transport: Transport | None = None,
+        placement: str = "loop",
     ) -> None:
         self.stages = stages
         self.num_stages = num_stages
@@ -124,11 +134,12 @@ class Executor:
         # NCCL: this rank's lockstep batches for an action list (workers.p2p); None on gloo.
         self.nccl_plan = nccl_plan
         self.transport = transport if transport is not None else Transport(pp_group)
+        self.placement = placement  # how stages sit on pp ranks (meshspeak.schedule.placement_of)
         # What the last stage multiplies its loss by before backward (dynamic loss scaling, fp16).
         self.loss_scale = 1.0
 
     def _peer(self, stage: int) -> int:
-        return self.peer_of_pp_index(stage % self.pp)
+        return self.peer_of_pp_index(stage_to_rank(stage, self.pp, self.placement))
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.empty(self.boundary_shape, dtype=self.boundary_dtype, device=self.device)
@@ -145,9 +156,12 @@ class Executor:
             stage.clear()
             backwards = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD]
             stage.last_backward_mb = backwards[-1] if backwards else -1
+            weights = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD_WEIGHT]
+            stage.last_weight_mb = weights[-1] if weights else -1
         plan = self.nccl_plan(actions) if self.nccl_plan is not None else None
         posting = StepPosting(actions, self.transport, peer=self._peer, new_buffer=self._new_buffer,
-                              outgoing=self._outgoing, plan=plan, lookahead=self.recv_lookahead)
+                              outgoing=self._outgoing, plan=plan, lookahead=self.recv_lookahead,
+                              num_stages=self.num_stages)
         loss_share = torch.zeros((), dtype=torch.float64, device=self.device)
         clock = StepClock(self.device)
         clock.mark()
@@ -161,7 +175,13 @@ class Executor:
             if op == Op.RECV_F:
                 stage.inputs[mb] = posting.recv(index).requires_grad_()
             elif op == Op.FORWARD:
-                x = data.inputs[mb] if stage.is_first else stage.inputs[mb]
+                if stage.is_first:
+                    x = data.inputs[mb]
+                elif mb in stage.inputs:
+                    x = stage.inputs[mb]
+                else:  # the previous stage is on this rank: hand over in memory
+                    prev = self.stages[action.stage - 1].outputs[mb]
+                    x = stage.inputs[mb] = prev.detach().to(self.boundary_dtype).requires_grad_()
                 if stage.ddp is not None:
                     # All-reduce on the step's last backward only (DDP's no_sync, as FSDP's
                     # set_requires_gradient_sync in _backward); DDP reads the flag in forward.
@@ -182,6 +202,12 @@ class Executor:
                 stage.grad_outputs[mb] = posting.recv(index)
             elif op == Op.BACKWARD:
                 self._backward(stage, mb)
+            elif op == Op.BACKWARD_INPUT:
+                self._backward_input(stage, mb)
+            elif op == Op.BACKWARD_WEIGHT:
+                stage.weight_passes.pop(mb).run()
+                if mb == stage.last_weight_mb and uses_fsdp(stage.module):
+                    reduce_gradients(stage.module)
             elif op in (Op.SEND_F, Op.SEND_B):
                 posting.send(index)
             else:  # pragma: no cover - the schedule only makes the ops above
@@ -192,8 +218,7 @@ class Executor:
             stage.clear()
         at = clock.seconds()
         timings = [ActionTiming(str(a), at[t0], at[t1]) for a, (t0, t1) in zip(actions, spans)]
-        compute = sum(at[t1] - at[t0] for a, (t0, t1) in zip(actions, spans)
-                      if a.op in (Op.FORWARD, Op.BACKWARD))
+        compute = sum(at[t1] - at[t0] for a, (t0, t1) in zip(actions, spans) if a.op in COMPUTE_OPS)
         return float(loss_share), timings, compute
 
     def _backward(self, stage: Stage, mb: int) -> None:
@@ -210,8 +235,28 @@ class Executor:
             with loss_context(out):
                 out.backward()
         else:
-            torch.autograd.backward(out, stage.grad_outputs.pop(mb))
+            torch.autograd.backward(out, self._grad_output(stage, mb))
         if not stage.is_first:
             stage.grad_inputs[mb] = stage.inputs.pop(mb).grad
         else:
             stage.inputs.pop(mb, None)
+
+    def _grad_output(self, stage: Stage, mb: int) -> torch.Tensor:
+        """The gradient of the stage's output: received, or the next stage's on this rank."""
+        if mb in stage.grad_outputs:
+            return stage.grad_outputs.pop(mb)
+        return self.stages[stage.index + 1].grad_inputs.pop(mb)
+
+    def _backward_input(self, stage: Stage, mb: int) -> None:
+        """Zero-bubble I: the input gradient now, the weights' gradient kept for the W."""
+        if uses_fsdp(stage.module):
+            hold_gradients(stage.module)
+        out = stage.outputs.pop(mb)
+        grad = None if stage.is_last else self._grad_output(stage, mb)
+        # TP's vocab-sharded loss runs its backward under loss_parallel, as _backward does; the
+        # context is chosen here so that the pending W does not keep `out` (and its graph) alive.
+        context = loss_parallel if isinstance(out, DTensor) else contextlib.nullcontext
+        grad_input, stage.weight_passes[mb] = backward_input(
+            out, grad, None if stage.is_first else stage.inputs.pop(mb), context=context)
+        if grad_input is not None:
+            stage.grad_inputs[mb] = grad_input

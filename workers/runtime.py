@@ -25,7 +25,7 @@ from meshmodels.family import runtime_family
 from meshmodels.hf_io import load_hf
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
-from meshspeak.schedule import Action, stages_of_rank
+from meshspeak.schedule import Action, placement_of, stages_of_rank
 from workers import compile_stats
 from workers.batching import eval_forward, step_data
 from workers.compression import setup_dp_reduction, wrap_ddp
@@ -57,7 +57,8 @@ class RankRuntime:
         # The data-parallel strategy comes decided in the spec (meshspeak/dp_plan.py): DDP, FSDP2 or none.
         dp_plan = spec.dp
         use_ddp = dp_plan.wrapper == "ddp"
-        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages):
+        placement = placement_of(spec.schedule)  # zbv: the V (meshspeak/actions.py)
+        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages, placement):
             first, end = ranges[index]
             # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
             module = build_local_stage(
@@ -77,9 +78,11 @@ class RankRuntime:
                 index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1,
                 ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
             )
-            self.optimizers.append(build_optimizer(module, train))
-        # ZeRO-0: the dp bytes of each step, and PowerSGD when asked (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups)
+            self.optimizers.append(build_optimizer(module, train, dp_group=groups.dp_group))
+        # The dp bytes of each step, and the reduction the plan chose (workers/compression.py).
+        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups,
+                                           [st.ddp for st in self.stages.values() if st.ddp is not None],
+                                           self.optimizers)
         # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
         self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
                                           device=groups.device)
@@ -108,9 +111,11 @@ class RankRuntime:
             recv_lookahead=4 if groups.backend == "gloo" else 0,
             nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
             loss_fn=self.family.loss_sum,
+            placement=placement,
         )
         # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
-        self.loss_scale = DynamicLossScale() if train.dtype == "float16" else None
+        self.loss_scale = DynamicLossScale(scale=train.loss_scale_initial, growth_interval=train.loss_scale_window) \
+            if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save

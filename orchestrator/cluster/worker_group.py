@@ -1,10 +1,10 @@
 """WorkerGroup: the RankActors, their placement groups, and fan-out calls that always have a deadline.
 
 Actors are numbered by ``actor_id`` for their whole life; their *world rank* changes per generation.
-The first start makes one placement group with one bundle per rank (PACK, filled in rank order so a
-TP group shares a node); every later grow first refills bundles whose actor is gone, then adds a
-placement group for the rest. A group may instead be handed a placement group reserved for it (a Tune
-trial's: `orchestrator/sweep/trial.py`): its bundles are filled first and it is never removed here.
+Each actor holds a placement group of its own, removed with it, so a lost node never leaves the job a
+bundle Ray would re-place forever (``orchestrator/cluster/bundles.py``: why, and how new groups are packed
+onto nodes). A group may instead be handed a placement group reserved for it (a Tune trial's:
+`orchestrator/sweep/trial.py`): its bundles are filled first and it is never removed here.
 A dead actor's call raises ``RayActorError``; that is caught only here and turned into a ``CallOutcome``.
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
@@ -19,31 +19,21 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
-from orchestrator.cluster.bundles import BundleLedger
+from orchestrator.cluster.bundles import Placements, Slot
 from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
 
-LOG_WAIT_EVERY_S = 30.0  # progress line while waiting for placement (an autoscaler may be adding nodes)
-
-
-WORKER_DIED = "its worker process has died"  # Ray's cause when the node's raylet saw the worker die
-
-
-def worker_process_died(exc: BaseException) -> bool:
-    """Whether Ray reported an actor's death as its worker process dying (the raylet on its node
-    reported it, so that node was up then), not its node dying, a preemption, or an unknown cause."""
-    return (isinstance(exc, ActorDiedError) and not exc.preempted and WORKER_DIED in str(exc)
-            and "node has died" not in str(exc))
+START_GRACE_S = 120.0  # a background start may take this long beyond placement (torch import under load)
 
 
 def error_line(exc: BaseException) -> str:
@@ -61,23 +51,18 @@ class ActorResources:
 
 class WorkerGroup:
     def __init__(self, resources: ActorResources, placement_timeout_s: float, *, reserved: Any = None,
-                 actor_kwargs: dict[str, Any] | None = None) -> None:
+                 actor_kwargs: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.resources = resources
         self.actor_kwargs = dict(actor_kwargs or {})  # passed to every RankActor (e.g. the profile spec)
-        # Bundles of a placement group its owner reserved for us, not used yet (its owner removes it).
-        self._reserved = [(reserved, i) for i in range(reserved.bundle_count)] if reserved is not None else []
         self.placement_timeout_s = placement_timeout_s
+        self.clock = clock
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.pids: dict[int, int] = {}
         self.node_ips: dict[int, str] = {}
         self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (drain notices name nodes by id)
-        self._pgs: list[Any] = []
+        self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
-        # Bundles outlive their actors, so add() refills vacant ones first (see orchestrator/cluster/bundles.py).
-        self._bundles = BundleLedger()
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
-        # Actors Ray reported dead of their worker process: their bundle may be refilled at once.
-        self._worker_died: set[int] = set()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bundle(self) -> dict[str, float]:
@@ -87,15 +72,14 @@ class WorkerGroup:
         return b
 
     def add(self, count: int, *, wait_s: float | None = None, strategy: str = "PACK") -> list[int]:
-        """Start ``count`` new actors and wait for them, in vacated bundles that are placed and then in
-        a new placement group (``strategy``: "PACK" keeps a mesh's ranks together; hot spares ask for
-        "SPREAD", so that as far as Ray can they land on other nodes than the ranks they back);
-        returns their actor ids.
+        """Start ``count`` new actors and wait for them (``strategy``: "PACK" keeps a mesh's ranks on
+        as few nodes as possible; hot spares ask for "SPREAD", so that as far as the cluster allows
+        they land on other nodes than the ranks they back); returns their actor ids.
 
         Raises WorkerGroupStartupError if the bundles cannot be placed within ``wait_s``.
         """
         wait_s = self.placement_timeout_s if wait_s is None else wait_s
-        handles = self._create(self._slots(count, strategy, wait_s))
+        handles = self._create(self.placements.slots(count, strategy, self.draining_nodes(), wait_s))
         self.actors.update(handles)
         ids = list(handles)
         outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
@@ -112,10 +96,12 @@ class WorkerGroup:
     def start_background(self, count: int, *, strategy: str = "PACK") -> None:
         """Begin starting ``count`` actors and return at once; ``adopt_started`` hands each over once it
         answers. Spares and grows start this way so that the step loop never waits for a node to boot
-        or an actor to import torch (a pending placement group is also what an autoscaler acts on).
-        One that has not answered within resources.placement_timeout_s + 120 s is given up."""
-        deadline = time.monotonic() + self.placement_timeout_s + 120.0
-        for actor_id, handle in self._create(self._slots(count, strategy, None)).items():
+        or an actor to import torch. Callers ask only for what ``free_slots`` offers. One that has not
+        answered within resources.placement_timeout_s + ``START_GRACE_S`` is given up: its placement
+        group is withdrawn and new capacity is offered again only after a backoff."""
+        deadline = self.clock() + self.placement_timeout_s + START_GRACE_S
+        slots = self.placements.slots(count, strategy, self.draining_nodes(), None)
+        for actor_id, handle in self._create(slots).items():
             self._starting[actor_id] = (handle, handle.ping.remote(), deadline)
 
     @property
@@ -125,10 +111,11 @@ class WorkerGroup:
 
     def adopt_started(self) -> list[int]:
         """The background-started actors that answered since the last call, now live (never blocks)."""
+        self.placements.watch()
         ready = []
         for actor_id, (handle, ref, deadline) in list(self._starting.items()):
             done, _ = ray.wait([ref], timeout=0)
-            if not done and time.monotonic() < deadline:
+            if not done and self.clock() < deadline:
                 continue
             try:
                 answer = ray.get(ref, timeout=0) if done else None
@@ -136,31 +123,24 @@ class WorkerGroup:
                 logger.info("actor %d failed to start: %s", actor_id, error_line(exc))
                 answer = None
             if answer is None:
-                self.kill([actor_id])  # given up: its bundle is vacant again
+                self.kill([actor_id])  # given up: its placement group goes with it
+                if not done:
+                    self.placements.gave_up()
                 continue
             del self._starting[actor_id]
             self.actors[actor_id] = handle
             self._started(actor_id, answer)
+            self.placements.answered()
             ready.append(actor_id)
         return ready
 
-    def _slots(self, count: int, strategy: str, wait_s: float | None) -> list[tuple[Any, int]]:
-        """Bundles for ``count`` actors: vacated placed ones, reserved ones, then a new placement group
-        (waited for up to ``wait_s``; None: not waited for, the actors queue until it is placed)."""
-        slots = self.placed_vacancies()[:count]  # never a bundle on a draining node: nothing starts there
-        while self._reserved and len(slots) < count:
-            slots.append(self._reserved.pop(0))
-        fresh = count - len(slots)
-        if fresh:
-            pg = placement_group([self.bundle()] * fresh, strategy=strategy)
-            if wait_s is not None and not self._wait_placed(pg, fresh, wait_s):
-                remove_placement_group(pg)
-                raise WorkerGroupStartupError(self._unplaceable(fresh, wait_s))
-            self._pgs.append(pg)
-            slots += [(pg, index) for index in range(fresh)]
-        return slots
+    @property
+    def lost_ids(self) -> list[int]:
+        """Live actors found on a node the GCS declared dead (their placement groups are removed;
+        a call to them fails)."""
+        return sorted(a for a in self.actors if a in self.placements.lost)
 
-    def _create(self, slots: list[tuple[Any, int]]) -> dict[int, Any]:
+    def _create(self, slots: list[Slot]) -> dict[int, Any]:
         """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
         from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
 
@@ -174,7 +154,7 @@ class WorkerGroup:
         for pg, index in slots:
             actor_id = self._next_id
             self._next_id += 1
-            self._bundles.assign(actor_id, pg, index)
+            self.placements.assign(actor_id, (pg, index))
             handles[actor_id] = remote_cls.options(
                 num_cpus=self.resources.cpus,
                 num_gpus=self.resources.gpus,
@@ -187,38 +167,7 @@ class WorkerGroup:
 
     def _started(self, actor_id: int, answer: tuple[int, str, str]) -> None:
         self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = answer
-
-    def _wait_placed(self, pg, count: int, wait_s: float) -> bool:
-        """Wait up to ``wait_s`` for the bundles. A pending placement group is also what an autoscaler
-        reacts to, so a long wait (minutes for a cold GPU node) is normal there: say so now and then."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                ray.get(pg.ready(), timeout=max(0.0, min(left, LOG_WAIT_EVERY_S)))
-                return True
-            except GetTimeoutError:
-                if time.monotonic() >= deadline:
-                    return False
-                logger.info("waiting for %d workers of %s to be placed (cluster has %s; %.0fs left of "
-                            "resources.placement_timeout_s)", count, self.bundle(),
-                            self._cluster_summary(), deadline - time.monotonic())
-
-    def _cluster_summary(self) -> str:
-        total = ray.cluster_resources()
-        return ", ".join(f"{key} {total.get(key, 0):g}" for key in self.bundle())
-
-    def _unplaceable(self, count: int, wait_s: float) -> str:
-        """One line: what could not be placed, what the cluster has, and the fix that fits."""
-        if self.resources.gpus and ray.cluster_resources().get("GPU", 0) == 0:
-            fix = ("no node has a GPU: set resources.use_gpu=false (or \"auto\") for a CPU-only cluster, "
-                   "or add GPU nodes (an autoscaler needs a GPU node type and a larger "
-                   "resources.placement_timeout_s to boot one)")
-        else:
-            fix = ("lower mesh.dp/pp/tp or resources.cpus_per_worker, add nodes, or raise "
-                   "resources.placement_timeout_s while an autoscaler adds them")
-        return (f"could not place {count} workers of {self.bundle()} within "
-                f"resources.placement_timeout_s={wait_s:g}s (cluster has {self._cluster_summary()}): {fix}")
+        self.placements.placed(actor_id, self.node_ids[actor_id])
 
     def kill(self, actor_ids: list[int]) -> None:
         for actor_id in actor_ids:
@@ -227,8 +176,7 @@ class WorkerGroup:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
             self.node_ids.pop(actor_id, None)
-            self._bundles.release(actor_id, node_was_up=actor_id in self._worker_died)
-            self._worker_died.discard(actor_id)
+            self.placements.release(actor_id)
 
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``
@@ -242,11 +190,6 @@ class WorkerGroup:
                 except ProcessLookupError:
                     pass
         self.kill(sorted(actor_ids))
-
-    def placed_vacancies(self) -> list[tuple[Any, int]]:
-        """Vacant bundles that ``add`` would refill right now (their node is known to be up and is
-        not draining: Ray places no new actor on a draining node, so one sent there never starts)."""
-        return self._bundles.usable(draining=set(self.draining_nodes()))
 
     def draining_nodes(self) -> dict[str, float | None]:
         """Nodes Ray is draining now (a preemption notice, the autoscaler, ``ray drain-node``): node id
@@ -263,22 +206,14 @@ class WorkerGroup:
         return {node: (deadline - now_ms) / 1000.0 if deadline else None for node, deadline in raw.items()}
 
     def free_slots(self) -> int:
-        """How many more actors ``add`` could start right now without waiting for placement: bundles
-        that fit in the cluster's free resources, plus placed bundles whose actor is gone (a lost
-        node's bundles are re-placed by Ray on the node that replaces it: those resources are not
-        "available", yet they are ours to start actors in), plus reserved bundles not used yet."""
-        free = ray.available_resources()
-        fits = min(int(free.get(k, 0.0) // v) for k, v in self.bundle().items() if v > 0)
-        return fits + len(self.placed_vacancies()) + len(self._reserved)
+        """How many more actors could start right now without waiting for placement: bundles that fit
+        the free resources of live, non-draining nodes (none during the backoff after a withdrawn
+        request), plus reserved bundles not used yet."""
+        return self.placements.free_slots(set(self.draining_nodes()))
 
     def shutdown(self) -> None:
         self.kill(list(self.actors) + list(self._starting))
-        for pg in self._pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception as exc:  # the cluster may already be gone
-                logger.debug("remove_placement_group: %s", exc)
-        self._pgs.clear()
+        self.placements.shutdown()
 
     @property
     def live_ids(self) -> list[int]:
@@ -315,14 +250,13 @@ class WorkerGroup:
             if left <= 0:
                 break
             done, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
+            self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
             for ref in done:
                 actor_id = refs[ref]
                 try:
                     outcome.results[actor_id] = ray.get(ref, timeout=10)
                 except RayActorError as exc:
                     outcome.dead[actor_id] = type(exc).__name__
-                    if worker_process_died(exc):
-                        self._worker_died.add(actor_id)
                 except Exception as exc:  # the method raised: latched for the controller
                     outcome.failed[actor_id] = error_line(exc)
             if stop_early is not None and stop_early(outcome):

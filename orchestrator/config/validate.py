@@ -22,6 +22,7 @@ import dataclasses
 
 from meshmodels.family import resolve_model
 from meshspeak.profile import profile_range
+from meshspeak.schedule import ZERO_BUBBLE
 from meshspeak.schema import ConfigError, check_values
 from meshspeak.sections import BUILTIN_DATA, BUILTIN_VOCAB, JobConfig, microbatches_per_replica
 
@@ -89,15 +90,15 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
             f"multiple of {per_step} (e.g. {_next_multiple(train.global_batch_size, per_step)})",
         )
     n_micro = microbatches_per_replica(train, dp)
-    if pipe.schedule == "interleaved_1f1b" and pp < 2:
+    if pipe.schedule in ("interleaved_1f1b", *ZERO_BUBBLE) and pp < 2:
         # The executor sends stage outputs to the neighbouring pp rank; with one pp rank every
         # virtual stage would send to itself, and there is no bubble to shrink anyway.
         raise ConfigError(
             "pipeline.schedule",
-            f"pipeline.schedule='interleaved_1f1b' needs mesh.pp >= 2, got mesh.pp={pp}: use "
+            f"pipeline.schedule={pipe.schedule!r} needs mesh.pp >= 2, got mesh.pp={pp}: use "
             "pipeline.schedule='1f1b' with virtual_stages=1, or raise mesh.pp",
         )
-    if pipe.schedule in ("1f1b", "interleaved_1f1b") and n_micro < pp:
+    if pipe.schedule in ("1f1b", "interleaved_1f1b", *ZERO_BUBBLE) and n_micro < pp:
         raise ConfigError(
             "train.global_batch_size",
             f"pipeline.schedule={pipe.schedule!r} needs at least mesh.pp={pp} microbatches per "
@@ -161,6 +162,14 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.schedule='interleaved_1f1b' needs pipeline.virtual_stages >= 2, got "
             f"{pipe.virtual_stages}: set virtual_stages=2 or use schedule='1f1b'",
         )
+    elif pipe.schedule == "zbv":
+        # Not set for the user: virtual_stages also decides how many entries pipeline.layers needs.
+        _require(
+            pipe.virtual_stages == 2,
+            "pipeline.virtual_stages",
+            f"pipeline.schedule='zbv' needs pipeline.virtual_stages=2 (its V holds two model chunks "
+            f"on every pp rank), got {pipe.virtual_stages}: set pipeline.virtual_stages=2",
+        )
     else:
         _require(
             pipe.virtual_stages == 1,
@@ -169,6 +178,8 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.schedule='interleaved_1f1b' (got {pipe.schedule!r}): set virtual_stages=1 "
             f"or switch the schedule",
         )
+    if pipe.schedule in ZERO_BUBBLE:
+        _check_zero_bubble(cfg)
     _require(
         not cfg.mesh.cpu_offload or cfg.mesh.zero == 3,
         "mesh.cpu_offload",
@@ -187,13 +198,7 @@ def _check_relations(cfg: JobConfig) -> None:
         f"mesh.dp_replicate={cfg.mesh.dp_replicate} needs mesh.zero >= 1: ZeRO-0 already replicates "
         f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
     )
-    _require(
-        cfg.train.grad_compression == "none" or cfg.mesh.zero == 0,
-        "train.grad_compression",
-        f"train.grad_compression={cfg.train.grad_compression!r} needs mesh.zero=0 (it compresses the "
-        f"all-reduce of replicated gradients; got mesh.zero={cfg.mesh.zero}): set mesh.zero=0 or "
-        f"train.grad_compression=\"none\"",
-    )
+    _check_compression(cfg)
     _require(
         not cfg.elastic.rebalance or cfg.mesh.dp >= 2,
         "elastic.rebalance",
@@ -213,6 +218,52 @@ def _check_relations(cfg: JobConfig) -> None:
         )
 
 
+def _check_compression(cfg: JobConfig) -> None:
+    """Gradient compression and 1-bit Adam: what each works with (workers/compression.py)."""
+    train, mesh = cfg.train, cfg.mesh
+    _require(
+        train.grad_compression != "powersgd" or mesh.zero == 0,
+        "train.grad_compression",
+        f"train.grad_compression=\"powersgd\" needs mesh.zero=0 (it compresses the all-reduce of "
+        f"replicated gradients; got mesh.zero={mesh.zero}): set mesh.zero=0, or use \"int8\"/\"int4\", "
+        f"which also quantize ZeRO-1..3's reduce-scatter",
+    )
+    if train.grad_compression in ("int8", "int4"):
+        _require(
+            mesh.dp_replicate == 1,
+            "train.grad_compression",
+            f"train.grad_compression={train.grad_compression!r} with mesh.dp_replicate={mesh.dp_replicate}: "
+            f"HSDP's all-reduce across replica groups is FSDP2's own and cannot be quantized; set "
+            f"mesh.dp_replicate=1 or train.grad_compression=\"none\"",
+        )
+        _require(
+            train.grad_compression != "int4" or train.quant_block % 2 == 0,
+            "train.quant_block",
+            f"train.quant_block={train.quant_block} is odd: int4 packs two values per byte, so a block "
+            f"must hold an even number of values (e.g. {train.quant_block + 1})",
+        )
+    if train.optimizer == "onebit_adam":
+        _require(
+            mesh.zero == 0,
+            "train.optimizer",
+            f"train.optimizer=\"onebit_adam\" needs mesh.zero=0 (1-bit Adam all-reduces the replicated "
+            f"momentum; got mesh.zero={mesh.zero}): set mesh.zero=0 or train.optimizer=\"adamw\"",
+        )
+        _require(
+            train.grad_compression == "none",
+            "train.grad_compression",
+            f"train.optimizer=\"onebit_adam\" compresses the momentum itself and reduces no gradients "
+            f"after its warm-up: set train.grad_compression=\"none\" (got {train.grad_compression!r})",
+        )
+        _require(
+            train.onebit_warmup_steps < train.steps,
+            "train.onebit_warmup_steps",
+            f"train.onebit_warmup_steps={train.onebit_warmup_steps} >= train.steps={train.steps}: 1-bit "
+            f"Adam would never compress; lower it (DeepSpeed suggests 15-25% of the run, e.g. "
+            f"{max(1, train.steps // 5)})",
+        )
+
+
 def _check_elastic_bounds(cfg: JobConfig) -> None:
     dp, el = cfg.mesh.dp, cfg.elastic
     _require(
@@ -227,3 +278,38 @@ def _check_elastic_bounds(cfg: JobConfig) -> None:
         f"elastic.max_dp={el.max_dp} < mesh.dp={dp}: raise elastic.max_dp to at least {dp}, "
         f"or set 0 to mean mesh.dp",
     )
+
+
+def _check_zero_bubble(cfg: JobConfig) -> None:
+    """What the split backward of zb-h1/zbv cannot do (workers/split_backward.py)."""
+    name = cfg.pipeline.schedule
+    # Its W pass is a second backward over the graph: torch.utils.checkpoint recomputes a block's
+    # forward for each backward pass that unpacks its activations, so every checkpointed block
+    # would run its forward three times per microbatch instead of two (tests/unit/test_split_backward.py).
+    _require(
+        not cfg.train.activation_checkpointing,
+        "train.activation_checkpointing",
+        f"pipeline.schedule={name!r} does not support train.activation_checkpointing=true: its "
+        f"weight-gradient pass would recompute every checkpointed block's forward once more; set "
+        f"train.activation_checkpointing=false or pipeline.schedule='1f1b'",
+    )
+    # A compiled block is one autograd node: its input and weight gradients cannot be taken apart
+    # (torch's own zero-bubble schedules refuse torch.compile for the same reason).
+    _require(
+        not cfg.train.compile,
+        "train.compile",
+        f"pipeline.schedule={name!r} does not support train.compile=true: a compiled block's "
+        f"backward cannot be split into input and weight gradients; set train.compile=false or "
+        f"pipeline.schedule='1f1b'",
+    )
+    if name == "zbv":
+        resolved = resolve_model(cfg.model)
+        tied = resolved.family.tied_parameters(resolved.shape)
+        # The V puts the first and the last stage on pp rank 0; tied copies are kept equal between
+        # two ranks (workers/tied.py) and a checkpoint holds one tensor per name per rank.
+        _require(
+            not tied,
+            "pipeline.schedule",
+            f"pipeline.schedule='zbv' places the first and last stage on one pp rank, which the tied "
+            f"parameters {', '.join(tied)} of this model cannot share; use pipeline.schedule='zb-h1'",
+        )

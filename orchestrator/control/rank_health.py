@@ -15,8 +15,8 @@ spares).
   place, else dp shrinks); no step is re-run and no restart counted.
 * Hot spares: ``elastic.spares`` actors beyond the mesh, started with it (``launch.py``) and kept;
   a re-formed mesh that takes one in reports ``spare_promoted``, and missing spares are requested
-  (``spare_requested``) right after each formation and at every grow check, waiting only briefly
-  for placement so training never stalls on them.
+  (``spare_requested``) right after each formation and at every grow check, as far as the cluster has
+  room for them now (``free_slots``), started in the background so training never stalls on them.
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ class RankHealth:
         missing = wanted - (len(self.group.live_ids) - self.generation.shape.world) - self.group.starting
         if missing <= 0:
             return
+        # Only what the cluster holds now: the rest is the autoscaler's to provide (launch.py asked for
+        # it), never a placement group left pending (orchestrator/cluster/bundles.py).
+        missing = min(missing, self.group.free_slots())
+        if missing <= 0:
+            return
         try:
             self.group.start_background(missing, strategy="SPREAD")
         except WorkerGroupStartupError as exc:  # e.g. a placement group could not even be created
@@ -124,8 +129,14 @@ class RankHealth:
 
     def _adopt_started(self) -> bool:
         """At each step boundary: actors started in the background that answered become live, outside
-        the mesh (spares, or capacity for a grow: True, so the grow check runs now)."""
+        the mesh (spares, or capacity for a grow: True, so the grow check runs now). Spares found on a
+        node that died are dropped now (members are found by the next step's call)."""
         ready = self.group.adopt_started()
+        lost = [a for a in self.group.lost_ids if a in self.spare_ids]
+        if lost:
+            logger.info("spares %s were lost with their node", lost)
+            self.group.kill(lost)
+            self.spare_ids = [a for a in self.spare_ids if a not in lost]
         if ready:
             self.spare_ids += ready
             self._warm(ready)

@@ -13,7 +13,17 @@ from dataclasses import dataclass
 from meshmodels.family import resolve_model
 from meshspeak.dp_plan import DataParallelPlan, plan_data_parallel
 from meshspeak.mesh import MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
-from meshspeak.schedule import Action, make_schedule, peak_in_flight, stages_of_rank, theoretical_bubble
+from meshspeak.schedule import (
+    ZERO_BUBBLE,
+    Action,
+    make_schedule,
+    peak_in_flight,
+    placement_of,
+    stage_to_rank,
+    stages_of_rank,
+    theoretical_bubble,
+)
+from meshspeak.schedule_sim import simulate
 from meshspeak.sections import JobConfig, microbatches_per_replica
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -68,7 +78,8 @@ def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
         dp=plan_data_parallel(zero=cfg.mesh.zero, dp=dp, pp=cfg.mesh.pp, tp=cfg.mesh.tp, dtype=cfg.train.dtype,
                               grad_reduce=cfg.train.grad_reduce, cpu_offload=cfg.mesh.cpu_offload,
                               compression=cfg.train.grad_compression, cfg_dp=cfg.mesh.dp,
-                              cfg_replicate=cfg.mesh.dp_replicate, rebalance=cfg.elastic.rebalance),
+                              cfg_replicate=cfg.mesh.dp_replicate, optimizer=cfg.train.optimizer,
+                              rebalance=cfg.elastic.rebalance),
     )
 
 
@@ -110,7 +121,7 @@ def rank_memory(cfg: JobConfig, plan: MeshPlan, pp_rank: int) -> dict[str, int]:
     """
     m, t, train = resolve_model(cfg.model).shape, plan.shape.tp, cfg.train
     dp = plan.shape.dp
-    stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages)
+    stages = stages_of_rank(pp_rank, plan.shape.pp, plan.virtual_stages, placement_of(plan.schedule_name))
     params = sum(stage_params(cfg, plan, s) for s in stages) // t
     shard = dp // plan.dp.replicate
     sharded = params // shard if shard > 1 else params
@@ -161,6 +172,16 @@ def _zero3_gathered_params(cfg: JobConfig, plan: MeshPlan, stages: list[int]) ->
     return peak
 
 
+def bubble_estimate(plan: MeshPlan) -> float:
+    """The schedule's idle share of a step with uniform stage costs and free communication: the
+    paper formula for the classic schedules; the zero-bubble ones simulated with F = I = W (their
+    bubble depends on the list: meshspeak/zero_bubble.py)."""
+    pp, m, v = plan.shape.pp, plan.microbatches, plan.virtual_stages
+    if plan.schedule_name in ZERO_BUBBLE:
+        return simulate(plan.actions(), pp, v, placement=placement_of(plan.schedule_name)).bubble_fraction
+    return theoretical_bubble(pp, m, v)
+
+
 def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
     """Everything `elastimesh plan` prints, as data (the CLI renders it; tests read it)."""
     shape = plan.shape
@@ -172,10 +193,11 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
         "schedule": plan.schedule_name,
         "virtual_stages": plan.virtual_stages,
         "microbatches_per_replica": plan.microbatches,
-        "bubble_estimate": theoretical_bubble(shape.pp, plan.microbatches, plan.virtual_stages),
+        "bubble_estimate": bubble_estimate(plan),
         "data_parallel": dataclasses.asdict(plan.dp),
         "stages": [
-            {"stage": s, "pp_rank": s % shape.pp, "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
+            {"stage": s, "pp_rank": stage_to_rank(s, shape.pp, placement_of(plan.schedule_name)),
+             "layers": [a, b - 1], "params": stage_params(cfg, plan, s),
              "fsdp_units": stage_fsdp_units(cfg, plan, s) if uses_fsdp else None}
             for s, (a, b) in enumerate(ranges)
         ],

@@ -1,7 +1,8 @@
 """`elastimesh tune --search KEY=SPACE`: parsing a search space, and the configs a sweep writes.
 
-SPACE is one of `choice(a,b,...)`, `uniform(a,b)`, `loguniform(a,b)`, `randint(a,b)` -- Ray Tune's
-samplers of the same names (so `randint`'s upper bound is exclusive, as in Ray Tune). Choice values
+SPACE is one of `grid(a,b,...)`, `choice(a,b,...)`, `uniform(a,b)`, `loguniform(a,b)`, `randint(a,b)`
+-- Ray Tune's `grid_search` and samplers of the same names (so `randint`'s upper bound is exclusive,
+and `choice` draws at random, as in Ray Tune; `grid` runs every value, `--samples` times over). Values
 are TOML literals (`1e-3`, `true`, `[1, 3]`, `"x"`) or bare words (`gpipe`), as `--set` reads them.
 A malformed SPACE, a key that does not exist, or a bound the key cannot take is a `ConfigError`
 naming the `--search` argument (the CLI exits 2 with that one line).
@@ -26,8 +27,9 @@ from typing import Any
 from meshspeak.schema import ConfigError, iter_keys
 from meshspeak.sections import ALL_KEYS, SECTIONS
 
-KINDS = ("choice", "uniform", "loguniform", "randint")
-FORMS = "choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b)"
+KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
+LISTS = ("grid", "choice")  # spaces given as their values
+FORMS = "grid(a,b,...), choice(a,b,...), uniform(a,b), loguniform(a,b) or randint(a,b)"
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*\((.*)\)\s*$", re.DOTALL)
 # key -> the annotation spelling of its type ("int", "float", "str", ...)
 _TYPES = {f"{section}.{name}": str(f.type) for section, name, f in iter_keys(SECTIONS)}
@@ -37,21 +39,23 @@ _TYPES = {f"{section}.{name}": str(f.type) for section, name, f in iter_keys(SEC
 class Space:
     key: str  # "section.key"
     kind: str  # one of KINDS
-    values: tuple[Any, ...]  # the options of a choice; (low, high) otherwise
+    values: tuple[Any, ...]  # the options of a grid or a choice; (low, high) otherwise
     text: str  # the --search argument, for messages
 
     def to_tune(self) -> Any:
         """The Ray Tune sampler for this space."""
         from ray import tune
 
+        if self.kind == "grid":  # every value, in every one of the --samples repeats
+            return tune.grid_search(list(self.values))
         if self.kind == "choice":
             return tune.choice(list(self.values))
         return getattr(tune, self.kind)(*self.values)
 
     def probes(self) -> list[Any]:
         """Values that stand for the whole space when checking the job accepts it: every option of
-        a choice, both ends of a range (a range's values lie between them)."""
-        if self.kind == "choice":
+        a grid or a choice, both ends of a range (a range's values lie between them)."""
+        if self.kind in LISTS:
             return list(self.values)
         low, high = self.values
         return [low, high - 1 if self.kind == "randint" else high]
@@ -85,9 +89,9 @@ def parse_one(text: str) -> Space:
         raise ConfigError(key, f"--search {text!r}: {what}: use {FORMS}")
     kind, inner = m.group(1), m.group(2)
     values = _values(inner, text, key)
-    if kind == "choice":
+    if kind in LISTS:
         if not values:
-            raise ConfigError(key, f"--search {text!r}: choice() needs at least one value")
+            raise ConfigError(key, f"--search {text!r}: {kind}() needs at least one value")
         return Space(key, kind, tuple(values), text)
     return Space(key, kind, _bounds(kind, values, text, key), text)
 

@@ -88,6 +88,11 @@ def prepare(config_path: str | None, search: list[str], *, samples: int, schedul
                                       "'train.lr=loguniform(1e-4,1e-2)'")  # fmt: skip
     spaces = parse_search(search)
     if search_alg == "optuna":
+        grids = [s.text for s in spaces.values() if s.kind == "grid"]
+        if grids:  # Tune's OptunaSearch refuses grid_search values
+            raise ConfigError("--search-alg", f"--search {grids[0]!r}: --search-alg optuna samples every key "
+                                              "itself and takes no grid(...): use choice(...) with optuna, or the "
+                                              "default random search")  # fmt: skip
         _require_optuna()
     stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "tiny"
     sweep = Sweep(cfg, spaces, samples, scheduler, search_alg, max_concurrent, seed, grace_steps,
@@ -175,9 +180,10 @@ def trial_dirname(trial) -> str:
     return f"trial_{trial.trial_id}"
 
 
-def build_tuner(sweep: Sweep, use_gpu: bool, callbacks=()):
+def build_tuner(sweep: Sweep, use_gpu: bool, callbacks=(), verbose: bool = False):
     """A new Tuner, or the interrupted one restored from ``sweep.directory`` (which keeps the
-    ``callbacks``, ray.tune.Callback objects, it was first made with)."""
+    ``callbacks``, ray.tune.Callback objects, it was first made with). ``verbose``: Tune's own
+    per-trial status tables (off: the sweep prints its result table only)."""
     from ray import tune
 
     base = apply(sweep.base, {"resources.use_gpu": use_gpu})  # trials and their reservation agree
@@ -202,12 +208,12 @@ def build_tuner(sweep: Sweep, use_gpu: bool, callbacks=()):
             max_concurrent_trials=(sweep.max_concurrent or None) if sweep.search_alg == "optuna" else None,
         ),
         # A trial's ranks recover inside the job; a trial that fails anyway failed for good.
-        run_config=tune.RunConfig(name=EXPERIMENT, storage_path=sweep.directory, verbose=1,
+        run_config=tune.RunConfig(name=EXPERIMENT, storage_path=sweep.directory, verbose=1 if verbose else 0,
                                   failure_config=tune.FailureConfig(max_failures=0), callbacks=list(callbacks)),
     )
 
 
-def run_sweep(sweep: Sweep, callbacks=()) -> list[dict]:
+def run_sweep(sweep: Sweep, callbacks=(), verbose: bool = False) -> list[dict]:
     """Run (or resume) the sweep on RAY_ADDRESS's cluster or an embedded local Ray; the trial rows."""
     import ray
 
@@ -217,7 +223,7 @@ def run_sweep(sweep: Sweep, callbacks=()) -> list[dict]:
     try:
         if started_local:  # no autoscaler will add room: a trial that cannot fit would wait forever
             _check_fits(sweep, ray.cluster_resources().get("CPU", 0.0))
-        tuner = build_tuner(sweep, resolve_gpu(sweep.cfg), callbacks)
+        tuner = build_tuner(sweep, resolve_gpu(sweep.cfg), callbacks, verbose)
         tuner.fit()
     finally:
         if started_local:
@@ -325,7 +331,7 @@ def tune_command(args, callbacks=()) -> int:
     sweep = prepare(args.config, args.search, samples=args.samples, scheduler=args.scheduler,
                     search_alg=args.search_alg, max_concurrent=args.max_concurrent, seed=args.seed,
                     grace_steps=args.grace_steps, directory=args.dir, overrides=args.overrides)
-    rows = run_sweep(sweep, callbacks)
+    rows = run_sweep(sweep, callbacks, verbose=getattr(args, "verbose", False))
     best = best_row(rows)
     Console().print(render_table(sweep, rows, best))
     if any(r["outcome"] == "not finished" for r in rows):

@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end in their --quick mode and write well-formed JSON.
 
 The step_overhead test runs by default (~10 s); the ones that spawn ranks (zero3_memory, checkpoint_stall,
-pipeline_bubble, preemption, chaos, powersgd_convergence, powersgd_ddp_oracle) are marked slow.
+pipeline_bubble, preemption, chaos, powersgd_convergence, powersgd_ddp_oracle, compression) are marked slow.
 Smoke tests only: no timing thresholds (the figures depend on the machine and its load), just that
 each script runs, writes where ``--out`` says, and reports the keys and positive numbers the README
 and the closing notes read.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.command_line import run_bench_script
+from testbed.command_line import run_bench_script, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,10 +85,10 @@ def test_checkpoint_stall_quick_writes_json(tmp_path: Path) -> None:
     assert result["loads"]["dp2"]["same_mesh_median_s"] > 0
 
 
-@pytest.mark.slow  # spawns 2-4 gloo ranks for 12 short runs: ~50 s idle, minutes on a loaded machine
-@pytest.mark.timeout(600)
+@pytest.mark.slow  # spawns 2-4 gloo ranks for 17 short runs: ~70 s idle, minutes on a loaded machine
+@pytest.mark.timeout(900)
 def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
-    result = run_bench_script("pipeline_bubble.py", tmp_path / "pipeline_bubble.json", timeout=590)
+    result = run_bench_script("pipeline_bubble.py", tmp_path / "pipeline_bubble.json", timeout=890)
     rows = result["bubble_1f1b"]
     assert [(r["pp"], r["m"]) for r in rows] == [(2, 4), (2, 8), (4, 4), (4, 8)]
     for row in rows:
@@ -99,8 +99,16 @@ def test_pipeline_bubble_quick_writes_json(tmp_path: Path) -> None:
     for iv in result["interleaved_vs_1f1b_by_m"].values():
         assert iv["speedup_step"] > 0 and iv["interleaved_1f1b"]["bubble_theory"] < iv["1f1b"]["bubble_theory"]
     assert result["activation_memory"]["goal_met"] is True  # byte counts, not timings: deterministic
+    assert result["activation_memory"]["zb_h1_goal_met"] is True  # ZB-H1 holds what 1F1B holds
+    (zb,) = result["zero_bubble"]
+    assert (zb["pp"], zb["m"]) == (2, 8) and zb["same_activation_peak"] is True
+    for name in ("1f1b", "interleaved_1f1b", "zb-h1", "zbv"):
+        assert 0 < zb[name]["measured"] < 1 and zb[name]["simulated_idle_over_busy"] > 0
+    # At equal F, I, W the simulated ZB-H1 bubble is a third of 1F1B's; at measured costs it is below 1F1B's.
+    assert zb["zb_h1_over_1f1b_idle_simulated_at_measured_costs"] < 1
     assert set(result["goals"]) == {"bubble_within_5_points_pp2", "bubble_within_5_points_pp4",
-                                    "interleaved_faster", "gpipe_holds_more_activations"}
+                                    "interleaved_faster", "gpipe_holds_more_activations",
+                                    "zb_h1_same_activation_peak", "zb_h1_bubble_third_of_1f1b"}
 
 
 @pytest.mark.slow  # two multi-node Rays, a 20 s drain deadline and Ray Train's restart: minutes
@@ -120,7 +128,8 @@ def test_preemption_quick_writes_json(tmp_path: Path) -> None:
 @pytest.mark.slow  # a multi-node Ray, 9 faults (one a 20 s drain) over 60 steps: minutes
 @pytest.mark.timeout(900)
 def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
-    result = run_bench_script("chaos.py", tmp_path / "chaos.json", timeout=890)
+    copy = tmp_path / "metrics.jsonl"
+    result = run_bench_script("chaos.py", tmp_path / "chaos.json", "--metrics-copy", str(copy), timeout=890)
     assert result["benchmark"] == "chaos" and result["quick"] is True
     # One fault of each of the 9 kinds, all survived; the damaged checkpoint was found invalid and no
     # other committed checkpoint is corrupt; the fp64 run equals the failure-free fp64 reference.
@@ -128,6 +137,16 @@ def test_chaos_quick_survives_every_kind_of_fault(tmp_path: Path) -> None:
     assert result["truncated_on_purpose"] == result["truncated_found_invalid"] and not result["corrupt_committed"]
     assert result["max_param_diff"] is not None and result["max_param_diff"] <= 1e-9
     assert 0 < result["goodput"] <= 1
+    # Its goodput is the report's accounting (issue 28): every second of the run in one bucket, and
+    # `elastimesh report` of the campaign's metrics copy says the same.
+    ledger = result["goodput_accounting"]
+    assert ledger["accounted_s"] == pytest.approx(ledger["wall_s"], rel=0.01) and ledger["finished"]
+    assert ledger["seconds"]["useful"] == pytest.approx(result["useful_step_time_s"])
+    assert ledger["recoveries"] and ledger["steps"]["rerun"] == result["steps_rerun"]
+    proc = run_cli("report", str(copy), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert doc["seconds"] == pytest.approx(ledger["seconds"]) and doc["wall_s"] == pytest.approx(ledger["wall_s"])
 
 
 @pytest.mark.timeout(180)
@@ -211,6 +230,24 @@ def test_powersgd_convergence_quick_writes_json(tmp_path: Path) -> None:
     # measured bytes: rank 2 sends far fewer on compressed steps, and the plain steps count in the mean
     assert row["bytes_ratio"] >= 4 and 1 < row["bytes_ratio_mean"] < row["bytes_ratio"]
     assert isinstance(row["met"], bool)
+
+
+@pytest.mark.slow  # four 20-step runs of spawned gloo ranks at dp=2 (~20 s idle)
+@pytest.mark.timeout(600)
+def test_compression_quick_writes_json(tmp_path: Path) -> None:
+    # No loss threshold: a 20-step gap says nothing about convergence (the 500-step figures are the
+    # bench's; tests/distributed/test_quantized_grads.py compares short runs with the plain one).
+    result = run_bench_script("compression.py", tmp_path / "compression.json", timeout=580)
+    assert result["benchmark"] == "compression" and result["quick"] is True
+    assert {(r["variant"], r["steps"]) for r in result["runs"]} == {
+        ("plain", 20), ("int8", 20), ("int4", 20), ("onebit_w5", 20)}
+    rows = {row["variant"]: row for row in result["summary"]}
+    assert set(rows) == {"int8", "int4", "onebit_w5"}
+    assert all(row["loss"] > 0 and row["plain_loss"] > 0 for row in rows.values())
+    # measured bytes per compressed step, and the goals' verdicts for the quantized codecs
+    assert rows["int8"]["bytes_ratio"] >= 3.5 and rows["int4"]["bytes_ratio"] >= 7
+    assert rows["onebit_w5"]["bytes_ratio"] >= 20 and 1 < rows["onebit_w5"]["bytes_ratio_mean"]
+    assert isinstance(rows["int8"]["met"], bool) and "met" not in rows["onebit_w5"]
 
 
 @pytest.mark.slow  # two 20-step runs of 2 spawned gloo ranks under torch's DDP (~30 s idle)

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.timeout(120)
          ["needs at least mesh.pp=2 microbatches"]),  # 1F1B with fewer microbatches than stages
         (["mesh.pp=2", "mesh.dp=1", "pipeline.layers=[1,2]"], ["pipeline.layers", "model.n_layers"]),
         (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"], ["mesh.pp >= 2"]),
+        (["mesh.pp=2", "mesh.dp=1", "pipeline.schedule=zbv"], ["pipeline.virtual_stages=2"]),
+        (["mesh.pp=2", "mesh.dp=1", "pipeline.schedule=zb-h1", "train.activation_checkpointing=true"],
+         ["train.activation_checkpointing"]),
         (["elastic.min_dp=3"], ["elastic.min_dp"]),
         (["elastic.max_dp=1"], ["elastic.max_dp"]),
         (["elastic.step_timeout_s=0"], ["elastic.step_timeout_s"]),

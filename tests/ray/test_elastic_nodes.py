@@ -1,5 +1,6 @@
 """Several Ray nodes on this machine (``ray.cluster_utils.Cluster``): a node that dies takes its replica
-with it and the mesh shrinks; a node that joins is grown into; the loss never leaves one process's.
+with it and the mesh shrinks, leaving no placement group for Ray to re-place; a node that joins is
+grown into; the loss never leaves one process's.
 
 Its own Ray cluster (not the ``ray_local`` fixture): a CPU-less head (driver, store host) and two
 2-CPU worker nodes, so the 2 x 2 mesh (dp=2, tp=2) has one replica's worth of bundles on each node.
@@ -85,6 +86,24 @@ def _actors_by_node(group) -> dict[str, set[int]]:
     return out
 
 
+def _wait_node_dead(node_id: str, timeout_s: float = 120.0) -> None:
+    """Until the GCS declares ``node_id`` dead (its health checks take ~15 s after a crash)."""
+    deadline = time.monotonic() + timeout_s
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the GCS never declared the removed node dead"
+        time.sleep(0.5)
+
+
+def _stuck_groups() -> list[tuple[str, str]]:
+    """Placement groups the GCS is re-placing or cannot place, or that hold a bundle on a dead node."""
+    from ray.util.placement_group import placement_group_table
+
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return [(pg_id, t["state"]) for pg_id, t in placement_group_table().items()
+            if t["state"] in ("RESCHEDULING", "PENDING")
+            or (t["state"] != "REMOVED" and set(t["bundles_to_node_id"].values()) - alive)]
+
+
 @pytest.mark.timeout(600)
 def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, tmp_path):
     nodes, workers = cluster
@@ -109,6 +128,12 @@ def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, t
                     os.kill(group.pids[actor], signal.SIGKILL)
                 nodes.remove_node(victim_node, allow_graceful=False)
             if step == 6 and not added and c.generation.shape.dp == 1:
+                # Issue 29: once the GCS has declared the node dead, the job holds no placement
+                # group there, none being re-placed and none pending (nothing fits: the survivors'
+                # node is full). Before, the job's one group kept the lost bundles and the GCS
+                # re-placed them without backoff (~80% of a core) until the replacement came.
+                _wait_node_dead(victim_node.node_id)
+                assert _stuck_groups() == []
                 added.append(nodes.add_node(num_cpus=2))
             elif added and c.generation.shape.dp == 1 and c.group.starting:
                 # The actors for the grow start in the background (the steps never wait for them):

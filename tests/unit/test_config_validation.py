@@ -66,6 +66,26 @@ def test_must_be_positive(key: str, value: str) -> None:
         (['resources.use_gpu="true"'], "resources.use_gpu", ['"true" is not allowed']),
         (["train.beta2=1"], "train.beta2", ["[0, 1)"]),
         (["train.min_lr_ratio=2"], "train.min_lr_ratio", ["[0, 1]"]),
+        # Gradient compression and 1-bit Adam (workers/compression.py): every combination that cannot run.
+        (['train.grad_compression="powersgd"', "mesh.zero=2"], "train.grad_compression", ["needs mesh.zero=0"]),
+        (['train.grad_compression="int2"'], "train.grad_compression", ['"int8", "int4"']),
+        (['train.grad_compression="int4"', "mesh.dp=4", "mesh.dp_replicate=2"], "train.grad_compression",
+         ["mesh.dp_replicate=2", "mesh.dp_replicate=1"]),
+        (['train.grad_compression="int4"', "train.quant_block=65"], "train.quant_block", ["odd", "66"]),
+        (["train.quant_block=1"], "train.quant_block", [">= 2"]),
+        (['train.grad_compression="int4"', "train.powersgd_rank=4"], "train.powersgd_rank",
+         ["PowerSGD's", "int4 and PowerSGD do not combine"]),
+        (['train.grad_compression="int8"', "train.powersgd_plain_steps=10"], "train.powersgd_plain_steps",
+         ['train.grad_compression="powersgd"']),
+        (['train.optimizer="lamb"'], "train.optimizer", ['"adamw", "onebit_adam"']),
+        (['train.optimizer="onebit_adam"', "train.onebit_warmup_steps=5"], "train.optimizer",
+         ["needs mesh.zero=0", "got mesh.zero=3"]),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=5",
+          'train.grad_compression="int8"'], "train.grad_compression", ['grad_compression="none"']),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=0"],
+         "train.onebit_warmup_steps", [">= 1"]),
+        (['train.optimizer="onebit_adam"', "mesh.zero=0"], "train.onebit_warmup_steps",
+         ["onebit_warmup_steps=100 >= train.steps=20", "never compress"]),
     ],
 )
 def test_enums_and_ranges(overrides: list[str], key: str, fragments: list[str]) -> None:
@@ -155,6 +175,35 @@ def test_interleaved_rules() -> None:
     assert microbatches_per_replica(ok.train, ok.mesh.dp) == 4
 
 
+def test_zero_bubble_rules(tmp_path) -> None:
+    base = ["mesh.pp=2", "mesh.dp=1", "mesh.tp=1", "model.n_layers=4", "train.global_batch_size=8",
+            "train.micro_batch_size=1"]  # fmt: skip
+    err = error_for(*base, "pipeline.schedule=zbv")  # not set for the user: it sizes pipeline.layers
+    assert err.key == "pipeline.virtual_stages" and "set pipeline.virtual_stages=2" in str(err)
+    err = error_for(*base, "pipeline.schedule=zb-h1", "pipeline.virtual_stages=2")
+    assert err.key == "pipeline.virtual_stages"
+    err = error_for(*base, "pipeline.schedule=zb-h1", "mesh.pp=1")
+    assert err.key == "pipeline.schedule" and "needs mesh.pp >= 2" in str(err)
+    err = error_for(*base, "pipeline.schedule=zb-h1", "train.global_batch_size=1")
+    assert err.key == "train.global_batch_size" and "at least mesh.pp=2 microbatches" in str(err)
+    for name, v in (("zb-h1", 1), ("zbv", 2)):
+        sched = (f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}")
+        err = error_for(*base, *sched, "train.activation_checkpointing=true")
+        assert err.key == "train.activation_checkpointing" and "recompute" in str(err)
+        err = error_for(*base, *sched, "train.compile=true")
+        assert err.key == "train.compile"
+        assert load_config(None, [*base, *sched]).pipeline.schedule == name
+    # Tied embeddings (a Llama config.json with tie_word_embeddings): fine on zb-h1, not in zbv's V.
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, '
+        '"num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 256, "rms_norm_eps": 1e-5, '
+        '"tie_word_embeddings": true}')
+    tied = [f"model.from_hf={tmp_path}", "model.seq_len=32", *[o for o in base if "n_layers" not in o]]
+    assert load_config(None, [*tied, "pipeline.schedule=zb-h1"]).pipeline.schedule == "zb-h1"
+    err = error_for(*tied, "pipeline.schedule=zbv", "pipeline.virtual_stages=2")
+    assert err.key == "pipeline.schedule" and "tok_embeddings.weight" in str(err) and "zb-h1" in str(err)
+
+
 def test_pipeline_layers_rules() -> None:
     base = ["mesh.pp=2", "mesh.dp=1"]
     err = error_for(*base, "pipeline.layers=[4]")
@@ -185,3 +234,14 @@ def test_elastic_bounds() -> None:
 def test_step_timeout_message() -> None:
     err = error_for("elastic.step_timeout_s=0")
     assert str(err).startswith("elastic.step_timeout_s must be > 0")
+
+
+@pytest.mark.parametrize("overrides", [
+    ['train.grad_compression="int8"', "mesh.zero=3"],
+    ['train.grad_compression="int4"', "mesh.zero=0", "mesh.tp=1"],
+    ['train.grad_compression="int8"', "mesh.zero=1", "train.quant_block=65"],
+    ['train.grad_compression="none"', "train.powersgd_rank=4"],  # a PowerSGD knob with no compression: unused
+    ['train.optimizer="onebit_adam"', "mesh.zero=0", "train.onebit_warmup_steps=4"],
+])
+def test_compression_combinations_that_run(overrides: list[str]) -> None:
+    load_config(None, overrides)

@@ -156,20 +156,39 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     assert r.c.state == State.FINISHED and r.c.generation.shape.dp == 4
 
 
-def test_spare_that_cannot_be_placed_yet_waits_without_stalling_the_steps(make):
+def test_spare_that_cannot_be_placed_yet_is_asked_for_once_the_cluster_has_room(make):
+    """No room: no placement group is left pending for the spare (issue 25/29: the autoscaler request
+    stands for it), the steps go on; a node joins: the next grow check starts it."""
     r = make("train.steps=6", "elastic.spares=1", "elastic.grow_check_s=1", actors=5, capacity=0)
     r.steps(1)
     r.group.fail("train_step", r.c.generation.members[0], "die", at=2)
     r.steps(1)
     assert r.c.step() == State.REBUILDING and r.c.step() == State.RUNNING
     assert r.c.generation.shape.dp == 4
-    assert [e["count"] for e in r.events("spare_requested")] == [1] and r.group.starting == 1
+    assert not r.events("spare_requested") and r.group.starting == 0
     r.clock.t += 5
-    r.steps(1)  # nothing placed yet: the request stays pending, it is not asked for twice
-    assert len(r.events("spare_requested")) == 1 and len(r.group.live_ids) == 4
-    r.group.capacity = 1  # a node joins: the pending actor is placed and answers
-    r.steps(1)
+    r.steps(1)  # a grow check with still no room: still nothing asked for
+    assert not r.events("spare_requested") and len(r.group.live_ids) == 4
+    r.group.capacity = 1  # a node joins
+    r.clock.t += 5
+    r.steps(1)  # the grow check asks for it
+    assert [e["count"] for e in r.events("spare_requested")] == [1] and r.group.starting == 1
+    r.steps(1)  # and the next boundary takes it in
     assert len(r.events("actors_ready")) == 1 and len(r.group.live_ids) == 5 and r.group.starting == 0
+
+
+def test_a_spare_lost_with_its_node_is_dropped_and_replaced(make):
+    r = make("train.steps=8", "elastic.spares=1", "elastic.grow_check_s=1", actors=5, capacity=1)
+    r.steps(1)
+    spare, = r.c.spare_ids
+    r.group.lost = {spare}  # its node died: WorkerGroup removed its placement group and reports it
+    r.clock.t += 5
+    r.steps(1)  # the boundary drops it; the grow check asks for a new one where there is room
+    assert spare in r.group.killed and spare not in r.c.spare_ids
+    assert [e["count"] for e in r.events("spare_requested")] == [1]
+    r.steps(1)
+    assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] != spare and r.c.generation.number == 1
+    assert not r.events("failure")
 
 
 def test_spares_are_kept_out_of_a_grow():

@@ -268,7 +268,7 @@ def test_unknown_schedule_name():
     with pytest.raises(ValueError) as info:
         make_schedule("x", 2, 4)
     assert str(info.value) == (
-        "pipeline.schedule='x' is not known: choose one of 1f1b, gpipe, interleaved_1f1b"
+        "pipeline.schedule='x' is not known: choose one of 1f1b, gpipe, interleaved_1f1b, zb-h1, zbv"
     )
 
 

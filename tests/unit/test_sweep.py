@@ -14,7 +14,7 @@ from meshspeak.schema import ConfigError, dump_toml
 from meshspeak.sections import config_to_dict
 from orchestrator import cli
 from orchestrator.config.load import load_config
-from orchestrator.sweep.space import apply, parse_one, parse_search
+from orchestrator.sweep.space import FORMS, apply, parse_one, parse_search
 from orchestrator.sweep.trial import StepReporter, trial_doc, trial_resources, trial_world
 from orchestrator.sweep.tuner import SWEEP_FILE, best_row, best_toml, check_spaces, prepare, render_table
 
@@ -241,3 +241,53 @@ def test_an_unwritable_profile_dir_is_bad_input(tmp_path):
         check_outputs(cfg.metrics)
     check_outputs(load_config(None, [f"metrics.path={tmp_path}/m.jsonl", "metrics.profile_steps=1:1"]).metrics)
     assert (tmp_path / "profiles").is_dir()
+
+
+# --- grid(...) as Ray Tune's grid_search; choice at random; Tune's own tables only with --verbose ------
+
+
+def test_grid_is_tunes_grid_search_every_value_times_samples():
+    from ray.tune.search.variant_generator import generate_variants
+
+    spaces = parse_search(["train.lr=grid(1e-2, 1e-3, 1e-4)", "pipeline.schedule=choice(1f1b, gpipe)"])
+    assert spaces["train.lr"].kind == "grid" and spaces["train.lr"].probes() == [1e-2, 1e-3, 1e-4]
+    space = {key: s.to_tune() for key, s in spaces.items()}
+    assert space["train.lr"] == {"grid_search": [1e-2, 1e-3, 1e-4]}
+    # Tune's generator, as Tuner runs it --samples times: each pass gives every grid value once, and
+    # draws the choice at random for each.
+    samples = 4
+    rng = np.random.default_rng(0)  # seeded: all 12 draws alike would otherwise fail 1 run in 2048
+    drawn = [variant for _ in range(samples) for _, variant in generate_variants(space, random_state=rng)]
+    assert len(drawn) == samples * 3
+    assert sorted(v["train.lr"] for v in drawn) == sorted([1e-2, 1e-3, 1e-4] * samples)
+    assert {v["pipeline.schedule"] for v in drawn} == {"1f1b", "gpipe"}  # drawn, not enumerated
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("train.lr=grid(1e-3,1e-2", "malformed SPACE"),
+    ("train.lr=grid(", "malformed SPACE"),
+    ("train.lr=grid()", "grid() needs at least one value"),
+    ("train.lr=grid(1,[2)", "cannot read the values"),
+])
+def test_malformed_grid_names_the_argument(text, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_search([text])
+    assert needle in err.value.message and "grid(a,b,...)" in FORMS and "\n" not in err.value.message
+
+
+def test_malformed_grid_on_the_cli_is_one_line_exit_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tune", "--search", "train.lr=grid(1e-3,1e-2"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "malformed SPACE 'grid(1e-3,1e-2'" in lines[0]
+    assert cli.main(["tune", "--search", "train.lr=grid(1e-3,1e-2)", "--search-alg", "optuna"]) == 2
+    assert "takes no grid(...)" in capsys.readouterr().err
+
+
+def test_tunes_own_tables_only_with_verbose(tmp_path):
+    from orchestrator.sweep.tuner import build_tuner
+
+    for verbose, expected in ((False, 0), (True, 1)):
+        sweep = prepare(None, ["train.lr=grid(1e-3,1e-2)"], samples=1, directory=str(tmp_path / str(verbose)))
+        tuner = build_tuner(sweep, use_gpu=False, verbose=verbose)
+        assert tuner._local_tuner.get_run_config().verbose == expected

@@ -1,0 +1,85 @@
+"""The zero-bubble part of bench/pipeline_bubble.py: ZB-H1 and ZB-V against 1F1B and interleaved 1F1B.
+
+For each pp in {2, 4} and m in {8, 16} (``--quick``: pp=2, m=8) the four schedules train the same model
+(``n_layers = 2 pp``): 1F1B and ZB-H1 with two layers per stage, interleaved 1F1B and ZB-V with one
+layer per virtual stage (two per rank: the same work per rank). The runs of one (pp, m) alternate
+A/B/C/D for ``rounds`` rounds to spread the other jobs' load over all four. Per schedule:
+
+* ``measured`` bubble (``pipeline_analysis.bubble_stats``: idle share of the pipeline window) and
+  ``idle_over_busy`` = idle time / compute time, the "bubble size" the zero-bubble paper compares
+  (1F1B (p-1)/m; ZB-H1 (p-1)/(3m) with F = I = W);
+* ``simulated_idle_over_busy``: the schedule simulated with the run's own mean F, I, W (or B) costs,
+  i.e. what the schedule allows at these costs with free communication;
+* ``peak_in_flight_stage_units``: the most microbatches a rank holds until their W (or B), in units of
+  a whole pp stage (a virtual stage holds half), from the action lists.
+
+Goal (issue 27): ZB-H1's ``idle_over_busy`` <= 1/3 of 1F1B's at the same activation peak.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pipeline_analysis import bubble_stats
+from pipeline_probes import timing_probe
+
+from meshspeak.schedule import peak_in_flight, theoretical_bubble
+from testbed.world import run_mesh
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb-h1", "zbv")
+
+
+def _variant(name: str, pp: int) -> tuple[int, tuple[str, ...]]:
+    v = 2 if name in ("interleaved_1f1b", "zbv") else 1
+    return v, (f"pipeline.layers={[2 // v] * pp * v}",)
+
+
+def zero_bubble_sweep(model: tuple[str, ...], micro: int, pps, ms, steps: int, rounds: int) -> list[dict]:
+    rows = []
+    for pp in pps:
+        for m in ms:
+            base = (*model, f"model.n_layers={2 * pp}", f"train.global_batch_size={m * micro}")
+            samples: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+            actions = {}
+            for _ in range(rounds):
+                for name in SCHEDULES:
+                    v, layers = _variant(name, pp)
+                    run = run_mesh(1, pp, 1, (*base, *layers), steps, schedule=name, virtual_stages=v,
+                                   collect_params=False, instrument=timing_probe, timeout=900)  # fmt: skip
+                    samples[name].append(bubble_stats(run))
+                    actions[name] = (run.actions, v)
+            row: dict = {"pp": pp, "m": m, "rounds": rounds}
+            for name, runs in samples.items():
+                lists, v = actions[name]
+                per_step = [b for r in runs for b in r["measured_per_step"]]
+                measured = statistics.median(per_step)
+                row[name] = {
+                    "measured": measured,
+                    "measured_mean": statistics.mean(per_step),
+                    "idle_over_busy": measured / (1 - measured),
+                    "simulated_idle_over_busy": statistics.mean(r["simulated_idle_over_busy"] for r in runs),
+                    "replay_measured_action_durations": statistics.mean(
+                        r["replay_measured_action_durations"] for r in runs),
+                    "peak_in_flight_stage_units": max(peak_in_flight(a) for a in lists) / v,
+                    "mean_action_s": {k: statistics.mean(r[k] for r in runs)
+                                      for k in ("mean_F_s", "mean_B_s", "mean_I_s", "mean_W_s") if k in runs[0]},
+                    "step_time_s_median": statistics.median(r["step_time_s"] for r in runs),
+                    "cpu_busy_share": statistics.mean(r["cpu_busy_share"] for r in runs),
+                }  # fmt: skip
+            ofob, h1 = row["1f1b"], row["zb-h1"]
+            row["1f1b"]["theory_idle_over_busy"] = (pp - 1) / m
+            row["interleaved_1f1b"]["theory_idle_over_busy"] = (pp - 1) / (2 * m)
+            row["zb-h1"]["theory_idle_over_busy"] = (pp - 1) / (3 * m)  # F = I = W
+            row["1f1b"]["theory_bubble"] = theoretical_bubble(pp, m)
+            row["zb_h1_over_1f1b_idle"] = h1["idle_over_busy"] / ofob["idle_over_busy"]
+            row["zb_h1_over_1f1b_idle_simulated_at_measured_costs"] = (
+                h1["simulated_idle_over_busy"] / ofob["simulated_idle_over_busy"])
+            row["zbv_over_1f1b_idle"] = row["zbv"]["idle_over_busy"] / ofob["idle_over_busy"]
+            row["same_activation_peak"] = h1["peak_in_flight_stage_units"] == ofob["peak_in_flight_stage_units"]
+            row["goal_met"] = row["same_activation_peak"] and row["zb_h1_over_1f1b_idle"] <= 1 / 3
+            print(f"  pp={pp} m={m:2d}: idle/busy 1f1b {ofob['idle_over_busy']:.3f} interleaved "
+                  f"{row['interleaved_1f1b']['idle_over_busy']:.3f} zb-h1 {h1['idle_over_busy']:.3f} zbv "
+                  f"{row['zbv']['idle_over_busy']:.3f}; zb-h1/1f1b {row['zb_h1_over_1f1b_idle']:.2f} (simulated at "
+                  f"the measured costs {row['zb_h1_over_1f1b_idle_simulated_at_measured_costs']:.2f})", flush=True)
+            rows.append(row)
+    return rows

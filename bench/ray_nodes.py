@@ -1,0 +1,169 @@
+"""A real `ray start` cluster on this machine for benchmarks that need one (``bench/node_loss.py``).
+
+``bench/`` never imports ``tests/``, so this is the benchmarks' own small launcher; the e2e tests have a
+fuller one (``tests/e2e/raycluster.py``) with the same isolation rules:
+
+* every node is `ray start --block` in its own process session, with its own ``--temp-dir`` and free
+  ports for every listener, so other Ray clusters on the machine are never touched;
+* token auth with this cluster's own token file (``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN_PATH``);
+* teardown never runs ``ray stop`` (it ends every Ray on the machine): SIGTERM to the ``ray start``
+  processes we started, then SIGKILL to what is left of *our* processes (their descendants and any
+  process whose environment carries this cluster's token path).
+
+``gcs_pid()`` is the head's ``gcs_server``, found among the descendants of the head's ``ray start``
+(never by name across the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class RayStartCluster:
+    """Head and worker nodes as `ray start --block` processes; ``nodes[i]`` is node i's process."""
+
+    def __init__(self, head_cpus: int) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="em-bench-", dir="/tmp"))  # short: unix socket paths
+        self.token_path = self.root / "auth_token"
+        self.token_path.write_text(secrets.token_hex(32))
+        self.gcs_port, self.dashboard_port = free_ports(2)
+        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        self.env.update({
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
+        })
+        self.nodes: list[subprocess.Popen] = []
+        self.failed: list[subprocess.Popen] = []  # `ray start`s that gave up (their own sessions: teardown)
+        self._node(["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
+                    "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+                    f"--ray-client-server-port={free_ports(1)[0]}"], head_cpus, {})
+
+    def add_node(self, cpus: int, env: dict | None = None, attempts: int = 3) -> subprocess.Popen:
+        """A worker node. `ray start` gives a raylet 30 s (hard-coded in Ray 2.60's node.py) to register
+        with the GCS and exits otherwise, which happens on this machine under a load of ~100: try again
+        (the failed attempt's processes die with its `ray start`: Ray's kernel fate-sharing)."""
+        for attempt in range(attempts):
+            try:
+                return self._node([f"--address={self.gcs_address}"], cpus, env or {})
+            except RuntimeError:
+                self.failed.append(self.nodes.pop())
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _node(self, args: list[str], cpus: int, env: dict) -> subprocess.Popen:
+        index = len(self.nodes) + len(self.failed)
+        agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
+        log = self.root / f"node{index}.log"
+        cmd = ["ray", "start", "--block", *args, f"--temp-dir={self.root / f'ray{index}'}",
+               f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+               f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+               "--min-worker-port=0", "--max-worker-port=0", f"--num-cpus={cpus}", "--num-gpus=0",
+               "--disable-usage-stats"]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=self.root)
+        self.nodes.append(proc)
+        deadline = time.monotonic() + 240
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start (node {index}) failed:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        return proc
+
+    def gcs_pid(self) -> int:
+        head = psutil.Process(self.nodes[0].pid)
+        return next(p.pid for p in head.children(recursive=True) if p.name() == "gcs_server")
+
+    def node_id_of(self, proc: subprocess.Popen) -> str:
+        """The Ray node id of the node that ``proc`` (a `ray start` we started) runs: its raylet's
+        ``--node_id`` argument."""
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            for arg in child.cmdline():
+                if child.name() == "raylet" and arg.startswith("--node_id="):
+                    return arg.split("=", 1)[1]
+        raise RuntimeError("no raylet found under that node's `ray start`")
+
+    def ray(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(["ray", *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=REPO)
+
+    def driver(self, train_args: list[str], log: Path) -> subprocess.Popen:
+        """`python -m orchestrator train ...` on the head with RAY_ADDRESS (a driver started by hand)."""
+        env = {**self.env, "RAY_ADDRESS": self.gcs_address, "PYTHONPATH": str(REPO)}
+        with open(log, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--no-progress", *train_args],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def _ours(self) -> set[psutil.Process]:
+        found: set[psutil.Process] = set()
+        for proc in self.nodes + self.failed:
+            try:
+                parent = psutil.Process(proc.pid)
+                found |= {parent, *parent.children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+        marker = str(self.token_path)
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get("RAY_AUTH_TOKEN_PATH") == marker:
+                    found.add(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def shutdown(self) -> None:
+        leftovers = self._ours()
+        for proc in self.nodes + self.failed:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for proc in self.nodes + self.failed:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        leftovers |= self._ours()
+        for proc in self.nodes + self.failed:
+            if proc.pid > 1:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the session we created for it
+                except ProcessLookupError:
+                    pass
+        for p in leftovers:
+            try:
+                if p.pid > 1:
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(leftovers), timeout=10)
+        shutil.rmtree(self.root, ignore_errors=True)
