@@ -52,7 +52,8 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
         targets.append(to_device(y, groups.device))
     # Unmasked, every target counts: the global batch's G * seq_len, however the replicas split it
     # (elastic.rebalance gives them different numbers of microbatches: meshspeak/rebalance.py).
-    total = runtime.spec.train.global_batch_size * seq_len
+    # Masked, one replica's own count is the global one.
+    total = runtime.spec.train.global_batch_size * seq_len if eos is None else local
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
         # Checked: the count scales every gradient (workers.optim.checked_all_reduce).

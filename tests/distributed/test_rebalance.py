@@ -6,8 +6,8 @@ than pp in the pipeline cases) — each rank running its replica's schedule for 
 driver hands them out (orchestrator/control/rebalance.py). Every step's loss and every final
 parameter must equal the single-process reference within 1e-5 (``MESH_FP32``), at ZeRO-0 (DDP, and
 HSDP with one-rank shards under PP), ZeRO-2 with TP, ZeRO-3 with one FSDP unit per block (the case
-whose all-gathers depend on the count: meshspeak/dp_plan.py), HSDP, PP 1F1B and interleaved, and the
-full 2x2x2 mesh.
+whose all-gathers depend on the count: meshspeak/dp_plan.py), HSDP, PP 1F1B, GPipe, interleaved and
+the zero-bubble ZB-H1 and ZB-V, and the full 2x2x2 mesh.
 
 The last test is the reason for the plan's ZeRO-3 rule: the same uneven splits with units resharded
 after every forward pair different all-gathers on the two replicas and time out.
@@ -40,6 +40,8 @@ SLOW_CASES = [
     ((2, 2, 1), ("mesh.zero=0",), TWO, "1f1b", 1),  # HSDP with one-rank shards
     ((2, 2, 1), ("mesh.zero=3", *PER_BLOCK), PAIRS, "interleaved_1f1b", 2),
     ((2, 2, 1), ("mesh.zero=2",), TWO, "gpipe", 1),
+    ((2, 2, 1), ("mesh.zero=3", *PER_BLOCK), TWO, "zb-h1", 1),  # backward split into I and W
+    ((2, 2, 1), ("mesh.zero=2",), TWO, "zbv", 2),
     ((2, 2, 2), ("mesh.zero=3", *PER_BLOCK), TWO, "1f1b", 1),
 ]
 
