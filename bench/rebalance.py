@@ -84,10 +84,12 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
     from workers.store import StoreHost
 
     extra, actors = MODES[name]
-    mpath = os.path.join(workdir, f"{scenario}-{name}.jsonl")
+    # A fresh metrics file and checkpoint directory for every run: a later round must neither resume
+    # from an earlier round's checkpoint (an eviction commits one) nor read its events.
+    run_dir = tempfile.mkdtemp(prefix=f"{scenario}-{name}-", dir=workdir)
+    mpath = os.path.join(run_dir, "metrics.jsonl")
     cfg = load_config(None, SCENARIOS[scenario] + COMMON + extra + [
-        f"train.steps={steps}", f"metrics.path={mpath}",
-        f"checkpoint.dir={os.path.join(workdir, f'{scenario}-{name}-ckpt')}"])
+        f"train.steps={steps}", f"metrics.path={mpath}", f"checkpoint.dir={os.path.join(run_dir, 'ckpt')}"])
     load_before = load_average()
     with local_ray():
         host = StoreHost.remote()
@@ -110,6 +112,8 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
     records = [json.loads(line) for line in open(mpath)]
     by_step = {r["step"]: r for r in records if "loss" in r and "event" not in r}  # the last record wins
     assert sorted(by_step) == list(range(1, steps + 1)), f"{name}: steps {sorted(by_step)}"
+    start, = [r for r in records if r.get("event") == "start"]
+    assert start["resumed_from_step"] == 0, f"{name}: resumed from step {start['resumed_from_step']}"
     tokens = G * cfg.model.seq_len
     late = [by_step[s]["step_time_s"] for s in range(steps // 2 + 1, steps + 1)]
     events = {kind: [r for r in records if r.get("event") == kind] for kind in ("rebalance", "evict", "rebuild")}
