@@ -96,7 +96,6 @@ def run_campaign(args, tmp: Path) -> dict:
         controller = make_controller(cfg, group, provider)
 
         def inject(c, step):
-            campaign.tick()
             kind = plan.get(step)
             if kind is None or any(f["step"] == step for f in campaign.injected):
                 return
@@ -104,7 +103,12 @@ def run_campaign(args, tmp: Path) -> dict:
             campaign.injected.append({"step": step, "kind": kind, "what": what, "time": time.time()})
             print(f"step {step}: {kind}: {what}", flush=True)
 
+        # Only at the fault steps: a hook drains the steps in flight before its step
+        # (orchestrator/control/window.py), so one run at every step would stop the pipelining.
+        inject.steps = frozenset(plan)
         controller.step_hooks.append(inject)
+        # Replacement nodes join from the main thread as steps are recorded (Campaign.tick).
+        controller.metrics.step_listeners.append(lambda rec: campaign.tick())
         done_at: list[tuple[int, float]] = []  # (step, when its record was written)
         controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
         pool: list[tuple] = []  # (step, live actors, starting, dp): how the pool kept up

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from common import remove_node
 
+from meshspeak.rank_calls import RankCalls
+
 NODE_CPUS = 2
 REPLACE_AFTER_S = 2.0
 DRAIN_DEADLINE_S = 20.0
@@ -63,7 +65,7 @@ class Campaign:
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:
-        """At each step boundary (the driver's main thread: Ray's ``Cluster.add_node`` installs a
+        """After each recorded step (the driver's main thread: Ray's ``Cluster.add_node`` installs a
         signal handler, which only the main thread may): add the replacement nodes that are due."""
         now = time.time()
         for due in [t for t in self.replacements if t <= now]:
@@ -88,7 +90,7 @@ def _member(controller, rng, *, not_node=None) -> int:
 
 def kill_step(c: Campaign, controller, step: int, rng) -> str:
     victim = _member(controller, rng)
-    controller.group.call([victim], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
+    controller.group.call([victim], RankCalls.arm_fault, (step, "kill", 0.0, "forward"), timeout_s=10)
     return f"actor {victim}: SIGKILL after its first forward of step {step}"
 
 
@@ -96,21 +98,21 @@ def kill_ckpt_write(c: Campaign, controller, step: int, rng) -> str:
     every = controller.cfg.checkpoint.every
     at = ((step + every - 1) // every) * every  # the next step whose checkpoint is written
     victim = _member(controller, rng)
-    controller.group.call([victim], "arm_fault", (at, "kill", 0.0, "ckpt_write"), timeout_s=10)
+    controller.group.call([victim], RankCalls.arm_fault, (at, "kill", 0.0, "ckpt_write"), timeout_s=10)
     return f"actor {victim}: SIGKILL inside the write of step {at}'s checkpoint shard"
 
 
 def kill_rebuild(c: Campaign, controller, step: int, rng) -> str:
     first, second = rng.sample(sorted(controller.generation.members.values()), 2)
     nxt = controller.generation.number + 1
-    controller.group.call([first], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
-    controller.group.call([second], "arm_fault", (nxt, "kill", 0.0, "join"), timeout_s=10)
+    controller.group.call([first], RankCalls.arm_fault, (step, "kill", 0.0, "forward"), timeout_s=10)
+    controller.group.call([second], RankCalls.arm_fault, (nxt, "kill", 0.0, "join"), timeout_s=10)
     return f"actor {first}: SIGKILL in step {step}; actor {second}: SIGKILL joining generation {nxt}"
 
 
 def hang(c: Campaign, controller, step: int, rng) -> str:
     victim = _member(controller, rng)
-    controller.group.call([victim], "arm_fault", (step, "hang", 0.0, "forward"), timeout_s=10)
+    controller.group.call([victim], RankCalls.arm_fault, (step, "hang", 0.0, "forward"), timeout_s=10)
     return f"actor {victim}: SIGSTOP after its first forward of step {step}"
 
 
@@ -142,7 +144,7 @@ def drain(c: Campaign, controller, step: int, rng) -> str:
 def straggler(c: Campaign, controller, step: int, rng) -> str:
     victim = _member(controller, rng)
     steps = controller.cfg.elastic.straggler_steps + 3
-    controller.group.call([victim], "arm_fault", (step, "sleep", STRAGGLER_SLEEP_S, "step", steps),
+    controller.group.call([victim], RankCalls.arm_fault, (step, "sleep", STRAGGLER_SLEEP_S, "step", steps),
                           timeout_s=10)
     return f"actor {victim}: sleeps {STRAGGLER_SLEEP_S} s in each of steps {step}..{step + steps - 1}"
 
@@ -155,7 +157,7 @@ def store_kill(c: Campaign, controller, step: int, rng) -> str:
     ray.kill(c.provider.handle, no_restart=True)
     # The store is asked for only when a generation forms: make the next one form now.
     victim = _member(controller, rng)
-    controller.group.call([victim], "arm_fault", (step, "kill", 0.0, "forward"), timeout_s=10)
+    controller.group.call([victim], RankCalls.arm_fault, (step, "kill", 0.0, "forward"), timeout_s=10)
     return f"store host killed; actor {victim}: SIGKILL in step {step} so a generation forms without it"
 
 

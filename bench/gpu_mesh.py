@@ -55,6 +55,7 @@ def part_nccl_mesh(dry: bool, run: bool, workdir: str) -> dict:
 
 def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bool = False) -> dict:
     from meshdata import open_source
+    from meshspeak.rank_calls import RankCalls
     from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller
@@ -80,7 +81,7 @@ def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bo
         controller.step()  # generation 1 formed
         if kill:
             victim = controller.generation.members[VICTIM]
-            group.call([victim], "arm_fault", (FAIL_STEP, "kill", 0.2), timeout_s=30)
+            group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", 0.2), timeout_s=30)
         summary = controller.run()
         controller.metrics.close()
     finally:

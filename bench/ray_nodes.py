@@ -1,7 +1,8 @@
 """A real `ray start` cluster on this machine for benchmarks that need one (``bench/node_loss.py``).
 
 ``bench/`` never imports ``tests/``, so this is the benchmarks' own small launcher; the e2e tests have a
-fuller one (``tests/e2e/raycluster.py``) with the same isolation rules:
+fuller one (``tests/e2e/raycluster.py``); both take free ports, find their own processes and tear down
+through ``testbed/ray_start.py``, with the same isolation rules:
 
 * every node is `ray start --block` in its own process session, with its own ``--temp-dir`` and free
   ports for every listener, so other Ray clusters on the machine are never touched;
@@ -19,8 +20,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,21 +28,11 @@ from pathlib import Path
 
 import psutil
 
+# the repository root is on sys.path once bench/common.py is imported (every script imports it first)
+from testbed.ray_start import free_ports, stop_cluster
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class RayStartCluster:
@@ -124,46 +113,6 @@ class RayStartCluster:
             return subprocess.Popen([sys.executable, "-m", "orchestrator", "train", "--no-progress", *train_args],
                                     env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
-    def _ours(self) -> set[psutil.Process]:
-        found: set[psutil.Process] = set()
-        for proc in self.nodes + self.failed:
-            try:
-                parent = psutil.Process(proc.pid)
-                found |= {parent, *parent.children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-        marker = str(self.token_path)
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get("RAY_AUTH_TOKEN_PATH") == marker:
-                    found.add(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        return found
-
     def shutdown(self) -> None:
-        leftovers = self._ours()
-        for proc in self.nodes + self.failed:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        for proc in self.nodes + self.failed:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        leftovers |= self._ours()
-        for proc in self.nodes + self.failed:
-            if proc.pid > 1:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the session we created for it
-                except ProcessLookupError:
-                    pass
-        for p in leftovers:
-            try:
-                if p.pid > 1:
-                    p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(leftovers), timeout=10)
+        stop_cluster(self.nodes + self.failed, self.token_path)
         shutil.rmtree(self.root, ignore_errors=True)

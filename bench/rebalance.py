@@ -78,6 +78,7 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
     """One mode: ``slow_s`` slept per microbatch on the slow rank, ``device_s`` on every other actor."""
     import ray
 
+    from meshspeak.rank_calls import RankCalls
     from orchestrator.config.load import load_config
     from testbed.ray_cluster import make_group
     from testbed.ray_harness import make_controller
@@ -102,7 +103,7 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
             for actor in group.live_ids:  # spares included: a promoted spare is a healthy device
                 sleep = slow_s if actor == victim else device_s
                 if sleep > 0:
-                    group.call([actor], "arm_fault", (1, "sleep", sleep, "microbatch", steps + 1), timeout_s=30)
+                    group.call([actor], RankCalls.arm_fault, (1, "sleep", sleep, "microbatch", steps + 1), timeout_s=30)
             t0 = time.time()
             summary = controller.run()
             wall = time.time() - t0

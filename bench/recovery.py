@@ -64,6 +64,7 @@ def _pid_dead(pid: int) -> bool:
 def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     import ray
 
+    from meshspeak.rank_calls import RankCalls
     from orchestrator.config.load import load_config
     from testbed.ray_cluster import make_group
     from testbed.ray_harness import make_controller
@@ -82,7 +83,7 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
         group = make_group(cfg.mesh.world)
         try:
             controller = make_controller(cfg, group, store_address)
-            controller.step()  # INITIALIZING -> RUNNING (generation 1 formed)
+            controller.step()  # FORMING -> RUNNING (generation 1 formed)
             victim = controller.generation.members[VICTIM]
             pid = group.pids[victim]
             death: list[float] = []
@@ -97,7 +98,7 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
 
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
-            group.call([victim], "arm_fault", (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
+            group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
             t_loop = time.time()
             summary = controller.run()
             t_done = time.time()

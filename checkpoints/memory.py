@@ -13,7 +13,8 @@ and loads it through ``MemoryReader`` with the same reshard-on-load path the sto
 (``checkpoints.reader.load_training_state``), so a snapshot of any mesh loads into any other.
 Hand-written only because DCP has no in-memory storage layer; planning and resharding stay DCP's.
 
-Only the copies run on the training thread: a non-tensor item (the optimizer's per-parameter
+Taking them at every step, into reused buffers and off the training thread, is
+``checkpoints/snapshot_taker.py``'s. A non-tensor item (the optimizer's per-parameter
 hyperparameters, the extras: hundreds of small objects) is kept as a deep copy and turned into the
 bytes DCP expects (``torch.save``, as DCP's own planner does) by ``MemorySnapshot.serialize``, which
 the actor runs on another thread before the snapshot leaves the process. Serialized at the take,
@@ -31,18 +32,32 @@ import dataclasses
 import io
 import pickle
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import (
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+)
 from torch.futures import Future
 
 from checkpoints.errors import CheckpointError
@@ -113,11 +128,31 @@ class MemorySnapshot:
         state["blobs"] = {k: v.tensor() if isinstance(v, _Packed) else v for k, v in state["blobs"].items()}
         self.__dict__.update(state)
 
-    def copy(self) -> MemorySnapshot:
-        """A copy in this process's own memory (what a holder keeps of a peer's snapshot)."""
+    def copy(self, reuse: MemorySnapshot | None = None) -> MemorySnapshot:
+        """A copy in this process's own memory (what a holder keeps of a peer's snapshot); the tensors
+        of ``reuse`` (a copy this one replaces) are written over where they fit."""
         self.serialize()
-        blobs = {k: (v.clone() if isinstance(v, torch.Tensor) else bytes(v)) for k, v in self.blobs.items()}
+        old = reuse.blobs if reuse is not None else {}
+        blobs = {}
+        for k, v in self.blobs.items():
+            if not isinstance(v, torch.Tensor):
+                blobs[k] = bytes(v)
+                continue
+            buf = old.get(k)
+            fits = isinstance(buf, torch.Tensor) and buf.shape == v.shape and buf.dtype == v.dtype
+            blobs[k] = buf.copy_(v) if fits else v.clone()
         return dataclasses.replace(self, blobs=blobs)
+
+    def pieces(self, requests: Sequence[tuple]) -> list[Any]:
+        """The slices a reader asked for: per (storage index, offsets, lengths) a tensor (a copy of
+        just that slice) or, for a byte item, its bytes."""
+        self.serialize()
+        out = []
+        for index, offsets, lengths in requests:
+            blob = self.blobs[index]
+            out.append(blob if not isinstance(blob, torch.Tensor) else
+                       narrow_tensor_by_index(blob, offsets, lengths).contiguous().clone())
+        return out
 
 
 class _Packed:
@@ -144,6 +179,15 @@ class _Packed:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(self.data)
         return raw.view(getattr(torch, self.dtype)).reshape(self.shape)
+
+
+def pack_piece(piece: Any) -> Any:
+    """A piece to send to another process: tensors as ``_Packed`` (Ray ships the bytes out of band)."""
+    return _Packed.of(piece) if isinstance(piece, torch.Tensor) else piece
+
+
+def unpack_piece(piece: Any) -> Any:
+    return piece.tensor() if isinstance(piece, _Packed) else piece
 
 
 class MemoryWriter(StorageWriter):
@@ -197,69 +241,9 @@ def take_snapshot(state: dict[str, Any], *, step: int, rank: int) -> MemorySnaps
     return MemorySnapshot(step=step, rank=rank, metadata=writer.metadata, blobs=writer.blobs)
 
 
-class SnapshotTaker:
-    """Takes one rank's snapshots of one generation, planning with DCP once.
-
-    DCP plans every save from scratch: flattening and planning ~600 items took ~30 ms of a 32 ms
-    take on a 20-layer MLP (cProfile), the copies 1.6 ms. The items, their metadata and where each
-    sits in the state do not change within a generation, so after the first take (through
-    ``dcp.save``) later ones look the same items up directly (DCP's ``find_state_dict_object``, as
-    its planner's ``resolve_data`` does) and reuse the metadata. A state whose keys or tensor shapes
-    differ from the planned ones goes through ``dcp.save`` again and is re-planned.
-    """
-
-    def __init__(self) -> None:
-        self._metadata: Metadata | None = None
-        self._items: list[tuple[MetadataIndex, bool, tuple]] = []  # (index, is bytes, path in state)
-        self._signature: tuple = ()
-        self._shapes: dict[MetadataIndex, tuple] = {}
-
-    def take(self, state: dict[str, Any], *, step: int, rank: int) -> MemorySnapshot:
-        plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
-        signature = _signature(plain)
-        if self._metadata is not None and signature == self._signature:
-            blobs = self._direct(plain)
-            if blobs is not None:
-                return MemorySnapshot(step=step, rank=rank, metadata=self._metadata, blobs=blobs)
-        snap = take_snapshot(plain, step=step, rank=rank)
-        paths = snap.metadata.planner_data or {}
-        if all(index.fqn in paths for index in snap.blobs):
-            self._metadata, self._signature = snap.metadata, signature
-            self._items = [(i, isinstance(b, Deferred), tuple(paths[i.fqn])) for i, b in snap.blobs.items()]
-            self._shapes = {i: tuple(b.shape) for i, b in snap.blobs.items() if isinstance(b, torch.Tensor)}
-        return snap
-
-    def _direct(self, plain: dict[str, Any]) -> dict[MetadataIndex, Any] | None:
-        blobs: dict[MetadataIndex, Any] = {}
-        for index, is_bytes, path in self._items:
-            obj = plain
-            for part in path:
-                obj = obj[part]
-            if is_bytes:
-                blobs[index] = Deferred(copy.deepcopy(obj))
-                continue
-            local = find_state_dict_object({index.fqn: obj}, index)
-            if tuple(local.shape) != self._shapes[index]:
-                return None
-            blobs[index] = local.detach().to("cpu", copy=True).contiguous()
-        return blobs
-
-
-def _signature(plain: dict[str, Any]) -> frozenset:
-    """The keys of the state's sections, two levels down (what DCP's plan depends on besides shapes),
-    in any order (the official state dicts and the fast ones order them differently)."""
-    out = set()
-    for key, value in plain.items():
-        if isinstance(value, dict):
-            out.add((key, frozenset((k, frozenset(v) if isinstance(v, dict) else None) for k, v in value.items())))
-        else:
-            out.add((key, None))
-    return frozenset(out)
-
-
 def merge(snapshots: Sequence[MemorySnapshot]) -> Metadata:
     """One DCP ``Metadata`` over the pieces of every rank's snapshot of one step; each piece's
-    ``storage_data`` entry says which snapshot holds it.
+    ``storage_data`` entry says which snapshot holds it (its position in ``snapshots``).
 
     Raises:
         CheckpointError: the snapshots are of different steps, or a tensor's pieces do not cover it
@@ -270,11 +254,15 @@ def merge(snapshots: Sequence[MemorySnapshot]) -> Metadata:
     steps = {s.step for s in snapshots}
     if len(steps) != 1:
         raise CheckpointError(f"snapshots of different steps {sorted(steps)} cannot be merged")
+    return merge_metadata([s.metadata for s in snapshots], steps.pop())
+
+
+def merge_metadata(metadatas: Sequence[Metadata], step: int) -> Metadata:
+    """``merge`` over the snapshots' metadata alone (the pieces may live in other processes)."""
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, int] = {}
     planner_data: dict[str, Any] = {}
-    for which, snap in enumerate(snapshots):
-        md = snap.metadata
+    for which, md in enumerate(metadatas):
         planner_data.update(md.planner_data or {})
         for fqn, item in md.state_dict_metadata.items():
             if isinstance(item, BytesStorageMetadata):
@@ -291,7 +279,7 @@ def merge(snapshots: Sequence[MemorySnapshot]) -> Metadata:
         if isinstance(item, TensorStorageMetadata):
             covered = sum(_volume(c.sizes) for c in item.chunks)
             if covered != _volume(item.size):
-                raise CheckpointError(f"snapshots of step {steps.pop()} do not cover {fqn} "
+                raise CheckpointError(f"snapshots of step {step} do not cover {fqn} "
                                       f"({covered} of {_volume(item.size)} elements): a rank's snapshot is missing")
     return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=storage)
 
@@ -340,6 +328,53 @@ class MemoryReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return True
+
+
+Fetch = Callable[[dict[int, list[tuple]]], dict[int, list[Any]]]
+
+
+class RemoteReader(MemoryReader):
+    """DCP reads a set of snapshots that live in other processes (one per rank of the mesh that took
+    them): the metadata is merged from each one's (``metadatas``, in old-rank order), and each read
+    asks ``fetch({old rank: [(storage index, offsets, lengths), ...]})`` for exactly the slices this
+    rank's load plan needs — one request per old rank that holds any, all at once — so a new rank
+    moves its own share of the state, not the old shards (``fetched_bytes`` counts it)."""
+
+    def __init__(self, metadatas: Sequence[Metadata], step: int, fetch: Fetch) -> None:
+        self.snapshots = []
+        self._step = step
+        self.metadata = merge_metadata(metadatas, step)
+        self.fetch = fetch
+        self.fetched_bytes = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        where = self.metadata.storage_data
+        wanted: dict[int, list] = {}
+        for req in plan.items:
+            wanted.setdefault(where[req.storage_index], []).append(req)
+        answers = self.fetch({owner: [(r.storage_index, tuple(r.storage_offsets), tuple(r.lengths)) for r in reqs]
+                              for owner, reqs in wanted.items()})
+        for owner, reqs in wanted.items():
+            # Equal byte items (the optimizer's hyperparameters, one per parameter) are one object on
+            # the provider (``Deferred.to_bytes``), and one answer is pickled once: each crosses once.
+            sent: set[int] = set()
+            for req, piece in zip(reqs, answers[owner], strict=True):
+                if req.type == LoadItemType.BYTE_IO:
+                    self.fetched_bytes += 0 if id(piece) in sent else len(piece)
+                    sent.add(id(piece))
+                    planner.load_bytes(req, io.BytesIO(piece))
+                    continue
+                self.fetched_bytes += piece.numel() * piece.element_size()
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(piece)
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
 
 def _volume(sizes) -> int:

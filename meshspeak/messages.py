@@ -112,6 +112,76 @@ class StepResult:
     dp_bytes: int | None = None  # dp > 1: bytes this rank sent over dp in the step (workers/compression.py)
     # train.compile: graphs this rank compiled again in the step (workers/compile_stats.py); None: off
     recompiles: int | None = None
+    # In-memory snapshots of this rank's shard that its holder acknowledged since the last result
+    # (orchestrator/saves/snapshots.py counts them into complete sets).
+    snapshots: tuple[SnapshotAck, ...] = ()
+
+
+SnapKey = tuple[int, int, int]  # (generation, life: loads done in it, step) of an in-memory snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotAck:
+    """Rank -> driver (inside a ``StepResult``): the holder keeps a copy of this rank's snapshot ``key``."""
+
+    key: SnapKey
+    stall_s: float  # what taking it cost the training thread (planning + waiting for the copy)
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOrders:
+    """Driver -> rank, once per generation with the ``JoinSpec``: what the rank runs in every step.
+
+    ``actions``: this rank's schedule action list (the same every step). ``snapshot_every``: take an
+    in-memory snapshot after every such step (0: none), pushed by the rank itself to ``holder`` — the
+    actor handle of the rank that keeps its copy (the one call a rank makes on another actor, on a
+    handle the driver gave it for that purpose; docs/design.md, In-memory snapshots)."""
+
+    actions: tuple[Any, ...]
+    snapshot_every: int = 0
+    holder: Any = None  # an actor handle (the fake group: an actor id); None: no snapshots pushed
+    holder_rank: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SplitOrders:
+    """Driver -> rank, with the first step of a new microbatch split (``elastic.rebalance``:
+    meshspeak/rebalance.py) and kept by the rank until the next one or the end of its generation:
+    ``split`` holds the step's microbatches per dp replica (in dp order; they sum to the global
+    batch's), ``actions`` this rank's schedule for its replica's count. Without one a generation
+    trains the even split with its ``GenerationOrders.actions`` (which evals keep using)."""
+
+    split: tuple[int, ...]
+    actions: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInventory:
+    """Rank -> driver after a failure: the snapshots this actor can give (its own, and held copies)."""
+
+    own: tuple[tuple[SnapKey, int], ...]  # (key, the world rank it had in that generation)
+    held: tuple[tuple[SnapKey, int], ...]  # (key, owner's world rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreSource:
+    """Driver -> every new member: load the snapshot set ``key`` of a generation of ``world`` ranks;
+    ``providers`` give each old rank's pieces: (old world rank, actor id, actor handle), in old-rank
+    order (handles the driver gives for this restore's reads)."""
+
+    key: SnapKey
+    world: int
+    providers: tuple[tuple[int, int, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreAck:
+    """Rank -> driver, answer to ``load_snapshot``: the step loaded and the bytes it fetched."""
+
+    step: int
+    fetched_bytes: int  # pieces of old shards fetched from the providers (its own ones included)
+    shard_bytes: int  # this rank's own state (model + optimizer shard) after the load
 
 
 @dataclass(frozen=True, slots=True)

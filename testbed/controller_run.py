@@ -1,6 +1,10 @@
 """A controller on a fake worker group, for the controller's unit tests: ``Run`` (the controller, its
 metrics file and checkpoint root in tmp, a settable clock) and the ``make`` fixture that builds them
-and closes them after the test (``testbed/fake_group.py`` scripts the ranks and their faults)."""
+and closes them after the test (``testbed/fake_group.py`` scripts the ranks and their faults).
+
+``window`` is the number of steps in flight (orchestrator/control/window.py): 1 by default, so each
+``step()`` call makes one step's calls and a test can follow them call by call; the window's own
+tests ask for more."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class Clock:
 class Run:
     """A controller on a fake group, with its metrics file and checkpoint root in tmp."""
 
-    def __init__(self, tmp_path, overrides, actors: int | None, capacity: int) -> None:
+    def __init__(self, tmp_path, overrides, actors: int | None, capacity: int, window: int = 1) -> None:
         self.metrics_path = tmp_path / "m.jsonl"
         self.ckpt = tmp_path / "ckpt"
         self.cfg = load_config(None, [
@@ -38,7 +42,7 @@ class Run:
         self.clock = Clock()
         self.metrics = MetricsLog(self.cfg.metrics, progress_total=None, ray_metrics=False)
         self.c = Controller(self.cfg, self.group, metrics=self.metrics, store_address=("127.0.0.1", 29500),
-                            use_gpu=False, data_path="builtin", clock=self.clock)
+                            use_gpu=False, data_path="builtin", clock=self.clock, steps_in_flight=window)
 
     def steps(self, n: int, state: State = State.RUNNING) -> None:
         for _ in range(n):
@@ -62,8 +66,8 @@ class Run:
 def make(tmp_path):
     runs = []
 
-    def make(*overrides, actors=None, capacity=0) -> Run:
-        runs.append(Run(tmp_path, overrides, actors, capacity))
+    def make(*overrides, actors=None, capacity=0, window=1) -> Run:
+        runs.append(Run(tmp_path, overrides, actors, capacity, window))
         return runs[-1]
 
     yield make

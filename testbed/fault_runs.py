@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import make_controller
@@ -37,14 +38,20 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
     group = make_group(cfg.mesh.world)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # INITIALIZING -> RUNNING (generation 1 formed)
+        controller.step()  # FORMING -> RUNNING (generation 1 formed)
         members = controller.generation.members
         faults = [(victim_rank, at_step, kind, delay_s, where), *more]
         victims = {members[f[0]] for f in faults}
         survivors = {a: group.pids[a] for a in group.live_ids if a not in victims}
         for rank, at, fault_kind, delay, where in faults:
-            group.call([members[rank]], "arm_fault", (at, fault_kind, delay, where), timeout_s=10)
+            group.call([members[rank]], RankCalls.arm_fault, (at, fault_kind, delay, where), timeout_s=10)
         controller.step_hooks.extend(hooks)
+        # A rank that dies as its step ``at`` starts may take the answer of step ``at - 1`` with it
+        # when that step was still in flight (orchestrator/control/window.py): the window drains
+        # before each armed step, so the failure is the armed step's, as the tests name it.
+        drain_before = {at for _, at, _, _, point in faults if point in ("step", "forward")}
+        if drain_before:
+            controller.step_hooks.append(_drain_at(drain_before))
         summary = controller.run()
         for actor, pid in survivors.items():  # no survivor was restarted
             assert group.pids[actor] == pid
@@ -52,6 +59,14 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
         return controller, summary, overrides
     finally:
         group.shutdown()
+
+
+def _drain_at(steps: set[int]):
+    def drain(controller, step: int) -> None:
+        pass  # a hook due at a step stops the window short of it: that is all it is for
+
+    drain.steps = frozenset(steps)
+    return drain
 
 
 def resumed_from_newest_committed(metrics_path) -> list[int]:

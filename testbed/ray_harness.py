@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import Controller
 from orchestrator.metrics import MetricsLog
 
@@ -25,7 +26,7 @@ def make_controller(cfg, group, store_address, data_path: str = "builtin") -> Co
 def mesh_params(controller: Controller) -> dict[str, np.ndarray]:
     """Unsharded parameters gathered from the controller's current generation."""
     gen = controller.generation
-    outcome = controller.group.call(list(gen.members.values()), "full_state", timeout_s=120)
+    outcome = controller.group.call(list(gen.members.values()), RankCalls.full_state, timeout_s=120)
     assert outcome.ok, outcome
     params: dict[str, np.ndarray] = {}
     for part in outcome.results.values():

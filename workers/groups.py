@@ -12,6 +12,17 @@ the (dp, pp, tp) groups ourselves with ``new_group`` and wrap them with ``Device
 The mesh's axis names are unique per generation (``_axis_names``): DTensor's caches must never see
 an earlier generation's mesh as equal to the current one.
 
+Formation that scales with the world (docs/design.md, Generations): a rank makes only the groups it is
+a member of (``new_group(..., use_local_synchronization=True)``: members meet under a key derived from
+their ranks, non-members never call), not every group of the world. (``split_group``, the other way to
+cut sub-groups, is unusable on CPU: F6.) gloo still connects every pair of a group's members when the
+group is made, the two whole-world groups (the default one: the grad norm's all-reduce, fp16's skip
+decision; the checkpoint group: DCP) included. Lazily made pairs (``TORCH_GLOO_LAZY_INIT``) would cut a
+rank's connections to the few its algorithms use, but the kick frees a generation by shutting down the
+connections that exist: a pair made after it (a DCP collective on the checkpoint group's writer
+thread, after a peer died mid-write) worked on, and a survivor then blocked in its next collective
+until the timeout, once per collective (bench/chaos.py: a 140 s recovery), so pairs connect eagerly.
+
 The backend follows the device (``workers.device``): NCCL on CUDA (the rank's GPU is the current
 device), gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
 a rank blocked on a dead peer differs per backend: gloo's blocked ops ignore ``abort()``, so the
@@ -38,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -55,6 +67,7 @@ AXES = (MeshAxis.DP, MeshAxis.PP, MeshAxis.TP)
 # HSDP (RankGroups.replicate > 1) splits dp into (replicate, shard) mesh axes; the shard axis keeps
 # the name "dp", and the flattened dp group is made separately (``RankGroups.dp_group``).
 DP_REPLICATE = "dp_replicate"
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 def clear_dtensor_caches() -> None:
@@ -205,6 +218,7 @@ def build_process_groups(
     nccl = backend == "nccl"
     if nccl:
         apply_nccl_env()
+    os.environ.pop(GLOO_LAZY_INIT, None)  # eager pairs (see the module docstring); read per group
     listeners_before = sockets.listening_ports()
     try:
         base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
@@ -219,21 +233,17 @@ def build_process_groups(
         if replicate > 1:
             rep, shard = hsdp_group_ranks(shape, replicate)
             axis_members = [rep, shard, *axis_members[1:], axis_members[0]]  # the last: flat dp
-        groups: list[dist.ProcessGroup] = []
-        for members_of_axis in axis_members:
-            mine = None
-            # Every rank must call new_group for every group, in the same order.
-            for members in members_of_axis:
-                group = dist.new_group(members, timeout=timeout, backend=backend)
-                if world_rank in members:
-                    mine = group
-            groups.append(mine)
+        # Only this rank's own groups: their members meet by their ranks (see the module docstring).
+        groups = [dist.new_group(next(m for m in members_of_axis if world_rank in m), timeout=timeout,
+                                 backend=backend, use_local_synchronization=True)
+                  for members_of_axis in axis_members]
         flat_dp = groups.pop() if replicate > 1 else None
         # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
         # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
         if nccl:
             listeners_before = sockets.listening_ports()
-        ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo")
+        ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo",
+                                    use_local_synchronization=True)
         ports = sorted(sockets.listening_ports() - listeners_before)
     except BaseException:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or

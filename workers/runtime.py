@@ -32,7 +32,7 @@ from workers.compression import setup_dp_reduction, wrap_ddp
 from workers.compute_clock import ComputeClock
 from workers.groups import RankGroups
 from workers.loss_scale import DynamicLossScale
-from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from workers.optim import build_optimizer, clip_grad_norm, lr_at, poison_grads, set_lr
 from workers.parallelize import parallelize_stage
 from workers.pipeline import Executor, Stage, StepData
 from workers.tied import TiedGrads
@@ -131,7 +131,10 @@ class RankRuntime:
         self._awaiting_load = spec.load_follows
         self.inject_busy_s = 0.0
         self.inject_sleep_s = 0.0
-        self.inject_sleep_each_s = 0.0  # ... and seconds slept in every microbatch's (a slow device)
+        # Called before the optimizer writes the state: a snapshot still copying it finishes first
+        # (the actor's snapshot worker sets it; workers/snapshot_push.py).
+        self.before_update = lambda: None
+        self.inject_sleep_each_s = 0.0  # test hook: seconds slept in every microbatch (a slow device)
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
@@ -191,7 +194,7 @@ class RankRuntime:
         loss_bad = holds_loss and not math.isfinite(loss)
         if loss_bad or self.inject_nan_grad:
             self.inject_nan_grad = False
-            self._poison_grads()
+            poison_grads(self.params, self.tied.not_in_norm)
         finite = True
         bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
@@ -207,6 +210,7 @@ class RankRuntime:
                                   holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
                                   timeout_s=self.spec.collective_timeout_s)
             if math.isfinite(norm):
+                self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
                 set_lr(self.optimizers, lr_at(step, self.spec.train))
                 self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
                 for opt in self.optimizers:
@@ -235,19 +239,6 @@ class RankRuntime:
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
             recompiles=compile_stats.PROCESS.stop() if compiled else None,
         )
-
-    def _poison_grads(self) -> None:
-        """Put a NaN into this rank's share of one counted gradient: the global norm becomes NaN on
-        every rank (how a non-finite loss on the last stage reaches the one skip decision)."""
-        from torch.distributed.tensor import DTensor
-
-        for p in self.params:
-            if p.grad is None or id(p) in self.tied.not_in_norm:
-                continue
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            if local.numel():
-                local.view(-1)[0] = float("nan")
-                return
 
     # -- inspection -------------------------------------------------------------------------------
     def full_state(self) -> dict[str, np.ndarray]:
@@ -319,11 +310,23 @@ class RankRuntime:
         if self._writer is not None:
             self._writer.wait_staged()
 
+    def _finish_checkpoint_write(self) -> None:
+        """Before a load: the save in flight is done, staged and written. Loading overwrites the tensors
+        its staging may be copying, and its write runs DCP's collectives on the checkpoint group a load
+        uses too (two collectives at once on one gloo group hang or abort it). An in-place rollback can
+        come while the save queued behind the rolled-back step still writes (orchestrator/control/
+        window.py). Its outcome stays the driver's to read (``wait_checkpoint``) or to drop."""
+        from concurrent.futures import wait
+
+        self._wait_checkpoint_staging()
+        if self._save_future is not None:
+            wait([self._save_future])  # not .result(): a failure is reported where it is read
+
     def load_checkpoint(self, path: str) -> int:
         """Load (resharding into this generation's mesh) and return the checkpoint's step."""
         from checkpoints.reader import load_training_state
 
-        self._wait_checkpoint_staging()  # loading overwrites the tensors a save may be copying
+        self._finish_checkpoint_write()
         point = load_training_state(
             path, self.model_parts(), self.optimizers, restore_rng=False,
             process_group=self.groups.ckpt_group,
@@ -333,36 +336,52 @@ class RankRuntime:
         self._awaiting_load = False
         return point.step
 
-    # -- in-memory snapshots (checkpoints/memory.py; docs/design.md, In-memory snapshots) -----------
-    def take_snapshot(self, step: int):
-        """This rank's shard of step ``step`` copied into host memory (what a checkpoint would write)."""
-        from checkpoints.memory import SnapshotTaker
+    # -- in-memory snapshots (checkpoints/snapshot_taker.py; docs/design.md, In-memory snapshots) ---
+    def plan_snapshot(self, step: int, slot: int):
+        """This rank's shard of step ``step``, planned into host buffer set ``slot``: the copies are the
+        caller's to run off this thread (``PlannedSnapshot.copy``) before the next update; or, at the
+        first take of the generation, a complete snapshot taken now."""
+        from checkpoints.snapshot_taker import SnapshotTaker
         from checkpoints.state import TrainingState
 
         if self._ckpt_state is None:  # shared with checkpoints: the same verified fast state dicts
             self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
-        if self._snapshots is None:  # plans once per generation (checkpoints/memory.py)
+        if self._snapshots is None:  # plans once per generation
             self._snapshots = SnapshotTaker()
         state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
                                           rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
-        return self._snapshots.take(state, step=step, rank=self.groups.world_rank)
+        return self._snapshots.plan(state, step=step, rank=self.groups.world_rank, slot=slot)
 
-    def load_snapshot(self, snapshots) -> int:
-        """Load the snapshots of every rank of the mesh that took them (resharding into this
-        generation's mesh, collectively, as ``load_checkpoint``) and return their step."""
-        from checkpoints.memory import MemoryReader
+    def load_snapshot(self, source, store, actor_id: int):
+        """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
+        ``source.providers`` names) resharded into this generation's mesh, collectively as
+        ``load_checkpoint``, fetching only the pieces this rank's load plan needs: the new rank 0 reads
+        every old rank's metadata and broadcasts the list; each rank's DCP reads then ask the providers
+        for their slices (workers/snapshot_push.py)."""
+        import torch.distributed as dist
+
+        from checkpoints.memory import RemoteReader
         from checkpoints.reader import load_training_state
+        from checkpoints.state import local_state_bytes
+        from meshspeak.messages import RestoreAck
+        from workers.snapshot_push import fetch_metadata, fetch_pieces
 
-        self._wait_checkpoint_staging()
-        reader = MemoryReader(snapshots)
+        self._finish_checkpoint_write()
+        key = tuple(source.key)
+        providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
+        metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
+        if self.groups.shape.world > 1:
+            dist.broadcast_object_list(metas, src=0, group=self.groups.ckpt_group)
+        reader = RemoteReader(metas[0], key[2], lambda wanted: fetch_pieces(store, key, providers, actor_id, wanted))
         point = load_training_state(
-            f"in-memory snapshot of step {reader.step}", self.model_parts(), self.optimizers,
+            f"in-memory snapshot of step {key[2]}", self.model_parts(), self.optimizers,
             restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
         self._awaiting_load = False
-        return point.step
+        return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes,
+                          shard_bytes=local_state_bytes(self.params, self.optimizers))
 
     def destroy(self) -> None:
         if self._writer is not None:

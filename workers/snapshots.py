@@ -1,80 +1,116 @@
 """The in-memory snapshots one rank actor keeps: its own, and the copies it holds for a peer
-(worker side; no Ray, so the actor's methods stay thin).
+(worker side; no Ray: the pushing is workers/snapshot_push.py's).
 
 They belong to the actor, not to the generation's ``RankRuntime``: a rebuild throws the runtime away,
-and the snapshots are exactly what it restores from. Keys are ``(generation, step)``; the driver
-says with every call which other keys to keep (``orchestrator/saves/snapshots.py``), everything else is
-dropped, so an actor holds at most the newest complete set and the one in flight, of itself and of
-the one peer it backs up.
+and the snapshots are exactly what it restores from. Keys are ``messages.SnapKey`` — (generation,
+life, step), ``life`` counting the loads done in that generation, so a step re-trained after an
+in-place rollback is never mistaken for the one before it. Keys order by recency.
 
-Threads: ``take`` runs on the training thread (the copy to host is the step's only cost); ``blob``,
-``keep`` and ``give`` run on the actor's other threads, while training goes on. ``blob`` waits for the
-``take`` of the same key, which the driver submitted first but which may still be queued behind work
-on the training thread.
+Retention: the driver names, with every step, the newest *complete* set it knows (``keep``: every
+rank's copy acknowledged by its holder). Kept are that set and the two newest after it — of this
+rank's own, and of each peer it holds — everything older is dropped. So the newest complete set is
+never dropped before a newer one completed, and the two newest sets survive even though ``keep``
+lags the steps by the window (a rank that dies before its newest push landed is restored from the
+set before, one step older, not from ``keep``). An actor holds at most three own snapshots and three
+per peer it backs up (6 x its shard of host memory with the ring's one peer each:
+``orchestrator.saves.snapshots.host_bytes_per_rank``). Own snapshots live in the taker's three reused
+buffer sets (``checkpoints/snapshot_taker.py``): ``slot_for`` picks the set the next take may
+overwrite; a held copy is written over the one it replaces.
+
+Threads: takes are planned on the training thread and copied and pushed on the snapshot worker's
+(workers/snapshot_push.py); ``keep`` (a peer's push), ``inventory``, ``meta`` and ``pieces`` (a
+restore's reads) run on the actor's snapshot thread.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 from checkpoints.memory import MemorySnapshot
+from meshspeak.messages import SnapKey, SnapshotInventory
 
-SnapKey = tuple[int, int]  # (generation, step)
+NEWEST = 2  # snapshots kept per owner besides the kept set (see the module docstring)
 
 
 class SnapshotStore:
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.own: dict[SnapKey, MemorySnapshot] = {}
+        self._lock = threading.Lock()
+        self.own: dict[SnapKey, tuple[MemorySnapshot, int | None]] = {}  # key -> (snapshot, buffer set)
         self.held: dict[tuple[SnapKey, int], MemorySnapshot] = {}  # (key, owner's world rank) -> copy
-        self._failed: dict[SnapKey, str] = {}
+        self.keep_key: SnapKey | None = None
 
-    def put_own(self, key: SnapKey, snap: MemorySnapshot | None, keep: tuple, error: str = "") -> None:
-        with self._cond:
-            keep_keys = {tuple(k) for k in keep} | {key}
-            self.own = {k: v for k, v in self.own.items() if k in keep_keys}
-            self._failed = {}
-            if snap is None:
-                self._failed[key] = error
-            else:
-                self.own[key] = snap
-            self._cond.notify_all()
+    # -- retention --------------------------------------------------------------------------------
+    def retain(self, keep: SnapKey | tuple | None) -> None:
+        """The driver's newest complete set is ``keep`` (None or () when there is none yet)."""
+        with self._lock:
+            self.keep_key = tuple(keep) if keep else None
+            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=NEWEST)
+            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=NEWEST)
 
-    def blob(self, key: SnapKey, timeout_s: float) -> MemorySnapshot:
-        """This actor's own snapshot of ``key``, once taken (waits up to ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while key not in self.own:
-                if key in self._failed:
-                    raise RuntimeError(f"snapshot {key} failed: {self._failed[key]}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"snapshot {key} not taken after {timeout_s:.0f}s")
-                self._cond.wait(left)
-            snap = self.own[key]
-        return snap.serialize()  # on this (non-training) thread, before Ray pickles it
+    def slot_for(self, slots: int = NEWEST + 1) -> int:
+        """The buffer set the next take may overwrite: not the kept set's, else the oldest own."""
+        with self._lock:
+            used = {slot: key for key, (_, slot) in self.own.items() if slot is not None}
+        pinned = next((slot for slot, key in used.items() if key == self.keep_key), None)
+        free = [s for s in range(slots) if s != pinned]
+        return min(free, key=lambda s: used.get(s, (-1, -1, -1)))
 
-    def keep(self, key: SnapKey, owner: int, snap: MemorySnapshot, keep: tuple) -> int:
-        """Hold a copy of ``owner``'s snapshot in this process's memory; drop what is not kept."""
-        copy = snap.copy()  # ours: never a view of memory another process owns
-        keep_keys = {tuple(k) for k in keep} | {key}
-        with self._cond:
-            self.held = {k: v for k, v in self.held.items() if k[0] in keep_keys}
+    def put_own(self, key: SnapKey, snap: MemorySnapshot, slot: int | None) -> None:
+        """A take finished: the snapshot in that buffer set before is gone (it is written over)."""
+        with self._lock:
+            if slot is not None:
+                self.own = {k: v for k, v in self.own.items() if v[1] != slot}
+            self.own[key] = (snap, slot)
+            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=NEWEST)
+
+    def drop_own_slot(self, slot: int) -> None:
+        """Buffer set ``slot`` is about to be written: its snapshot stops being one."""
+        with self._lock:
+            self.own = {k: v for k, v in self.own.items() if v[1] != slot}
+
+    # -- holding a peer's copy ----------------------------------------------------------------------
+    def keep(self, key: SnapKey, owner: int, snap: MemorySnapshot) -> int:
+        """Hold a copy of ``owner``'s snapshot in this process's memory (ours: never a view of memory
+        another process owns: a Ray object dies with its owner), written over the copy it replaces."""
+        with self._lock:
+            mine = sorted(k for k in self.held if k[1] == owner and k[0] != self.keep_key)
+            reuse = self.held.pop(mine[0]) if len(mine) >= NEWEST else None  # the one it displaces
+        copy = snap.copy(reuse)
+        with self._lock:
             self.held[(key, owner)] = copy
+            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=NEWEST)
         return copy.nbytes
 
-    def give(self, key: SnapKey, owner: int) -> MemorySnapshot:
+    # -- restoring --------------------------------------------------------------------------------
+    def inventory(self) -> SnapshotInventory:
+        with self._lock:
+            return SnapshotInventory(own=tuple((k, snap.rank) for k, (snap, _) in self.own.items()),
+                                     held=tuple(self.held))
+
+    def find(self, key: SnapKey, owner: int) -> MemorySnapshot:
         """The snapshot of ``owner``'s shard at ``key``: this actor's own or a held copy."""
-        with self._cond:
+        key = tuple(key)
+        with self._lock:
             mine = self.own.get(key)
-            if mine is not None and mine.rank == owner:
-                return mine.serialize()
+            if mine is not None and mine[0].rank == owner:
+                return mine[0]
             held = self.held.get((key, owner))
         if held is None:
-            raise KeyError(f"no snapshot of rank {owner} at generation {key[0]} step {key[1]} here")
+            raise KeyError(f"no snapshot of rank {owner} at {key} here")
         return held
 
     def nbytes(self) -> int:
-        with self._cond:
-            return sum(s.nbytes for s in self.own.values()) + sum(s.nbytes for s in self.held.values())
+        with self._lock:
+            return sum(s.nbytes for s, _ in self.own.values()) + sum(s.nbytes for s in self.held.values())
+
+
+def _kept(entries: dict, keep: SnapKey | None, group_of, key_of=lambda k: k, newest: int = 1) -> dict:
+    """Of ``entries`` (by snapshot key, grouped by ``group_of``: the owner), keep ``keep``'s and the
+    ``newest`` newest after it in each group; drop everything older than ``keep``."""
+    after: dict = {}
+    for entry in entries:
+        key = key_of(entry)
+        if keep is None or key > keep:
+            after.setdefault(group_of(entry), []).append(entry)
+    kept = {e for group in after.values() for e in sorted(group, key=key_of)[-newest:]}
+    return {e: v for e, v in entries.items() if (keep is not None and key_of(e) == keep) or e in kept}

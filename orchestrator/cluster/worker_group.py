@@ -9,8 +9,9 @@ A dead actor's call raises ``RayActorError``; that is caught only here and turne
 
 Everything the driver's control loop needs from Ray goes through this class (calls, kills, the
 capacity probe ``free_slots``, polling and draining call refs), so the controller, the checkpoint
-coordinator and ``orchestrator.recovery.settle`` never import Ray and can be driven by a fake group
-(``testbed/fake_group.py`` implements the same methods).
+coordinator and ``orchestrator.recovery`` never import Ray and can be driven by a fake group: both
+implement ``orchestrator.cluster.group_protocol.WorkerGroupLike``. Calls are named through
+``meshspeak.rank_calls.RankCalls``, never by a method-name string.
 """
 
 from __future__ import annotations
@@ -28,19 +29,14 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCall, RankCalls, call_name
 from orchestrator.cluster.bundles import Placements, Slot
+from orchestrator.cluster.ray_calls import error_line, shared_arg
 from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
 
 START_GRACE_S = 120.0  # a background start may take this long beyond placement (torch import under load)
-
-
-def error_line(exc: BaseException) -> str:
-    """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
-    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
-    cause = getattr(exc, "cause", None) or exc
-    return f"{type(cause).__name__}: {cause}".splitlines()[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +47,12 @@ class ActorResources:
 
 class WorkerGroup:
     def __init__(self, resources: ActorResources, placement_timeout_s: float, *, reserved: Any = None,
-                 actor_kwargs: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 actor_kwargs: dict[str, Any] | None = None, actor_class: type | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.resources = resources
+        # workers.actor.RankActor, or another implementation of meshspeak.rank_calls.RankCalls (the
+        # torch-free fake rank of bench/scale.py) with the same concurrency groups.
+        self.actor_class = actor_class
         self.actor_kwargs = dict(actor_kwargs or {})  # passed to every RankActor (e.g. the profile spec)
         self.placement_timeout_s = placement_timeout_s
         self.clock = clock
@@ -82,7 +82,7 @@ class WorkerGroup:
         handles = self._create(self.placements.slots(count, strategy, self.draining_nodes(), wait_s))
         self.actors.update(handles)
         ids = list(handles)
-        outcome = self.call(ids, "ping", timeout_s=max(120.0, wait_s))
+        outcome = self.call(ids, RankCalls.ping, timeout_s=max(120.0, wait_s))
         if not outcome.ok:
             # Leave no half-started actors behind: callers count live_ids as ranks to form.
             self.kill(ids)
@@ -102,7 +102,7 @@ class WorkerGroup:
         deadline = self.clock() + self.placement_timeout_s + START_GRACE_S
         slots = self.placements.slots(count, strategy, self.draining_nodes(), None)
         for actor_id, handle in self._create(slots).items():
-            self._starting[actor_id] = (handle, handle.ping.remote(), deadline)
+            self._starting[actor_id] = (handle, getattr(handle, call_name(RankCalls.ping)).remote(), deadline)
 
     @property
     def starting(self) -> int:
@@ -112,9 +112,14 @@ class WorkerGroup:
     def adopt_started(self) -> list[int]:
         """The background-started actors that answered since the last call, now live (never blocks)."""
         self.placements.watch()
+        if not self._starting:
+            return []
+        pings = {ping: actor_id for actor_id, (_, ping, _) in self._starting.items()}
+        answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0, fetch_local=True)
+        answered = {pings[ref] for ref in answered}
         ready = []
         for actor_id, (handle, ref, deadline) in list(self._starting.items()):
-            done, _ = ray.wait([ref], timeout=0)
+            done = actor_id in answered
             if not done and self.clock() < deadline:
                 continue
             try:
@@ -142,14 +147,16 @@ class WorkerGroup:
 
     def _create(self, slots: list[Slot]) -> dict[int, Any]:
         """One RankActor in each bundle; actor id -> handle (not live until it answered a ping)."""
-        from workers.actor import TRAIN_GROUP, RankActor  # lazily: the class is shipped to the actors
+        actor_class = self.actor_class
+        if actor_class is None:
+            from workers.actor import RankActor as actor_class  # lazily: the class is shipped to the actors
 
-        # One long-lived thread runs all of a rank's training work (the "train" group); the default
-        # group's threads serve the driver's rescue and parked calls (status, kick, wait_checkpoint)
-        # and the snapshot relay (snapshot_blob, keep_snapshot, give_snapshot): 5, so that a parked
-        # wait_checkpoint and a relay in progress never leave a kick waiting for a thread.
+        # One long-lived thread runs all of a rank's training work (the "train" group), one a peer's
+        # snapshot push and a restore's reads (the "snapshots" group); the default group's threads
+        # serve the driver's rescue and parked calls (status, kick, wait_checkpoint, wait_snapshots,
+        # snapshot_inventory): 5, so that parked calls never leave a kick waiting for a thread.
         # See workers/actor.py TRAIN_GROUP for why.
-        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1})(RankActor)
+        remote_cls = ray.remote(concurrency_groups={TRAIN_GROUP: 1, SNAPSHOT_GROUP: 1})(actor_class)
         handles = {}
         for pg, index in slots:
             actor_id = self._next_id
@@ -223,7 +230,7 @@ class WorkerGroup:
     def call(
         self,
         actor_ids: list[int],
-        method: str,
+        method: RankCall,
         args: dict[int, tuple] | tuple = (),
         *,
         timeout_s: float,
@@ -231,45 +238,73 @@ class WorkerGroup:
         """Call ``method`` on each actor (per-actor args or shared args) and wait up to ``timeout_s``."""
         return self.collect(self.submit(actor_ids, method, args), timeout_s)
 
-    def submit(self, actor_ids: list[int], method: str, args: dict[int, tuple] | tuple = ()) -> dict:
-        """Start calls without waiting; pass the returned refs to ``collect``."""
+    def submit(self, actor_ids: list[int], method: RankCall, args: dict[int, tuple] | tuple = ()) -> dict:
+        """Start calls without waiting; pass the returned refs to ``collect``. Shared ``args`` that are
+        not tiny are put into the object store once, not serialized once per actor (what a restore's
+        provider list would cost at hundreds of ranks)."""
+        name = call_name(method)
+        if not isinstance(args, dict) and len(actor_ids) > 1:
+            args = tuple(shared_arg(a) for a in args)
         refs = {}
         for actor_id in actor_ids:
             a = args.get(actor_id, ()) if isinstance(args, dict) else args
-            refs[getattr(self.actors[actor_id], method).remote(*a)] = actor_id
+            refs[getattr(self.actors[actor_id], name).remote(*a)] = actor_id
         return refs
+
+    def handle(self, actor_id: int) -> Any:
+        """The actor's handle, for a call the driver lets another rank make on it (a snapshot holder,
+        a restore's providers): ``meshspeak.messages.GenerationOrders``, ``RestoreSource``."""
+        return self.actors[actor_id]
 
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         """Wait for refs until all answered or the deadline; ``stop_early(outcome)`` may end the wait
-        sooner (the controller stops waiting for a step as soon as one actor died)."""
+        sooner (the controller stops waiting for a step as soon as one actor died). Answers are read in
+        batches: every ref ready at once is taken in one ``ray.wait`` and one ``ray.get`` (reading
+        them one ``ray.wait(num_returns=1)`` at a time cost the driver O(ranks^2) per step)."""
         outcome = CallOutcome()
         remaining = list(refs)
         deadline = time.monotonic() + timeout_s
         while remaining:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            done, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
-            self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
-            for ref in done:
-                actor_id = refs[ref]
-                try:
-                    outcome.results[actor_id] = ray.get(ref, timeout=10)
-                except RayActorError as exc:
-                    outcome.dead[actor_id] = type(exc).__name__
-                except Exception as exc:  # the method raised: latched for the controller
-                    outcome.failed[actor_id] = error_line(exc)
+            ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=0)
+            if not ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
+                self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
+                if not ready:
+                    continue
+            self._read(ready, refs, outcome)
             if stop_early is not None and stop_early(outcome):
                 break
         outcome.pending = [refs[r] for r in remaining]
         outcome.pending_refs = {r: refs[r] for r in remaining}
         return outcome
 
+    def _read(self, ready: list, refs: dict, outcome: CallOutcome) -> None:
+        try:
+            values = ray.get(ready, timeout=10)
+        except Exception:  # some of them failed: read one by one to tell which
+            values = None
+        if values is not None:
+            for ref, value in zip(ready, values, strict=True):
+                outcome.results[refs[ref]] = value
+            return
+        for ref in ready:
+            actor_id = refs[ref]
+            try:
+                outcome.results[actor_id] = ray.get(ref, timeout=10)
+            except RayActorError as exc:
+                outcome.dead[actor_id] = type(exc).__name__
+            except Exception as exc:  # the method raised: latched for the controller
+                outcome.failed[actor_id] = error_line(exc)
+
     def all_done(self, refs) -> bool:
-        """Whether every call in ``refs`` has answered (or failed), without waiting. (``collect`` with
-        a zero deadline returns before looking at any ref, so it cannot serve as this poll.)"""
+        """Whether every call in ``refs`` has answered (or failed), without waiting and without
+        moving their answers to the driver. (``collect`` with a zero deadline returns before looking
+        at any ref, so it cannot serve as this poll.)"""
         refs = list(refs)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return len(ready) == len(refs)
 
     def drain(self, refs: list) -> list:
@@ -278,7 +313,7 @@ class WorkerGroup:
         refs still running: pass them again later."""
         if not refs:
             return []
-        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         for ref in ready:
             try:
                 ray.get(ref, timeout=1)

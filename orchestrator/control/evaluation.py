@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import RankCalls
 
 
 class Evaluator:
@@ -26,18 +27,14 @@ class Evaluator:
         every = self.cfg.eval.every
         return bool(self.path) and (step == self.cfg.train.steps or (every > 0 and step % every == 0))
 
-    def run(self, controller, step: int) -> CallOutcome | None:
-        """Evaluate the current generation; None when done, the failed outcome otherwise."""
-        gen = controller.generation
-        actions = gen.plan.actions()
+    def run(self, group, gen, metrics, step: int) -> CallOutcome | None:
+        """Evaluate generation ``gen``; None when done, the failed outcome otherwise."""
         loss_sum = 0.0
         count = 0
         for batch in range(self.cfg.eval.batches):
-            args = {actor: (self.path, batch, actions[gen.shape.coords(rank).pp], self.mask_eos_id)
-                    for rank, actor in gen.members.items()}
-            refs = controller.group.submit(list(gen.members.values()), "eval_step", args)
-            outcome = controller.group.collect(refs, self.cfg.elastic.step_timeout_s,
-                                               stop_early=lambda o: bool(o.dead or o.failed))
+            # Each rank runs the forward-only part of the action list it got once per generation.
+            refs = group.submit(list(gen.members.values()), RankCalls.eval_step, (self.path, batch, self.mask_eos_id))
+            outcome = group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
             if not outcome.ok:
                 return outcome
             results = list(outcome.results.values())
@@ -46,6 +43,6 @@ class Evaluator:
             loss_sum += sum(r["loss"] for r in results if r["loss"] is not None) * batch_count
             count += batch_count
         loss = loss_sum / max(1, count)
-        controller.metrics.eval(step=step, loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
-                                batches=self.cfg.eval.batches)
+        metrics.eval(step=step, loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
+                     batches=self.cfg.eval.batches)
         return None

@@ -1,5 +1,5 @@
-"""What the driver records of a generation and of a run, and what it tells each rank to build; and the
-controller's ``State`` (the run's state machine, orchestrator/control/controller.py).
+"""What the driver records of a generation and of a run, what it tells each rank to build, and which
+live actor gets which world rank.
 
 Three different "generation" types exist, one per side: ``GenerationRecord`` here (the driver's record
 of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
@@ -9,20 +9,12 @@ of a formed mesh), ``messages.JoinSpec`` (the instruction one rank gets) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from meshspeak.mesh import MeshShape
 from meshspeak.messages import RankInfo, RuntimeSpec
 from meshspeak.sections import JobConfig
 from orchestrator.plan.mesh_plan import MeshPlan, model_fields
-
-
-class State(StrEnum):
-    INITIALIZING = "initializing"
-    RUNNING = "running"
-    REBUILDING = "rebuilding"
-    FINISHED = "finished"
-    ERRORED = "errored"
+from orchestrator.plan.placement import place_ranks
 
 
 @dataclass
@@ -76,3 +68,10 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         schedule=cfg.pipeline.schedule,
         load_follows=load_follows,
     )
+
+
+def assign_ranks(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:
+    """World rank -> actor id for ``shape.world`` of the live actors, and the spares: TP groups inside
+    a node, then PP, then DP across nodes (orchestrator/plan/placement.py)."""
+    ordered = place_ranks(live, node_ips, shape).order
+    return {rank: ordered[rank] for rank in range(shape.world)}, ordered[shape.world:]

@@ -12,15 +12,18 @@ hysteresis); this module maps a generation onto it and step results into its mea
   clock: workers/compute_clock.py) over its replica's count in the split that step was sent with;
   a generation's first step is not measured (it pays one-time set-ups: connections, caches).
 
-The controller calls ``begin`` when a generation formed, ``step_args`` to send a step (the split is
-decided there, at the step boundary) and ``observe`` with a trained step's results. With the key off,
-or one replica, ``step_args`` is what the controller sent before: the plan's even lists. Nothing here
-is saved: a checkpoint records no split (it is derived), and a resumed run measures again.
+The controller calls ``begin`` when a generation formed, ``orders_for`` as it sends a step (the split
+is decided there, at the step boundary) and ``observe`` with a trained step's results. Steps go out
+ahead of their results (control/window.py), so a decision uses what was read by then; a rank keeps
+the last ``SplitOrders`` it was sent, so only the first step of a new split carries one, and every
+generation starts at the even split its ``GenerationOrders`` hold. With the key off, or one replica,
+nothing is sent. Nothing here is saved: a checkpoint records no split (it is derived), and a resumed
+run measures again.
 """
 
 from __future__ import annotations
 
-from meshspeak.messages import StepResult
+from meshspeak.messages import SplitOrders, StepResult
 from meshspeak.rebalance import Split, SplitPolicy, split_rules
 from meshspeak.sections import JobConfig
 from orchestrator.control.generation import GenerationRecord
@@ -35,6 +38,7 @@ class Rebalancer:
         self.generation: GenerationRecord | None = None
         self._sent: dict[int, Split] = {}  # step -> the split it was sent with
         self._first = True  # the next step sent is the generation's first: not measured
+        self._held: Split | None = None  # the split the ranks train (None: the even one, from joining)
 
     @property
     def active(self) -> bool:
@@ -53,13 +57,13 @@ class Rebalancer:
             replicas[coords.dp].append((actor, coords.pp))
         plan = gen.plan
         self.policy.begin(replicas, self.total, split_rules(plan.shape.pp, plan.virtual_stages, plan.schedule_name))
+        self._held = self.policy.split  # even: what the members train with their GenerationOrders
 
-    def step_args(self, step: int) -> dict[int, tuple]:
-        """Actor -> ``train_step`` arguments for ``step``: (step, its action list[, the split])."""
-        gen = self.generation
+    def orders_for(self, step: int) -> dict[int, SplitOrders] | None:
+        """Actor -> ``SplitOrders`` when ``step`` starts a new split (each rank's action list for its
+        replica's count); None when the ranks keep the split they have."""
         if not self.active:
-            lists = gen.plan.actions()
-            return {actor: (step, lists[gen.shape.coords(rank).pp]) for rank, actor in gen.members.items()}
+            return None
         if self.policy.decide() is not None:
             seconds = self.policy.replica_seconds()
             self.metrics.event("rebalance", step=step, microbatches=list(self.policy.split),
@@ -68,12 +72,16 @@ class Rebalancer:
         if not self._first:
             self._sent[step] = split
         self._first = False
+        if split == self._held:
+            return None
+        self._held = split
+        gen = self.generation
         lists = {count: gen.plan.actions(count) for count in set(split)}
-        args = {}
+        orders = {}
         for rank, actor in gen.members.items():
             coords = gen.shape.coords(rank)
-            args[actor] = (step, lists[split[coords.dp]][coords.pp], split)
-        return args
+            orders[actor] = SplitOrders(split=tuple(split), actions=tuple(lists[split[coords.dp]][coords.pp]))
+        return orders
 
     def observe(self, step: int, results: list[StepResult]) -> None:
         """A trained step: each rank's seconds per microbatch, for the next decision."""

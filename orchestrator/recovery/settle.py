@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import RankCalls
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fake one
     from orchestrator.cluster.worker_group import WorkerGroup
@@ -71,7 +72,7 @@ def settle(
     found.reasons.update(outcome.failed)
     dead = set(outcome.dead)
     if outcome.pending:
-        polled = group.call(outcome.pending, "status", timeout_s=STATUS_POLL_S)
+        polled = group.call(outcome.pending, RankCalls.status, timeout_s=STATUS_POLL_S)
         hung = set(outcome.pending) - set(polled.results)
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
@@ -81,7 +82,7 @@ def settle(
     # Only survivors' listeners: a dead rank's port may already belong to another process.
     alive = [ep for a in survivors for ep in listeners.get(a, ())]
     if survivors:
-        group.call(survivors, "kick", (alive,), timeout_s=KICK_S)
+        group.call(survivors, RankCalls.kick, (alive,), timeout_s=KICK_S)
     # Let the freed survivors finish their (failed) call so their threads are idle again.
     still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
     if still:
@@ -107,7 +108,7 @@ def _wait_returned(group: WorkerGroup, still: dict, alive: list, wait_s: float) 
         still = late.pending_refs
         if not still or time.monotonic() >= deadline:
             break
-        group.call(sorted(set(still.values())), "kick", (alive,), timeout_s=KICK_S)
+        group.call(sorted(set(still.values())), RankCalls.kick, (alive,), timeout_s=KICK_S)
     return lost | set(still.values())
 
 

@@ -57,6 +57,7 @@ from checkpoints.manifest import CheckpointManifest
 from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import SaveAck, WriteAck
+from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import JobConfig, config_to_dict
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
@@ -115,10 +116,13 @@ class CheckpointCoordinator:
             self.resume_point()
 
     # -- saving -----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
     def after_step(self, group, gen, step: int) -> None:
         self._reap_abandoned(group)
         self._try_commit(group, block=False)
-        if self.every and step % self.every == 0:
+        if self.due(step):
             self._start_save(group, gen, step)
 
     def save_now(self, group, gen, step: int) -> None:
@@ -153,8 +157,12 @@ class CheckpointCoordinator:
             path = prepare_step(self.root, step, run_id=self.run_id)
         except CheckpointError as exc:
             self._storage_failed(step, self.root, exc.message)
+        calls = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (path, step))
+        self._started(group, gen, step, path, calls)
+
+    def _started(self, group, gen, step: int, path: str, calls: dict) -> None:
+        """Phase 1 answered (or will: the calls are read here): park the ``wait_checkpoint`` calls."""
         actors = list(gen.members.values())
-        calls = group.submit(actors, "save_checkpoint", (path, step))
         staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
@@ -163,7 +171,7 @@ class CheckpointCoordinator:
                 self._storage_failed(step, path, _first_cause(group, failed, staged.failed))
             return
         acks: list[SaveAck] = list(staged.results.values())
-        refs = group.submit(actors, "wait_checkpoint")
+        refs = group.submit(actors, RankCalls.wait_checkpoint)
         self._pending = PendingSave(step=step, gen=gen, path=path, refs=refs,
                                     stall_s=max(a.stall_s for a in acks))
 
@@ -312,7 +320,7 @@ class CheckpointCoordinator:
             return 0
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
-        refs = group.submit(list(gen.members.values()), "load_checkpoint", (info.path,))
+        refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.path,))
         outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead))
         if not outcome.ok:
             raise RestoreFailed(

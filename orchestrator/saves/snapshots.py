@@ -1,31 +1,28 @@
-"""In-memory snapshots, driver side: who backs up whom, when a set of snapshots can restore a run,
-and the one function that restores a new generation from the best source (no Ray, no torch).
+"""In-memory snapshots, driver side: who backs up whom, which sets are complete, and the one function
+that restores a new generation from the best source (no Ray, no torch).
 
 Every ``checkpoint.memory_every`` steps (with ``checkpoint.dir`` set) each rank takes a snapshot of
-its shard — model, optimizer, step — into its own memory (``RankActor.snapshot``: the copy to host
-is all the step pays, see ``checkpoints/memory.py``). The driver then relays it to the rank's
-*holder*, the next rank of a ring that prefers another node (``backup_ring``): it hands the ref of
-the owner's ``snapshot_blob`` answer to the holder's ``keep_snapshot``, so Ray moves the bytes
-between nodes and the holder copies them into its own heap. The holder must own its copy: a Ray
-object dies with the process that owns it, and ownership cannot be handed to another actor. The
-ranks never reach into each other; the driver only relays refs.
+its shard — model, optimizer, step — into reused host buffers, off its training thread, and pushes it
+itself to its *holder*, the next rank of a ring that prefers another node (``backup_ring``)
+(workers/snapshot_push.py). The driver only names the holders, once per generation
+(``GenerationOrders``: the holder's actor handle): **no snapshot byte passes through the driver's
+node**, and no call per step is made for them. Each rank reports in its step results the snapshots
+its holder acknowledged (``StepResult.snapshots``); a step's set is *complete* once every rank's was
+(``after_results``: a ``snapshot`` event). The newest complete set's key goes back to the ranks with
+every step (``keep``): each actor keeps that set and the newest snapshots after it, of its own shard
+and of the peer it holds (workers/snapshots.py), so the newest complete set is never dropped before a
+newer one completed. A rank pushes one snapshot at a time and skips a snapshot step while its last push
+still runs, so training never waits for a holder.
 
-A step's snapshot is *complete* once every holder acked. Each actor keeps the newest complete set
-and the one in flight (the driver says which: ``keep``), and a new one is started only when the
-previous one settled, so the newest complete set is always still held.
-
-After a failure, ``restore_best`` restores from the newest complete set when every shard of it has a
-live copy (``covered``: its owner or its holder survived), else from the newest storage checkpoint
-(``choose_source``), and says which (``restored_from`` in the ``rebuild`` event). The snapshot is
-loaded resharded into the new mesh by every new member through DCP (``RankActor.load_snapshot``).
-Every snapshot of the new generation is keyed by its generation number, so the old set stays
-restorable until the new generation completed one of its own.
-
-Training never waits for a relay: a snapshot step that comes while the previous relay still runs is
-skipped. So a failure re-runs at most ``memory_every`` steps when relays keep up with the steps and
-the newest one reached its holders before the failure; else it falls back to the newest complete
-set. On one node the holders are other processes of that node: a node loss is not covered (one
-warning).
+After a failure, ``restore_best`` asks every live actor what it holds (``snapshot_inventory``), takes
+the newest set of which every old rank's shard has a live copy (its owner's or its holder's), if it is
+at least as new as the newest committed checkpoint, else that checkpoint (``choose_source``), and says
+which (``restored_from`` in the ``rebuild`` event). Every new member loads it resharded into the new
+mesh through DCP, fetching from the providers only the pieces of the old shards its own shard needs
+(``RankActor.load_snapshot``: bytes moved per new rank ~ its own shard, whatever the two meshes).
+Snapshots of a generation are keyed by it, so the old set stays restorable until the new generation
+completed one of its own. On one node the holders are other processes there: a node loss is not
+covered (one warning).
 """
 
 from __future__ import annotations
@@ -34,11 +31,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from meshspeak.messages import RestoreSource, SnapKey, StepResult
+from meshspeak.rank_calls import RankCalls
 from orchestrator.saves.checkpointing import RestoreFailed
 
 logger = logging.getLogger(__name__)
 
-SnapKey = tuple[int, int]  # (generation, step)
+INVENTORY_TIMEOUT_S = 10.0
 
 
 # -- pure decisions ---------------------------------------------------------------------------------
@@ -62,9 +61,26 @@ def covered(members: dict[int, int], holders: dict[int, int], live: set[int]) ->
         actor in live or members[holders[rank]] in live for rank, actor in members.items())
 
 
-def providers(members: dict[int, int], holders: dict[int, int], live: set[int]) -> dict[int, int]:
-    """World rank -> the live actor that gives its snapshot (its owner, else its holder)."""
-    return {rank: actor if actor in live else members[holders[rank]] for rank, actor in members.items()}
+def newest_covered(inventories: dict[int, object], worlds: dict[int, int],
+                   at_most: int | None = None) -> tuple[SnapKey, dict[int, int]] | None:
+    """The newest snapshot set of which every rank's shard is held by one of the answering actors,
+    and who gives each (old world rank -> actor id: the owner's own copy first, else a held one).
+    ``inventories``: actor id -> its ``SnapshotInventory``; ``worlds``: generation -> its rank count;
+    ``at_most``: no set of a later step (one the driver never recorded: see ``restore_best``)."""
+    givers: dict[SnapKey, dict[int, int]] = {}
+    for actor, inv in sorted(inventories.items()):
+        for key, rank in inv.own:
+            givers.setdefault(tuple(key), {})[rank] = actor  # own copies win
+    for actor, inv in sorted(inventories.items()):
+        for key, rank in inv.held:
+            givers.setdefault(tuple(key), {}).setdefault(rank, actor)
+    for key in sorted(givers, reverse=True):
+        if at_most is not None and key[2] > at_most:
+            continue
+        world = worlds.get(key[0])
+        if world and set(givers[key]) >= set(range(world)):
+            return key, {rank: givers[key][rank] for rank in range(world)}
+    return None
 
 
 def choose_source(snapshot_step: int | None, storage_step: int) -> str:
@@ -74,25 +90,26 @@ def choose_source(snapshot_step: int | None, storage_step: int) -> str:
 
 
 def host_bytes_per_rank(shard_bytes: int) -> int:
-    """Host memory snapshots take on one rank: its own newest complete and in-flight snapshots and
-    the same two of the peer it holds (model + optimizer shard each)."""
-    return 4 * shard_bytes
+    """Host memory snapshots take on one rank: its own newest complete set's snapshot and the two
+    newest, and the same three of the peer it holds (model + optimizer shard each;
+    workers/snapshots.py says why three)."""
+    return 6 * shard_bytes
 
 
 @dataclass
 class SnapshotSet:
-    """The snapshots of one step of one generation: who took them and who holds a copy."""
+    """The snapshots of one step of one generation: who took them, who holds a copy, what arrived."""
 
-    generation: int
-    step: int
+    key: SnapKey
     members: dict[int, int]  # world rank -> actor id, of that generation
     holders: dict[int, int]  # world rank -> holder's world rank
-    refs: dict = field(default_factory=dict)  # keep_snapshot call -> holder actor (while in flight)
-    takes: dict = field(default_factory=dict)  # snapshot call -> owner actor (while in flight)
+    acked: set[int] = field(default_factory=set)  # world ranks whose holder acknowledged
+    stall_s: float = 0.0
+    nbytes: int = 0
 
     @property
-    def key(self) -> SnapKey:
-        return (self.generation, self.step)
+    def step(self) -> int:
+        return self.key[2]
 
 
 @dataclass(frozen=True)
@@ -100,118 +117,116 @@ class Restored:
     step: int  # 0: nothing to restore, start from the beginning
     source: str  # "snapshot" | "storage"
     load_s: float = 0.0  # the members' load calls, submit to the last answer
+    fetched_bytes: int = 0  # snapshot pieces the members fetched, all of them together
+    shard_bytes: int = 0  # the members' own states after the load, all together
 
 
 # -- the coordinator ----------------------------------------------------------------------------------
 class SnapshotCoordinator:
-    """Takes, relays and restores snapshots through the worker group (tests use a fake group)."""
+    """Counts complete sets from the step results and restores through the worker group."""
 
     def __init__(self, cfg, metrics) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.every = cfg.checkpoint.memory_every if cfg.checkpoint.dir else 0
         self.newest: SnapshotSet | None = None  # the newest complete set
-        self._pending: SnapshotSet | None = None
-        self._holders: dict[int, int] = {}  # of the current generation
+        self._sets: dict[SnapKey, SnapshotSet] = {}  # sets of the current generation not complete yet
+        self._holders: dict[int, int] = {}  # world rank -> holder rank, of the current generation
+        self._generation = None  # the current GenerationRecord
+        self._worlds: dict[int, int] = {}  # generation -> rank count (for restores)
         self._warned_one_node = False
-        self._loose: list = []  # calls nobody collects (snapshot_blob), drained once they end
-        self.stall_s: float | None = None  # the newest complete snapshot's slowest take
-        self.skipped = 0  # snapshot steps skipped since the last complete set: its relay still ran
+        self._last_complete = 0  # step of the last complete set (for ``skipped``)
 
     @property
     def active(self) -> bool:
         return self.every > 0
 
-    def begin_generation(self, group, gen) -> None:
-        """A new generation formed: its ring; snapshots of it start with its next step."""
-        if self._pending is not None:  # relays of the old generation still running: read once they end
-            self._loose.extend(self._pending.refs)
-            self._loose.extend(self._pending.takes)
-        self._pending = None
+    @property
+    def keep(self) -> SnapKey | tuple:
+        """The newest complete set's key, which every rank keeps (``RankCalls.train_step``)."""
+        return self.newest.key if self.newest is not None else ()
+
+    def holders_for(self, gen, node_of: dict[int, str]) -> dict[int, int]:
+        """Before generation ``gen`` forms: its ring (world rank -> holder rank); empty when off."""
         if not self.active:
-            return
-        node_of = {actor: group.node_ids.get(actor, "") for actor in gen.members.values()}
-        self._holders = backup_ring(gen.members, node_of)
-        nodes = set(node_of.values())
-        if self._holders and len(nodes) == 1 and not self._warned_one_node:
+            return {}
+        holders = backup_ring(gen.members, node_of)
+        if holders and len(set(node_of.values())) == 1 and not self._warned_one_node:
             self._warned_one_node = True
             logger.warning("checkpoint.memory_every: every rank is on one node, so in-memory snapshots are "
                            "held by other processes there: they cover a lost process, not a lost node "
                            "(that falls back to the newest checkpoint in checkpoint.dir)")
-        if not self._holders:
+        if not holders:
             logger.warning("checkpoint.memory_every: a single rank has no peer to hold its snapshot; "
                            "failures resume from checkpoint.dir")
+        return holders
 
-    def after_step(self, group, gen, step: int) -> None:
-        """Poll the relay in flight; every ``every`` steps start the next snapshot, unless the
-        previous relay is still running: then this step is skipped (counted in the next ``snapshot``
-        event), so training never waits for a relay and the newest complete set is never dropped."""
+    def begin_generation(self, gen, holders: dict[int, int]) -> None:
+        """Generation ``gen`` formed: its snapshots are counted from now."""
+        self._generation, self._holders = gen, dict(holders)
+        self._worlds[gen.number] = gen.shape.world
+        self._sets = {}
+
+    def after_results(self, results: list[StepResult]) -> None:
+        """Count the holders' acknowledgements a step's results carry; a set is complete when every
+        rank's arrived (a ``snapshot`` event, and the key the ranks keep from now on)."""
         if not self.active or not self._holders:
             return
-        self._loose = group.drain(self._loose)
-        self._settle(group, block=False)
-        if step % self.every:
-            return
-        if self._pending is not None:
-            self.skipped += 1
-            return
-        snap = SnapshotSet(gen.number, step, dict(gen.members), dict(self._holders))
-        keep = (self.newest.key,) if self.newest is not None else ()
-        actors = list(gen.members.values())
-        snap.takes = group.submit(actors, "snapshot", (gen.number, step, keep))
-        blobs = group.submit(actors, "snapshot_blob", (gen.number, step))
-        self._loose.extend(blobs)  # read by the holders; drained so Ray never reports them unread
-        ref_of = {actor: ref for ref, actor in blobs.items()}
-        args = {gen.members[self._holders[rank]]: (gen.number, step, rank, ref_of[actor], keep)
-                for rank, actor in gen.members.items()}
-        snap.refs = group.submit(list(args), "keep_snapshot", args)
-        self._pending = snap
+        gen = self._generation
+        for result in results:
+            for ack in result.snapshots:
+                key = tuple(ack.key)
+                if key[0] != gen.number or (self.newest is not None and key <= self.newest.key):
+                    continue  # a push from before this generation formed, or of a set already superseded
+                snap = self._sets.get(key)
+                if snap is None:
+                    snap = self._sets[key] = SnapshotSet(key, dict(gen.members), dict(self._holders))
+                snap.acked.add(result.world_rank)
+                snap.stall_s = max(snap.stall_s, ack.stall_s)
+                snap.nbytes += ack.nbytes
+        done = [s for s in self._sets.values() if len(s.acked) == gen.shape.world]
+        if done:
+            self._complete(max(done, key=lambda s: s.key))
 
-    def settle(self, group) -> None:
-        """After a failure (dead and hung actors already killed): let the relay in flight end, so
-        a set whose holders all acked counts."""
-        if self._pending is not None:
-            self._settle(group, block=True)
+    def _complete(self, snap: SnapshotSet) -> None:
+        skipped = max(0, (snap.step - self._last_complete) // self.every - 1) if self._last_complete else 0
+        self.newest, self._last_complete = snap, snap.step
+        self._sets = {k: v for k, v in self._sets.items() if k > snap.key}
+        self.metrics.event("snapshot", step=snap.step, generation=snap.key[0], stall_s=snap.stall_s,
+                           bytes=snap.nbytes, skipped=skipped)
 
-    def _settle(self, group, *, block: bool) -> None:
-        snap = self._pending
-        if snap is None or (not block and not group.all_done(snap.refs)):
-            return
-        outcome = group.collect(dict(snap.refs), self.cfg.elastic.step_timeout_s)
-        takes = group.collect(dict(snap.takes), 5.0)  # answered before the relay could end
-        self._pending = None
-        self._loose.extend(takes.pending_refs)
-        if outcome.ok and takes.ok:
-            self.newest = snap
-            self.stall_s = max(float(t) for t in takes.results.values())
-            self.metrics.event("snapshot", step=snap.step, generation=snap.generation, stall_s=self.stall_s,
-                               bytes=sum(int(b) for b in outcome.results.values()), skipped=self.skipped)
-            self.skipped = 0
-        else:
-            logger.warning("snapshot of step %d not complete: %s", snap.step,
-                           outcome.failed or outcome.dead or f"no ack from actors {outcome.pending}")
+    def settle(self, group, gen=None, timeout_s: float = 30.0) -> None:
+        """Wait (up to ``timeout_s``) until every member's newest snapshot was pushed and acknowledged:
+        after a failure, so a push under way still counts; in tests' hooks. (The acknowledgements
+        themselves arrive with the next step results; a restore asks the actors what they hold.)"""
+        gen = gen or self._generation
+        if self.active and self._holders and gen is not None:
+            live = set(group.live_ids)
+            actors = [a for a in gen.members.values() if a in live]
+            group.call(actors, RankCalls.wait_snapshots, (timeout_s,), timeout_s=timeout_s + 5)
 
     # -- restoring --------------------------------------------------------------------------------
     def usable(self, live: set[int]) -> SnapshotSet | None:
-        """The newest complete snapshot set if every shard of it has a live copy, else None."""
+        """The newest complete set if every shard of it has a live copy, else None."""
         snap = self.newest
         if snap is None or not covered(snap.members, snap.holders, live):
             return None
         return snap
 
-    def restore_best(self, group, gen, ckpt) -> Restored:
+    def restore_best(self, group, gen, ckpt, *, at_most: int) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at
         least as new as the newest storage checkpoint, else that checkpoint (``ckpt.restore``).
+        ``at_most``: the last step the driver recorded. With steps in flight the ranks may have taken
+        (and pushed) snapshots of steps after it that were never recorded: a rollback's bad steps
+        are replayed from before them, and a broken step's successors are not counted.
 
         The one entry point for resuming a generation (a rebuild after a failure, a resize, a
         rollback). Raises ``RestoreFailed`` when a member died or failed while loading.
         """
-        self.settle(group)  # a planned resize right after a step: that step's set may still be relaying
-        live = set(group.live_ids)
-        snap = self.usable(live) if self.active else None
+        found = self._find(group, at_most) if self.active else None
         info = ckpt.resume_point()
         storage_step = info.step if info is not None else 0
-        if choose_source(snap.step if snap else None, storage_step) == "storage":
+        if choose_source(found[0][2] if found else None, storage_step) == "storage":
             if self.newest is not None:
                 logger.warning("in-memory snapshot of step %d has no live copy of some shard (or is older "
                                "than checkpoint step %d): restoring from storage", self.newest.step, storage_step)
@@ -219,16 +234,20 @@ class SnapshotCoordinator:
             t0 = time.perf_counter()
             step = ckpt.restore(group, gen)
             return Restored(step, "storage", time.perf_counter() - t0)
+        key, givers = found
+        source = RestoreSource(key=key, world=len(givers),
+                               providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
         t0 = time.perf_counter()
-        give = providers(snap.members, snap.holders, live)
-        blobs = {}
-        for rank in sorted(give):
-            blobs.update(group.submit([give[rank]], "give_snapshot", (snap.generation, snap.step, rank)))
-        refs_in_rank_order = tuple(blobs)
-        refs = group.submit(list(gen.members.values()), "load_snapshot", refs_in_rank_order)
+        refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
         outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
         if not outcome.ok:
-            raise RestoreFailed(f"loading the in-memory snapshot of step {snap.step} failed: "
+            raise RestoreFailed(f"loading the in-memory snapshot of step {key[2]} failed: "
                                 f"{outcome.failed or outcome.dead or outcome.pending}", outcome)
-        return Restored(snap.step, "snapshot", time.perf_counter() - t0)
+        acks = list(outcome.results.values())
+        return Restored(key[2], "snapshot", time.perf_counter() - t0,
+                        fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks))
 
+    def _find(self, group, at_most: int) -> tuple[SnapKey, dict[int, int]] | None:
+        live = list(group.live_ids)
+        polled = group.call(live, RankCalls.snapshot_inventory, timeout_s=INVENTORY_TIMEOUT_S)
+        return newest_covered(polled.results, self._worlds, at_most)

@@ -16,37 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import secrets
-import signal
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
+from testbed.ray_start import free_ports, stop_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 # Not worth uploading with --working-dir (Ray already leaves out .git, .venv and .gitignore'd files).
 EXCLUDES = [".git", ".mypy_cache", ".ruff_cache", ".pytest_cache", "bench/results"]
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports no process listens on now (held open together so they are distinct)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class RayCluster:
@@ -222,47 +206,9 @@ class RayCluster:
         return json.loads(line.removeprefix("REQUEST="))
 
     # -- teardown ---------------------------------------------------------------------------------
-    def _ours(self) -> set[psutil.Process]:
-        found: set[psutil.Process] = set()
-        marker = str(self.token_path)
-        for proc in self.procs:
-            try:
-                parent = psutil.Process(proc.pid)
-                found |= {parent, *parent.children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get("RAY_AUTH_TOKEN_PATH") == marker:
-                    found.add(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        return found
-
     def shutdown(self, grace_s: float = 60.0) -> None:
-        leftovers = self._ours()
         # `ray start --block` stops its own node on SIGTERM (the monitor's fake nodes go with it).
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        leftovers |= self._ours()
-        for proc in self.procs:  # our own sessions: what is still in them is ours
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(leftovers), timeout=10)
+        stop_cluster(self.procs, self.token_path, grace_s)
 
 
 @contextmanager

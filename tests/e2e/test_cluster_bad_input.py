@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from tests.e2e.raycluster import free_ports
+from testbed.ray_start import free_ports
 
 pytestmark = pytest.mark.ray  # Ray clients (and, for the GPU case, an embedded Ray) in a subprocess
 

@@ -280,3 +280,26 @@ def test_rebalance_quick_writes_json(tmp_path: Path) -> None:
     moves = round_["modes"]["rebalance"]["rebalance_events"]
     assert moves and sum(moves[-1]["microbatches"]) == 24 and moves[-1]["microbatches"][3] < 6
     assert device["of_capacity_bound"]["rebalance"] > 0 and isinstance(device["goal_met"], bool)
+
+
+@pytest.mark.timeout(120)
+def test_scale_simulated_part_writes_json(tmp_path: Path) -> None:
+    """bench/scale.py's simulated part alone: the real controller on 64 in-process ranks, one rank lost."""
+    result = run_bench_script("scale.py", tmp_path / "scale.json", "--skip-real", "--sim", "64")
+    assert result["benchmark"] == "scale" and result["real"] == []
+    (sim,) = result["simulated"]
+    assert sim["ranks"] == 64 and sim["steps_measured"] > 0
+    assert sim["driver_cpu_per_step_s"] > 0 and sim["driver_cpu_per_recovery_s"] > 0
+    assert 0 < sim["of_which_sim_group_us_per_rank"] < sim["driver_cpu_per_step_per_rank_us"]
+
+
+@pytest.mark.slow  # 4 and 8 gloo ranks forming twice each, both ways
+@pytest.mark.timeout(600)
+def test_formation_quick_writes_json(tmp_path: Path) -> None:
+    result = run_bench_script("formation.py", tmp_path / "formation.json", timeout=590)
+    assert [s["ranks"] for s in result["sizes"]] == [4, 8]
+    for size in result["sizes"]:
+        for mode in ("world_wide", "own_groups", "build_process_groups"):
+            assert size[mode]["formation_s"] > 0 and size[mode]["connections_per_rank_max"] > 0
+        # each rank makes its own groups only: never more connections than when it made every group
+        assert size["own_groups"]["connections_per_rank_max"] <= size["world_wide"]["connections_per_rank_max"]

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import events, make_controller
@@ -73,8 +74,8 @@ def test_eval_beside_snapshots_every_step_equals_eval_without_them(ray_local, st
     def widen_the_race(controller, step):
         if step == 2:
             for actor in controller.generation.members.values():
-                controller.group.call([actor], "arm_fault", (2, "sleep", 1.5, "snapshot"), timeout_s=30)
-                controller.group.call([actor], "arm_fault", (2, "sleep", 4.0, "eval"), timeout_s=30)
+                controller.group.call([actor], RankCalls.arm_fault, (2, "sleep", 1.5, "snapshot"), timeout_s=30)
+                controller.group.call([actor], RankCalls.arm_fault, (2, "sleep", 4.0, "eval"), timeout_s=30)
 
     try:
         controller = make_controller(cfg, group, store_address)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
 from testbed.ray_harness import events, last_losses, make_controller, mesh_params
@@ -78,7 +79,7 @@ def test_store_is_hosted_on_the_drivers_node_and_rehosted_when_lost(cluster):
 
 def _actors_by_node(group) -> dict[str, set[int]]:
     """Node id -> ids of the live actors on it."""
-    outcome = group.call(group.live_ids, "node_id", timeout_s=60)
+    outcome = group.call(group.live_ids, RankCalls.node_id, timeout_s=60)
     assert outcome.ok, outcome
     out: dict[str, set[int]] = {}
     for actor_id, node in outcome.results.items():

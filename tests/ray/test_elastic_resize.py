@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import events, last_losses, make_controller, mesh_params
@@ -35,7 +36,7 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         controller.step()  # generation 1: dp=4, actors 0..3 are ranks 0..3
         first = dict(group.pids)
         # Shrink: actor 1 dies at the start of step 3 -> dp=2 (actors 0, 2; actor 3 a spare).
-        group.call([controller.generation.members[1]], "arm_fault", (3, "kill", 0.0), timeout_s=10)
+        group.call([controller.generation.members[1]], RankCalls.arm_fault, (3, "kill", 0.0), timeout_s=10)
         # Grow at step 5 (a replacement actor is started), shrink again at step 7.
         controller.resize_requests = {5: 4, 7: 2}
         shapes: dict[int, tuple[int, dict[int, int]]] = {}  # generation -> (dp, rank -> actor)
@@ -55,7 +56,7 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         assert len(group.pids) == 4  # 3 survivors + the replacement
         # All training work of an actor ran on one thread, across four generations (full speed from
         # step 2: per-thread caches are warm; workers/actor.py TRAIN_GROUP).
-        threads = group.call(list(group.actors), "train_threads", timeout_s=30)
+        threads = group.call(list(group.actors), RankCalls.train_threads, timeout_s=30)
         assert threads.ok and set(threads.results.values()) == {1}
         assert [e["dp"] for e in events(tmp_path / "m.jsonl", "rebuild")] == [2, 4, 2]
         assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller),

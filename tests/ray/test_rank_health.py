@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import events, last_losses, make_controller, mesh_params
@@ -41,7 +42,7 @@ def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address
     overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2"], actors=2)
     try:
         victim = controller.generation.members[1]
-        group.call([victim], "arm_fault", (3, "nan", 0.0, "step"), timeout_s=10)
+        group.call([victim], RankCalls.arm_fault, (3, "nan", 0.0, "step"), timeout_s=10)
         summary = controller.run()
         params = mesh_params(controller)
     finally:
@@ -69,7 +70,7 @@ def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, 
         other_pid = group.pids[other]
         # From step 2 on, a 0.5 s sleep inside the rank's first block forward of every step (the
         # issue's fault: a rank that is slow without computing more; the others' forwards take ~0.01 s).
-        group.call([slow], "arm_fault", (2, "sleep", 0.5, "step", 100), timeout_s=10)
+        group.call([slow], RankCalls.arm_fault, (2, "sleep", 0.5, "step", 100), timeout_s=10)
         summary = controller.run()
         final = dict(controller.generation.members)
     finally:
@@ -90,7 +91,7 @@ def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, st
     try:
         spare, = controller.spare_ids
         victim = controller.generation.members[0]
-        group.call([victim], "arm_fault", (4, "kill", 0.0, "forward"), timeout_s=10)
+        group.call([victim], RankCalls.arm_fault, (4, "kill", 0.0, "forward"), timeout_s=10)
         summary = controller.run()
         final = dict(controller.generation.members)
         # The new spare was started in the background; the run may end before it answers.
@@ -117,7 +118,7 @@ def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, stor
     overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], actors=2)
     try:
         victim = controller.generation.members[0]
-        group.call([victim], "arm_fault", (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
+        group.call([victim], RankCalls.arm_fault, (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
         summary = controller.run()
         params = mesh_params(controller)
     finally:

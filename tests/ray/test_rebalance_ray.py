@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
 from testbed.ray_harness import events, last_losses, make_controller, mesh_params
@@ -34,7 +35,7 @@ def test_slow_replica_rebalanced_across_a_resize_equals_one_process(ray_local, s
         controller = make_controller(cfg, group, store_address)
         controller.step()  # generation 1 formed
         slow = controller.generation.members[0]
-        group.call([slow], "arm_fault", (1, "sleep", 0.05, "microbatch", STEPS + 1), timeout_s=10)
+        group.call([slow], RankCalls.arm_fault, (1, "sleep", 0.05, "microbatch", STEPS + 1), timeout_s=10)
         controller.resize_requests = {8: 2}
         summary = controller.run()
         final = dict(controller.generation.members)

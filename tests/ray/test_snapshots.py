@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group, multinode_ray
 from testbed.ray_harness import events, last_losses, make_controller, mesh_params
@@ -64,7 +65,7 @@ def _run(tmp_path, head_store, victims_of, at: int):
                 c.ckpt.finish(c.group, c.generation, step - 1)  # and the checkpoint in flight committed
                 armed.extend(victims_of(c))
                 for actor in armed:
-                    c.group.call([actor], "arm_fault", (at, "kill", 0.0, "forward"), timeout_s=10)
+                    c.group.call([actor], RankCalls.arm_fault, (at, "kill", 0.0, "forward"), timeout_s=10)
 
         controller.step_hooks.append(kill)
         pids = dict(group.pids)

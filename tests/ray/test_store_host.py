@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.cluster.store_provider import StoreProvider
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
@@ -45,7 +46,7 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
         victim = controller.generation.members[1]
         survivor = controller.generation.members[0]
         pid = group.pids[survivor]
-        group.call([victim], "arm_fault", (5, "kill", 0.0, "forward"), timeout_s=10)
+        group.call([victim], RankCalls.arm_fault, (5, "kill", 0.0, "forward"), timeout_s=10)
         summary = controller.run()
 
         assert killed and summary.final_step == STEPS and summary.restarts == 1

@@ -161,8 +161,8 @@ def test_free_slots_leave_out_draining_nodes(monkeypatch):
 
 # -- issue 25: a request that cannot be placed is withdrawn -----------------------------------------
 def controller_loop(group: WorkerGroup, clock: Clock, minutes: float, spares: int, check_s: float = 5.0):
-    """What the controller does for its spares at each grow check (orchestrator/control/rank_health.py:
-    ``_adopt_started`` then ``_refill_spares``), over ``minutes`` of simulated time; yields after each."""
+    """What the controller does for its spares at each grow check (orchestrator/control/spares.py:
+    ``SparePool.adopt_started`` then ``SparePool.refill``), over ``minutes`` of simulated time; yields after each."""
     end = clock.t + minutes * 60
     while clock.t < end:
         group.adopt_started()
@@ -196,7 +196,7 @@ def fake_actors(monkeypatch):
     monkeypatch.setattr(worker_group, "PlacementGroupSchedulingStrategy",
                         lambda placement_group, placement_group_bundle_index: type(
                             "S", (), {"placement_group": placement_group})())
-    monkeypatch.setattr(worker_group.ray, "wait", lambda refs, timeout=0: (
+    monkeypatch.setattr(worker_group.ray, "wait", lambda refs, timeout=0, **_: (
         [r for r in refs if r.pg.node], [r for r in refs if not r.pg.node]))
     monkeypatch.setattr(worker_group.ray, "get", lambda ref, timeout=0: (4242, "10.0.0.9", ref.pg.node))
     monkeypatch.setattr(worker_group.ray, "kill", lambda handle, no_restart=True: None)

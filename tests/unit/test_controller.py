@@ -1,19 +1,19 @@
 """The controller's state machine driven by a fake worker group: no processes, no Ray, real metrics file
 and real checkpoint catalog in tmp (``testbed/fake_group.py`` scripts the ranks and their faults).
 
-Every transition, and the test that covers it:
+Every transition, and the test that covers it (``Controller.step()`` answers the new state's kind):
 
-* INITIALIZING -> RUNNING: ``test_start_forms_generation_one``
-* INITIALIZING -> REBUILDING (a member dies while generation 1 forms):
+* FORMING -> RUNNING (generation 1): ``test_start_forms_generation_one``
+* FORMING -> REBUILDING (a member dies while generation 1 forms):
   ``test_member_lost_while_generation_one_forms_rebuilds``
-* INITIALIZING -> ERRORED (the start join breaks with nobody lost):
+* FORMING -> ERRORED (the start join breaks with nobody lost):
   ``test_start_that_breaks_with_nobody_lost_stops``
 * RUNNING -> RUNNING (a step): ``test_a_step_trains_and_is_recorded``
-* RUNNING -> RUNNING (planned resize at a step boundary while a checkpoint is in flight: the pending
-  save is committed, then the current step, before the rebuild):
+* RUNNING -> FORMING -> RUNNING (planned resize at a step boundary while a checkpoint is in flight:
+  the boundary decides it, FORMING commits the pending save, then the current step, then forms):
   ``test_requested_resize_commits_the_save_in_flight_first``; with missing actors started or not:
   ``test_requested_resize_starts_missing_actors_or_fits``
-* RUNNING -> RUNNING (grow at a step boundary while a checkpoint is in flight):
+* RUNNING -> FORMING -> RUNNING (grow at a step boundary while a checkpoint is in flight):
   ``test_grow_adopts_new_actors_and_commits_the_save_in_flight_first``
 * RUNNING -> FINISHED: ``test_runs_to_the_end``
 * RUNNING -> REBUILDING (a rank dies in a step): ``test_rank_dies_in_a_step_and_the_mesh_shrinks``;
@@ -43,6 +43,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints.layout import step_dir_name
+from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed
 from testbed.controller_run import make  # noqa: F401  (the fixture)
@@ -53,20 +54,20 @@ def test_start_forms_generation_one(make):
     assert r.c.step() == State.RUNNING
     gen = r.c.generation
     assert gen.number == 1 and gen.shape.dp == 4 and gen.members == {0: 0, 1: 1, 2: 2, 3: 3}
-    specs = [args[0] for _, args in r.group.calls("join_generation")]
+    specs = [args[0] for _, args in r.group.calls(RankCalls.join_generation)]
     assert [s.world_rank for s in specs] == [0, 1, 2, 3]
     assert {s.store_prefix for s in specs} == {f"{r.c.run_id}-gen1"} and {s.generation for s in specs} == {1}
     assert set(gen.infos) == {0, 1, 2, 3}
     start, = r.events("start")
     assert (start["generation"], start["dp"], start["resumed_from_step"], start["spares"]) == (1, 4, 0, 0)
-    assert r.c.next_step == 1 and not r.group.calls("load_checkpoint")  # nothing to resume from
+    assert r.c.next_step == 1 and not r.group.calls(RankCalls.load_checkpoint)  # nothing to resume from
 
 
 def test_a_step_trains_and_is_recorded(make):
     r = make()
     r.steps(2)
     assert r.c.next_step == 2 and r.c.losses == {1: pytest.approx(1.0)}
-    assert sorted((a, args[0]) for a, args in r.group.calls("train_step")) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert sorted((a, args[0]) for a, args in r.group.calls(RankCalls.train_step)) == [(0, 1), (1, 1), (2, 1), (3, 1)]
     rec, = [x for x in r.records() if "loss" in x]
     tokens = r.cfg.train.global_batch_size * r.cfg.model.seq_len
     assert (rec["step"], rec["dp"], rec["pp"], rec["tp"], rec["generation"]) == (1, 4, 1, 1, 1)
@@ -77,7 +78,7 @@ def test_a_step_trains_and_is_recorded(make):
 def test_runs_to_the_end(make):
     r = make()
     summary = r.c.run()
-    assert r.c.state == State.FINISHED
+    assert r.c.state.kind == State.FINISHED
     assert (summary.final_step, summary.generations, summary.restarts) == (6, 1, 0)
     assert summary.losses == {s: pytest.approx(s) for s in range(1, 7)}
     done, = r.events("done")
@@ -87,14 +88,14 @@ def test_runs_to_the_end(make):
 
 def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     r = make()
-    r.group.fail("train_step", 1, "die", at=5)
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.steps(5)  # start + steps 1-4
     r.clock.t = 100.0
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
     assert (failure["step"], failure["ranks"]) == (5, [1]) and "ActorDiedError" in failure["reason"]
     assert r.group.killed == [1] and r.c.restarts == 1
-    kicks = r.group.calls("kick")
+    kicks = r.group.calls(RankCalls.kick)
     assert sorted(a for a, _ in kicks) == [0, 2, 3]
     assert sorted(kicks[0][1][0]) == [("10.0.0.1", 40_000), ("10.0.0.1", 40_002), ("10.0.0.1", 40_003)]
 
@@ -102,10 +103,10 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     assert r.c.step() == State.RUNNING  # REBUILDING -> RUNNING: 3 live actors, dp=3 does not split 8
     gen = r.c.generation
     assert (gen.number, gen.shape.dp, gen.members) == (2, 2, {0: 0, 1: 2})
-    assert [a for a, _ in r.group.calls("leave_generation")] == [3]  # the spare
-    assert sorted(a for a, _ in r.group.calls("load_checkpoint")) == [0, 2]
+    assert [a for a, _ in r.group.calls(RankCalls.leave_generation)] == [3]  # the spare
+    assert sorted(a for a, _ in r.group.calls(RankCalls.load_checkpoint)) == [0, 2]
     # The step-4 save was still to be committed after step 5: abandoned, so step 2 is the newest.
-    assert r.group.calls("load_checkpoint")[0][1] == (str(r.ckpt / step_dir_name(2)),)
+    assert r.group.calls(RankCalls.load_checkpoint)[0][1] == (str(r.ckpt / step_dir_name(2)),)
     skipped, = r.events("checkpoint_skipped")
     assert skipped["step"] == 4 and skipped["reason"].startswith("partial")
     assert r.c.next_step == 3 and not r.events("rebuild")  # the event goes out with the first step
@@ -121,7 +122,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
 
 def test_hung_rank_is_killed_and_blamed(make):
     r = make()
-    r.group.fail("train_step", 2, "hang", at=3)
+    r.group.fail(RankCalls.train_step, 2, "hang", at=3)
     r.steps(3)
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
@@ -131,7 +132,7 @@ def test_hung_rank_is_killed_and_blamed(make):
 
 def test_latched_error_rebuilds_with_everyone(make):
     r = make()
-    r.group.fail("train_step", 2, "raise", at=4, message="RuntimeError: CUDA out of memory")
+    r.group.fail(RankCalls.train_step, 2, "raise", at=4, message="RuntimeError: CUDA out of memory")
     r.steps(4)
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
@@ -144,24 +145,24 @@ def test_latched_error_rebuilds_with_everyone(make):
 def test_timeout_with_every_rank_alive(make):
     r = make()
     for actor in range(4):
-        r.group.fail("train_step", actor, "slow", at=4)
+        r.group.fail(RankCalls.train_step, actor, "slow", at=4)
     r.steps(4)
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [] and failure["reason"] == (
         "step 4 exceeded elastic.step_timeout_s=120 with every rank alive: raise it if steps are "
         "legitimately this slow")
-    assert r.group.killed == [] and sorted(a for a, _ in r.group.calls("kick")) == [0, 1, 2, 3]
+    assert r.group.killed == [] and sorted(a for a, _ in r.group.calls(RankCalls.kick)) == [0, 1, 2, 3]
     assert r.c.restarts == 1
     r.steps(1)
     assert (r.c.generation.number, r.c.generation.members, r.c.next_step) == (2, {0: 0, 1: 1, 2: 2, 3: 3}, 3)
 
 
-@pytest.mark.parametrize("method,stage", [("join_generation", "joining"),
-                                          ("load_checkpoint", "loading the checkpoint")])
+@pytest.mark.parametrize("method,stage", [(RankCalls.join_generation, "joining"),
+                                          (RankCalls.load_checkpoint, "loading the checkpoint")])
 def test_member_dies_while_rebuilding(make, method, stage):
     r = make()
-    r.group.fail("train_step", 1, "die", at=5)
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.group.fail(method, 2, "die", at=2)  # actor 2 holds rank 1 of generation 2
     r.steps(5)
     r.clock.t = 100.0
@@ -172,7 +173,7 @@ def test_member_dies_while_rebuilding(make, method, stage):
     assert second["reason"].startswith(f"rebuild of generation 2 failed while {stage}: ActorDiedError")
     assert (second["step"], second["ranks"]) == (5, [1])
     assert r.group.killed == [1, 2] and r.c.restarts == 2
-    assert [a for a, _ in r.group.calls("kick")].count(0) == 2  # actor 0 was freed each time, not killed
+    assert [a for a, _ in r.group.calls(RankCalls.kick)].count(0) == 2  # actor 0 was freed each time, not killed
     r.clock.t = 104.0
     assert r.c.step() == State.RUNNING
     assert (r.c.generation.number, r.c.generation.members) == (3, {0: 0, 1: 3})
@@ -183,7 +184,7 @@ def test_member_dies_while_rebuilding(make, method, stage):
 
 def test_member_lost_while_generation_one_forms_rebuilds(make):
     r = make()
-    r.group.fail("join_generation", 3, "die", at=1)
+    r.group.fail(RankCalls.join_generation, 3, "die", at=1)
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["reason"].startswith("rebuild of generation 1 failed while joining") and failure["ranks"] == [3]
@@ -193,7 +194,7 @@ def test_member_lost_while_generation_one_forms_rebuilds(make):
 
 def test_start_that_breaks_with_nobody_lost_stops(make):
     r = make()
-    r.group.fail("join_generation", 2, "raise", at=1, message="ValueError: bad layer split")
+    r.group.fail(RankCalls.join_generation, 2, "raise", at=1, message="ValueError: bad layer split")
     assert r.c.step() == State.ERRORED
     assert type(r.c.error) is TrainingFailed and r.c.restarts == 0 and r.group.killed == []
     assert str(r.c.error) == "rebuild of generation 1 failed while joining: ValueError: bad layer split"
@@ -203,8 +204,8 @@ def test_start_that_breaks_with_nobody_lost_stops(make):
 
 def test_rebuild_that_breaks_with_nobody_lost_stops(make):
     r = make()
-    r.group.fail("train_step", 1, "die", at=4)
-    r.group.fail("load_checkpoint", 0, "raise", at=2, message="RuntimeError: shape mismatch")
+    r.group.fail(RankCalls.train_step, 1, "die", at=4)
+    r.group.fail(RankCalls.load_checkpoint, 0, "raise", at=2, message="RuntimeError: shape mismatch")
     r.steps(4)
     assert r.c.step() == State.REBUILDING
     assert r.c.step() == State.ERRORED
@@ -235,24 +236,24 @@ class LostStore:
 def test_join_broken_by_a_lost_store_rehosts_it(make):
     r = make()
     store = r.c.store = LostStore()
-    r.group.fail("train_step", 1, "die", at=3)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
     assert r.c.step() == State.REBUILDING  # rank 1 lost in step 3
     # The store's host dies while generation 2 forms: the join breaks with nobody lost.
     store.dies = True
-    r.group.fail("join_generation", 0, "raise", at=2, message="DistNetworkError: connect timed out")
+    r.group.fail(RankCalls.join_generation, 0, "raise", at=2, message="DistNetworkError: connect timed out")
     assert r.c.step() == State.REBUILDING  # not ERRORED: the store, not a bug
     failure = r.events("failure")[-1]
     assert failure["ranks"] == [] and "rendezvous store was lost" in failure["reason"]
     assert r.c.step() == State.RUNNING
-    ports = {(args[0].generation, args[0].store_port) for _, args in r.group.calls("join_generation")}
+    ports = {(args[0].generation, args[0].store_port) for _, args in r.group.calls(RankCalls.join_generation)}
     assert ports == {(1, 29500), (2, 29500), (3, 29501)}  # generation 3 joined the re-hosted store
     assert r.c.restarts == 2
 
 
 def test_step_failure_beyond_the_budget_stops(make):
     r = make("elastic.max_restarts=0")
-    r.group.fail("train_step", 1, "die", at=3)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
     assert r.c.step() == State.ERRORED  # RUNNING -> ERRORED
     assert type(r.c.error) is TrainingFailed
@@ -261,8 +262,8 @@ def test_step_failure_beyond_the_budget_stops(make):
 
 def test_rebuild_failure_beyond_the_budget_stops(make):
     r = make("elastic.max_restarts=1")
-    r.group.fail("train_step", 1, "die", at=3)
-    r.group.fail("join_generation", 2, "die", at=2)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.group.fail(RankCalls.join_generation, 2, "die", at=2)
     r.steps(3)
     assert r.c.step() == State.REBUILDING
     assert r.c.step() == State.ERRORED
@@ -275,7 +276,7 @@ def test_rebuild_failure_beyond_the_budget_stops(make):
 
 def test_below_min_dp_stops(make):
     r = make("elastic.min_dp=4")
-    r.group.fail("train_step", 1, "die", at=3)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
     assert r.c.step() == State.REBUILDING
     assert r.c.step() == State.ERRORED
@@ -284,7 +285,7 @@ def test_below_min_dp_stops(make):
 
 def test_storage_failure_stops(make):
     r = make()
-    r.group.fail("wait_checkpoint", 0, "raise", at=2, message="OSError: [Errno 28] No space left on device")
+    r.group.fail(RankCalls.wait_checkpoint, 0, "raise", at=2, message="OSError: [Errno 28] No space left on device")
     r.steps(3)  # start, steps 1-2; the step-2 save starts
     assert r.c.step() == State.ERRORED  # step 3 trains, then its commit finds the failed write
     assert str(r.c.error).startswith("checkpoint.dir: saving step 2 failed (OSError: [Errno 28] No space")
@@ -295,13 +296,13 @@ def test_storage_failure_stops(make):
 def test_failure_abandons_the_save_in_flight(make):
     r = make()
     r.group.slow_writes = True
-    r.group.fail("train_step", 1, "die", at=3)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)  # the step-2 save is staged and still writing
-    waits = [c for c in r.group._calls if c.method == "wait_checkpoint"]
+    waits = [c for c in r.group._calls if c.method is RankCalls.wait_checkpoint]
     assert r.c.step() == State.REBUILDING
     assert r.committed() == [] and not r.events("checkpoint")  # never committed
     assert r.c.step() == State.RUNNING and r.c.next_step == 1  # nothing to resume from
-    assert not r.group.calls("load_checkpoint")
+    assert not r.group.calls(RankCalls.load_checkpoint)
     r.group.finish_writes()
     r.steps(1)
     assert set(r.group.drained) == set(waits)  # the abandoned acks were read once they came in
@@ -313,11 +314,12 @@ def test_requested_resize_commits_the_save_in_flight_first(make):
     r.c.resize_requests = {4: 2}
     r.steps(4)  # start, steps 1-3: the step-2 save is still writing
     assert r.committed() == []
-    assert r.c.step() == State.RUNNING  # the step-4 boundary: resize
+    assert r.c.step() == State.FORMING  # the step-4 boundary decides the resize
+    assert r.c.step() == State.RUNNING  # it forms: the save in flight, then step 3, committed first
     assert [e["step"] for e in r.events("checkpoint")] == [2, 3] and r.committed() == [2, 3]
     methods = [(m, args) for m, _, args in r.group.log]
-    last_save = max(i for i, (m, args) in enumerate(methods) if m == "save_checkpoint" and args[1] == 3)
-    first_join = min(i for i, (m, args) in enumerate(methods) if m == "join_generation" and args[0].generation == 2)
+    last_save = max(i for i, (m, args) in enumerate(methods) if m is RankCalls.save_checkpoint and args[1] == 3)
+    first_join = min(i for i, (m, args) in enumerate(methods) if m is RankCalls.join_generation and args[0].generation == 2)
     assert last_save < first_join
     assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 2, 4)
     r.steps(1)
@@ -331,6 +333,7 @@ def test_requested_resize_starts_missing_actors_or_fits(make, capacity, dp):
     r = make("mesh.dp=2", capacity=capacity)
     r.c.resize_requests = {3: 4}
     r.steps(3)
+    assert r.c.step() == State.FORMING
     assert r.c.step() == State.RUNNING
     assert (r.c.generation.number, r.c.generation.shape.dp) == (2, dp)
     assert len(r.group.live_ids) == 2 + capacity
@@ -344,7 +347,8 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     r.clock.t = 10.0
     assert r.c.step() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
     assert r.group.live_ids == [0, 1] and r.group.starting == 2 and r.c.next_step == 5
-    assert r.c.step() == State.RUNNING  # the step-5 boundary: they answered, so grow now
+    assert r.c.step() == State.FORMING  # the step-5 boundary: they answered, so grow now
+    assert r.c.step() == State.RUNNING
     assert r.group.live_ids == [0, 1, 2, 3] and r.committed()[-1] == 4  # the save in flight, then 4
     assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 5)
     ready, = r.events("actors_ready")

@@ -4,8 +4,8 @@ group (testbed/controller_run.py).
 
 Preemption notices, at a step boundary:
 
-* RUNNING -> RUNNING (time for a save: the step is committed, the node's actors dropped, the mesh
-  re-formed without them; no failure, no restart counted, no step re-run):
+* RUNNING -> FORMING -> RUNNING (time for a save: the step is committed, the node's actors dropped,
+  the mesh re-formed without them; no failure, no restart counted, no step re-run):
   ``test_drain_with_time_for_a_save_evacuates_at_the_step_boundary``
 * RUNNING -> RUNNING (too short for a save: an event says so, training goes on) then
   RUNNING -> REBUILDING when the node dies, not counted against the budget:
@@ -21,6 +21,7 @@ A stop signal (`ray job stop`, Ctrl-C; orchestrator/launch.py StopRequest):
 
 from __future__ import annotations
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
 from testbed.controller_run import make  # noqa: F401  (the fixture)
 
@@ -37,14 +38,15 @@ def test_drain_with_time_for_a_save_evacuates_at_the_step_boundary(make):
     pids = {a: r.group.pids[a] for a in (0, 1, 2)}
     r.group.draining = {"node-b": 20.0, "node-x": 5.0}  # node-x holds nothing of ours
     r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING  # the boundary before step 4: save 3, re-form without rank 3
+    assert r.c.step() == State.FORMING  # the boundary before step 4 decides to evacuate
+    assert r.c.step() == State.RUNNING  # save 3, re-form without rank 3
     preemption, = r.events("preemption")
     assert {k: preemption[k] for k in ("nodes", "ranks", "deadline_s", "step", "action")} == \
         {"nodes": ["node-b"], "ranks": [3], "deadline_s": 20.0, "step": 4, "action": "evacuate"}
     assert 3 in r.group.killed and r.committed()[-1] == 3
     assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 2, 4)
     r.c.run()
-    assert r.c.state == State.FINISHED and r.c.restarts == 0 and not r.events("failure")
+    assert r.c.state.kind == State.FINISHED and r.c.restarts == 0 and not r.events("failure")
     rebuild, = r.events("rebuild")
     assert (rebuild["reason"], rebuild["resumed_from_step"]) == ("preemption", 3)
     trained = [x["step"] for x in r.records() if "loss" in x]
@@ -57,7 +59,7 @@ def test_drain_too_short_for_a_save_falls_back_to_the_failure_path(make):
     r.steps(4)
     on_node_b(r, 3)
     r.group.draining = {"node-b": 1.0}  # the fake's saves measure 0.12 s: a save needs 1.18 s
-    r.group.fail("train_step", 3, "die", at=5)  # the node goes during step 5
+    r.group.fail(RankCalls.train_step, 3, "die", at=5)  # the node goes during step 5
     r.clock.t += 1.0
     assert r.c.step() == State.RUNNING  # step 4 trained as usual
     preemption, = r.events("preemption")
@@ -66,7 +68,7 @@ def test_drain_too_short_for_a_save_falls_back_to_the_failure_path(make):
     failure, = r.events("failure")
     assert failure["ranks"] == [3]
     r.c.run()  # max_restarts=0, yet not ERRORED: a preempted node's loss is not a fault
-    assert r.c.state == State.FINISHED and r.c.restarts == 0
+    assert r.c.state.kind == State.FINISHED and r.c.restarts == 0
 
 
 def test_drain_of_spares_only_keeps_the_mesh(make):

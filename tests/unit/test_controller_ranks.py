@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from checkpoints.catalog import list_checkpoints
 from meshspeak.messages import StepResult
+from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
 from orchestrator.recovery.bad_steps import BadSteps, bad_reason
 from testbed.controller_run import make  # noqa: F401  (the fixture)
@@ -64,13 +65,13 @@ def test_max_bad_steps_in_a_row_roll_back_and_replay_them_as_skips(make):
     rollback, = r.events("rollback")
     assert (rollback["step"], rollback["resumed_from_step"], rollback["skipped"]) == (6, 4, [5, 6])
     assert r.c.next_step == 5
-    loads = len(r.group.calls("load_checkpoint"))
+    loads = len(r.group.calls(RankCalls.load_checkpoint))
     assert loads == 4  # every member reloaded step 4 in place (same generation)
     assert r.c.generation.number == 1
     r.steps(4)  # 5 and 6 replayed as recorded skips (not trained), then 7, 8
-    trained = sorted({args[0] for _, args in r.group.calls("train_step")})
+    trained = sorted({args[0] for _, args in r.group.calls(RankCalls.train_step)})
     assert trained == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert [a[0] for _, a in r.group.calls("train_step")].count(5) == 4  # trained once (4 ranks), not again
+    assert [a[0] for _, a in r.group.calls(RankCalls.train_step)].count(5) == 4  # trained once (4 ranks), not again
     recorded = [e["step"] for e in r.events("bad_step") if e["reason"] == "recorded"]
     assert recorded == [5, 6]
     assert r.c.step() == State.FINISHED and sorted(r.c.losses) == [1, 2, 3, 4, 7, 8]
@@ -111,7 +112,8 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
     r.group.ranks[slow].forward_s = 2.0
     r.steps(2)  # steps 1, 2: reported at step 2
     assert r.events("straggler") and r.c.next_step == 3
-    r.steps(1)  # the boundary before step 3: step 2 committed, the straggler dropped, the spare in
+    r.steps(1, State.FORMING)  # the boundary before step 3 decides the eviction
+    r.steps(1)  # step 2 committed, the straggler dropped, the spare in
     assert slow in r.group.killed and r.c.generation.number == 2 and r.c.generation.shape.dp == 4
     assert spare in r.c.generation.members.values() and r.c.next_step == 3
     evict, = r.events("evict")
@@ -136,7 +138,7 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     spare, = r.c.spare_ids
     assert spare not in gen1.members.values()
     victim = gen1.members[3]
-    r.group.fail("train_step", victim, "die", at=3)
+    r.group.fail(RankCalls.train_step, victim, "die", at=3)
     r.steps(2)  # steps 1, 2
     assert r.c.step() == State.REBUILDING
     assert r.c.step() == State.RUNNING
@@ -147,13 +149,13 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     requested, = r.events("spare_requested")
     assert requested["count"] == 1 and r.group.starting == 1
     assert r.c.step() == State.RUNNING  # the next boundary takes the new spare in (step 3 trains)
-    assert [a for a, _ in r.group.calls("warm")] == [spare, r.c.spare_ids[0]]  # both spares warmed
+    assert [a for a, _ in r.group.calls(RankCalls.warm)] == [spare, r.c.spare_ids[0]]  # both spares warmed
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5
     for _ in range(10):  # resumed from step 0 or 2 (step 2's save may have been in flight)
         if r.c.step() == State.FINISHED:
             break
-    assert r.c.state == State.FINISHED and r.c.generation.shape.dp == 4
+    assert r.c.state.kind == State.FINISHED and r.c.generation.shape.dp == 4
 
 
 def test_spare_that_cannot_be_placed_yet_is_asked_for_once_the_cluster_has_room(make):
@@ -161,7 +163,7 @@ def test_spare_that_cannot_be_placed_yet_is_asked_for_once_the_cluster_has_room(
     stands for it), the steps go on; a node joins: the next grow check starts it."""
     r = make("train.steps=6", "elastic.spares=1", "elastic.grow_check_s=1", actors=5, capacity=0)
     r.steps(1)
-    r.group.fail("train_step", r.c.generation.members[0], "die", at=2)
+    r.group.fail(RankCalls.train_step, r.c.generation.members[0], "die", at=2)
     r.steps(1)
     assert r.c.step() == State.REBUILDING and r.c.step() == State.RUNNING
     assert r.c.generation.shape.dp == 4

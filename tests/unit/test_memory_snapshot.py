@@ -62,7 +62,7 @@ def test_merge_refuses_a_missing_piece_and_mixed_steps():
 
 
 def test_taker_plans_once_and_takes_exactly_what_dcp_would():
-    from checkpoints.memory import SnapshotTaker
+    from checkpoints.snapshot_taker import SnapshotTaker
 
     model, opt = _trained(2)
     state = TrainingState([model], [opt])

@@ -10,6 +10,7 @@ rank already inside the rendezvous, so the ones still inside the call are kicked
 from __future__ import annotations
 
 from meshspeak.messages import CallOutcome, WorkerStatus
+from meshspeak.rank_calls import RankCalls
 from orchestrator.recovery import settle as recovery
 
 
@@ -33,17 +34,17 @@ class LateJoiners:
         self.killed += sorted(actor_ids)
         self.live -= set(actor_ids)
 
-    def call(self, actor_ids, method: str, args=(), *, timeout_s: float) -> CallOutcome:
+    def call(self, actor_ids, method, args=(), *, timeout_s: float) -> CallOutcome:
         out = CallOutcome()
         for actor in actor_ids:
-            if method == "kick":
+            if method is RankCalls.kick:
                 if self.late.get(actor, 0) > 0:
                     self.late[actor] -= 1  # still leaving the last generation: nothing to shut yet
                 else:
                     self.returned.add(actor)  # its rendezvous fails at once
             out.results[actor] = WorkerStatus(world_rank=0, pid=1, generation=1, busy=True, step=0, error=None) \
-                if method == "status" else 1
-        if method == "kick":
+                if method is RankCalls.status else 1
+        if method is RankCalls.kick:
             self.kicks.append(sorted(actor_ids))
         return out
 

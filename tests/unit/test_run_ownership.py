@@ -14,6 +14,7 @@ import pytest
 
 from checkpoints.catalog import latest_valid, list_checkpoints
 from checkpoints.layout import MANIFEST
+from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
 from orchestrator.errors import UserInputError
 from testbed.controller_run import Run
@@ -84,9 +85,9 @@ def test_after_a_failure_a_run_resumes_its_own_not_a_newer_foreign_one(tmp_path)
     import json
     (foreign / MANIFEST).write_text(json.dumps(data))
 
-    run.group.fail("train_step", 1, "die", at=5)
+    run.group.fail(RankCalls.train_step, 1, "die", at=5)
     assert run.c.step() == State.REBUILDING
     assert run.c.step() == State.RUNNING
-    loaded = {args[0] for _, args in run.group.calls("load_checkpoint")}
+    loaded = {args[0] for _, args in run.group.calls(RankCalls.load_checkpoint)}
     assert loaded == {str(run.ckpt / "step-00000004")}  # its own newest, not other-run's step 7
     assert _committed(run.ckpt)[7] == "other-run"

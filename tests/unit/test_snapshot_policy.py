@@ -1,7 +1,14 @@
-"""The pure decisions of in-memory snapshots (orchestrator/saves/snapshots.py): who holds whose snapshot,
-whether a set can restore a run, snapshot or storage."""
+"""The pure decisions of in-memory snapshots (orchestrator/saves/snapshots.py): who holds whose
+snapshot, whether a set can restore a run and who gives each shard, snapshot or storage."""
 
-from orchestrator.saves.snapshots import backup_ring, choose_source, covered, host_bytes_per_rank, providers
+from meshspeak.messages import SnapshotInventory
+from orchestrator.saves.snapshots import (
+    backup_ring,
+    choose_source,
+    covered,
+    host_bytes_per_rank,
+    newest_covered,
+)
 
 
 def test_ring_prefers_another_node():
@@ -25,10 +32,25 @@ def test_covered_needs_every_shard_alive_somewhere():
     holders = {0: 2, 2: 1, 1: 3, 3: 0}
     assert covered(members, holders, {10, 11, 12, 13})
     assert covered(members, holders, {10, 12, 13})  # rank 1 lost: its copy is on rank 3
-    assert providers(members, holders, {10, 12, 13}) == {0: 10, 1: 13, 2: 12, 3: 13}
     assert not covered(members, holders, {10, 12})  # ranks 1 and its holder 3 lost
     assert covered(members, holders, {11, 13}) is False  # rank 0 and its holder 2 lost
     assert not covered(members, {}, set(members.values()))  # no ring: nothing was held
+
+
+def test_newest_covered_set_and_who_gives_each_shard():
+    k3, k4, old = (2, 0, 3), (2, 0, 4), (1, 1, 9)
+    inventories = {  # actor 11 (rank 1) is lost; its copies of steps 3 and 4 live on actor 13
+        10: SnapshotInventory(own=((k3, 0), (k4, 0)), held=((k3, 3),)),
+        12: SnapshotInventory(own=((k3, 2), (k4, 2)), held=((k3, 0), (k4, 0))),
+        13: SnapshotInventory(own=((k3, 3), (k4, 3), (old, 0)), held=((k3, 1), (k4, 1))),
+    }
+    key, givers = newest_covered(inventories, {1: 1, 2: 4})
+    assert key == k4 and givers == {0: 10, 1: 13, 2: 12, 3: 13}  # own copies first, else a holder's
+    # Step 4 trained in flight but never recorded by the driver: restores stop at step 3.
+    assert newest_covered(inventories, {1: 1, 2: 4}, at_most=3)[0] == k3
+    del inventories[13]  # rank 1's copies gone with rank 3
+    assert newest_covered(inventories, {1: 1, 2: 4}) is None
+    assert newest_covered({13: SnapshotInventory(own=((old, 0),), held=())}, {1: 1, 2: 4}) == (old, {0: 13})
 
 
 def test_choose_source():
@@ -36,7 +58,7 @@ def test_choose_source():
     assert choose_source(4, 4) == "snapshot"  # as new, and no storage read
     assert choose_source(3, 4) == "storage"
     assert choose_source(None, 0) == "storage"
-    assert host_bytes_per_rank(100) == 400
+    assert host_bytes_per_rank(100) == 600
 
 
 def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
@@ -50,7 +72,7 @@ def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
 
     on = info(f"checkpoint.dir={tmp_path}")
     mem = on["memory_per_rank"][0]
-    assert on["snapshot_host_per_rank"] == {0: 4 * (mem["grads"] + mem["optimizer"])}
+    assert on["snapshot_host_per_rank"] == {0: 6 * (mem["grads"] + mem["optimizer"])}
     assert "in-memory snapshots (checkpoint.memory_every)" in render(on)
     assert info(f"checkpoint.dir={tmp_path}", "checkpoint.memory_every=0")["snapshot_host_per_rank"] is None
     assert info()["snapshot_host_per_rank"] is None and "in-memory snapshots: off" in render(info())

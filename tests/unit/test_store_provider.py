@@ -98,7 +98,7 @@ def test_the_controller_hands_every_rank_its_runs_128_bit_secret(make, monkeypat
     seen = []
     real = fake_group.FakeRank.join_generation
     monkeypatch.setattr(fake_group.FakeRank, "join_generation",
-                        lambda self, spec, runtime: seen.append(spec) or real(self, spec, runtime))
+                        lambda self, spec, *rest: seen.append(spec) or real(self, spec, *rest))
     first = make()
     first.steps(2)
     first_secrets = {spec.store_secret for spec in seen}

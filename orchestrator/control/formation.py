@@ -1,0 +1,107 @@
+"""Forming a generation: plan the mesh, assign ranks, have the members join, restore the newest state
+(driver side; no Ray, no torch). Called by the controller's FORMING and REBUILDING handlers only.
+
+What each member gets, once per generation: its ``JoinSpec`` (world rank, mesh, store prefix), the
+``RuntimeSpec`` every member shares, and its ``GenerationOrders`` — its pipeline action list (the
+same every step, so steps carry only their number) and, with ``checkpoint.memory_every``, the handle
+of the actor that holds its snapshots (docs/design.md, Generations; In-memory snapshots).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from meshspeak.messages import CallOutcome, GenerationOrders, JoinSpec
+from meshspeak.rank_calls import RankCalls
+from orchestrator.control.generation import GenerationRecord, assign_ranks, runtime_spec
+from orchestrator.control.scaling import ResizeDecision
+from orchestrator.control.states import ControllerState, Running
+from orchestrator.errors import TrainingFailed
+from orchestrator.plan.mesh_plan import make_plan
+from orchestrator.recovery.failure_policy import Phase
+from orchestrator.saves.checkpointing import RestoreFailed
+
+if TYPE_CHECKING:
+    from orchestrator.control.controller import Controller
+
+logger = logging.getLogger(__name__)
+
+
+def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
+    """Form the next generation at ``decision.dp`` from the live actors and resume it from the newest
+    snapshot or checkpoint: Running when it worked, else the failure path's state."""
+    previous = c.generation
+    number = (previous.number + 1) if previous else 1
+    plan = make_plan(c.cfg, decision.dp)
+    members, spares = assign_ranks(c.group.live_ids, c.group.node_ips, plan.shape)
+    c.spares.formed(number, members, spares)
+    c.health.stragglers.forget(set(members.values()))
+    resuming = c.ckpt.resume_point() is not None
+    # The ranks skip the random init a load overwrites (a checkpoint, or a snapshot set with a live copy
+    # of every shard); a load that then never comes fails their first step (workers/runtime.py).
+    snapshot = c.snapshots.active and c.snapshots.usable(set(c.group.live_ids)) is not None
+    spec = runtime_spec(c.cfg, plan, data_path=c.data_path, use_gpu=c.use_gpu, mask_eos_id=c.mask_eos_id,
+                        resuming=resuming, load_follows=resuming or snapshot)
+    gen = GenerationRecord(number, plan, members)
+    holders = c.snapshots.holders_for(gen, {a: c.group.node_ids.get(a, "") for a in members.values()})
+    actions = plan.actions()
+    host, port = c.store.address()
+    args = {}
+    for rank, actor in members.items():
+        orders = GenerationOrders(actions=tuple(actions[plan.shape.coords(rank).pp]),
+                                  snapshot_every=c.snapshots.every if holders else 0,
+                                  holder=c.group.handle(members[holders[rank]]) if holders else None,
+                                  holder_rank=holders.get(rank, -1))
+        args[actor] = (JoinSpec(number, plan.shape, rank, host, port, f"{c.run_id}-gen{number}",
+                                 store_secret=c.store_secret), spec, orders)
+    if spares:
+        c.group.call(spares, RankCalls.leave_generation, timeout_s=30.0)
+    refs = c.group.submit(list(members.values()), RankCalls.join_generation, args)
+    outcome = c.group.collect(refs, c.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken)
+    c.generation = GenerationRecord(number, plan, members, infos=dict(outcome.results))
+    if not outcome.ok:
+        return c.fail(Phase.JOINING, outcome)
+    try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
+        restored = c.snapshots.restore_best(c.group, c.generation, c.ckpt,
+                                            at_most=c.progress.next_step - 1)
+    except RestoreFailed as exc:
+        return c.fail(Phase.LOADING, exc.outcome)
+    c.last_restore = restored
+    if restored.source == "snapshot":
+        logger.info("generation %d restored step %d from snapshots: %d bytes fetched for %d bytes of state",
+                    number, restored.step, restored.fetched_bytes, restored.shard_bytes)
+    c.snapshots.begin_generation(c.generation, holders)
+    c.rebalance.begin(c.generation)  # elastic.rebalance: the even split, measured again
+    c.window.reset(restored.step)
+    c.progress.next_step = restored.step + 1
+    event = {"kind": "rebuild" if decision.reason != "grow" else "grow", "generation": number,
+             "dp": plan.shape.dp, "pp": plan.shape.pp, "tp": plan.shape.tp,
+             "dp_replicate": spec.dp.replicate, "resumed_from_step": restored.step,
+             "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
+             "reason": decision.reason, "spares": len(spares)}
+    if decision.reason == "start":
+        c.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})
+    else:
+        c.recovery.pending_event = event
+    c.spares.refill(plan.shape.world)
+    return Running()
+
+
+def save_before_reform(c: Controller, step: int) -> ControllerState | None:
+    """Commit ``step`` (finishing any save in flight first) so the next generation resumes exactly
+    there. A member lost meanwhile (a drained node that went early) is a failure like any other;
+    a save that fails with everyone alive is storage failing, which stops the run."""
+    try:
+        c.ckpt.save_now(c.group, c.generation, step)
+    except TrainingFailed:
+        polled = c.group.call(list(c.generation.members.values()), RankCalls.status, timeout_s=3.0)
+        if polled.ok:
+            raise
+        return c.fail(Phase.STEP, polled)
+    return None
+
+
+def _join_broken(o: CallOutcome) -> bool:
+    # A member that died or failed to join leaves the others blocked in the rendezvous.
+    return bool(o.dead or o.failed)

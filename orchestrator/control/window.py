@@ -1,0 +1,106 @@
+"""The steps in flight: a bounded window of train steps the driver has sent and not yet collected
+(driver side; no Ray, no torch; docs/design.md, The step loop).
+
+Each rank runs its training calls one after another on its one training thread, so the driver can
+send step k+1 (and a checkpoint save due after step k) before step k answered: the rank starts it the
+moment step k ends, without waiting for the driver to read step k's result, decide and send the next
+call. The controller keeps ``size`` steps queued that way and reads them oldest first, all of a
+step's answers in one batch (``WorkerGroup.collect``). What must happen *between* two steps on every
+rank in a given order is either done by the rank itself (in-memory snapshots) or known in advance, so
+the window stops short of it and drains first (a checkpoint save, an eval, a requested resize, a step
+hook, a step replayed as a recorded skip: ``Controller._barrier``): an ordinary step never waits.
+Decisions that come up at a boundary unannounced (a stop, a drain notice, a straggler, a grow) stop
+the window from growing; the steps in flight finish and are recorded, then the decision is carried
+out at the boundary after the last one.
+
+A broken step breaks every step queued behind it (the ranks refuse them once an error is latched,
+and the kick frees the ones blocked in a collective): ``broken`` hands all of them to the failure
+path, and none of them is recorded, so a failed generation's steps beyond its last complete one are
+never counted. The new generation resumes from the newest snapshot or checkpoint, and each step's
+batch is a function of its number: the data contract is the same as without a window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshspeak.messages import CallOutcome
+from meshspeak.rank_calls import RankCalls
+
+DEFAULT_SIZE = 2  # steps in flight: one running, one queued behind it (enough to hide the driver)
+
+
+@dataclass
+class InFlight:
+    step: int
+    refs: dict  # train_step call -> actor id
+
+
+class StepWindow:
+    def __init__(self, size: int = DEFAULT_SIZE) -> None:
+        if size < 1:
+            raise ValueError(f"steps in flight must be >= 1, not {size}")
+        self.size = size
+        self.flights: deque[InFlight] = deque()
+        self.after = 0  # the step the next one sent follows (the ranks check it)
+        self.held = None  # a boundary decision waiting for the steps in flight to finish
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+    @property
+    def last(self) -> int:
+        """The newest step sent (or the one the generation resumed after)."""
+        return self.flights[-1].step if self.flights else self.after
+
+    def reset(self, after: int) -> None:
+        """A generation formed (or reloaded in place) at step ``after``: nothing in flight."""
+        self.flights.clear()
+        self.after, self.held = after, None
+
+    def send(self, group, members: list[int], step: int, keep: tuple, split: dict | None = None) -> InFlight:
+        """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch
+        split starts at this step (control/rebalance.py)."""
+        if split is None:
+            refs = group.submit(members, RankCalls.train_step, (step, keep, self.after))
+        else:
+            refs = group.submit(members, RankCalls.train_step,
+                                {a: (step, keep, self.after, split[a]) for a in members})
+        flight = InFlight(step, refs)
+        self.flights.append(flight)
+        self.after = step
+        return flight
+
+    def read_oldest(self, group, timeout_s: float, stop_early: Callable[[CallOutcome], bool]) -> tuple[InFlight, CallOutcome]:
+        """Wait for the oldest step's answers (all of them at once). It stays in the window until
+        ``done`` (a broken one is handed to ``broken`` with the rest)."""
+        flight = self.flights[0]
+        return flight, group.collect(flight.refs, timeout_s, stop_early=stop_early)
+
+    def done(self) -> InFlight:
+        return self.flights.popleft()
+
+    def broken(self, outcome: CallOutcome) -> CallOutcome:
+        """The oldest step broke: its outcome with every younger call in flight added as still running,
+        for the failure path to free and wait for (``orchestrator.recovery.settle``)."""
+        merged = CallOutcome(results=dict(outcome.results), dead=dict(outcome.dead), failed=dict(outcome.failed),
+                             pending=list(outcome.pending), pending_refs=dict(outcome.pending_refs))
+        for refs in [f.refs for f in list(self.flights)[1:]]:
+            for ref, actor in refs.items():
+                merged.pending_refs[ref] = actor
+                if actor not in merged.pending and actor not in merged.dead:
+                    merged.pending.append(actor)
+        self.flights.clear()
+        return merged
+
+    def drain(self, group, timeout_s: float, stop_early) -> CallOutcome | None:
+        """Wait for every step in flight and drop them unrecorded (an in-place reload follows); the
+        outcome of the first that broke (``broken``), else None."""
+        while self.flights:
+            _, outcome = self.read_oldest(group, timeout_s, stop_early)
+            if not outcome.ok or stop_early(outcome):
+                return self.broken(outcome)
+            self.done()
+        return None

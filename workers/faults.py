@@ -1,0 +1,118 @@
+"""Faults a rank injects into itself on purpose (``RankActor.arm_fault``), so tests and the chaos bench
+can prove recovery from each (worker side; no Ray).
+
+Signals ("kill" = SIGKILL, "hang" = SIGSTOP), once, at one of five points: at (or a delay into) a
+training step, right after the rank's first forward of a step (deterministically mid-step: its
+peers are then blocked in that step's collectives), at the start of joining a generation, at the
+start of loading a checkpoint or snapshot, and inside the background checkpoint write. And faults
+that leave the process running, in ``steps`` train steps from ``at``: "nan" puts a NaN into this
+rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps ``delay_s``
+inside the first block's forward of the step (a straggler: workers/compute_clock.py); "sleep" at
+``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from workers.write_faults import dcp_write_function, die_inside_next_dcp_write
+
+logger = logging.getLogger(__name__)
+
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+STEP_FAULTS = ("nan", "slow", "sleep")
+# Where a fault fires; ``at`` is a step number for "step"/"ckpt_write", a generation number otherwise.
+FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
+# Delays that widen a race on purpose (kind "sleep"; ``at`` is a step): "snapshot" sleeps ``delay_s``
+# before the snapshot of step ``at`` is planned from the state; "eval" sleeps ``delay_s`` inside the
+# first block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then).
+SLEEP_POINTS = ("snapshot", "eval")
+
+
+class Faults:
+    def __init__(self) -> None:
+        self._armed: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
+        self._step: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
+        self._sleeps: dict[str, tuple[int, float]] = {}  # SLEEP_POINTS point -> (at, delay_s)
+
+    def arm(self, at: int, kind: str, delay_s: float, where: str, steps: int) -> None:
+        """See ``RankActor.arm_fault``; bad arguments raise, so a test never arms nothing."""
+        if (kind in STEP_FAULTS and where == "step" or kind == "sleep" and where == "microbatch") and steps >= 1:
+            self._step[kind if where == "step" else "sleep_each"] = (at, steps, delay_s)
+            return
+        if kind == "sleep" and where in SLEEP_POINTS:
+            self._sleeps[where] = (at, delay_s)
+            return
+        if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
+            raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
+                             f"where one of {list(FAULT_POINTS)}")
+        if where == "ckpt_write":
+            dcp_write_function()  # fail now, not silently at the write, if torch moved it
+        self._armed[where] = (at, kind, delay_s)
+
+    def take_sleep(self, where: str, at: int) -> float:
+        """The armed ``SLEEP_POINTS`` delay at ``where`` for ``at`` (once), else 0."""
+        armed = self._sleeps.get(where)
+        if armed is None or armed[0] != at:
+            return 0.0
+        del self._sleeps[where]
+        logger.warning("fault injection: sleep %.2fs at %s %d", armed[1], where, at)
+        return armed[1]
+
+    def take(self, where: str, at: int) -> tuple[int, str, float] | None:
+        fault = self._armed.get(where)
+        if fault is None or fault[0] != at:
+            return None
+        del self._armed[where]
+        return fault
+
+    def fire(self, where: str, at: int) -> None:
+        """Signal this process now (or ``delay_s`` later) if a fault is armed at ``where``/``at``."""
+        fault = self.take(where, at)
+        if fault is None:
+            return
+        _, kind, delay = fault
+        logger.warning("fault injection: %s at %s %d", kind, where, at)
+        if delay <= 0:
+            os.kill(os.getpid(), FAULT_SIGNALS[kind])  # right here, deterministically
+        else:
+            threading.Timer(delay, os.kill, (os.getpid(), FAULT_SIGNALS[kind])).start()
+
+    def arm_step(self, runtime, step: int) -> None:
+        """Hand the runtime this step's share of the armed "nan" / "slow" / "sleep" faults, and hook a
+        "forward" fault (a one-shot forward hook on the rank's first stage signals the process when
+        that forward returns: unlike a timer it cannot miss a fast step)."""
+        def armed(kind: str) -> tuple[int, int, float] | None:
+            fault = self._step.get(kind)
+            return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
+
+        runtime.inject_nan_grad = armed("nan") is not None
+        slow, sleep, each = armed("slow"), armed("sleep"), armed("sleep_each")
+        runtime.inject_busy_s = slow[2] if slow is not None else 0.0
+        runtime.inject_sleep_s = sleep[2] if sleep is not None else 0.0
+        runtime.inject_sleep_each_s = each[2] if each is not None else 0.0
+        if runtime.inject_nan_grad or runtime.inject_busy_s or runtime.inject_sleep_s or each:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs sleep/microbatch=%.3fs", step,
+                           runtime.inject_nan_grad, runtime.inject_busy_s, runtime.inject_sleep_s,
+                           runtime.inject_sleep_each_s)
+        fault = self.take("forward", step)
+        if fault is None:
+            return
+        sig = FAULT_SIGNALS[fault[1]]
+        module = runtime.stages[min(runtime.stages)].module
+
+        def signal_after_forward(*_):
+            handle.remove()  # one-shot: a SIGSTOPped rank that is continued runs on unhooked
+            logger.warning("fault injection: %s after the first forward of step %d", fault[1], step)
+            os.kill(os.getpid(), sig)
+
+        handle = module.register_forward_hook(signal_after_forward)
+
+    def before_checkpoint_write(self, step: int) -> None:
+        fault = self.take("ckpt_write", step)
+        if fault is not None:
+            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+

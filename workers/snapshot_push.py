@@ -1,0 +1,164 @@
+"""A rank's snapshots leave it by its own hand: copied off the training thread, pushed to the holder
+the driver named, and read back piece by piece when a new generation restores (worker side; Ray).
+
+``SnapshotWorker`` (one thread per actor) takes a planned snapshot from the training thread, copies it
+into its buffer set (``checkpoints/snapshot_taker.py``), files it as the rank's own
+(``workers/snapshots.py``) and pushes it to the holder: ``holder.keep_snapshot.remote(key, rank,
+snap)`` — Ray puts the bytes into this node's object store and the holder fetches them straight from
+there, so they never touch the driver's node; the holder copies them into its own memory (a Ray
+object dies with its owner: the holder must own its replica). The worker waits for the holder's
+answer and reports it with the rank's next step result (``StepResult.snapshots``), from which the
+driver counts complete sets. The holder's handle is given by the driver once per generation, for
+exactly this call (``messages.GenerationOrders``): the one call a rank makes on another actor
+besides a restore's reads below.
+
+One push at a time: a snapshot step that comes while the last push is still under way is skipped
+(counted), so pushes never pile up behind a slow holder. The training thread waits for the *copy*
+only, and only before the next optimizer step writes the state (``fence``).
+
+``fetch_pieces`` serves a restore (``RankActor.load_snapshot``): the pieces of the old shards this
+rank's load plan needs, from the actors the driver named as providers, all requests at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+from checkpoints.memory import MemorySnapshot, pack_piece, unpack_piece
+from checkpoints.snapshot_taker import PlannedSnapshot
+from meshspeak.messages import SnapKey, SnapshotAck
+from meshspeak.rank_calls import RankCalls, call_name
+from workers.snapshots import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 600.0
+
+
+class SnapshotWorker:
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self._cond = threading.Condition()
+        self._job: tuple | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._busy = False
+        self._acks: list[SnapshotAck] = []
+        self.skipped = 0
+        self._fence_wait: dict[SnapKey, float] = {}
+        self._current: SnapKey | None = None  # the take being copied or pushed
+        threading.Thread(target=self._run, name="snapshots", daemon=True).start()
+
+    # -- training thread --------------------------------------------------------------------------
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._busy
+
+    def submit(self, key: SnapKey, planned: PlannedSnapshot | MemorySnapshot, holder, rank: int,
+               plan_s: float) -> None:
+        """Copy (if planned) and push ``planned`` as this rank's snapshot ``key``; the caller checked
+        ``idle()``."""
+        with self._cond:
+            self._busy = True
+            self._copied.clear()
+            self._job, self._current = (key, planned, holder, rank, plan_s), key
+            self._cond.notify_all()
+
+    def fence(self) -> None:
+        """Before the state is written (the next optimizer step, a load, leaving): the copy is done."""
+        if self._copied.is_set():
+            return
+        key, t0 = self._current, time.perf_counter()
+        self._copied.wait()
+        with self._cond:
+            self._fence_wait[key] = time.perf_counter() - t0
+
+    def take_acks(self) -> tuple[SnapshotAck, ...]:
+        with self._cond:
+            acks, self._acks = tuple(self._acks), []
+        return acks
+
+    # -- any thread -------------------------------------------------------------------------------
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # -- the worker's thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None:
+                    self._cond.wait()
+                key, planned, holder, rank, plan_s = self._job
+                self._job = None
+            try:
+                self._take(key, planned, holder, rank, plan_s)
+            except Exception as exc:  # best effort: a lost snapshot costs re-run steps, not the run
+                logger.warning("snapshot %s not kept by the holder: %s: %s", key, type(exc).__name__, exc)
+            finally:
+                self._copied.set()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _take(self, key: SnapKey, planned, holder, rank: int, plan_s: float) -> None:
+        if isinstance(planned, PlannedSnapshot):
+            self.store.drop_own_slot(planned.slot)
+            snap, slot = planned.copy(), planned.slot
+        else:
+            snap, slot = planned, None
+        self.store.put_own(key, snap, slot)
+        self._copied.set()  # the training thread may write the state again
+        if holder is None:
+            return
+        snap.serialize()  # the few non-tensor items' bytes, here rather than on the training thread
+        nbytes = ray.get(getattr(holder, call_name(RankCalls.keep_snapshot)).remote(key, rank, snap),
+                         timeout=PUSH_TIMEOUT_S)
+        with self._cond:
+            stall = plan_s + self._fence_wait.pop(key, 0.0)
+            self._acks.append(SnapshotAck(key=key, stall_s=stall, nbytes=int(nbytes)))
+
+
+def fetch_pieces(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,
+                 wanted: dict[int, list[tuple]]) -> dict[int, list]:
+    """The pieces ``wanted`` (old rank -> [(storage index, offsets, lengths)]) of snapshot set
+    ``key``: from this actor's own store when it is the provider, else from the provider's actor
+    (``providers``: old rank -> (actor id, handle)), every remote request issued before any is read."""
+    refs, out = {}, {}
+    for owner, requests in wanted.items():
+        actor, handle = providers[owner]
+        if actor == me:
+            out[owner] = store.find(key, owner).pieces(requests)
+        else:
+            refs[owner] = getattr(handle, call_name(RankCalls.snapshot_pieces)).remote(key, owner, requests)
+    for owner, ref in refs.items():
+        out[owner] = [unpack_piece(p) for p in ray.get(ref, timeout=PUSH_TIMEOUT_S)]
+    return out
+
+
+def serve_pieces(store: SnapshotStore, key: SnapKey, owner: int, requests: list) -> list:
+    return [pack_piece(p) for p in store.find(key, owner).pieces(requests)]
+
+
+def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int) -> list:
+    """Every old rank's snapshot metadata, in old-rank order (a restore's first read)."""
+    refs = {}
+    out = {}
+    for owner, (actor, handle) in sorted(providers.items()):
+        if actor == me:
+            out[owner] = store.find(key, owner).metadata
+        else:
+            refs[owner] = getattr(handle, call_name(RankCalls.snapshot_meta)).remote(key, owner)
+    for owner, ref in refs.items():
+        out[owner] = ray.get(ref, timeout=PUSH_TIMEOUT_S)
+    return [out[owner] for owner in sorted(out)]
