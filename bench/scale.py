@@ -57,8 +57,9 @@ def capacity() -> dict:
 
     ray.init(num_cpus=MINIMAL_ACTOR_SAMPLE, include_dashboard=False, log_to_driver=False)
     try:
-        from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
         from scale_rank import FakeRankActor
+
+        from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 
         group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=300, actor_class=FakeRankActor)
         group.add(MINIMAL_ACTOR_SAMPLE)
@@ -94,12 +95,12 @@ def head_created_bytes(ray) -> int:
 def real(n: int, args) -> dict:
     import ray
     from ray.cluster_utils import Cluster
+    from scale_rank import FakeRankActor
 
     from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller, State
     from orchestrator.metrics import MetricsLog
-    from scale_rank import FakeRankActor
 
     tmp = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -229,10 +230,11 @@ def _result_bytes() -> int:
 
 def simulated(n: int, latency: dict[str, float], steps: int) -> dict:
     """The real controller on ``n`` in-process ranks: CPU per step (steady) and per recovery."""
+    from scale_sim import SimGroup
+
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller, State
     from orchestrator.metrics import MetricsLog
-    from scale_sim import SimGroup
 
     tmp = Path(tempfile.mkdtemp(prefix=f"sim{n}-"))
     cfg = load_config(None, overrides(2 * n, steps, tmp) + [f"mesh.dp={n}", f"elastic.max_dp={n}",

@@ -38,6 +38,7 @@ from meshspeak.messages import (
     SaveAck,
     SnapshotAck,
     SnapshotInventory,
+    SplitOrders,
     StepResult,
     WorkerStatus,
     WriteAck,
@@ -106,7 +107,8 @@ class FakeRankActor:
         self.generation = self.world_rank = -1
 
     @ray.method(concurrency_group=TRAIN_GROUP)
-    def train_step(self, step: int, keep: tuple = (), after: int | None = None) -> StepResult:
+    def train_step(self, step: int, keep: tuple = (), after: int | None = None,
+                   split: SplitOrders | None = None) -> StepResult:
         if self.error is None and self.step != (step - 1 if after is None else after):
             self.error = f"RuntimeError: step {step} arrived after step {self.step}: calls out of order"
         if self.error is not None:

@@ -51,12 +51,21 @@ class DataParallelPlan:
 
 def plan_data_parallel(*, zero: int, dp: int, pp: int, tp: int, dtype: str, grad_reduce: str,
                        cpu_offload: bool, compression: str, cfg_dp: int, cfg_replicate: int,
-                       optimizer: str = "adamw") -> DataParallelPlan:
+                       optimizer: str = "adamw", rebalance: bool = False) -> DataParallelPlan:
     """The one data-parallel decision for a generation of ``(dp, pp, tp)`` ranks.
 
     ``cfg_dp`` / ``cfg_replicate`` are ``mesh.dp`` / ``mesh.dp_replicate`` as configured: HSDP keeps the
     shard-group size they fix across elastic resizes (``replicate_degree``). ``compression`` and
     ``optimizer`` are ``train.grad_compression`` and ``train.optimizer`` (``reduction``).
+
+    ``rebalance`` (``elastic.rebalance``: replicas run different numbers of microbatches,
+    meshspeak/rebalance.py): ZeRO-3 keeps each unit gathered from its first forward to the step's
+    last backward, as ZeRO-2 does. Resharding after every forward would all-gather again in each
+    microbatch's backward and next forward, a number of all-gathers over the shard group that
+    depends on the replica's count: ranks with different counts would pair different collectives
+    (tests/distributed/test_rebalance.py shows the hang). Gathered through the step every rank
+    all-gathers and reduce-scatters each unit once per step whatever its count; between steps the
+    parameters are sharded as before. ``elastimesh plan`` estimates the memory so.
     """
     reduction = dp_reduction(zero, dp, compression, optimizer)
     ddp = ddp_applies(zero, dp, pp, tp, dtype, grad_reduce, cpu_offload, compression)
@@ -65,7 +74,7 @@ def plan_data_parallel(*, zero: int, dp: int, pp: int, tp: int, dtype: str, grad
     # mesh communicates nothing over dp itself; its all-reduce hook hands us each unit's gradients.
     own_all_reduce = zero == 0 and reduction != "none" and wrapper == "fsdp"
     return DataParallelPlan(
-        zero=zero, wrapper=wrapper, reshard_after_forward=zero == 3,
+        zero=zero, wrapper=wrapper, reshard_after_forward=zero == 3 and not rebalance,
         replicate=replicate_degree(zero, dp, cfg_dp, cfg_replicate),
         fsdp_over="shard" if own_all_reduce else "dp",
         reduce_dtype="float64" if dtype == "float64" else grad_reduce,

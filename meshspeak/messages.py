@@ -145,6 +145,18 @@ class GenerationOrders:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitOrders:
+    """Driver -> rank, with the first step of a new microbatch split (``elastic.rebalance``:
+    meshspeak/rebalance.py) and kept by the rank until the next one or the end of its generation:
+    ``split`` holds the step's microbatches per dp replica (in dp order; they sum to the global
+    batch's), ``actions`` this rank's schedule for its replica's count. Without one a generation
+    trains the even split with its ``GenerationOrders.actions`` (which evals keep using)."""
+
+    split: tuple[int, ...]
+    actions: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SnapshotInventory:
     """Rank -> driver after a failure: the snapshots this actor can give (its own, and held copies)."""
 

@@ -26,6 +26,7 @@ from meshspeak.messages import (
     SaveAck,
     SnapKey,
     SnapshotInventory,
+    SplitOrders,
     StepResult,
     WorkerStatus,
     WriteAck,
@@ -70,10 +71,12 @@ class RankCalls(Protocol):
         """Leave the current generation (a spare)."""
 
     # -- steps (training thread) ------------------------------------------------------------------
-    def train_step(self, step: int, keep: tuple = (), after: int | None = None) -> StepResult:
+    def train_step(self, step: int, keep: tuple = (), after: int | None = None,
+                   split: SplitOrders | None = None) -> StepResult:
         """Train one step (queued behind the calls before it); errors are latched into the result and
         every later call of the generation refuses. ``keep``: the newest complete snapshot set's key,
-        which the rank keeps however many it takes after it; ``after``: the step it follows."""
+        which the rank keeps however many it takes after it; ``after``: the step it follows;
+        ``split``: a new microbatch split from this step on (elastic.rebalance), kept."""
 
     def eval_step(self, path: str, batch: int, mask_eos_id: int | None) -> dict:
         """This rank's share of one held-out batch's loss (training thread, between steps)."""

@@ -198,6 +198,10 @@ class ElasticConfig:
     straggler_steps: int = key(5, "consecutive slow steps before a rank is reported as a straggler", ge=1)
     evict_stragglers: bool = key(False, "swap a reported straggler for a spare (or drop it) at the next "
                                         "step boundary")
+    rebalance: bool = key(False, "give each data-parallel replica a share of the step's microbatches "
+                                 "proportional to its measured speed, re-decided at step boundaries; "
+                                 "same global batch, same math; needs mesh.dp >= 2 (with zero=3 the "
+                                 "parameters stay gathered through the step, as zero=2)")
 
 
 @dataclass(**_SECTION)

@@ -21,6 +21,7 @@ from meshspeak.messages import (
     SaveAck,
     SnapshotAck,
     SnapshotInventory,
+    SplitOrders,
     StepResult,
     WorkerStatus,
     WriteAck,
@@ -37,10 +38,11 @@ class FakeRank:
         self.actor_id, self.node_ip, self.pid = actor_id, node_ip, 10_000 + actor_id
         self.group = group
         self.generation = self.world_rank = -1
-        self.world = 0
+        self.world = self.dp_rank = 0
         self.step = 0
         self.life = 0  # loads in this generation (snapshot keys: workers/snapshots.py)
         self.orders: GenerationOrders | None = None
+        self.split: SplitOrders | None = None  # the generation's microbatch split, once one came
         self.dead = self.hung = False
         self.files: dict[str, int] = {}
         self.saving_step: int | None = None
@@ -61,7 +63,8 @@ class FakeRank:
 
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         self.generation, self.world_rank, self.world = gen.generation, gen.world_rank, gen.shape.world
-        self.orders, self.step, self.life = orders, 0, 0
+        self.orders, self.split, self.step, self.life = orders, None, 0, 0
+        self.dp_rank = gen.shape.coords(gen.world_rank).dp
         return RankInfo(world_rank=gen.world_rank, pid=self.pid, node_ip=self.node_ip,
                         gloo_listeners=((self.node_ip, 40_000 + self.actor_id),), setup_s=0.01,
                         num_params_local=100)
@@ -88,18 +91,24 @@ class FakeRank:
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         pass  # the real actor's test hook; faults here are armed on the group (FakeWorkerGroup.fail)
 
-    def train_step(self, step: int, keep: tuple = (), after: int | None = None) -> StepResult:
+    def train_step(self, step: int, keep: tuple = (), after: int | None = None,
+                   split: SplitOrders | None = None) -> StepResult:
         if self.step != (step - 1 if after is None else after):  # as RankActor.train_step: calls in order
             return StepResult(step=step, world_rank=self.world_rank, ok=False,
                               error=f"RuntimeError: step {step} arrived after step {self.step}: calls out of order")
         self._retain(tuple(keep) or None)
         self._push_answered()
         self.step = step
+        self.split = split if split is not None else self.split
         # Each rank reports 1/world of the loss, so the step's loss is the step number.
         bad = self.bad_at.get(step, "")
+        # elastic.rebalance: ``forward_s`` is the time at the even share; a rank's speed is fixed, so its
+        # time follows its replica's count.
+        counts = self.split.split if self.split is not None else None
+        forward = self.forward_s if counts is None else self.forward_s * counts[self.dp_rank] * len(counts) / sum(counts)
         result = StepResult(step=step, world_rank=self.world_rank, ok=True, loss=step / self.world,
                             step_time_s=0.5, compute_s=0.4, bad=bad, skipped=bool(bad), own_s=self.forward_s,
-                            forward_s=self.forward_s, snapshots=tuple(self.acks))
+                            forward_s=forward, snapshots=tuple(self.acks))
         self.acks = []
         every = self.orders.snapshot_every if self.orders else 0
         if every and step % every == 0 and not bad:

@@ -128,6 +128,7 @@ class _Job:
     collect_params: bool
     collective_timeout_s: float
     instrument: Callable[[Any], Callable[[], Any] | None] | None
+    splits: tuple[tuple[int, ...], ...] | None = None  # per step: microbatches per dp replica
 
     def __call__(self, rank: int, store_port: int, generation: int) -> dict[str, Any]:
         return _run_job(rank, store_port, generation, self)
@@ -169,7 +170,17 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     actions = make_schedule(cfg.pipeline.schedule, shape.pp, microbatches, v)[groups.coords.pp]
     dist.barrier()  # every rank starts step 1 together, so step timings are comparable
     setup_s = time.perf_counter() - t0
-    results = [runtime.train_step(s, actions) for s in range(job.first_step, job.first_step + job.steps)]
+    results = []
+    for i, step in enumerate(range(job.first_step, job.first_step + job.steps)):
+        if job.splits is None:
+            results.append(runtime.train_step(step, actions))
+            continue
+        # elastic.rebalance, forced: the replica's own count, its schedule for that count (what the
+        # driver's orchestrator/control/rebalance.py hands each rank).
+        split = job.splits[i]
+        count = split[groups.coords.dp]
+        own = make_schedule(cfg.pipeline.schedule, shape.pp, count, v)[groups.coords.pp]
+        results.append(runtime.train_step(step, own, split))
     params = runtime.full_state() if job.collect_params else {}
     extra = finish() if finish is not None else None
     runtime.destroy()
@@ -191,6 +202,7 @@ def run_mesh(
     instrument: Callable[[Any], Callable[[], Any] | None] | None = None,
     collective_timeout_s: float = 60.0,
     fresh: bool = False,
+    splits: Sequence[Sequence[int]] | None = None,
 ) -> MeshRun:
     """Train steps ``first_step .. first_step+steps-1`` on a local (dp, pp, tp) gloo mesh.
 
@@ -203,6 +215,8 @@ def run_mesh(
             after its ``RankRuntime`` is built; ``finish()`` is called after the last step and its
             (picklable) return value lands in ``MeshRun.extras[rank]``. For benchmarks.
         collective_timeout_s: the process groups' timeout (bounds a blocked collective).
+        splits: one split per step (microbatches per dp replica, ``elastic.rebalance``'s data:
+            meshspeak/rebalance.py), forced instead of measured; None: the even split.
         fresh: run in a pool of its own, closed afterwards, instead of the shared one.
 
     Raises:
@@ -224,7 +238,10 @@ def run_mesh(
         collect_params=collect_params,
         collective_timeout_s=collective_timeout_s,
         instrument=instrument,
+        splits=None if splits is None else tuple(tuple(split) for split in splits),
     )  # fmt: skip
+    if splits is not None and len(splits) != steps:
+        raise ValueError(f"splits: one per step, got {len(splits)} for {steps} steps")
     for attempt in (1, 2):
         pool = _Pool() if fresh else shared_pool()
         t0 = time.monotonic()

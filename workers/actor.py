@@ -43,6 +43,7 @@ from meshspeak.messages import (
     SaveAck,
     SnapKey,
     SnapshotInventory,
+    SplitOrders,
     StepResult,
     WorkerStatus,
     WriteAck,
@@ -95,6 +96,7 @@ class RankActor:
         self.profile = profile  # workers.profiling.ProfileSpec: which steps to trace (metrics.profile_steps)
         self.runtime = None
         self.orders: GenerationOrders | None = None  # of the current generation
+        self.split: SplitOrders | None = None  # its microbatch split, once one came (elastic.rebalance)
         self.generation = -1
         self.world_rank = -1
         self.life = 0  # loads done in this generation (part of its snapshots' keys)
@@ -176,7 +178,7 @@ class RankActor:
             finally:
                 self._joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
-            self.orders, self.life, self.step = orders, 0, 0
+            self.orders, self.split, self.life, self.step = orders, None, 0, 0
             self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
@@ -197,9 +199,12 @@ class RankActor:
             raise RuntimeError(f"{what} refused: generation {self.generation} broke ({self.error})")
 
     @_train
-    def train_step(self, step: int, keep: tuple = (), after: int | None = None) -> StepResult:
+    def train_step(self, step: int, keep: tuple = (), after: int | None = None,
+                   split: SplitOrders | None = None) -> StepResult:
         """Train ``step``; ``after``: the step this one follows (``step - 1`` unless the steps between
-        were recorded as bad and are passed over untrained); ``keep``: see ``SnapshotStore.retain``."""
+        were recorded as bad and are passed over untrained); ``keep``: see ``SnapshotStore.retain``;
+        ``split``: a new microbatch split from this step on (elastic.rebalance), kept for the
+        generation's later steps."""
         self.busy = True
         try:
             self.faults.fire("step", step)
@@ -209,7 +214,12 @@ class RankActor:
             self.snapshots.retain(keep)
             self.faults.arm_step(self.runtime, step)
             with profiled_step(self.profile, step, self.world_rank, self.generation):
-                result = self.runtime.train_step(step, list(self.orders.actions))
+                if split is not None:
+                    self.split = split
+                if self.split is None:
+                    result = self.runtime.train_step(step, list(self.orders.actions))
+                else:
+                    result = self.runtime.train_step(step, list(self.split.actions), self.split.split)
             self.step = step
             self._maybe_snapshot(step, result)
             return replace(result, snapshots=self.snapshot_worker.take_acks())
@@ -314,7 +324,8 @@ class RankActor:
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint or snapshot in it) or "ckpt_write" (inside the background write of step ``at``'s
         shard). ``delay_s`` is ignored at "forward" and "ckpt_write". "nan", "slow", "sleep" take
-        ``where="step"``; "sleep" also takes a ``SLEEP_POINTS`` point (workers/faults.py). Bad
+        ``where="step"``; "sleep" also takes "microbatch" (every microbatch's forward, ``steps``
+        steps: a slower device) or a ``SLEEP_POINTS`` point (workers/faults.py). Bad
         arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 

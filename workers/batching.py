@@ -4,8 +4,9 @@
 targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py), and the
 scales that make the summed loss the *global* mean over counted targets — ``grad_scale = dp /
 count`` (FSDP averages gradients over dp) and ``report_scale = 1 / count``. Without masking the count
-is ``G * seq_len``; with it, one scalar all-reduce over dp adds up every replica's count (tp and pp
-peers of a replica read the same windows, so they agree).
+is ``G * seq_len``, whatever each replica's share (``elastic.rebalance``); with it, one scalar
+all-reduce over dp adds up every replica's count (tp and pp peers of a replica read the same
+windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
 order: a fixed set of windows) forward only through the same pipeline actions, without the backward
@@ -49,7 +50,10 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
         local += counted(y)
         inputs.append(to_device(x, groups.device))
         targets.append(to_device(y, groups.device))
-    total = local * dp  # unmasked: every replica holds the same number of targets
+    # Unmasked, every target counts: the global batch's G * seq_len, however the replicas split it
+    # (elastic.rebalance gives them different numbers of microbatches: meshspeak/rebalance.py).
+    # Masked, one replica's own count is the global one.
+    total = runtime.spec.train.global_batch_size * seq_len if eos is None else local
     if eos is not None and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
         # Checked: the count scales every gradient (workers.optim.checked_all_reduce).

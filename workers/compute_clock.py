@@ -18,7 +18,8 @@ is the block's own kernels (and TP collectives inside it). The events are read a
 step, after the step's last one completed). The CPU path is unchanged (docs/design.md, Stragglers).
 
 The straggler faults (``workers/actor.py`` ``arm_fault`` kinds "sleep" and "slow") act inside the
-first block's forward so that they are what a slow rank's compute would be.
+first block's forward so that they are what a slow rank's compute would be; "sleep" at "microbatch"
+sleeps there in every microbatch (a device slower per unit of work).
 """
 
 from __future__ import annotations
@@ -43,14 +44,23 @@ class ComputeClock:
         self.total = 0.0
         self.sleep_s = 0.0  # fault injection for this step: slept inside the next block's forward
         self.busy_s = 0.0  # ... and CPU burnt there
+        # ... and slept in *every* forward of this rank's first block: once per microbatch, so a
+        # replica's step takes longer in proportion to its microbatches, as on a slower device
+        # (elastic.rebalance's fault: bench/rebalance.py). Stays set until changed.
+        self.sleep_each_s = 0.0
         self._entered: dict[int, float] = {}
         self._handles = []
+        self._first_block: int | None = None
         for block in blocks:
+            if self._first_block is None:
+                self._first_block = id(block)
             self._handles.append(block.register_forward_pre_hook(self._enter))
             self._handles.append(block.register_forward_hook(self._exit, prepend=True))
 
     def _enter(self, module: nn.Module, args) -> None:
         self._entered[id(module)] = self._mark()
+        if self.sleep_each_s > 0 and id(module) == self._first_block:
+            time.sleep(self.sleep_each_s)
         if self.sleep_s or self.busy_s:
             sleep, busy, self.sleep_s, self.busy_s = self.sleep_s, self.busy_s, 0.0, 0.0
             if sleep > 0:

@@ -7,7 +7,8 @@ peers are then blocked in that step's collectives), at the start of joining a ge
 start of loading a checkpoint or snapshot, and inside the background checkpoint write. And faults
 that leave the process running, in ``steps`` train steps from ``at``: "nan" puts a NaN into this
 rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps ``delay_s``
-inside the first block's forward of the step (a straggler: workers/compute_clock.py).
+inside the first block's forward of the step (a straggler: workers/compute_clock.py); "sleep" at
+``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class Faults:
 
     def arm(self, at: int, kind: str, delay_s: float, where: str, steps: int) -> None:
         """See ``RankActor.arm_fault``; bad arguments raise, so a test never arms nothing."""
-        if kind in STEP_FAULTS and where == "step" and steps >= 1:
-            self._step[kind] = (at, steps, delay_s)
+        if (kind in STEP_FAULTS and where == "step" or kind == "sleep" and where == "microbatch") and steps >= 1:
+            self._step[kind if where == "step" else "sleep_each"] = (at, steps, delay_s)
             return
         if kind == "sleep" and where in SLEEP_POINTS:
             self._sleeps[where] = (at, delay_s)
@@ -89,12 +90,14 @@ class Faults:
             return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
 
         runtime.inject_nan_grad = armed("nan") is not None
-        slow, sleep = armed("slow"), armed("sleep")
+        slow, sleep, each = armed("slow"), armed("sleep"), armed("sleep_each")
         runtime.inject_busy_s = slow[2] if slow is not None else 0.0
         runtime.inject_sleep_s = sleep[2] if sleep is not None else 0.0
-        if runtime.inject_nan_grad or runtime.inject_busy_s or runtime.inject_sleep_s:
-            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs", step,
-                           runtime.inject_nan_grad, runtime.inject_busy_s, runtime.inject_sleep_s)
+        runtime.inject_sleep_each_s = each[2] if each is not None else 0.0
+        if runtime.inject_nan_grad or runtime.inject_busy_s or runtime.inject_sleep_s or each:
+            logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs sleep/microbatch=%.3fs", step,
+                           runtime.inject_nan_grad, runtime.inject_busy_s, runtime.inject_sleep_s,
+                           runtime.inject_sleep_each_s)
         fault = self.take("forward", step)
         if fault is None:
             return

@@ -134,6 +134,7 @@ class RankRuntime:
         # Called before the optimizer writes the state: a snapshot still copying it finishes first
         # (the actor's snapshot worker sets it; workers/snapshot_push.py).
         self.before_update = lambda: None
+        self.inject_sleep_each_s = 0.0  # test hook: seconds slept in every microbatch (a slow device)
 
     # -- training ---------------------------------------------------------------------------------
     def _nccl_plan(self, actions: list[Action]) -> list:
@@ -143,11 +144,11 @@ class RankRuntime:
         return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
                             self.groups.coords.pp, tuple(actions))
 
-    def _step_data(self, step: int) -> StepData:
+    def _step_data(self, step: int, split: tuple[int, ...] | None) -> StepData:
         train, shape = self.spec.train, self.groups.shape
         ids = data_lib.replica_microbatches(
             step, train.global_batch_size, train.micro_batch_size,
-            self.groups.coords.dp, shape.dp, train.seed, self.num_samples,
+            self.groups.coords.dp, shape.dp, train.seed, self.num_samples, counts=split,
         )
         # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
         return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
@@ -162,8 +163,12 @@ class RankRuntime:
             raise RuntimeError("the parameters were left uninitialised for a checkpoint or snapshot load "
                                "that never came: this generation cannot train")
 
-    def train_step(self, step: int, actions: list[Action]) -> StepResult:
+    def train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
         """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
+
+        ``split``: the step's microbatches per dp replica as the driver decided them
+        (``elastic.rebalance``: meshspeak/rebalance.py); ``actions`` is then the schedule for this
+        replica's count. None: the even split.
 
         A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
         optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
@@ -176,7 +181,8 @@ class RankRuntime:
         own0 = time.thread_time()
         self.compute_clock.take()  # drop what an eval forward counted since the last step
         self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
-        data = self._step_data(step)
+        self.compute_clock.sleep_each_s = self.inject_sleep_each_s
+        data = self._step_data(step, split)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         scaler = self.loss_scale

@@ -199,6 +199,12 @@ def _check_relations(cfg: JobConfig) -> None:
         f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
     )
     _check_compression(cfg)
+    _require(
+        not cfg.elastic.rebalance or cfg.mesh.dp >= 2,
+        "elastic.rebalance",
+        f"elastic.rebalance=true needs mesh.dp >= 2 (it moves microbatches between data-parallel "
+        f"replicas; got mesh.dp={cfg.mesh.dp}): raise mesh.dp or set elastic.rebalance=false",
+    )
     if pipe.layers is not None:
         for i, n in enumerate(pipe.layers):
             _require(

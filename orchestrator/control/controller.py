@@ -56,6 +56,7 @@ from orchestrator.control.formation import form_generation, save_before_reform
 from orchestrator.control.generation import GenerationRecord, RunSummary
 from orchestrator.control.health import StepHealth, Verdict
 from orchestrator.control.progress import Progress, Recovery
+from orchestrator.control.rebalance import Rebalancer
 from orchestrator.control.scaling import ResizeDecision, ScalingPolicy, carry_out
 from orchestrator.control.spares import SparePool
 from orchestrator.control.states import (
@@ -131,6 +132,7 @@ class Controller:
         self.health = StepHealth(cfg, metrics, self.ckpt.skipped_steps)  # bad steps, stragglers
         self.spares = SparePool(cfg, worker_group, metrics)  # elastic.spares (control/spares.py)
         self.scaling = ScalingPolicy(cfg)
+        self.rebalance = Rebalancer(cfg, metrics)  # elastic.rebalance: each step's microbatch split
         self.state: ControllerState = Forming(self.scaling.start())
         self.failures = FailurePolicy(cfg.elastic.max_restarts)
         self.preemptions = PreemptionWatcher(cfg.elastic.drain_poll_s)
@@ -290,7 +292,8 @@ class Controller:
 
     def _send(self, step: int) -> None:
         """Send ``step`` to every member."""
-        self.window.send(self.group, list(self.generation.members.values()), step, self.snapshots.keep)
+        split = self.rebalance.orders_for(step)  # elastic.rebalance: a new split starts here (or None)
+        self.window.send(self.group, list(self.generation.members.values()), step, self.snapshots.keep, split)
 
     def _trained(self, step: int, results: list[StepResult]) -> ControllerState:
         """Step ``step`` trained on every rank: record it (or its skip), then the boundary's saves."""
@@ -340,6 +343,7 @@ class Controller:
         self.metrics.step(record)
         self.metrics.timeline(step, results)
         self.health.score(results, gen.members, lambda rank: gen.shape.coords(rank).pp, self.group.node_ips)
+        self.rebalance.observe(step, results)
         self.recovery.trained()
 
     def grow_due(self) -> bool:

@@ -72,6 +72,7 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
         logger.info("generation %d restored step %d from snapshots: %d bytes fetched for %d bytes of state",
                     number, restored.step, restored.fetched_bytes, restored.shard_bytes)
     c.snapshots.begin_generation(c.generation, holders)
+    c.rebalance.begin(c.generation)  # elastic.rebalance: the even split, measured again
     c.window.reset(restored.step)
     c.hang_watch.pause()  # the formation is no step interval
     c.progress.next_step = restored.step + 1

@@ -61,8 +61,14 @@ class StepWindow:
         self.flights.clear()
         self.after, self.held = after, None
 
-    def send(self, group, members: list[int], step: int, keep: tuple) -> InFlight:
-        refs = group.submit(members, RankCalls.train_step, (step, keep, self.after))
+    def send(self, group, members: list[int], step: int, keep: tuple, split: dict | None = None) -> InFlight:
+        """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch
+        split starts at this step (control/rebalance.py)."""
+        if split is None:
+            refs = group.submit(members, RankCalls.train_step, (step, keep, self.after))
+        else:
+            refs = group.submit(members, RankCalls.train_step,
+                                {a: (step, keep, self.after, split[a]) for a in members})
         flight = InFlight(step, refs)
         self.flights.append(flight)
         self.after = step

@@ -52,9 +52,12 @@ class MeshPlan:
     def num_stages(self) -> int:
         return self.shape.pp * self.virtual_stages
 
-    def actions(self) -> list[list[Action]]:
-        """The schedule per pipeline rank (every dp/tp rank at one pp position runs the same list)."""
-        return make_schedule(self.schedule_name, self.shape.pp, self.microbatches, self.virtual_stages)
+    def actions(self, microbatches: int | None = None) -> list[list[Action]]:
+        """The schedule per pipeline rank (every dp/tp rank at one pp position runs the same list),
+        for ``microbatches`` per replica (``elastic.rebalance``: a replica's own count) or the even
+        split's."""
+        return make_schedule(self.schedule_name, self.shape.pp, microbatches or self.microbatches,
+                             self.virtual_stages)
 
 
 def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
@@ -75,7 +78,8 @@ def make_plan(cfg: JobConfig, dp: int | None = None) -> MeshPlan:
         dp=plan_data_parallel(zero=cfg.mesh.zero, dp=dp, pp=cfg.mesh.pp, tp=cfg.mesh.tp, dtype=cfg.train.dtype,
                               grad_reduce=cfg.train.grad_reduce, cpu_offload=cfg.mesh.cpu_offload,
                               compression=cfg.train.grad_compression, cfg_dp=cfg.mesh.dp,
-                              cfg_replicate=cfg.mesh.dp_replicate, optimizer=cfg.train.optimizer),
+                              cfg_replicate=cfg.mesh.dp_replicate, optimizer=cfg.train.optimizer,
+                              rebalance=cfg.elastic.rebalance),
     )
 
 

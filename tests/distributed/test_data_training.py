@@ -85,3 +85,14 @@ def test_masked_training_on_prepared_shards_matches_reference(shards, shape):
     trainer.run(1, STEPS)
     want = trainer.eval_loss(shards, 2, mask_eos_for(cfg.data))
     np.testing.assert_allclose(mesh_eval_loss(run.extras), want, rtol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_masked_training_with_uneven_splits_matches_reference(shards):
+    """``elastic.rebalance`` with document masks: replicas of 3 and 1 microbatches (then 1 and 3, ...)
+    count different numbers of targets, and one all-reduce over dp still gives every replica the
+    global count (workers/batching.py): the same losses and parameters as one process."""
+    overrides = (*BASE, f"data.path={shards}", "elastic.rebalance=true")
+    splits = [(3, 1), (1, 3), (2, 2), (3, 1)]
+    run = run_mesh(2, 1, 1, overrides, STEPS, splits=splits)
+    assert_matches_reference(run.losses, run.params, reference(overrides, STEPS))

@@ -265,6 +265,23 @@ def test_powersgd_ddp_oracle_quick_writes_json(tmp_path: Path) -> None:
     assert row["ddp_bytes_ratio"] >= 4  # rank 2 on the default model: 21.7x, as bench/results/powersgd.json
 
 
+@pytest.mark.slow  # two 10-step runs of 4 rank actors on an embedded Ray (~1-2 min)
+@pytest.mark.timeout(400)
+def test_rebalance_quick_writes_json(tmp_path: Path) -> None:
+    # No throughput threshold (10 steps on a shared machine); what is checked: each mode ran its steps
+    # from scratch, the slow replica got fewer microbatches, the ratios are computed against the bound.
+    result = run_bench_script("rebalance.py", tmp_path / "rebalance.json", "--scenarios", "device",
+                              "--modes", "healthy,rebalance", "--steps", "10", timeout=380)
+    assert result["benchmark"] == "rebalance" and result["steps"] == 10
+    device = result["scenarios"]["device"]
+    (round_,) = device["rounds"]
+    assert set(round_["modes"]) == {"healthy", "rebalance"}
+    assert all(m["final_step"] == 10 and m["tokens_per_s"] > 0 for m in round_["modes"].values())
+    moves = round_["modes"]["rebalance"]["rebalance_events"]
+    assert moves and sum(moves[-1]["microbatches"]) == 24 and moves[-1]["microbatches"][3] < 6
+    assert device["of_capacity_bound"]["rebalance"] > 0 and isinstance(device["goal_met"], bool)
+
+
 @pytest.mark.timeout(120)
 def test_scale_simulated_part_writes_json(tmp_path: Path) -> None:
     """bench/scale.py's simulated part alone: the real controller on 64 in-process ranks, one rank lost."""

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.timeout(120)
         (["elastic.straggler_factor=1.0"], ["elastic.straggler_factor"]),
         (["elastic.straggler_steps=0"], ["elastic.straggler_steps"]),
         (["train.max_bad_steps=0"], ["train.max_bad_steps"]),
+        (["elastic.rebalance=true", "mesh.dp=1"], ["elastic.rebalance", "needs mesh.dp >= 2"]),
     ],
 )
 def test_train_rejects_bad_input(overrides, needles):

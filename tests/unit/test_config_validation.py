@@ -214,6 +214,12 @@ def test_pipeline_layers_rules() -> None:
     assert err.key == "pipeline.layers" and "pipeline.layers[0]=0" in str(err)
 
 
+def test_rebalance_needs_two_replicas() -> None:
+    err = error_for("elastic.rebalance=true", "mesh.dp=1")
+    assert err.key == "elastic.rebalance" and "needs mesh.dp >= 2" in str(err) and "got mesh.dp=1" in str(err)
+    assert load_config(None, ["elastic.rebalance=true", "mesh.dp=2"]).elastic.rebalance
+
+
 def test_elastic_bounds() -> None:
     err = error_for("elastic.min_dp=3")
     assert err.key == "elastic.min_dp"

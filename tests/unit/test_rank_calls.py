@@ -11,7 +11,6 @@ import pytest
 from meshspeak.rank_calls import CALLS, RankCalls, call_name
 from testbed.fake_group import FakeRank, FakeWorkerGroup
 
-
 # ray.remote(cls) adds this keyword-only parameter to the class's methods in place (ray/util/tracing/
 # tracing_helper.py), so once any test in this process has made the actor class remote it is there.
 RAY_TRACE = "_ray_trace_ctx"
@@ -51,7 +50,7 @@ def test_training_thread_methods_keep_their_signature():
 
     assert not hasattr(RankActor.train_step, "__wrapped__")
     names = [p for p in inspect.signature(RankActor.train_step).parameters if p != RAY_TRACE]
-    assert names[1:] == ["step", "keep", "after"]
+    assert names[1:] == ["step", "keep", "after", "split"]
 
 
 def test_the_fake_rank_implements_every_call_with_the_same_parameters():
@@ -74,4 +73,5 @@ def test_the_check_fires_on_a_drifted_signature():
             pass
 
     assert mismatches(Drifted) == ["Drifted.train_step(self, step: 'int') -> 'None' != RankCalls.train_step"
-                                   "(self, step: 'int', keep: 'tuple' = (), after: 'int | None' = None) -> 'StepResult'"]
+                                   "(self, step: 'int', keep: 'tuple' = (), after: 'int | None' = None, "
+                                   "split: 'SplitOrders | None' = None) -> 'StepResult'"]
