@@ -109,7 +109,11 @@ class FakeRankActor:
     @ray.method(concurrency_group=TRAIN_GROUP)
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
-        if self.error is None and self.step != (step - 1 if after is None else after):
+        follows = step - 1 if after is None else after
+        if self.error is None and self.step < follows:  # as RankActor.train_step: answered early
+            return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
+                              error=f"step {step} arrived before step {follows}")
+        if self.error is None and self.step != follows:
             self.error = f"RuntimeError: step {step} arrived after step {self.step}: calls out of order"
         if self.error is not None:
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)

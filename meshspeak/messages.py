@@ -115,6 +115,10 @@ class StepResult:
     # In-memory snapshots of this rank's shard that its holder acknowledged since the last result
     # (orchestrator/saves/snapshots.py counts them into complete sets).
     snapshots: tuple[SnapshotAck, ...] = ()
+    # The call arrived before the step it follows had run on this rank (Ray does not promise the
+    # order of a threaded actor's calls): nothing was done and nothing latched; the driver sends the
+    # step again (orchestrator/control/controller.py, ``_resend_early``).
+    early: bool = False
 
 
 SnapKey = tuple[int, int, int]  # (generation, life: loads done in it, step) of an in-memory snapshot

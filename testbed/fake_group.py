@@ -14,7 +14,9 @@ Time never passes: a call has either answered when it was submitted, or it is st
 * ``"die"``: the process dies in the call; this and every later call of the actor come back dead;
 * ``"hang"``: the process stops (SIGSTOP): the call and status polls never answer;
 * ``"raise"``: the method raises (for ``train_step``: a latched ``StepResult(ok=False)``);
-* ``"slow"``: alive but no answer before the deadline; answers status polls, returns once kicked.
+* ``"slow"``: alive but no answer before the deadline; answers status polls, returns once kicked;
+* ``"early"`` (``train_step`` only): the call reached the rank before the step it follows, as Ray may
+  deliver a threaded actor's calls: answered ``StepResult(early=True)``, nothing trained.
 
 When a collective call (join, train step, save, load) breaks on one member, the other members of the
 same fan-out block until kicked, as real ranks do in a collective whose peer is gone.
@@ -77,7 +79,8 @@ class FakeWorkerGroup:
         """Arm a one-shot fault (see the module docstring). ``at``: the step for train_step,
         save/wait_checkpoint and keep_snapshot (the step of the snapshot a holder takes in), the
         generation for join_generation and load_checkpoint/load_snapshot; None = next call."""
-        assert kind in ("die", "hang", "raise", "slow"), kind
+        assert kind in ("die", "hang", "raise", "slow", "early"), kind
+        assert kind != "early" or method is RankCalls.train_step, "early: train_step only"
         call_name(method)  # only entries of RankCalls
         self._faults[(method, actor)] = (at, kind, message)
 
@@ -159,7 +162,7 @@ class FakeWorkerGroup:
             self._run(call)
             refs[call] = actor
         broken = any(c.state in ("dead", "hung", "failed") or (c.method is RankCalls.train_step and c.state == "done"
-                                                                and not c.value.ok) for c in refs)
+                                                                and not c.value.ok and not c.value.early) for c in refs)
         if method in COLLECTIVE and broken:
             for call in refs:
                 if call.state == "done" and getattr(call.value, "ok", True):
@@ -257,6 +260,9 @@ class FakeWorkerGroup:
             rank.hung, call.state = True, "hung"
         elif kind == "slow":
             call.state = "blocked"
+        elif kind == "early":
+            call.value = StepResult(step=call.args[0], world_rank=rank.world_rank, ok=False, early=True,
+                                    error=f"step {call.args[0]} arrived before the step it follows")
         elif call.method is RankCalls.train_step:  # latched, as RankActor.train_step does
             call.value = StepResult(step=call.args[0], world_rank=rank.world_rank, ok=False, error=message)
         else:

@@ -93,7 +93,11 @@ class FakeRank:
 
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
-        if self.step != (step - 1 if after is None else after):  # as RankActor.train_step: calls in order
+        follows = step - 1 if after is None else after
+        if self.step < follows:  # as RankActor.train_step: an early call is answered, not trained
+            return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
+                              error=f"step {step} arrived before step {follows} (after step {self.step})")
+        if self.step != follows:
             return StepResult(step=step, world_rank=self.world_rank, ok=False,
                               error=f"RuntimeError: step {step} arrived after step {self.step}: calls out of order")
         self._retain(tuple(keep) or None)

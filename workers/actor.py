@@ -207,10 +207,15 @@ class RankActor:
         generation's later steps."""
         self.busy = True
         try:
-            self.faults.fire("step", step)
             self._refuse(f"step {step}")
-            if self.step != (step - 1 if after is None else after):  # Ray may reorder a threaded actor's calls
+            follows = step - 1 if after is None else after
+            if self.step < follows:  # Ray may reorder a threaded actor's calls: the driver sends it again
+                logger.warning("step %d arrived before step %d ran: answered early, not trained", step, follows)
+                return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
+                                  error=f"step {step} arrived before step {follows} (after step {self.step})")
+            if self.step != follows:
                 raise RuntimeError(f"step {step} arrived after step {self.step}: calls out of order")
+            self.faults.fire("step", step)
             self.snapshots.retain(keep)
             self.faults.arm_step(self.runtime, step)
             with profiled_step(self.profile, step, self.world_rank, self.generation):

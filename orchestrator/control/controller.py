@@ -383,7 +383,8 @@ class Controller:
 def _step_broken(o: CallOutcome) -> bool:
     # Stop waiting as soon as an actor died or a rank latched an error: survivors are then
     # blocked in a collective and must be freed now, not after the timeout.
-    return bool(o.dead or o.failed) or any(not r.ok for r in o.results.values())
+    # An ``early`` answer is no failure: the window sends that step again (control/window.py).
+    return bool(o.dead or o.failed) or any(not r.ok and not r.early for r in o.results.values())
 
 
 def _due(hook, step: int) -> bool:

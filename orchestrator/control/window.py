@@ -22,21 +22,28 @@ batch is a function of its number: the data contract is the same as without a wi
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
 from orchestrator.recovery.hang_watch import HangWatch, collect_watching
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_SIZE = 2  # steps in flight: one running, one queued behind it (enough to hide the driver)
+
+
+RESENDS = 3  # times a step answered early (``StepResult.early``) is sent again to those ranks
 
 
 @dataclass
 class InFlight:
     step: int
     refs: dict  # train_step call -> actor id
+    args: dict = field(default_factory=dict)  # actor id -> the train_step arguments it was sent
 
 
 class StepWindow:
@@ -65,11 +72,13 @@ class StepWindow:
         """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch
         split starts at this step (control/rebalance.py)."""
         if split is None:
-            refs = group.submit(members, RankCalls.train_step, (step, keep, self.after))
+            shared = (step, keep, self.after)
+            refs = group.submit(members, RankCalls.train_step, shared)
+            args = dict.fromkeys(members, shared)
         else:
-            refs = group.submit(members, RankCalls.train_step,
-                                {a: (step, keep, self.after, split[a]) for a in members})
-        flight = InFlight(step, refs)
+            args = {a: (step, keep, self.after, split[a]) for a in members}
+            refs = group.submit(members, RankCalls.train_step, args)
+        flight = InFlight(step, refs, args)
         self.flights.append(flight)
         self.after = step
         return flight
@@ -80,9 +89,37 @@ class StepWindow:
         with ``watch`` (recovery/hang_watch.py). It stays in the window until ``done`` (a broken one
         is handed to ``broken`` with the rest)."""
         flight = self.flights[0]
-        if watch is None:
-            return flight, group.collect(flight.refs, timeout_s, stop_early=stop_early)
-        return flight, collect_watching(group, flight.refs, timeout_s, stop_early, watch, flight.step)
+
+        def early_or_stop(o: CallOutcome) -> bool:
+            return stop_early(o) or any(r.early for r in o.results.values())
+
+        def collect(refs: dict) -> CallOutcome:
+            if watch is None:
+                return group.collect(refs, timeout_s, stop_early=early_or_stop)
+            return collect_watching(group, refs, timeout_s, early_or_stop, watch, flight.step)
+
+        outcome = collect(flight.refs)
+        for _ in range(RESENDS):
+            # Ray does not promise the order of a threaded actor's calls: a rank that got this step
+            # before the one it follows answered ``early`` without training it, while its peers wait
+            # for it in the step's collectives. The step before was read from every rank, so it ran
+            # there: send this one again to those ranks, and go on reading the rest. (Still early
+            # after RESENDS: the caller fails the step with the ranks' reason.)
+            early = sorted(a for a, r in outcome.results.items() if r.early)
+            if not early or outcome.dead or outcome.failed or outcome.hung:
+                break
+            logger.warning("step %d reached actors %s before the step it follows: sent again", flight.step, early)
+            refs = group.submit(early, RankCalls.train_step, {a: flight.args[a] for a in early})
+            flight.refs = {r: a for r, a in flight.refs.items() if a not in early} | refs
+            for actor in early:
+                del outcome.results[actor]
+            again = collect({**outcome.pending_refs, **refs})
+            outcome.results.update(again.results)
+            outcome.dead.update(again.dead)
+            outcome.failed.update(again.failed)
+            outcome.hung.update(again.hung)
+            outcome.pending, outcome.pending_refs = again.pending, again.pending_refs
+        return flight, outcome
 
     def done(self) -> InFlight:
         return self.flights.popleft()
