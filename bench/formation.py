@@ -14,10 +14,11 @@ form a generation ``--repeats`` times in the same processes, two ways:
 * ``build_process_groups`` — the whole join's group part as a rank runs it (own groups, plus the
   DeviceMesh and the DTensor cache clearing), for the absolute figure.
 
-After forming, every rank runs what one training step of this mesh runs on each group: one all-reduce
-on the world group (the grad norm), on the dp, pp and tp groups, and one on the checkpoint group (DCP's
-plan gather); then it counts its established TCP connections (the store's included) and the gloo
-listening sockets it opened. Formation time is the wall time of the build on each rank (max over
+After forming, every rank runs what one training step of this mesh runs on each group: the grad norm's
+all-reduce over the world (the two baselines: on the default group; ``build_process_groups``: over the
+tp, pp and dp groups in turn, its lazily made default group never connecting), one on the dp, pp and tp
+groups, and one on the checkpoint group (DCP's plan gather); then it counts its established TCP
+connections (the store's included) and the gloo listening sockets it opened. Formation time is the wall time of the build on each rank (max over
 ranks, median over repeats). The rendezvous store is the bench's own (one TCPStore, as the driver's).
 """
 
@@ -109,7 +110,11 @@ def _rank(rank: int, store_port: int, world: int, repeats: int) -> dict:
             formed_s = time.perf_counter() - t0
             opened = len(sockets.listening_ports() - listeners)
             t = torch.ones(4)
-            for group in [None, *axis_groups, ckpt]:  # one step's collectives on each group
+            # One step's collectives on each group: the grad norm over the world (build_process_groups:
+            # over the tp, pp and dp groups in turn, its default group never connecting), the axis
+            # groups' own, DCP's plan gather on the checkpoint group.
+            world = list(groups.world_axes) if mode == "build_process_groups" else [None]
+            for group in [*world, *axis_groups, ckpt]:
                 dist.all_reduce(t, group=group)
             first_ops_s = time.perf_counter() - t0 - formed_s
             connections = _connections()

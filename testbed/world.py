@@ -168,7 +168,9 @@ def _run_job(rank: int, store_port: int, generation: int, job: _Job) -> dict[str
     finish = job.instrument(runtime) if job.instrument is not None else None
     microbatches = microbatches_per_replica(cfg.train, shape.dp)
     actions = make_schedule(cfg.pipeline.schedule, shape.pp, microbatches, v)[groups.coords.pp]
-    dist.barrier()  # every rank starts step 1 together, so step timings are comparable
+    # Every rank starts step 1 together, so step timings are comparable (on the checkpoint group: the
+    # default group never connects in training, tests/distributed/test_world_group_unused.py).
+    dist.barrier(group=groups.ckpt_group)
     setup_s = time.perf_counter() - t0
     results = []
     for i, step in enumerate(range(job.first_step, job.first_step + job.steps)):

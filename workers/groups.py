@@ -16,12 +16,15 @@ Formation that scales with the world (docs/design.md, Generations): a rank makes
 a member of (``new_group(..., use_local_synchronization=True)``: members meet under a key derived from
 their ranks, non-members never call), not every group of the world. (``split_group``, the other way to
 cut sub-groups, is unusable on CPU: F6.) gloo still connects every pair of a group's members when the
-group is made, the two whole-world groups (the default one: the grad norm's all-reduce, fp16's skip
-decision; the checkpoint group: DCP) included. Lazily made pairs (``TORCH_GLOO_LAZY_INIT``) would cut a
+group is made. Lazily made pairs (``TORCH_GLOO_LAZY_INIT``) would cut a
 rank's connections to the few its algorithms use, but the kick frees a generation by shutting down the
 connections that exist: a pair made after it (a DCP collective on the checkpoint group's writer
 thread, after a peer died mid-write) worked on, and a survivor then blocked in its next collective
-until the timeout, once per collective (bench/chaos.py: a 140 s recovery), so pairs connect eagerly.
+until the timeout, once per collective (bench/chaos.py: a 140 s recovery), so pairs connect eagerly —
+except the default group's: the whole-generation reductions (the grad norm, fp16's overflow decision)
+go over the tp, pp and dp groups in turn (``RankGroups.world_axes``), nothing else uses the default
+group, so it is made lazily and never connects. The one whole-world gloo group left is DCP's, which
+needs it.
 
 The backend follows the device (``workers.device``): NCCL on CUDA (the rank's GPU is the current
 device), gloo on the CPU. Checkpoint collectives always run on a gloo group of their own. Freeing
@@ -169,8 +172,17 @@ class RankGroups:
 
     @property
     def world_group(self) -> dist.ProcessGroup:
-        """Every rank of this generation (the default group, which ``destroy`` ends)."""
+        """Every rank of this generation (the default group, which ``destroy`` ends). On gloo it
+        connects lazily and nothing in training uses it: reductions over the whole generation go
+        over ``world_axes`` (module docstring)."""
         return dist.group.WORLD
+
+    @property
+    def world_axes(self) -> tuple[dist.ProcessGroup, ...]:
+        """The tp, pp and dp groups of this rank: an all-reduce over each in turn covers every rank of
+        the generation once (the mesh is their grid), on connections training already made
+        (``workers.optim.reduce_over_world``: the grad norm, fp16's overflow decision)."""
+        return (self.mesh.get_group(self.axis_names[MeshAxis.TP]), self.pp_group, self.dp_group)
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -227,8 +239,15 @@ def build_process_groups(
         # The run's secret goes in front of every key (messages.JoinSpec; README, Trust boundary).
         prefix = store_prefix or f"gen{generation}"
         store = dist.PrefixStore(f"{store_secret}-{prefix}" if store_secret else prefix, base)
-        # No device_id, on NCCL too: lazy communicators, each abortable (module docstring).
-        dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
+        # No device_id, on NCCL too: lazy communicators, each abortable (module docstring). On gloo
+        # the default group connects lazily: nothing uses it (``world_axes``), so it never connects,
+        # and no pair of it can outlive a kick. The groups below connect eagerly.
+        if not nccl:
+            os.environ[GLOO_LAZY_INIT] = "1"
+        try:
+            dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
+        finally:
+            os.environ.pop(GLOO_LAZY_INIT, None)
         axis_members = [shape.group_ranks(axis) for axis in AXES]
         if replicate > 1:
             rep, shard = hsdp_group_ranks(shape, replicate)

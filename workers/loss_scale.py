@@ -33,12 +33,12 @@ class DynamicLossScale:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
-    def unscale_(self, params: list[nn.Parameter], device: torch.device, group: dist.ProcessGroup | None,
+    def unscale_(self, params: list[nn.Parameter], device: torch.device, group,
                  timeout_s: float = 1800.0) -> bool:
         """Divide this rank's gradients by the scale; True when no rank found an inf or NaN.
 
-        Collective over ``group`` (every rank of the generation), checked (``workers.optim.
-        checked_all_reduce``): the decision is never this rank's own. On overflow the gradients are
+        Collective over ``group`` (every rank of the generation: one group or the mesh's axis groups,
+        ``workers.optim.reduce_over_world``), checked: the decision is never this rank's own. On overflow the gradients are
         left as they are, to be dropped with the skipped step.
         """
         grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
@@ -52,10 +52,10 @@ class DynamicLossScale:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 tensors, here, torch.full((), 1.0 / self.scale, device=where))
             found = torch.maximum(found, here.to(device))
-        if group is not None and dist.get_world_size(group) > 1:
-            from workers.optim import checked_all_reduce
+        if group is not None:
+            from workers.optim import reduce_over_world
 
-            checked_all_reduce(found, group, timeout_s, op=dist.ReduceOp.MAX)
+            reduce_over_world(found, group, timeout_s, op=dist.ReduceOp.MAX)
         return not bool(found.item())
 
     def update(self, finite: bool) -> None:

@@ -71,15 +71,29 @@ def checked_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s
     work.wait(timeout=timedelta(seconds=timeout_s))
 
 
+def reduce_over_world(tensor: torch.Tensor, groups, timeout_s: float,
+                      op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """``checked_all_reduce`` over the whole generation, as one group or as the mesh's axis groups in
+    turn (``RankGroups.world_axes``: tp, then pp, then dp — a sum or max over each axis of the grid
+    in turn is the one over every rank). The axis groups are the ones training already connected, so
+    the generation needs no whole-world group for it (workers/groups.py). None: one process."""
+    if groups is None:
+        return
+    for group in (groups if isinstance(groups, (list, tuple)) else (groups,)):
+        if dist.get_world_size(group) > 1:
+            checked_all_reduce(tensor, group, timeout_s, op=op)
+
+
 def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None,
+    params: list[nn.Parameter], max_norm: float, group,
     skip_in_norm: frozenset[int] | set[int] = frozenset(), *, holders: int = 1,
     device: torch.device | None = None, timeout_s: float = 1800.0,
 ) -> float:
     """Clip by the global grad norm over every parameter of the model, wherever it is sharded.
 
-    One all-reduce over ``group`` (every rank of the generation; None in one process) of this
-    rank's sum of squared gradient entries. Why not DTensor's own norm: a (dp, tp) grad norm is
+    An all-reduce over ``group`` (every rank of the generation: one group, or the mesh's axis
+    groups in turn, ``reduce_over_world``; None in one process) of this rank's sum of squared
+    gradient entries. Why not DTensor's own norm: a (dp, tp) grad norm is
     ``Partial`` on both axes and ``full_tensor()`` reduces it as two sequential all-reduces (DTensor
     warns so), pipeline stages then need a third over pp (TorchTitan's ``clip_grad_norm_``). Here
     each local shard's squared sum is divided by the number of ranks holding the same values:
@@ -114,10 +128,10 @@ def clip_grad_norm(
     terms = [torch.stack([n.double() for n in torch._foreach_norm(grads, 2.0)]).pow(2).sum() / count
              for count, grads in by_holders.items()]
     squared = torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None:
         # Offloaded gradients (mesh.cpu_offload) are host tensors: reduce on the group's device.
         squared = squared.to(device or squared.device)
-        checked_all_reduce(squared, group, timeout_s)
+        reduce_over_world(squared, group, timeout_s)
     # float64 runs (compared with one process at 1e-9) keep the norm in float64; else float32.
     wide = any(g.dtype == torch.float64 for grads in by_holders.values() for g in grads)
     total = squared.sqrt().to(torch.float64 if wide else torch.float32)

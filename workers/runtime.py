@@ -198,14 +198,14 @@ class RankRuntime:
         finite = True
         bad = ""
         if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
-            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_group,
+            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_axes,
                                      self.spec.collective_timeout_s)
             scaler.update(finite)
         if finite:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
             # a NaN/inf gradient anywhere, or a rank's non-finite loss (poisoned into its gradient
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
-            world = self.groups.world_group if self.groups.shape.world > 1 else None
+            world = self.groups.world_axes if self.groups.shape.world > 1 else None
             norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
                                   holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
                                   timeout_s=self.spec.collective_timeout_s)
