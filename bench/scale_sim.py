@@ -91,6 +91,9 @@ class SimGroup:
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         self.kill(list(actor_ids))
 
+    def exited(self, actor_ids: list[int]) -> set[int]:
+        return set()  # in-process ranks: a death is reported at once
+
     def handle(self, actor_id: int) -> Any:
         return actor_id
 

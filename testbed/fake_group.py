@@ -63,6 +63,7 @@ class FakeWorkerGroup:
         self.capacity = capacity
         self.pending_starts = 0  # start_background: asked for, not placed yet
         self.lost: set[int] = set()  # actors whose node died (what lost_ids reports while they live)
+        self.exited_ids: set[int] = set()  # actors whose process is seen gone before "Ray" reports it
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
         self.log: list[tuple[RankCall, int, tuple]] = []  # (method, actor, args) of every call, in order
         self.killed: list[int] = []
@@ -147,6 +148,9 @@ class FakeWorkerGroup:
 
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         self.kill(sorted(actor_ids))
+
+    def exited(self, actor_ids: list[int]) -> set[int]:
+        return {a for a in actor_ids if a in self.exited_ids}
 
     def call(self, actor_ids: list[int], method: RankCall, args: dict[int, tuple] | tuple = (), *,
              timeout_s: float) -> CallOutcome:

@@ -60,6 +60,9 @@ class WorkerGroupLike(Protocol):
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         """SIGKILL local processes directly, then ``kill``."""
 
+    def exited(self, actor_ids: list[int]) -> set[int]:
+        """Those of ``actor_ids`` whose process is seen gone before Ray reported their death."""
+
     # -- calls ------------------------------------------------------------------------------------
     def call(self, actor_ids: list[int], method: RankCall, args: dict[int, tuple] | tuple = (), *,
              timeout_s: float) -> CallOutcome:

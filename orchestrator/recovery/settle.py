@@ -3,7 +3,8 @@
 Whatever broke — a training step, a rebuild's rendezvous, a checkpoint load — the same three things
 must happen before the next generation can form, and fast (seconds, not ``collective_timeout_s``):
 
-1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError`` are dead;
+1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError``, or whose
+   process on the driver's node is gone before Ray said so (``WorkerGroup.exited``), are dead;
    actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
    wedged process fails to answer — those count as hung (the ones a liveness probe already found,
    ``CallOutcome.hung``, are not asked again: recovery/hang_watch.py);
@@ -73,6 +74,10 @@ def settle(
     found.reasons.update(outcome.failed)
     dead = set(outcome.dead) | set(outcome.hung)
     found.reasons.update(outcome.hung)  # found by a liveness probe already (recovery/hang_watch.py)
+    # A process seen gone (on the driver's node) is dead: no status poll to wait out on it.
+    gone = group.exited([a for a in outcome.pending if a not in dead])
+    dead |= gone
+    found.reasons.update({a: "ActorDiedError (its process is gone)" for a in gone})
     asked = [a for a in outcome.pending if a not in dead]
     if asked:
         polled = group.call(asked, RankCalls.status, timeout_s=STATUS_POLL_S)

@@ -358,3 +358,18 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     grow, = r.events("grow")
     assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 4, 2.0)
     assert not r.events("rebuild")
+
+
+def test_a_rank_whose_process_is_gone_is_dead_without_a_status_poll(make):
+    # SIGKILLed: the peers' step fails at once, Ray has not reported the death yet (the call still
+    # runs), and the driver sees the process gone on its node: dead, blamed as such, never polled
+    # (a poll would run its full 3 s and call the rank hung; the chaos campaign did, 4 times).
+    r = make()
+    r.group.fail(RankCalls.train_step, 2, "hang", at=3)  # its call never answers, as a dead one's
+    r.group.exited_ids.add(2)
+    r.steps(3)
+    assert r.c.step() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [2] and failure["reason"] == "ActorDiedError (its process is gone)"
+    assert [a for a, _ in r.group.calls(RankCalls.status)].count(2) == 0
+    assert r.group.killed == [2]

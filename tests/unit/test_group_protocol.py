@@ -59,3 +59,20 @@ def test_the_check_fires_on_a_group_that_drifted():
     assert mismatches(Drifted, Drifted(1)) == ["Drifted.collect(self, refs, timeout_s) != (self, refs: 'dict', "
                                                "timeout_s: 'float', *, stop_early: 'Callable[[CallOutcome], bool] "
                                                "| None' = None) -> 'CallOutcome'"]
+
+
+def test_exited_sees_a_gone_process_on_this_node_only(monkeypatch):
+    import os
+    import subprocess
+
+    import ray
+
+    from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
+
+    done = subprocess.Popen(["true"])
+    done.wait()  # exited and reaped: its pid names no process now
+    group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    group.pids.update({1: done.pid, 2: os.getpid(), 3: done.pid})
+    group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2"})  # 3: another node, unknown
+    assert group.exited([1, 2, 3]) == {1}

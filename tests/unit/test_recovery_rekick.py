@@ -30,6 +30,9 @@ class LateJoiners:
     def live_ids(self) -> list[int]:
         return sorted(self.live)
 
+    def exited(self, actor_ids) -> set[int]:
+        return set()  # every process still there (the survivors are alive, only late)
+
     def kill_now(self, actor_ids) -> None:
         self.killed += sorted(actor_ids)
         self.live -= set(actor_ids)
