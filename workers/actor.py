@@ -379,7 +379,12 @@ class RankActor:
             remote.add(endpoint(gen.store_addr, gen.store_port))
         elif self._backend == "nccl" and self._store is not None:
             remote.add(endpoint(*self._store))
-        return shutdown_gloo_sockets(local, remote)
+        closed = shutdown_gloo_sockets(local, remote)
+        # Which connections a kick reached, for a survivor that still does not return (docs/design.md,
+        # Failure path): its own listeners and the peers' it was given.
+        logger.warning("kick (generation %d, busy=%s): shut %d connections; own listeners %s, peers %s",
+                       self.generation, self.busy, closed, sorted(local), sorted(remote))
+        return closed
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(
