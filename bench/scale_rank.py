@@ -42,6 +42,7 @@ from meshspeak.messages import (
     StepResult,
     WorkerStatus,
     WriteAck,
+    early_answer,
 )
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCalls, call_name
 
@@ -111,8 +112,7 @@ class FakeRankActor:
                    split: SplitOrders | None = None) -> StepResult:
         follows = step - 1 if after is None else after
         if self.error is None and self.step < follows:  # as RankActor.train_step: answered early
-            return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
-                              error=f"step {step} arrived before step {follows}")
+            return early_answer(step, self.world_rank, follows, self.step)
         if self.error is None and self.step != follows:
             self.error = f"RuntimeError: step {step} arrived after step {self.step}: calls out of order"
         if self.error is not None:

@@ -121,6 +121,13 @@ class StepResult:
     early: bool = False
 
 
+def early_answer(step: int, world_rank: int, follows: int, done: int) -> StepResult:
+    """A rank's answer to ``step`` that reached it before ``follows``, the step it follows, ran there
+    (``done``: the last step it trained): nothing trained, nothing latched (``StepResult.early``)."""
+    return StepResult(step=step, world_rank=world_rank, ok=False, early=True,
+                      error=f"step {step} arrived before step {follows} (after step {done})")
+
+
 SnapKey = tuple[int, int, int]  # (generation, life: loads done in it, step) of an in-memory snapshot
 
 
@@ -236,3 +243,12 @@ class CallOutcome:
     @property
     def ok(self) -> bool:
         return not (self.dead or self.failed or self.pending)
+
+    def absorb(self, later: CallOutcome) -> None:
+        """Add what a later read of this call's pending refs found (``later``): its answers, deaths,
+        errors and hung actors; what is still pending is ``later``'s."""
+        self.results.update(later.results)
+        self.dead.update(later.dead)
+        self.failed.update(later.failed)
+        self.hung.update(later.hung)
+        self.pending, self.pending_refs = later.pending, later.pending_refs

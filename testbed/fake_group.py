@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from meshspeak.messages import CallOutcome, StepResult
+from meshspeak.messages import CallOutcome, StepResult, early_answer
 from meshspeak.rank_calls import RankCall, RankCalls, call_name
 from orchestrator.errors import WorkerGroupStartupError
 from testbed.fake_rank import FakeRank
@@ -265,8 +265,8 @@ class FakeWorkerGroup:
         elif kind == "slow":
             call.state = "blocked"
         elif kind == "early":
-            call.value = StepResult(step=call.args[0], world_rank=rank.world_rank, ok=False, early=True,
-                                    error=f"step {call.args[0]} arrived before the step it follows")
+            step, after = call.args[0], (call.args[2] if len(call.args) > 2 else None)
+            call.value = early_answer(step, rank.world_rank, step - 1 if after is None else after, rank.step)
         elif call.method is RankCalls.train_step:  # latched, as RankActor.train_step does
             call.value = StepResult(step=call.args[0], world_rank=rank.world_rank, ok=False, error=message)
         else:

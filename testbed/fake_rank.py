@@ -25,6 +25,7 @@ from meshspeak.messages import (
     StepResult,
     WorkerStatus,
     WriteAck,
+    early_answer,
 )
 
 if TYPE_CHECKING:
@@ -95,8 +96,7 @@ class FakeRank:
                    split: SplitOrders | None = None) -> StepResult:
         follows = step - 1 if after is None else after
         if self.step < follows:  # as RankActor.train_step: an early call is answered, not trained
-            return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
-                              error=f"step {step} arrived before step {follows} (after step {self.step})")
+            return early_answer(step, self.world_rank, follows, self.step)
         if self.step != follows:
             return StepResult(step=step, world_rank=self.world_rank, ok=False,
                               error=f"RuntimeError: step {step} arrived after step {self.step}: calls out of order")

@@ -47,6 +47,7 @@ from meshspeak.messages import (
     StepResult,
     WorkerStatus,
     WriteAck,
+    early_answer,
 )
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP
 from workers.faults import Faults
@@ -211,8 +212,7 @@ class RankActor:
             follows = step - 1 if after is None else after
             if self.step < follows:  # Ray may reorder a threaded actor's calls: the driver sends it again
                 logger.warning("step %d arrived before step %d ran: answered early, not trained", step, follows)
-                return StepResult(step=step, world_rank=self.world_rank, ok=False, early=True,
-                                  error=f"step {step} arrived before step {follows} (after step {self.step})")
+                return early_answer(step, self.world_rank, follows, self.step)
             if self.step != follows:
                 raise RuntimeError(f"step {step} arrived after step {self.step}: calls out of order")
             self.faults.fire("step", step)

@@ -113,12 +113,7 @@ class StepWindow:
             flight.refs = {r: a for r, a in flight.refs.items() if a not in early} | refs
             for actor in early:
                 del outcome.results[actor]
-            again = collect({**outcome.pending_refs, **refs})
-            outcome.results.update(again.results)
-            outcome.dead.update(again.dead)
-            outcome.failed.update(again.failed)
-            outcome.hung.update(again.hung)
-            outcome.pending, outcome.pending_refs = again.pending, again.pending_refs
+            outcome.absorb(collect({**outcome.pending_refs, **refs}))
         return flight, outcome
 
     def done(self) -> InFlight:

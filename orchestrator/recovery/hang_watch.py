@@ -66,10 +66,7 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
     for _ in range(int(timeout_s // every) + 1):  # bounded also when the clock stands still (tests)
         left = timeout_s - (watch.clock() - start)
         outcome = group.collect(refs, max(0.0, min(every, left)), stop_early=stop_early)
-        merged.results.update(outcome.results)
-        merged.dead.update(outcome.dead)
-        merged.failed.update(outcome.failed)
-        merged.pending, merged.pending_refs = outcome.pending, outcome.pending_refs
+        merged.absorb(outcome)
         if not outcome.pending or outcome.dead or outcome.failed or (stop_early and stop_early(merged)):
             return merged
         if watch.clock() - start >= timeout_s:
