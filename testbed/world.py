@@ -60,6 +60,10 @@ class MeshRun:
     setup_s: dict[int, float] = field(default_factory=dict)  # world rank -> groups + runtime build time
     wall_s: float = 0.0  # dispatch -> last result, in the parent
 
+    def dp_bytes_per_step(self) -> list[int]:
+        """Per step, the most bytes one rank sent over dp (``StepResult.dp_bytes``)."""
+        return [max(r[i].dp_bytes for r in self.results.values()) for i in range(len(self.losses))]
+
     def step_times(self, step_index: int) -> list[float]:
         """Every rank's wall time of the ``step_index``-th step of this run (0-based)."""
         return [self.results[r][step_index].step_time_s for r in sorted(self.results)]

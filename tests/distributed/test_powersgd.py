@@ -24,11 +24,6 @@ def _worker_pool():
     shutdown_pool()
 
 
-def _bytes(run) -> list[int]:
-    """Per step, the most bytes one rank all-reduced over dp."""
-    return [max(r[i].dp_bytes for r in run.results.values()) for i in range(len(run.losses))]
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape", [(2, 1, 1), (2, 1, 2)], ids=["dp2", "dp2-tp2"])
 def test_powersgd_trains_and_sends_4x_fewer_bytes(shape) -> None:
@@ -41,7 +36,7 @@ def test_powersgd_trains_and_sends_4x_fewer_bytes(shape) -> None:
     np.testing.assert_allclose(compressed.losses[:2], ref.losses[:2], rtol=1e-5, atol=0)
     assert all(math.isfinite(x) for x in compressed.losses)
     np.testing.assert_allclose(compressed.losses, ref.losses, rtol=5e-2, atol=0)
-    sent, full = _bytes(compressed), _bytes(plain)
+    sent, full = compressed.dp_bytes_per_step(), plain.dp_bytes_per_step()
     assert sent[:2] == full[:2] and full[0] > 0, (sent, full)
     assert all(4 * s <= f for s, f in zip(sent[2:], full[2:])), (sent, full)
 
@@ -54,7 +49,7 @@ def test_powersgd_plain_steps_defers_compression() -> None:
     run = run_mesh(2, 1, 1, (*SMALL, "mesh.zero=0", 'train.grad_compression="powersgd"', "train.powersgd_rank=2",
                              "train.powersgd_plain_steps=4"), steps, collect_params=False)
     np.testing.assert_allclose(run.losses[:4], reference(SMALL, steps).losses[:4], rtol=1e-5, atol=0)
-    sent = _bytes(run)
+    sent = run.dp_bytes_per_step()
     assert sent[:4] == [sent[0]] * 4 and all(4 * s <= sent[0] for s in sent[4:]), sent
 
 
@@ -81,7 +76,7 @@ def test_powersgd_converges_near_uncompressed_over_200_steps(lr, rank) -> None:
                           steps, collect_params=False, timeout=800)
     final_plain, final_psgd = np.mean(plain.losses[-10:]), np.mean(compressed.losses[-10:])
     assert abs(final_psgd - final_plain) <= 0.05 * final_plain, (final_psgd, final_plain)
-    sent, full = _bytes(compressed), _bytes(plain)
+    sent, full = compressed.dp_bytes_per_step(), plain.dp_bytes_per_step()
     assert all(4 * s <= f for s, f in zip(sent[2:], full[2:])), (sent[:5], full[:5])
     print(f"final loss plain {final_plain:.4f} powersgd {final_psgd:.4f}; bytes/step {full[-1]} -> {sent[-1]} "
           f"({full[-1] / sent[-1]:.1f}x)")

@@ -15,10 +15,10 @@ import math
 import numpy as np
 import pytest
 
+from testbed.mesh_cases import SMALL
 from testbed.reference import reference
 from testbed.world import run_mesh, shutdown_pool
 
-SMALL = ("model.d_model=32", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4")  # as test_mesh_equivalence
 STEPS = 6
 
 
@@ -28,18 +28,13 @@ def _worker_pool():
     shutdown_pool()
 
 
-def _bytes(run) -> list[int]:
-    """Per step, the most bytes one rank sent over dp."""
-    return [max(r[i].dp_bytes for r in run.results.values()) for i in range(len(run.losses))]
-
-
 @pytest.mark.timeout(600)  # three runs; minutes on a loaded 2-core machine
 @pytest.mark.parametrize(("shape", "zero"), [((2, 1, 1), 0), ((2, 1, 1), 3), ((2, 1, 2), 0)],
                          ids=["zero0-ddp", "zero3", "zero0-tp2"])
 def test_quantized_gradients_train_close_to_uncompressed_with_fewer_bytes(shape, zero) -> None:
     base = (*SMALL, f"mesh.zero={zero}")
     plain = run_mesh(*shape, base, STEPS, collect_params=False)
-    full = _bytes(plain)
+    full = plain.dp_bytes_per_step()
     assert full[0] > 0 and full == [full[0]] * STEPS, full
     for codec, min_ratio, rtol in (("int8", 3.5, 5e-3), ("int4", 7.0, 2e-2)):
         run = run_mesh(*shape, (*base, f'train.grad_compression="{codec}"'), STEPS, collect_params=False)
@@ -47,7 +42,7 @@ def test_quantized_gradients_train_close_to_uncompressed_with_fewer_bytes(shape,
         # The first step's forward precedes any reduction: the same loss exactly.
         assert run.losses[0] == pytest.approx(plain.losses[0], rel=1e-6)
         np.testing.assert_allclose(run.losses, plain.losses, rtol=rtol, atol=0, err_msg=codec)
-        sent = _bytes(run)
+        sent = run.dp_bytes_per_step()
         assert all(min_ratio * s <= full[0] for s in sent), (codec, sent, full)
 
 
@@ -68,6 +63,6 @@ def test_onebit_adam_warm_up_is_exact_then_sends_a_bit_per_value(shape) -> None:
     # ended 6.4% *below* AdamW's (4.70 vs 5.00): close, not equal.
     assert run.losses[-1] < run.losses[warm], run.losses
     np.testing.assert_allclose(run.losses, plain.losses, rtol=0.1, atol=0)
-    sent, full = _bytes(run), _bytes(plain)
+    sent, full = run.dp_bytes_per_step(), plain.dp_bytes_per_step()
     assert sent[:warm] == full[:warm], (sent, full)
     assert all(20 * s <= full[0] for s in sent[warm:]), (sent, full)
