@@ -284,7 +284,10 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
 
 
 def _marker(rec: dict, episode, started: bool) -> bool:
-    """Whether ``rec`` reaches ``_account_session``'s last branch (a marker between steps)."""
+    """Whether ``rec`` may be a marker between steps (``_account_session``'s last branch), decided
+    before the branches run so a carry is spent, as the old per-marker spend did, ahead of whatever
+    else a record opens. Conservative: a record it rejects (a replayed ``bad_step`` "recorded" also
+    lands in the last branch) only spends the carry earlier, as before the carry existed."""
     event = rec.get("event")
     return (episode is None and started and not _opens(rec)
             and event not in ("eval", "done", "stopped", "bad_step", "rollback"))
