@@ -264,7 +264,8 @@ def zero_bubble_notes(report: dict) -> list[str]:
     return [
         f"Machine: {cpus} cores, no GPU, one intra-op thread per rank; load average "
         f"{report['machine']['load_average_start']} at start, {report['machine']['load_average_end']} at the "
-        "end (other jobs shared the cores). Medians over steps 3..N of every round.",
+        "end (the bench's own ranks included: above the core count, ranks waited for a core). Medians over "
+        "steps 3..N of every round.",
         "idle_over_busy = measured / (1 - measured) is the idle time relative to the compute time: 1F1B "
         "(p-1)/m, interleaved (p-1)/(2m), ZB-H1 (p-1)/(3m) when F, I and W cost the same; the goal compares "
         "it (the paper's bubble size), not the idle share of the step, whose ratio is (m+p-1)/(3m+p-1) > 1/3 "
@@ -285,7 +286,8 @@ def notes(report: dict) -> list[str]:
     return [
         f"Machine: {cpus} cores, no GPU; each rank is a process with one intra-op thread. Load average "
         f"{report['machine']['load_average_start']} at start, {report['machine']['load_average_end']} at "
-        "the end: other jobs shared the cores, so absolute times are noisy.",
+        "the end (the bench's own ranks included): above the core count, ranks waited for a core and absolute "
+        "times are noisy.",
         "measured = 1 - sum(F+B action time over ranks) / (pp x pipeline window), window = earliest "
         "Executor.run start to latest end over the pp ranks, averaged over steps 3..N. It is the quantity "
         "theory (pp-1)/(m+pp-1) describes; measured_vs_full_step_per_rank also counts the optimizer step, "
