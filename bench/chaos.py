@@ -42,12 +42,12 @@ MODEL = ["model.n_heads=4", "train.global_batch_size=8", "train.micro_batch_size
          "train.dtype=float64"]
 
 
-def fault_plan(steps: int, every: int, seed: int) -> dict[int, str]:
+def fault_plan(steps: int, every: int, seed: int, only: list[str] | None = None) -> dict[int, str]:
     """step -> kind: one fault every ``every`` steps from step ``every``, every kind at least twice when
     there are enough slots, in a seeded order; none in the last ``every`` steps (so each is survived
-    inside the run)."""
+    inside the run). ``only``: these kinds alone (a focused reproduction, not the campaign)."""
     slots = list(range(every, steps - every + 1, every))
-    kinds = list(cf.KINDS)
+    kinds = list(only or cf.KINDS)
     order = kinds * (len(slots) // len(kinds)) + kinds[: len(slots) % len(kinds)]
     random.Random(seed).shuffle(order)
     return dict(zip(slots, order))
@@ -79,7 +79,7 @@ def run_campaign(args, tmp: Path) -> dict:
 
     overrides = overrides_for(args, tmp)
     cfg = load_config(None, overrides)
-    plan = fault_plan(args.steps, args.every, args.seed)
+    plan = fault_plan(args.steps, args.every, args.seed, args.only)
     rng = random.Random(args.seed + 1)
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
@@ -177,7 +177,8 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     restored = Counter(r.get("restored_from", "?") for r in records if r.get("event") == "rebuild")
     return {
         "benchmark": "chaos", "quick": bool(args.quick),
-        "config": {"steps": args.steps, "every": args.every, "seed": args.seed, "overrides": overrides},
+        "config": {"steps": args.steps, "every": args.every, "seed": args.seed, "only": args.only,
+                   "overrides": overrides},
         "faults": len(campaign.injected), "faults_by_kind": dict(kinds), "kinds": len(kinds),
         "injected": campaign.injected,
         "survived": survived, "error": error,
@@ -197,7 +198,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
         "useful_step_time_s": useful, "wall_s": wall,
         "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
         "goal_goodput": GOAL_GOODPUT, "goodput_accounting": ledger.as_dict(),
-        "goal_met": bool(survived and not corrupt and diff is not None and diff <= GOAL_PARAM
+        "goal_met": bool(not args.only and survived and not corrupt and diff is not None and diff <= GOAL_PARAM
                          and useful / wall["run_s"] >= GOAL_GOODPUT),
         "machine": machine(load_average=load_average()),
     }
@@ -214,6 +215,8 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--only", nargs="+", choices=sorted(cf.KINDS), metavar="KIND",
+                   help="inject only these kinds (to reproduce one failure; the result is not the campaign)")
     args = p.parse_args()
     if args.quick:
         args.steps, args.every = 60, 6
