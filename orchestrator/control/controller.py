@@ -365,6 +365,7 @@ class Controller:
         listeners = {actor: info.gloo_listeners for actor, info in gen.infos.items()}
         found = settle(self.group, outcome, list(gen.members.values()), listeners=listeners,
                        wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
+        self.recovery.mark("settled")
         # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
         store_lost = phase.forming and not found.lost and not self.store.healthy()
         failure = diagnose(phase, step=self.progress.next_step, generation=gen.number, members=gen.members,
@@ -374,6 +375,7 @@ class Controller:
         self.ckpt.abandon_pending()  # a save in flight dies with its generation (none while forming)
         self.window.reset(self.window.after)  # whatever was in flight went to settle with the outcome
         self.snapshots.settle(self.group, gen, timeout_s=SETTLE_SNAPSHOTS_S)  # pushes under way may still land
+        self.recovery.mark("snapshots_settled")
         decision = self.failures.decide(failure)
         if isinstance(decision, Raise):
             raise decision.error

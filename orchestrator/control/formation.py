@@ -57,9 +57,11 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
                                  store_secret=c.store_secret), spec, orders)
     if spares:
         c.group.call(spares, RankCalls.leave_generation, timeout_s=30.0)
+    c.recovery.mark("planned")
     refs = c.group.submit(list(members.values()), RankCalls.join_generation, args)
     outcome = c.group.collect(refs, c.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken)
     c.generation = GenerationRecord(number, plan, members, infos=dict(outcome.results))
+    c.recovery.mark("joined")
     if not outcome.ok:
         return c.fail(Phase.JOINING, outcome)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
@@ -68,6 +70,7 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
     except RestoreFailed as exc:
         return c.fail(Phase.LOADING, exc.outcome)
     c.last_restore = restored
+    c.recovery.mark("restored")
     if restored.source == "snapshot":
         logger.info("generation %d restored step %d from snapshots: %d bytes fetched for %d bytes of state",
                     number, restored.step, restored.fetched_bytes, restored.shard_bytes)

@@ -24,6 +24,9 @@ class Recovery:
         self.metrics, self.clock = metrics, clock
         self.began_at: float | None = None
         self.pending_event: dict | None = None  # {"kind": "rebuild" | "grow", ...the event's fields}
+        # Seconds from the recovery's start at which each phase ended (settled, joined, restored): where
+        # a recovery's time went, in its rebuild / grow event as ``phases_s``.
+        self.phases: dict[str, float] = {}
 
     @property
     def under_way(self) -> bool:
@@ -32,6 +35,13 @@ class Recovery:
     def begins(self) -> None:
         self.trained()
         self.began_at = self.clock()
+        self.phases = {}
+
+    def mark(self, phase: str) -> None:
+        """``phase`` of the recovery under way ended now (a later mark of the same phase wins: a
+        formation that fails and is tried again is part of the same recovery)."""
+        if self.began_at is not None:
+            self.phases[phase] = round(self.clock() - self.began_at, 4)
 
     def trained(self) -> None:
         """The generation trained a step (or the next recovery begins): the pending event goes out."""
@@ -39,5 +49,6 @@ class Recovery:
         if event is not None:
             if self.began_at is not None:
                 event["recovery_s"] = self.clock() - self.began_at
+                event["phases_s"] = dict(self.phases)
             self.metrics.event(event.pop("kind"), **event)
             self.began_at = None
