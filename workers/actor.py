@@ -146,6 +146,7 @@ class RankActor:
         with self._lock:
             t0 = time.perf_counter()
             self._leave()
+            t_left = time.perf_counter()
             # A GPU job on a rank without CUDA fails here, in one line (no silent gloo fallback).
             device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
                                    where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
@@ -170,6 +171,7 @@ class RankActor:
                     device=device,
                     replicate=spec.dp.replicate,
                 )
+                t_groups = time.perf_counter()
                 try:
                     self.runtime = RankRuntime(spec, groups)
                 except BaseException:
@@ -183,6 +185,10 @@ class RankActor:
             self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
+            # Where a formation's time goes on a rank (the driver's rebuild event has the phases).
+            logger.info("joined generation %d as rank %d in %.3f s: leave %.3f, groups %.3f, runtime %.3f",
+                        gen.generation, gen.world_rank, time.perf_counter() - t0, t_left - t0,
+                        t_groups - t_left, time.perf_counter() - t_groups)
             return RankInfo(
                 world_rank=gen.world_rank,
                 pid=os.getpid(),

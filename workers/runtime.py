@@ -366,17 +366,22 @@ class RankRuntime:
         from meshspeak.messages import RestoreAck
         from workers.snapshot_push import fetch_metadata, fetch_pieces
 
+        t0 = time.perf_counter()
         self._finish_checkpoint_write()
         key = tuple(source.key)
         providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
         metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
         if self.groups.shape.world > 1:
             dist.broadcast_object_list(metas, src=0, group=self.groups.ckpt_group)
+        t_meta = time.perf_counter()
         reader = RemoteReader(metas[0], key[2], lambda wanted: fetch_pieces(store, key, providers, actor_id, wanted))
         point = load_training_state(
             f"in-memory snapshot of step {key[2]}", self.model_parts(), self.optimizers,
             restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
+        logger.info("loaded snapshot of step %d in %.3f s: metadata %.3f, load %.3f (%d bytes fetched)",
+                    key[2], time.perf_counter() - t0, t_meta - t0, time.perf_counter() - t_meta,
+                    reader.fetched_bytes)
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
         self._awaiting_load = False
