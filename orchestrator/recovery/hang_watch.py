@@ -4,8 +4,8 @@ A rank that stops (SIGSTOP, a frozen VM, a wedged host) leaves its peers blocked
 the driver used to learn of it only when ``elastic.step_timeout_s`` ran out and a status poll went
 unanswered (the chaos campaign: 13 s per hang with a 10 s timeout, its costliest fault). A frozen
 process answers nothing, but a live rank blocked in a collective still answers ``status()`` on its
-second thread within ``settle.STATUS_POLL_S`` (workers/actor.py). So once the oldest step in flight
-has run ``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the
+second thread within milliseconds (workers/actor.py; ``PROBE_ANSWER_S`` leaves a wide margin). So
+once the oldest step in flight has run ``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the
 ranks that have not answered it are probed, and again every such interval: one that does not answer
 the probe is hung, and the step fails at once. A step that is merely slow is never cut short by
 this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for a live rank that makes
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
-from orchestrator.recovery.settle import STATUS_POLL_S
 
+PROBE_ANSWER_S = 2.0  # a live rank answers a probe in ms even on a loaded host; what a hang costs on top
 PROBE_FLOOR_S = 1.0  # never probe sooner than this into a step (short steps: keep the calls rare)
 HISTORY = 16  # recent step intervals the median is taken over (a checkpoint step is an outlier)
 MIN_HISTORY = 3  # before this many, only elastic.step_timeout_s applies (a generation's first steps)
@@ -71,12 +71,12 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
             return merged
         if watch.clock() - start >= timeout_s:
             return merged
-        polled = group.call(outcome.pending, RankCalls.status, timeout_s=STATUS_POLL_S)
+        polled = group.call(outcome.pending, RankCalls.status, timeout_s=PROBE_ANSWER_S)
         silent = set(outcome.pending) - set(polled.results) - set(polled.dead)
         merged.dead.update(polled.dead)
         if silent or polled.dead:
             ran = watch.clock() - start
-            reason = (f"no answer within {STATUS_POLL_S:g} s to a liveness probe while step {step} ran "
+            reason = (f"no answer within {PROBE_ANSWER_S:g} s to a liveness probe while step {step} ran "
                       f"{ran:.1f} s (elastic.hang_probe_factor: stopped or wedged)")
             merged.hung = {actor: reason for actor in sorted(silent)}
             return merged
