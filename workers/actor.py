@@ -115,23 +115,7 @@ class RankActor:
         self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
         self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
         self.snapshot_worker = SnapshotWorker(self.snapshots)
-        self._heap_frozen = False
         self.warm()
-
-    def _freeze_heap(self) -> None:
-        """Move everything alive now (the imported torch, Ray and model code: ~330k objects) out of
-        the cyclic GC's reach, once, before any generation exists. Leaving a generation runs a full
-        collection (``workers.device.release_memory``) on the rebuild's critical path: measured in the
-        chaos bench at 0.7-1.2 s per survivor and rebuild while it scanned those objects too. Only
-        objects made before the first join are frozen, so every generation's own cycles are still
-        collected."""
-        if self._heap_frozen or self.runtime is not None or self.generation != -1:
-            return
-        import gc
-
-        gc.collect()
-        gc.freeze()
-        self._heap_frozen = True
 
     def ping(self) -> tuple[int, str, str]:
         """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
@@ -142,8 +126,10 @@ class RankActor:
         joins as fast as a member re-forms (``elastic.spares``)."""
         import workers.groups  # noqa: F401
         import workers.runtime  # noqa: F401
+        from workers.device import freeze_startup_heap
 
-        self._freeze_heap()
+        if self.runtime is None and self.generation == -1:  # before any generation: see its docstring
+            freeze_startup_heap()
 
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""
@@ -179,17 +165,10 @@ class RankActor:
             try:
                 self.faults.fire("join", gen.generation)
                 groups = build_process_groups(
-                    store_addr=gen.store_addr,
-                    store_port=gen.store_port,
-                    store_prefix=gen.store_prefix,
-                    store_secret=gen.store_secret,
-                    generation=gen.generation,
-                    shape=gen.shape,
-                    world_rank=gen.world_rank,
-                    timeout_s=spec.collective_timeout_s,
-                    device=device,
-                    replicate=spec.dp.replicate,
-                )
+                    store_addr=gen.store_addr, store_port=gen.store_port, store_prefix=gen.store_prefix,
+                    store_secret=gen.store_secret, generation=gen.generation, shape=gen.shape,
+                    world_rank=gen.world_rank, timeout_s=spec.collective_timeout_s, device=device,
+                    replicate=spec.dp.replicate)
                 t_groups = time.perf_counter()
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -204,7 +183,6 @@ class RankActor:
             self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
-            # Where a formation's time goes on a rank (the driver's rebuild event has the phases).
             logger.info("joined generation %d as rank %d in %.3f s: leave %.3f, groups %.3f, runtime %.3f",
                         gen.generation, gen.world_rank, time.perf_counter() - t0, t_left - t0,
                         t_groups - t_left, time.perf_counter() - t_groups)

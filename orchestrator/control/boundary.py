@@ -147,13 +147,15 @@ def carry_out_decision(c: Controller, decision: Decision, step: int) -> Controll
                 c.group.add(missing, wait_s=c.cfg.resources.placement_timeout_s)
             except WorkerGroupStartupError as exc:
                 logger.warning("resize to dp=%d: %s", decision.dp, exc)
-        return Forming(c.scaling.requested(decision.dp, len(c.group.live_ids)), save_first=True)
+        return Forming(c.scaling.requested(decision.dp, len(c.group.live_ids)), save_first=True,
+                       snapshot_may_replace_save=True)
     if isinstance(decision, Evacuate):
         return Forming(decision.decision, save_first=True, drop=decision.notice.actors)
     if isinstance(decision, Evict):
-        return Forming(decision.decision, save_first=True, drop=decision.actors, drop_event="evict")
+        return Forming(decision.decision, save_first=True, drop=decision.actors, drop_event="evict",
+                       snapshot_may_replace_save=True)
     if isinstance(decision, Grow):
-        return Forming(decision.decision, save_first=True)
+        return Forming(decision.decision, save_first=True, snapshot_may_replace_save=True)
     raise TypeError(f"unknown boundary decision {decision!r}")
 
 

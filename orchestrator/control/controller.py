@@ -201,8 +201,10 @@ class Controller:
 
     # -- FORMING, REBUILDING --------------------------------------------------------------------------
     def _forming(self, state: Forming) -> ControllerState:
-        if state.save_first:
-            saved = save_before_reform(self, self.progress.next_step - 1)
+        step = self.progress.next_step - 1
+        if state.save_first and not (state.snapshot_may_replace_save and self.snapshots.covers(
+                self.group, self.generation, step, without=state.drop)):
+            saved = save_before_reform(self, step)
             if saved is not None:
                 return saved
         if state.drop:

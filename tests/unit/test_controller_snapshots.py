@@ -14,6 +14,8 @@ import pytest
 from checkpoints.layout import step_dir_name
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
+from orchestrator.control.scaling import ResizeDecision
+from orchestrator.control.states import Forming
 from testbed.controller_run import Run
 
 
@@ -168,3 +170,35 @@ def test_with_steps_in_flight_a_lost_rank_restores_from_the_newest_complete_set(
     assert summary.final_step == 6 and sorted(summary.losses) == [1, 2, 3, 4, 5, 6]
     trained = [x["step"] for x in r.records() if "loss" in x and "event" not in x]
     assert trained == [1, 2, 3, 4, 5, 6]  # nothing the broken generation sent beyond step 4 counted
+
+
+def test_a_grow_resumes_from_the_snapshot_of_the_last_step_without_saving_it(make):
+    """A planned re-form that loses no state (a grow) needs no checkpoint of the step just trained when
+    its snapshot set has a live copy of every shard: the new generation loads that set, and no save
+    is written (controller ``_forming``, ``SnapshotCoordinator.covers``)."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "checkpoint.every=3", capacity=2, nodes={0: "A", 1: "B"})
+    r.steps(4)  # start, steps 1-3 (step 3 committed)
+    r.clock.t = 10.0
+    assert r.c.step() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
+    assert r.c.step() == State.FORMING  # the step-5 boundary: grow now
+    assert r.c.step() == State.RUNNING
+    assert r.committed() == [3] and not r.group.calls(RankCalls.load_checkpoint)
+    assert {args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)} == {3}
+    source = r.group.ranks[0].snapshots_loaded[-1]
+    assert source.key[2] == 4 and source.world == 2 and r.c.next_step == 5
+    r.steps(1)
+    grow, = r.events("grow")
+    assert (grow["restored_from"], grow["resumed_from_step"], grow["generation"]) == ("snapshot", 4, 2)
+
+
+def test_an_eviction_whose_straggler_holds_a_shard_alone_saves_first(make):
+    """Dropping an actor whose copy of some shard is the only one left would lose that step: then the
+    re-form saves the step first, as without snapshots."""
+    r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.steps(4)  # start, steps 1-3
+    # Rank 1's snapshot lives on actor 3 (the ring 0 -> 2 -> 1 -> 3 -> 0): evicting 1 and 3 together
+    # leaves no copy of rank 1's shard, so step 3 is saved before they go.
+    r.c.state = Forming(ResizeDecision(dp=2, reason="evict"), save_first=True, drop=frozenset({1, 3}),
+                        drop_event="evict", snapshot_may_replace_save=True)
+    assert r.c.step() == State.RUNNING
+    assert 3 in r.committed() and r.group.calls(RankCalls.load_checkpoint)
