@@ -33,15 +33,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from workers.quantize import BITS
-from workers.quantized_comm import (
-    ByteCounter,
-    CountingReduceScatter,
-    DdpQuantizedState,
-    QuantizedAllReduce,
-    QuantizedReduceScatter,
-    quantized_ddp_hook,
-    wire_bytes,
-)
+from workers.quantized_comm import (ByteCounter, CountingReduceScatter, DdpQuantizedState, QuantizedAllReduce,
+                                    QuantizedReduceScatter, quantized_ddp_hook, wire_bytes)
 
 
 class _CountingDist:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from workers.quantize import BITS, ErrorFeedback, dequantize, pack_rows, padded_length, quantize, unpack_rows
+from workers.quantize import (BITS, ErrorFeedback, dequantize, pack_rows, padded_length, quantize,
+                              unpack_rows)
 
 
 class ByteCounter:
