@@ -51,6 +51,7 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
 
         assert killed and summary.final_step == STEPS and summary.restarts == 1
         assert provider.hosted == 2 and provider.address() != first  # re-hosted, new address
+        assert provider.standbys_taken == 1  # by the standby that was waiting (not a new actor's start-up)
         assert group.pids[survivor] == pid  # the survivor was not restarted
         failure, = events(tmp_path / "m.jsonl", "failure")
         assert failure["step"] == 5 and failure["ranks"] == [1]
