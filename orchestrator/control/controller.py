@@ -75,7 +75,7 @@ from orchestrator.metrics import MetricsLog, step_record
 from orchestrator.recovery.failure_policy import FailurePolicy, Phase, Raise, diagnose
 from orchestrator.recovery.hang_watch import HangWatch
 from orchestrator.recovery.preemption import PreemptionWatcher
-from orchestrator.recovery.settle import settle
+from orchestrator.recovery.settle import kicked_wait_s, settle
 from orchestrator.saves.checkpointing import CheckpointCoordinator, RestoreFailed
 from orchestrator.saves.snapshots import Restored, SnapshotCoordinator
 
@@ -365,8 +365,10 @@ class Controller:
         if not phase.forming or not self.recovery.under_way:
             self.recovery.begins()  # a failed formation is part of the recovery under way
         listeners = {actor: info.gloo_listeners for actor, info in gen.infos.items()}
-        found = settle(self.group, outcome, list(gen.members.values()), listeners=listeners,
-                       wait_s=self.cfg.elastic.collective_timeout_s + 5, hang_reason=phase.hang_reason())
+        wait_s = kicked_wait_s(self.cfg.elastic.collective_timeout_s + 5,
+                               self.hang_watch.pace_s() if phase is Phase.STEP else None)
+        found = settle(self.group, outcome, list(gen.members.values()), listeners=listeners, wait_s=wait_s,
+                       hang_reason=phase.hang_reason())
         self.recovery.mark("settled")
         # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
         store_lost = phase.forming and not found.lost and not self.store.healthy()

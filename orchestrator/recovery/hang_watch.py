@@ -47,6 +47,12 @@ class HangWatch:
         """Something other than steps ran (a boundary, a recovery): the next interval starts later."""
         self._last = None
 
+    def pace_s(self) -> float | None:
+        """The recent median step interval (None before ``MIN_HISTORY`` of them)."""
+        if len(self.intervals) < MIN_HISTORY:
+            return None
+        return statistics.median(self.intervals)
+
     def probe_after_s(self) -> float | None:
         """How long into a step the ranks still in it are probed (None: not yet known, or off)."""
         if not self.factor or len(self.intervals) < MIN_HISTORY:

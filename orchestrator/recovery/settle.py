@@ -38,6 +38,23 @@ logger = logging.getLogger(__name__)
 STATUS_POLL_S = 3.0  # a live actor answers status() on its second thread well within this
 KICK_S = 10.0
 REKICK_S = 1.0  # how often survivors that have not returned from the broken call are kicked again
+# A kicked survivor in a training step returns at its next collective, i.e. within a fraction of a
+# step; one still inside after this many steps (at least the floor) is wedged and is killed, instead
+# of being waited for until the group timeout: in the chaos bench one survivor's all-gather stayed
+# blocked through every kick until gloo's 15 s timeout (2 of 4 campaigns; cause in docs/design.md,
+# Failure path, open), which cost more than replacing it.
+KICKED_STEPS = 3
+KICKED_FLOOR_S = 5.0
+
+
+def kicked_wait_s(timeout_s: float, pace_s: float | None) -> float:
+    """How long kicked survivors of a broken training step may take to return: ``timeout_s`` (the
+    group timeout's bound) unless the run's pace is known (``pace_s``: the recent median step), then
+    ``KICKED_STEPS`` steps, at least ``KICKED_FLOOR_S``. A rebuild's join or load has no such pace:
+    the caller passes None there."""
+    if pace_s is None:
+        return timeout_s
+    return min(timeout_s, max(KICKED_FLOOR_S, KICKED_STEPS * pace_s))
 
 
 @dataclass

@@ -87,3 +87,16 @@ def test_a_survivor_that_never_returns_is_killed_at_the_deadline():
     assert found.lost == {1, 2}
     assert found.reasons[1] == "did not return after the kick"
     assert len(group.kicks) <= 1 + 3 / recovery.REKICK_S  # bounded even when no time passes
+
+
+def test_a_wedged_survivor_of_a_step_is_waited_for_a_few_steps_not_the_group_timeout():
+    # Group timeout 15 s (+5): a training step's survivors get 3 steps, at least 5 s; a join or a
+    # load (no pace) the whole bound.
+    assert recovery.kicked_wait_s(20.0, None) == 20.0
+    assert recovery.kicked_wait_s(20.0, 1.2) == recovery.KICKED_FLOOR_S == 5.0
+    assert recovery.kicked_wait_s(20.0, 4.0) == 12.0
+    assert recovery.kicked_wait_s(20.0, 30.0) == 20.0
+    group = LateJoiners([0, 1, 2], dead=2, late={1: 10**6})
+    found = recovery.settle(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={},
+                            wait_s=recovery.kicked_wait_s(20.0, 1.2), hang_reason="hung")
+    assert found.lost == {1, 2} and found.reasons[1] == "did not return after the kick"
