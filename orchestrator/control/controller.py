@@ -202,9 +202,12 @@ class Controller:
     # -- FORMING, REBUILDING --------------------------------------------------------------------------
     def _forming(self, state: Forming) -> ControllerState:
         step = self.progress.next_step - 1
-        if state.save_first and not (state.snapshot_may_replace_save and self.snapshots.covers(
-                self.group, self.generation, step, without=state.drop)):
-            saved = save_before_reform(self, step)
+        if state.save_first:
+            # A covered snapshot of ``step`` replaces its save, but a save in flight still commits:
+            # leaving the generation would abandon it (formation.save_before_reform).
+            only_pending = state.snapshot_may_replace_save and self.snapshots.covers(
+                self.group, self.generation, step, without=state.drop)
+            saved = save_before_reform(self, step, only_pending=only_pending)
             if saved is not None:
                 return saved
         if state.drop:

@@ -92,12 +92,16 @@ def form_generation(c: Controller, decision: ResizeDecision) -> ControllerState:
     return Running()
 
 
-def save_before_reform(c: Controller, step: int) -> ControllerState | None:
+def save_before_reform(c: Controller, step: int, *, only_pending: bool = False) -> ControllerState | None:
     """Commit ``step`` (finishing any save in flight first) so the next generation resumes exactly
-    there. A member lost meanwhile (a drained node that went early) is a failure like any other;
-    a save that fails with everyone alive is storage failing, which stops the run."""
+    there; ``only_pending``: only finish the save in flight (the snapshot of ``step`` resumes it).
+    A member lost meanwhile (a drained node that went early) is a failure like any other; a save
+    that fails with everyone alive is storage failing, which stops the run."""
     try:
-        c.ckpt.save_now(c.group, c.generation, step)
+        if only_pending:
+            c.ckpt.finish(c.group, c.generation, step)
+        else:
+            c.ckpt.save_now(c.group, c.generation, step)
     except TrainingFailed:
         polled = c.group.call(list(c.generation.members.values()), RankCalls.status, timeout_s=3.0)
         if polled.ok:

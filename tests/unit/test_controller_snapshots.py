@@ -202,3 +202,22 @@ def test_an_eviction_whose_straggler_holds_a_shard_alone_saves_first(make):
                         drop_event="evict", snapshot_may_replace_save=True)
     assert r.c.step() == State.RUNNING
     assert 3 in r.committed() and r.group.calls(RankCalls.load_checkpoint)
+
+
+def test_a_grow_without_a_save_still_commits_the_save_in_flight(make):
+    """Step 4's periodic save is still being written at the step-5 boundary where the run grows: the
+    snapshot of step 4 replaces a new save, but the one in flight commits before the ranks leave
+    their generation (leaving would abandon it, and the driver would take storage as failing)."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "checkpoint.every=4", capacity=2, nodes={0: "A", 1: "B"})
+    r.group.slow_writes = True
+    r.steps(4)  # start, steps 1-3
+    r.clock.t = 10.0
+    assert r.c.step() == State.RUNNING  # the grow check begins 2 actors; step 4 trains, its save starts
+    assert r.committed() == []
+    assert r.c.step() == State.FORMING
+    assert r.c.step() == State.RUNNING
+    assert r.committed() == [4] and r.c.generation.shape.dp == 4
+    assert [args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)] == [4, 4]  # one save, 2 ranks
+    assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 4
+    summary = r.c.run()
+    assert summary.final_step == 6
