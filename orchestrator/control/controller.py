@@ -203,8 +203,7 @@ class Controller:
     def _forming(self, state: Forming) -> ControllerState:
         step = self.progress.next_step - 1
         if state.save_first:
-            # A covered snapshot of ``step`` replaces its save, but a save in flight still commits:
-            # leaving the generation would abandon it (formation.save_before_reform).
+            # A covered snapshot of ``step`` replaces its save (a save in flight still commits).
             only_pending = state.snapshot_may_replace_save and self.snapshots.covers(
                 self.group, self.generation, step, without=state.drop)
             saved = save_before_reform(self, step, only_pending=only_pending)
@@ -368,8 +367,8 @@ class Controller:
         if not phase.forming or not self.recovery.under_way:
             self.recovery.begins()  # a failed formation is part of the recovery under way
         listeners = {actor: info.gloo_listeners for actor, info in gen.infos.items()}
-        wait_s = kicked_wait_s(self.cfg.elastic.collective_timeout_s + 5,
-                               self.hang_watch.pace_s() if phase is Phase.STEP else None)
+        pace = self.hang_watch.pace_s() if phase is Phase.STEP else None  # a join or load has none
+        wait_s = kicked_wait_s(self.cfg.elastic.collective_timeout_s + 5, pace)
         found = settle(self.group, outcome, list(gen.members.values()), listeners=listeners, wait_s=wait_s,
                        hang_reason=phase.hang_reason())
         self.recovery.mark("settled")
