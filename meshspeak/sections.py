@@ -182,7 +182,7 @@ class ElasticConfig:
     max_dp: int = key(0, "grow no higher than this; 0 = mesh.dp", ge=0)
     collective_timeout_s: float = key(60.0, "process-group timeout: bounds a blocked collective", gt=0)
     step_timeout_s: float = key(120.0, "a step slower than this counts as a hang", gt=0)
-    hang_probe_factor: float = key(2.0, "once a step ran this many times the recent median step (at least "
+    hang_probe_factor: float = key(1.5, "once a step ran this many times the recent median step (at least "
                                         "1 s), probe the ranks still in it, and again at that interval: "
                                         "a rank answering no probe is hung (a live but slow step is never "
                                         "cut short); 0 = wait for step_timeout_s alone", ge=0)
