@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import kill_pids, remove_node
+from common import remove_node
 
 from meshspeak.rank_calls import RankCalls
 
@@ -61,10 +61,7 @@ class Campaign:
                 if n == node.node_id and a in controller.group.pids]
         if node in self.worker_nodes:
             self.worker_nodes.remove(node)
-            # The processes die now (the fault); tearing the local raylet down takes ~1.3 s, which on a
-            # real cluster happens on the lost machine, not in the driver's loop: a timer thread does it.
-            kill_pids(pids)
-            self.later(0.0, remove_node, self.nodes, node, [])
+            remove_node(self.nodes, node, pids)
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:

@@ -125,15 +125,10 @@ def rank_runtime(cfg, *, store_port: int, world_rank: int = 0, generation: int =
 def remove_node(nodes, node, pids) -> None:
     """``node`` of a local ``ray.cluster_utils.Cluster`` goes as a real node would: the processes in
     ``pids`` (its workers, which on one machine would outlive its raylet) die with it."""
-    kill_pids(pids)
-    nodes.remove_node(node, allow_graceful=False)
-
-
-def kill_pids(pids) -> None:
-    """SIGKILL the processes ``pids`` (ours: a lost node's workers); never pid 0, 1 or -1."""
     for pid in pids:
-        if pid > 1:  # never os.kill(0 or -1, ...), nor init
+        if pid > 0:  # never os.kill(0 or -1, ...)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    nodes.remove_node(node, allow_graceful=False)
