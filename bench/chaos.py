@@ -107,7 +107,7 @@ def run_campaign(args, tmp: Path) -> dict:
         # (orchestrator/control/window.py), so one run at every step would stop the pipelining.
         inject.steps = frozenset(plan)
         controller.step_hooks.append(inject)
-        # Replacement nodes join from the main thread as steps are recorded (Campaign.tick).
+        # Replacement nodes are started as steps are recorded (Campaign.tick), on a timer thread.
         controller.metrics.step_listeners.append(lambda rec: campaign.tick())
         done_at: list[tuple[int, float]] = []  # (step, when its record was written)
         controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))

@@ -45,6 +45,7 @@ class Campaign:
     truncated: list[str] = field(default_factory=list)  # checkpoint paths we damaged on purpose
     timers: list[threading.Timer] = field(default_factory=list)
     replacements: list[float] = field(default_factory=list)  # when a replacement node is due
+    _adding: threading.Lock = field(default_factory=threading.Lock)
 
     def add_node(self):
         node = self.nodes.add_node(num_cpus=NODE_CPUS)
@@ -65,12 +66,23 @@ class Campaign:
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:
-        """After each recorded step (the driver's main thread: Ray's ``Cluster.add_node`` installs a
-        signal handler, which only the main thread may): add the replacement nodes that are due."""
+        """After each recorded step: start the replacement nodes that are due, on a timer thread. A
+        node's start-up takes ~2 s, which on a real cluster happens on the new machine; in the
+        driver's loop it was charged to the run as driver overhead (7-8 s per campaign)."""
         now = time.time()
         for due in [t for t in self.replacements if t <= now]:
             self.replacements.remove(due)
-            self.add_node()
+            self.later(0.0, self._add_node_off_main)
+
+    def _add_node_off_main(self) -> None:
+        # Ray's ``Cluster.add_node`` installs exit signal handlers, which only the main thread may:
+        # without them (``_shutdown_at_exit``) the node is still stopped by ``Cluster.shutdown``.
+        with self._adding:
+            saved, self.nodes._shutdown_at_exit = self.nodes._shutdown_at_exit, False
+            try:
+                self.add_node()
+            finally:
+                self.nodes._shutdown_at_exit = saved
 
     def later(self, delay_s: float, fn, *args) -> None:
         timer = threading.Timer(delay_s, fn, args)
