@@ -24,6 +24,11 @@ from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
 
 PROBE_ANSWER_S = 2.0  # a live rank answers a probe in ms even on a loaded host; what a hang costs on top
+# Once some ranks answered a probe, the silent ones get this many times the slowest answer (at least
+# the floor, at most PROBE_ANSWER_S): a live rank answers on its second thread as fast as its peers.
+PROBE_QUIET_FACTOR = 10.0
+PROBE_QUIET_FLOOR_S = 1.0
+PROBE_POLL_S = 0.1
 PROBE_FLOOR_S = 1.0  # never probe sooner than this into a step (short steps: keep the calls rare)
 HISTORY = 16  # recent step intervals the median is taken over (a checkpoint step is an outlier)
 MIN_HISTORY = 3  # before this many, only elastic.step_timeout_s applies (a generation's first steps)
@@ -77,14 +82,39 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
             return merged
         if watch.clock() - start >= timeout_s:
             return merged
-        polled = group.call(outcome.pending, RankCalls.status, timeout_s=PROBE_ANSWER_S)
-        silent = set(outcome.pending) - set(polled.results) - set(polled.dead)
+        polled, given = probe(group, outcome.pending, watch.clock)
+        silent = set(polled.pending)
         merged.dead.update(polled.dead)
         if silent or polled.dead:
             ran = watch.clock() - start
-            reason = (f"no answer within {PROBE_ANSWER_S:g} s to a liveness probe while step {step} ran "
+            reason = (f"no answer within {given:.1f} s to a liveness probe while step {step} ran "
                       f"{ran:.1f} s (elastic.hang_probe_factor: stopped or wedged)")
             merged.hung = {actor: reason for actor in sorted(silent)}
             return merged
         refs = outcome.pending_refs
     return merged
+
+
+def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOutcome, float]:
+    """Ask ``actors`` for their status: (what came back — the silent ones in ``pending`` —, the seconds
+    the silent ones were given). Each gets up to ``PROBE_ANSWER_S``; once some answered, the rest get
+    ``PROBE_QUIET_FACTOR`` times the slowest answer so far, at least ``PROBE_QUIET_FLOOR_S``. A live
+    rank answers within milliseconds like its peers (measured in the chaos bench: ~10 ms), so one still
+    silent after that is stopped; when none answers, all get the full wait (a host-wide stall)."""
+    refs = group.submit(actors, RankCalls.status)
+    start = clock()
+    merged = CallOutcome(pending=list(actors), pending_refs=dict(refs))
+    slowest: float | None = None
+    bound = PROBE_ANSWER_S
+    for _ in range(int(PROBE_ANSWER_S / PROBE_POLL_S) + 2):  # bounded also when the clock stands still
+        if slowest is not None:
+            bound = min(PROBE_ANSWER_S, max(PROBE_QUIET_FLOOR_S, PROBE_QUIET_FACTOR * slowest))
+        waited = clock() - start
+        if not merged.pending_refs or waited >= bound:
+            break
+        out = group.collect(merged.pending_refs, min(PROBE_POLL_S, bound - waited))
+        if out.results or out.dead or out.failed:
+            slowest = clock() - start
+        merged.absorb(out)
+    return merged, bound
+

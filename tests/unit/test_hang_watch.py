@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
+from orchestrator.recovery import hang_watch
 from orchestrator.recovery.hang_watch import MIN_HISTORY, PROBE_FLOOR_S, HangWatch
 from testbed.controller_run import make  # noqa: F401  (the fixture)
 
@@ -59,7 +61,7 @@ def test_a_rank_that_answers_no_probe_is_hung_at_once(make):
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["step"] == 6
-    assert failure["reason"].startswith("no answer within 2 s to a liveness probe while step 6 ran")
+    assert failure["reason"].startswith("no answer within 1.0 s to a liveness probe while step 6 ran")
     assert r.group.killed == [2]
     # Probed once (the survivors were blocked in the step, so they are asked too); settle did not
     # ask the hung actor again, only the rest.
@@ -89,3 +91,43 @@ def test_no_probes_when_off_or_before_the_pace_is_known(make, factor, at):
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["reason"] == "no progress within elastic.step_timeout_s"
     assert _statuses(r).count(2) == 1  # settle's poll only
+
+
+class AnsweringAt:
+    """A status fan-out whose actors answer at scripted times (None: never); each read advances the
+    clock by its timeout, as a wait with nothing arriving would."""
+
+    def __init__(self, answers: dict[int, float | None]) -> None:
+        self.answers, self.clock = answers, Clock()
+
+    def submit(self, actors, method):
+        assert method is RankCalls.status
+        return {f"ref{a}": a for a in actors}
+
+    def collect(self, refs, timeout_s):
+        self.clock.t += timeout_s
+        out = CallOutcome()
+        for ref, actor in refs.items():
+            at = self.answers[actor]
+            if at is not None and at <= self.clock.t:
+                out.results[actor] = "status"
+            else:
+                out.pending.append(actor)
+                out.pending_refs[ref] = actor
+        return out
+
+
+@pytest.mark.parametrize("answers,silent,given", [
+    ({0: 0.01, 1: 0.01, 2: None}, {2}, hang_watch.PROBE_QUIET_FLOOR_S),  # peers fast: 1 s for the silent
+    ({0: 0.01, 1: 0.6, 2: None}, {2}, hang_watch.PROBE_ANSWER_S),  # a slow peer: the full 2 s
+    ({0: 0.01, 1: 0.9, 2: 0.95}, set(), None),  # slow but inside the floor: alive
+    ({0: None, 1: None, 2: None}, {0, 1, 2}, hang_watch.PROBE_ANSWER_S),  # nobody answers: the full wait
+])
+def test_a_probe_gives_the_silent_ranks_ten_times_their_peers_slowest_answer(answers, silent, given):
+    group = AnsweringAt(answers)
+    polled, waited = hang_watch.probe(group, sorted(answers), group.clock)
+    assert set(polled.pending) == silent and set(polled.results) == set(answers) - silent
+    if silent:  # given that long, and no longer
+        assert waited == pytest.approx(given) and group.clock.t == pytest.approx(given, abs=1e-9)
+    else:  # every answer read as soon as it came
+        assert group.clock.t == pytest.approx(max(answers.values()), abs=hang_watch.PROBE_POLL_S)
