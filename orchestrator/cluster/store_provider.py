@@ -137,13 +137,7 @@ class StoreProvider:
 
     def _start_standby(self) -> None:
         """A second StoreHost on the current store's node, started now and not waited for."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from workers.store import StoreHost
-
-        handle = StoreHost.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False)
-        ).remote(self.loopback)
+        handle = _start_host(self.node_id, self.loopback)
         self._standby = (handle, self.node_id, self.loopback, handle.where.remote())
 
     def _promote_standby(self, nodes: list[dict]) -> bool:
@@ -168,7 +162,8 @@ class StoreProvider:
                 return True
         except Exception as exc:  # the standby died too (its node went), or never started
             logger.info("the standby rendezvous store is not usable: %s", _last_line(exc))
-        ray.kill(handle, no_restart=True)
+        self._standby = standby
+        self._drop_standby()
         return False
 
     def _drop(self) -> None:
@@ -183,9 +178,6 @@ class StoreProvider:
 
     def _host(self, nodes: list[dict]) -> None:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from workers.store import StoreHost
 
         self._drop()
         if self._promote_standby(nodes):
@@ -195,9 +187,7 @@ class StoreProvider:
         errors = []
         for node in host_candidates(driver, nodes, _draining()):
             loopback = one_machine(_ip_of(nodes, node), ips)
-            handle = StoreHost.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote(loopback)
+            handle = _start_host(node, loopback)
             try:
                 placed, address = ray.get(handle.where.remote(), timeout=self.start_timeout_s)
             except Exception as exc:
@@ -212,6 +202,15 @@ class StoreProvider:
             return
         raise TrainingFailed("could not host the rendezvous store on any live node ("
                              + ("; ".join(errors) or "no live node") + "): check the cluster's health")
+
+
+def _start_host(node: str, loopback: bool):
+    """A StoreHost actor pinned to ``node`` (hard affinity: see the module docstring)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from workers.store import StoreHost
+
+    return StoreHost.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(loopback)
 
 
 def _last_line(exc: BaseException) -> str:
