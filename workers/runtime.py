@@ -379,7 +379,7 @@ class RankRuntime:
             f"in-memory snapshot of step {key[2]}", self.model_parts(), self.optimizers,
             restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
         )
-        logger.info("loaded snapshot of step %d in %.3f s: metadata %.3f, load %.3f (%d bytes fetched)", key[2],
+        logger.info("loaded snapshot of step %d in %.3f s: metadata %.3f, load %.3f (%d bytes)", key[2],
                     time.perf_counter() - t0, t_meta - t0, time.perf_counter() - t_meta, reader.fetched_bytes)
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)

@@ -4,10 +4,11 @@ A rank that stops (SIGSTOP, a frozen VM, a wedged host) leaves its peers blocked
 the driver used to learn of it only when ``elastic.step_timeout_s`` ran out and a status poll went
 unanswered (the chaos campaign: 13 s per hang with a 10 s timeout, its costliest fault). A frozen
 process answers nothing, but a live rank blocked in a collective still answers ``status()`` on its
-second thread within milliseconds (workers/actor.py; ``PROBE_ANSWER_S`` leaves a wide margin). So
-once the oldest step in flight has run ``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the
-ranks that have not answered it are probed, and again every such interval: one that does not answer
-the probe is hung, and the step fails at once. A step that is merely slow is never cut short by
+second thread within milliseconds, as fast as its peers (workers/actor.py; ``probe`` gives a silent
+rank 10 times its peers' slowest answer, 1-2 s). So once the oldest step in flight has run
+``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the ranks
+that have not answered it are probed, and again every such interval: one that does not answer the
+probe is hung, and the step fails at once. A step that is merely slow is never cut short by
 this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for a live rank that makes
 no progress (e.g. a device kernel that never returns). As NVIDIA's resiliency extension derives its
 hang timeouts from observed iteration times, the interval follows the run's own steps; unlike a

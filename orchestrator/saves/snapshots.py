@@ -259,7 +259,8 @@ class SnapshotCoordinator:
         return Restored(key[2], "snapshot", time.perf_counter() - t0,
                         fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks))
 
-    def _find(self, group, at_most: int, without: frozenset[int] = frozenset()) -> tuple[SnapKey, dict[int, int]] | None:
+    def _find(self, group, at_most: int,
+              without: frozenset[int] = frozenset()) -> tuple[SnapKey, dict[int, int]] | None:
         live = [a for a in group.live_ids if a not in without]
         polled = group.call(live, RankCalls.snapshot_inventory, timeout_s=INVENTORY_TIMEOUT_S)
         return newest_covered(polled.results, self._worlds, at_most)
