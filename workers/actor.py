@@ -123,13 +123,13 @@ class RankActor:
 
     def warm(self) -> None:
         """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
-        joins as fast as a member re-forms (``elastic.spares``)."""
+        joins as fast as a member re-forms (``elastic.spares``); the first call (from ``__init__``,
+        before any generation) freezes the heap, later ones find it frozen."""
         import workers.groups  # noqa: F401
         import workers.runtime  # noqa: F401
         from workers.device import freeze_startup_heap
 
-        if self.runtime is None and self.generation == -1:  # before any generation: see its docstring
-            freeze_startup_heap()
+        freeze_startup_heap()
 
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""

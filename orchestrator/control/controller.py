@@ -211,7 +211,7 @@ class Controller:
                 return saved
         if state.drop:
             if state.drop_event:
-                self.metrics.event(state.drop_event, step=self.progress.next_step - 1, actors=sorted(state.drop))
+                self.metrics.event(state.drop_event, step=step, actors=sorted(state.drop))
             self.group.kill(sorted(state.drop))  # before the node goes / the straggler trains on
         return self._form(carry_out(state.decision))
 

@@ -61,9 +61,10 @@ class HangWatch:
 
     def probe_after_s(self) -> float | None:
         """How long into a step the ranks still in it are probed (None: not yet known, or off)."""
-        if not self.factor or len(self.intervals) < MIN_HISTORY:
+        pace = self.pace_s()
+        if not self.factor or pace is None:
             return None
-        return max(PROBE_FLOOR_S, self.factor * statistics.median(self.intervals))
+        return max(PROBE_FLOOR_S, self.factor * pace)
 
 
 def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: HangWatch, step: int) -> CallOutcome:
