@@ -30,12 +30,17 @@ def _parse(name: str) -> Action:
 def bubble_stats(run) -> dict:
     """Measured bubble of a run (pp ranks, dp = tp = 1) over the steps after the warm-up.
 
-    ``measured`` is the idle share of the pipeline window; ``idle_over_busy`` = measured / (1 -
-    measured) is the same idle time relative to the compute time (Megatron's (p-1)/m for 1F1B,
-    ZB-H1's (p-1)/(3m)), which is what "a third of 1F1B's bubble" compares."""
+    ``measured`` is the idle share of the pipeline window, averaged over the ranks; ``idle_over_busy``
+    = measured / (1 - measured) is the same idle time relative to the compute time (Megatron's (p-1)/m
+    for 1F1B, ZB-H1's (p-1)/(3m)). ``bottleneck_idle_over_busy`` is the zero-bubble paper's bubble
+    rate (Qi et al., section 5): the idle time of the rank with the most compute in the step, over
+    that compute, median over steps. The step lasts that rank's compute plus its idle, so this is the
+    time the schedule adds to a step; the average also counts the idle a faster stage spends waiting
+    for a slower one, which no schedule removes (it is the same under every schedule)."""
     pp = run.shape.pp
     steps = range(WARMUP_STEPS, len(run.results[0]))
     per_step, per_rank_window, per_rank_step = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
+    bottleneck = []  # per step: (idle, compute) of the rank that computed longest
     cpu_share, windows = [], []
     parts = {"compute": [], "recv_wait": [], "send_post": [], "other": []}  # fractions of the window
     costs: dict[tuple[int, Op], list[float]] = {}
@@ -45,7 +50,7 @@ def bubble_stats(run) -> dict:
         start, end = min(w[0] for w in win), max(w[1] for w in win)
         window = end - start
         windows.append(window)
-        busy_total = 0.0
+        busy_total, busiest = 0.0, 0.0
         durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
         spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
         for r in range(pp):
@@ -63,6 +68,7 @@ def bubble_stats(run) -> dict:
                 else:
                     send += t.end_s - t.start_s
             busy_total += busy
+            busiest = max(busiest, busy)
             parts["compute"].append(busy / window)
             parts["recv_wait"].append(recv / window)
             parts["send_post"].append(send / window)
@@ -70,6 +76,7 @@ def bubble_stats(run) -> dict:
             per_rank_window[r].append(1.0 - busy / window)
             per_rank_step[r].append(1.0 - busy / result.step_time_s)
         per_step.append(1.0 - busy_total / (pp * window))
+        bottleneck.append((window - busiest) / busiest)
         cpu_share.append(sum(w[2] for w in win) / (pp * window))
         replay_per_step.append(_replay(run, durations.__getitem__))
         waiting, late = _handoff_latencies(spans)
@@ -84,7 +91,8 @@ def bubble_stats(run) -> dict:
     sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean,
                    i_cost=op_mean.get(Op.BACKWARD_INPUT), w_cost=op_mean.get(Op.BACKWARD_WEIGHT),
                    placement=placement_of(run.schedule))
-    replayed = _replay(run, lambda a: mean_cost[(a.stage, a.op)])
+    stage_cost_sim = _simulate(run, lambda a: mean_cost[(a.stage, a.op)])
+    replayed = stage_cost_sim.bubble_fraction
     measured = statistics.mean(per_step)
     per_stage = {
         f"{op.value}_s_per_stage": [mean_cost[(s, op)] for s in range(pp * run.virtual_stages)]
@@ -94,6 +102,12 @@ def bubble_stats(run) -> dict:
         "measured": measured,
         "idle_over_busy": measured / (1 - measured),
         "simulated_idle_over_busy": sim.bubble_fraction / (1 - sim.bubble_fraction),
+        "bottleneck_idle_over_busy": statistics.median(bottleneck),
+        "bottleneck_idle_over_busy_per_step": bottleneck,
+        "simulated_bottleneck_idle_over_busy": _bottleneck(sim),
+        # The schedule at each stage's own mean costs (the first stage's I is empty, see
+        # workers/split_backward.py): what the schedule itself allows on this model.
+        "replay_stage_costs_bottleneck_idle_over_busy": _bottleneck(stage_cost_sim),
         "measured_median_over_steps": statistics.median(per_step),
         "measured_per_step": per_step,
         "measured_per_rank": [statistics.mean(x) for x in per_rank_window],
@@ -126,11 +140,21 @@ def bubble_stats(run) -> dict:
     }
 
 
+def _bottleneck(sim) -> float:
+    """Idle over compute of the simulated rank that computes longest (the paper's bubble rate)."""
+    busiest = max(sum(b.end - b.start for b in rank) for rank in sim.busy)
+    return (sim.makespan - busiest) / busiest
+
+
+def _simulate(run, cost):
+    """The run's schedule under the simulator's model (free communication), where ``cost(action)``
+    is the seconds an F or B action takes."""
+    return simulate(run.actions, run.shape.pp, run.virtual_stages, cost=cost, placement=placement_of(run.schedule))
+
+
 def _replay(run, cost) -> float:
-    """Bubble of the run's schedule under the simulator's model (free communication), where
-    ``cost(action)`` is the seconds an F or B action takes."""
-    return simulate(run.actions, run.shape.pp, run.virtual_stages, cost=cost,
-                    placement=placement_of(run.schedule)).bubble_fraction
+    """Bubble fraction of :func:`_simulate`."""
+    return _simulate(run, cost).bubble_fraction
 
 
 def _handoff_latencies(spans: dict[Action, tuple[float, float]]) -> tuple[list[float], list[float]]:
