@@ -40,7 +40,8 @@ def bubble_stats(run) -> dict:
     pp = run.shape.pp
     steps = range(WARMUP_STEPS, len(run.results[0]))
     per_step, per_rank_window, per_rank_step = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
-    bottleneck = []  # per step: (idle, compute) of the rank that computed longest
+    bottleneck = []  # per step: idle / compute of the rank that computed longest
+    bottleneck_parts = []  # per step: that rank's (compute, receive waits, send posts, the rest) in s
     cpu_share, windows = [], []
     parts = {"compute": [], "recv_wait": [], "send_post": [], "other": []}  # fractions of the window
     costs: dict[tuple[int, Op], list[float]] = {}
@@ -50,7 +51,7 @@ def bubble_stats(run) -> dict:
         start, end = min(w[0] for w in win), max(w[1] for w in win)
         window = end - start
         windows.append(window)
-        busy_total, busiest = 0.0, 0.0
+        busy_total, busiest, busiest_parts = 0.0, 0.0, None
         durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
         spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
         for r in range(pp):
@@ -68,7 +69,8 @@ def bubble_stats(run) -> dict:
                 else:
                     send += t.end_s - t.start_s
             busy_total += busy
-            busiest = max(busiest, busy)
+            if busy > busiest:
+                busiest, busiest_parts = busy, (busy, recv, send, window - busy - recv - send)
             parts["compute"].append(busy / window)
             parts["recv_wait"].append(recv / window)
             parts["send_post"].append(send / window)
@@ -77,6 +79,7 @@ def bubble_stats(run) -> dict:
             per_rank_step[r].append(1.0 - busy / result.step_time_s)
         per_step.append(1.0 - busy_total / (pp * window))
         bottleneck.append((window - busiest) / busiest)
+        bottleneck_parts.append(busiest_parts)
         cpu_share.append(sum(w[2] for w in win) / (pp * window))
         replay_per_step.append(_replay(run, durations.__getitem__))
         waiting, late = _handoff_latencies(spans)
@@ -104,6 +107,14 @@ def bubble_stats(run) -> dict:
         "simulated_idle_over_busy": sim.bubble_fraction / (1 - sim.bubble_fraction),
         "bottleneck_idle_over_busy": statistics.median(bottleneck),
         "bottleneck_idle_over_busy_per_step": bottleneck,
+        # Where the busiest rank's window went, ms (medians over steps): compute, waiting in receives,
+        # posting sends (free in the theory), and the rest: before its first and after its last action
+        # within the ranks' common window (a rank done before the others waits there), and between
+        # actions.
+        "bottleneck_window_ms": {
+            key: 1e3 * statistics.median(p[i] for p in bottleneck_parts)
+            for i, key in enumerate(("compute", "recv_wait", "send_post", "other"))
+        },
         "simulated_bottleneck_idle_over_busy": _bottleneck(sim),
         # The schedule at each stage's own mean costs (the first stage's I is empty, see
         # workers/split_backward.py): what the schedule itself allows on this model.

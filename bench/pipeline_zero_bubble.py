@@ -96,6 +96,8 @@ def zero_bubble_sweep(model: tuple[str, ...], micro: int, pps, ms, steps: int, r
                     "idle_over_busy": measured / (1 - measured),
                     "bottleneck_idle_over_busy": statistics.median(
                         b for r in runs for b in r["bottleneck_idle_over_busy_per_step"]),
+                    "bottleneck_window_ms": {k: statistics.mean(r["bottleneck_window_ms"][k] for r in runs)
+                                             for k in runs[0]["bottleneck_window_ms"]},
                     "simulated_idle_over_busy": statistics.mean(r["simulated_idle_over_busy"] for r in runs),
                     "replay_stage_costs_bottleneck_idle_over_busy": statistics.mean(
                         r["replay_stage_costs_bottleneck_idle_over_busy"] for r in runs),
