@@ -51,7 +51,8 @@ def bubble_stats(run) -> dict:
         start, end = min(w[0] for w in win), max(w[1] for w in win)
         window = end - start
         windows.append(window)
-        busy_total, busiest, busiest_parts = 0.0, 0.0, None
+        busy_total = 0.0
+        splits = []  # per rank: (compute, receive waits, send posts, the rest) of the window, s
         durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
         spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
         for r in range(pp):
@@ -69,17 +70,15 @@ def bubble_stats(run) -> dict:
                 else:
                     send += t.end_s - t.start_s
             busy_total += busy
-            if busy > busiest:
-                busiest, busiest_parts = busy, (busy, recv, send, window - busy - recv - send)
-            parts["compute"].append(busy / window)
-            parts["recv_wait"].append(recv / window)
-            parts["send_post"].append(send / window)
-            parts["other"].append(1.0 - (busy + recv + send) / window)
+            splits.append((busy, recv, send, window - busy - recv - send))
+            for key, seconds in zip(parts, splits[-1]):
+                parts[key].append(seconds / window)
             per_rank_window[r].append(1.0 - busy / window)
             per_rank_step[r].append(1.0 - busy / result.step_time_s)
         per_step.append(1.0 - busy_total / (pp * window))
-        bottleneck.append((window - busiest) / busiest)
-        bottleneck_parts.append(busiest_parts)
+        busiest = max(splits)  # the rank that computed longest
+        bottleneck.append((window - busiest[0]) / busiest[0])
+        bottleneck_parts.append(busiest)
         cpu_share.append(sum(w[2] for w in win) / (pp * window))
         replay_per_step.append(_replay(run, durations.__getitem__))
         waiting, late = _handoff_latencies(spans)
@@ -113,7 +112,7 @@ def bubble_stats(run) -> dict:
         # actions.
         "bottleneck_window_ms": {
             key: 1e3 * statistics.median(p[i] for p in bottleneck_parts)
-            for i, key in enumerate(("compute", "recv_wait", "send_post", "other"))
+            for i, key in enumerate(parts)
         },
         "simulated_bottleneck_idle_over_busy": _bottleneck(sim),
         # The schedule at each stage's own mean costs (the first stage's I is empty, see

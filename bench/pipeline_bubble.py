@@ -187,7 +187,7 @@ def main() -> None:
         "machine": machine(torch=torch.__version__, load_average_start=load_average()),
         "config": {"model": list(MODEL), "layers_per_stage": 2, "dp": 1, "tp": 1, "steps": steps,
                    "warmup_steps_skipped": WARMUP_STEPS, "quick": args.quick, "zero_bubble_shapes": SHAPES,
-                   "zero_bubble_steps": max(steps, ZB_STEPS[args.quick])},  # fmt: skip
+                   "zero_bubble_steps": ZB_STEPS[args.quick]},  # fmt: skip
     }
     try:
         print("1F1B bubble sweep", flush=True)
@@ -199,7 +199,7 @@ def main() -> None:
         print("activation memory 1F1B vs GPipe vs ZB-H1 (pp=2, m=8)", flush=True)
         report["activation_memory"] = activation_memory(3)
         print("zero bubble vs 1F1B and interleaved", flush=True)
-        report["zero_bubble"] = zero_bubble(args.quick, steps)
+        report["zero_bubble"] = zero_bubble(args.quick)
     finally:
         shutdown_pool()
     rows = report["bubble_1f1b"]
@@ -227,11 +227,11 @@ def main() -> None:
 
 # Zero-bubble sweep: (model shapes, pps, ms) for the full run and for --quick.
 ZB_SWEEP = {False: (tuple(SHAPES), (2, 4), (8, 16)), True: ((GOAL_SHAPE,), (2,), (8,))}
-ZB_STEPS = {False: 10, True: 5}  # steps 3..N are measured: more steps, steadier medians
+ZB_STEPS = {False: 10, True: 5}  # steps 3..N are measured: more steps than part 1's 8, steadier medians
 
 
-def zero_bubble(quick: bool, steps: int) -> dict[str, list[dict]]:
-    return zero_bubble_shapes(*ZB_SWEEP[quick], max(steps, ZB_STEPS[quick]), 1 if quick else 2)
+def zero_bubble(quick: bool) -> dict[str, list[dict]]:
+    return zero_bubble_shapes(*ZB_SWEEP[quick], ZB_STEPS[quick], 1 if quick else 2)
 
 
 def zero_bubble_main(args, torch) -> None:
@@ -242,7 +242,7 @@ def zero_bubble_main(args, torch) -> None:
         "machine": machine(torch=torch.__version__, load_average_start=load_average()),
         "config": {"model": list(MODEL), "dp": 1, "tp": 1, "steps": steps, "warmup_steps_skipped": WARMUP_STEPS,
                    "quick": args.quick, "layers_per_pp_rank": 2, "zero_bubble_shapes": SHAPES,
-                   "zero_bubble_steps": max(steps, ZB_STEPS[args.quick])},  # fmt: skip
+                   "zero_bubble_steps": ZB_STEPS[args.quick]},  # fmt: skip
     }
     try:
         print("activation memory 1F1B vs ZB-H1 (pp=2, m=8)", flush=True)
@@ -252,7 +252,7 @@ def zero_bubble_main(args, torch) -> None:
               f"{mem['1f1b']['peak_in_flight_max']}, saved bytes {mem['zb_h1_over_1f1b']:.3f}, with kept gradients "
               f"{mem['zb_h1_over_1f1b_with_kept_gradients']:.3f}", flush=True)
         print("zero bubble vs 1F1B and interleaved", flush=True)
-        report["zero_bubble"] = zero_bubble(args.quick, steps)
+        report["zero_bubble"] = zero_bubble(args.quick)
     finally:
         shutdown_pool()
     report["goals"] = {
