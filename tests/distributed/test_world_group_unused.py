@@ -22,14 +22,17 @@ def _worker_pool():
     shutdown_pool()
 
 
-def _established() -> int:
+def _established() -> set[tuple]:
     import psutil
 
-    return sum(1 for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED)
+    return {(c.laddr, c.raddr) for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_ESTABLISHED}
 
 
 def count_world_connections(runtime):
-    """After the last step: connections before and after one all-reduce on the default group."""
+    """After the last step: the connections held before one all-reduce on the default group, and those
+    it opened. Which connections, not how many: a connection another part of the process closes in
+    between (seen once in CI: 11 before, 10 after) must not hide the ones the all-reduce opened."""
 
     def finish():
         import torch
@@ -37,7 +40,7 @@ def count_world_connections(runtime):
 
         before = _established()
         dist.all_reduce(torch.ones(1))
-        return before, _established(), dist.get_world_size()
+        return len(before), len(_established() - before), dist.get_world_size()
 
     return finish
 
@@ -46,7 +49,7 @@ def test_training_never_connects_the_default_group_and_equals_one_process():
     overrides = (*SMALL, "train.grad_clip=0.5")  # clipping on: the norm decides every update
     # A pool of its own: processes that ran earlier tests may still hold their connections.
     run = run_mesh(2, 2, 2, overrides, steps=3, instrument=count_world_connections, fresh=True)
-    for rank, (before, after, world) in run.extras.items():
+    for rank, (before, opened, world) in run.extras.items():
         assert world == 8
         # After three steps a rank holds its store connection, one pair in each of its dp, pp and tp
         # groups (2 ranks each) and the checkpoint group's 7 (gloo connects a group's full mesh when
@@ -54,5 +57,5 @@ def test_training_never_connects_the_default_group_and_equals_one_process():
         # well it held 7 more (16-18 before this change).
         own = 1 + 3 * (2 - 1) + (world - 1)
         assert before - own < world - 1, (rank, before)
-        assert after > before, (rank, before, after)  # the default group connects at its first use
+        assert opened > 0, (rank, before, opened)  # the default group connects at its first use
     assert_matches_reference(run.losses, run.params, reference(overrides, 3))
