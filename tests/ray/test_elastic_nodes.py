@@ -95,6 +95,16 @@ def _wait_node_dead(node_id: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
+def _wait_actors_alive(node_id: str, count: int, timeout_s: float = 240.0) -> None:
+    """Until ``count`` actors are alive on ``node_id`` (their constructors returned)."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while len(list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")])) < count:
+        assert time.monotonic() < deadline, "the grow's actors never started on the new node"
+        time.sleep(0.5)
+
+
 def _stuck_groups() -> list[tuple[str, str]]:
     """Placement groups the GCS is re-placing or cannot place, or that hold a bundle on a dead node."""
     from ray.util.placement_group import placement_group_table
@@ -138,9 +148,12 @@ def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, t
                 added.append(nodes.add_node(num_cpus=2))
             elif added and c.generation.shape.dp == 1 and c.group.starting:
                 # The actors for the grow start in the background (the steps never wait for them):
-                # on a busy 2-core box that can outlast the last steps, so pace the steps until
-                # they answer, as a longer step would (bounded by the test's timeout).
-                time.sleep(0.5)
+                # on a busy 2-core box that can outlast the steps left (seen with one more busy
+                # process: no grow in the 4 steps after the join, 0.5 s of pacing each), so hold this
+                # boundary until they run on the new node, as a longer step would; the controller's
+                # own check takes them in once their pings answer, at this boundary or the next.
+                _wait_actors_alive(added[0].node_id, len(lost))
+                time.sleep(1.0)
 
         controller.step_hooks.append(node_events)
         summary = controller.run()
