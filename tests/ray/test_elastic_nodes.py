@@ -87,22 +87,27 @@ def _actors_by_node(group) -> dict[str, set[int]]:
     return out
 
 
+def _until(done, timeout_s: float, failure: str) -> None:
+    """Poll ``done()`` every 0.5 s until it holds; fail with ``failure`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.5)
+
+
 def _wait_node_dead(node_id: str, timeout_s: float = 120.0) -> None:
     """Until the GCS declares ``node_id`` dead (its health checks take ~15 s after a crash)."""
-    deadline = time.monotonic() + timeout_s
-    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
-        assert time.monotonic() < deadline, "the GCS never declared the removed node dead"
-        time.sleep(0.5)
+    _until(lambda: not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()), timeout_s,
+           "the GCS never declared the removed node dead")
 
 
 def _wait_actors_alive(node_id: str, count: int, timeout_s: float = 240.0) -> None:
     """Until ``count`` actors are alive on ``node_id`` (their constructors returned)."""
     from ray.util.state import list_actors
 
-    deadline = time.monotonic() + timeout_s
-    while len(list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")])) < count:
-        assert time.monotonic() < deadline, "the grow's actors never started on the new node"
-        time.sleep(0.5)
+    alive = [("node_id", "=", node_id), ("state", "=", "ALIVE")]
+    _until(lambda: len(list_actors(filters=alive)) >= count, timeout_s,
+           "the grow's actors never started on the new node")
 
 
 def _stuck_groups() -> list[tuple[str, str]]:
