@@ -112,11 +112,14 @@ def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOut
         if slowest is not None:
             bound = min(PROBE_ANSWER_S, max(PROBE_QUIET_FLOOR_S, PROBE_QUIET_FACTOR * slowest))
         waited = clock() - start
-        if not merged.pending_refs or waited >= bound:
-            break
-        out = group.collect(merged.pending_refs, min(PROBE_POLL_S, bound - waited))
+        # Read before judging the deadline (a zero wait once it has passed): when the driver itself
+        # stalled (the GIL, a slow ray.nodes() in the placement watch), the answers that arrived
+        # meanwhile are read, not taken for silence; judging first marked every live rank hung.
+        out = group.collect(merged.pending_refs, max(0.0, min(PROBE_POLL_S, bound - waited)))
         if out.results or out.dead or out.failed:
             slowest = clock() - start
         merged.absorb(out)
+        if not merged.pending_refs or clock() - start >= bound:
+            break
     return merged, bound
 

@@ -131,3 +131,26 @@ def test_a_probe_gives_the_silent_ranks_ten_times_their_peers_slowest_answer(ans
         assert waited == pytest.approx(given) and group.clock.t == pytest.approx(given, abs=1e-9)
     else:  # every answer read as soon as it came
         assert group.clock.t == pytest.approx(max(answers.values()), abs=hang_watch.PROBE_POLL_S)
+
+
+class StallingClock(Clock):
+    """A clock that jumps ``stall_s`` at its ``at``-th read: the driver stalled there (the GIL, a slow
+    ``ray.nodes()``) while the ranks' answers kept arriving."""
+
+    def __init__(self, stall_s: float, at: int) -> None:
+        super().__init__()
+        self.stall_s, self.at, self.reads = stall_s, at, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads == self.at:
+            self.t += self.stall_s
+        return self.t
+
+
+@pytest.mark.parametrize("at", [2, 3])  # right after the probe was sent, or after its first read
+def test_a_driver_stalled_past_the_probe_wait_marks_no_live_rank_hung(at):
+    group = AnsweringAt({0: 0.01, 1: 0.05, 2: None})  # 2 is really stopped
+    group.clock = StallingClock(3.0, at)  # longer than PROBE_ANSWER_S
+    polled, _ = hang_watch.probe(group, [0, 1, 2], group.clock)
+    assert set(polled.results) == {0, 1} and polled.pending == [2]
