@@ -181,6 +181,31 @@ def restricted_loads(data: bytes, path: str | None = None):
     """Unpickle DCP metadata, importing only ``ALLOWED`` names (checked statically first)."""
     check_metadata_bytes(data, path)
     try:
-        return _RestrictedUnpickler(io.BytesIO(data)).load()
+        metadata = _RestrictedUnpickler(io.BytesIO(data)).load()
+        check_storage_paths(metadata)
+        return metadata
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(exc.message, path) from None
+
+
+def check_storage_paths(metadata) -> None:
+    """Refuse metadata that stores a tensor outside its own checkpoint directory.
+
+    DCP's ``FileSystemReader`` joins each item's ``relative_path`` to the checkpoint directory as it
+    stands, so an absolute path or one that climbs with ``..`` would make every rank read a file of
+    the crafter's choosing (loaded with ``weights_only``, but read all the same). DCP itself only
+    ever writes plain file names (``__0_0.distcp``).
+
+    Raises:
+        UnsafeCheckpointError: naming the first path that is not a plain file name.
+    """
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is None:  # not a file-system entry (our in-memory snapshots index by position)
+            continue
+        text = str(name)
+        if not text or text in (".", "..") or "/" in text or "\\" in text or os.path.isabs(text):
+            raise UnsafeCheckpointError(
+                f"DCP .metadata stores data at {text!r}, a path rather than a file name of its own directory, "
+                "which DCP never writes: loading it would read files outside the checkpoint, so it is refused "
+                "(README, Trust boundary); use checkpoints written by elastimesh, from storage you trust")

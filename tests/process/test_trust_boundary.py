@@ -141,3 +141,43 @@ def test_export_imports_a_recorded_family_only_when_the_user_names_it(tmp_path, 
     assert imported == ["evil_pkg.mod:Family"]
     assert export.tokenizer_source("s3://bucket/data") == "" and export.tokenizer_source("/data/x") == "/data/x"
     assert export.tokenizer_source("s3://bucket/data", "s3://mine") == "s3://mine"
+
+
+def _checkpoint_storing_at(tmp_path, relative_path: str) -> str:
+    """A committed checkpoint of real DCP files whose ``.metadata`` says one tensor lives at
+    ``relative_path`` (DCP itself writes plain file names only)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    step_dir = os.path.join(str(tmp_path / "ckpt"), step_dir_name(2))
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=step_dir, no_dist=True)
+    meta_path = os.path.join(step_dir, DCP_METADATA)
+    metadata = pickle.loads(open(meta_path, "rb").read())
+    for info in metadata.storage_data.values():
+        info.relative_path = relative_path
+    with open(meta_path, "wb") as fh:
+        fh.write(pickle.dumps(metadata))
+    manifest = CheckpointManifest(
+        step=2, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint="any", data_cursor=8,
+        global_batch_size=4, world_size=1, ranks_acked=[0], files={}, run_id="someone")
+    with open(os.path.join(step_dir, MANIFEST), "w") as fh:
+        fh.write(manifest.to_json())
+    return step_dir
+
+
+@pytest.mark.parametrize("where", ["../../secret.distcp", "/etc/hostname", ".."])
+def test_metadata_that_stores_data_outside_its_directory_is_refused(tmp_path, where):
+    """#36 item 11: DCP joins ``relative_path`` as it stands; a path that is absolute or climbs is refused
+    before any file is read, by the ranks' reader and by ``elastimesh export`` (exit 2, one line)."""
+    import torch
+
+    from checkpoints.reader import load, read_metadata
+
+    step_dir = _checkpoint_storing_at(tmp_path, where)
+    with pytest.raises(UnsafeCheckpointError, match="a path rather than a file name"):
+        read_metadata(step_dir)
+    with pytest.raises(UnsafeCheckpointError, match="a path rather than a file name"):
+        load({"w": torch.zeros(4)}, step_dir)
+    export = run_cli("export", step_dir, "--out", str(tmp_path / "out"))
+    assert_bad_input(export, "a path rather than a file name", "Trust boundary")
+    assert not (tmp_path / "out").exists()
