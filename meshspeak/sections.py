@@ -167,7 +167,7 @@ class EvalConfig:
 @dataclass(**_SECTION)
 class CheckpointConfig:
     dir: str = key("", "where checkpoints go (a path or a URI); empty = checkpoints off")
-    every: int = key(0, "save every N steps; 0 = off", ge=0)
+    every: int = key(0, "save every N steps and after the last step; 0 = after the last step only (with dir set)", ge=0)
     async_write: bool = key(True, "write in the background while training goes on", toml="async")
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")

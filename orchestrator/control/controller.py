@@ -245,7 +245,7 @@ class Controller:
         replayed as a recorded skip; else the step is sent."""
         step = self.progress.next_step
         if step > self.cfg.train.steps:
-            self.ckpt.finish(self.group, self.generation, step - 1)
+            self.ckpt.finish_run(self.group, self.generation, step - 1)
             self.metrics.event("done", step=step - 1)
             return Finished(step - 1)
         decision, self.window.held = self.window.held, None

@@ -136,7 +136,18 @@ class CheckpointCoordinator:
             raise TrainingFailed(f"could not checkpoint step {step} before resizing")
 
     def finish(self, group, gen, step: int) -> None:
+        """Commit the save in flight, if any (before a re-form or a load, and at the end)."""
         self._try_commit(group, block=True)
+        self._reap_abandoned(group)
+
+    def finish_run(self, group, gen, step: int) -> None:
+        """The run trained its last step: commit the save in flight, then save ``step`` itself unless it
+        is already committed, so a run whose ``train.steps`` is not a multiple of ``checkpoint.every``
+        still ends on a checkpoint of its last step (a rerun resumes at the end, not ``every`` back)."""
+        self._try_commit(group, block=True)
+        if self.user_dir and step > 0 and step != self.last_committed:
+            self._start_save(group, gen, step)
+            self._try_commit(group, block=True)
         self._reap_abandoned(group)
 
     def abandon_pending(self) -> None:

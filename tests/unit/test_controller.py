@@ -86,6 +86,16 @@ def test_runs_to_the_end(make):
     assert [e["step"] for e in r.events("checkpoint")] == [2, 4, 6] and r.committed() == [2, 4, 6]
 
 
+@pytest.mark.parametrize("steps,every,saved", [(7, 2, [2, 4, 6, 7]), (6, 4, [4, 6]), (6, 0, [6])])
+def test_the_last_step_is_saved_at_the_end(make, steps, every, saved):
+    """#36 item 4: the end of training commits the last step whatever ``checkpoint.every`` is (the
+    default ``checkpoint.keep`` of 3 purges the oldest)."""
+    r = make(f"train.steps={steps}", f"checkpoint.every={every}")
+    r.c.run()
+    assert r.c.state.kind == State.FINISHED and r.committed() == saved[-3:]
+    assert [e["step"] for e in r.events("checkpoint")] == saved
+
+
 def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     r = make()
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
