@@ -173,9 +173,11 @@ class Controller:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> RunSummary:
-        while not isinstance(self.state, TERMINAL):
-            self.step()
-        self.ckpt.close()
+        try:
+            while not isinstance(self.state, TERMINAL):
+                self.step()
+        finally:  # any exit, not only a finished or failed run: the purger thread and a temp checkpoint root
+            self.ckpt.close()
         if isinstance(self.state, Errored):
             raise self.state.error
         return self.summary()

@@ -40,6 +40,8 @@ tests/process/test_fresh_interpreters.py.)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from checkpoints.layout import step_dir_name
@@ -94,6 +96,23 @@ def test_the_last_step_is_saved_at_the_end(make, steps, every, saved):
     r.c.run()
     assert r.c.state.kind == State.FINISHED and r.committed() == saved[-3:]
     assert [e["step"] for e in r.events("checkpoint")] == saved
+
+
+def test_any_exit_closes_the_checkpoints(make, monkeypatch):
+    """#36 item 12: an unexpected error (not TrainingFailed) still stops the purger and removes the
+    temporary checkpoint root a run without checkpoint.dir keeps its planned-resize saves in."""
+    r = make("checkpoint.dir=")
+    tmp_root = r.c.ckpt.root
+    assert os.path.isdir(tmp_root) and not r.c.ckpt.user_dir
+    r.steps(2)
+
+    def broken(state):
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(r.c._handlers, type(r.c.state), broken)
+    with pytest.raises(KeyError):
+        r.c.run()
+    assert not os.path.exists(tmp_root) and not r.c.ckpt.purger._thread.is_alive()
 
 
 def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
