@@ -31,7 +31,8 @@ from meshdata.storage import Location
 
 SIDECAR = "elastimesh-data.json"
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)  # 1: byte shards of elastimesh <= 0.1 (no per-shard index, no tokenizer dict)
+READABLE_FORMATS = (1, 2, 3)  # 1: byte shards of elastimesh <= 0.1 (no per-shard index, no tokenizer dict);
+# 3: chat shards (data prepare --chat: one conversation per row, a loss_mask column; meshdata.chat_source)
 _FIX_PATH = 'set data.path to "builtin" or to a directory made by `elastimesh data prepare INPUT... --out DIR`'
 _FIX_COPY = "copy the whole directory again or re-run `elastimesh data prepare`"
 

@@ -3,8 +3,10 @@
 Inputs are ``.txt`` files (one document each), JSON lines (``.jsonl``/``.json``; one object per line,
 the text under ``--text-key``; a ``.json`` file holding one array of objects works too) and Parquet
 files (the text in ``--text-column``), given as files, directories (searched recursively for those
-extensions) or glob patterns. The corpus is cut into *units* — groups of small files, newline-aligned
-byte ranges of big JSON-lines files, row-group ranges of Parquet files — in input order; each unit is
+extensions) or glob patterns; with ``--chat``, JSON lines of ``{"messages": [...]}`` rows
+(``read_rows``; ``meshdata.chat`` checks and renders them). The corpus is cut into *units* — groups
+of small files, newline-aligned byte ranges of big JSON-lines files, row-group ranges of Parquet
+files — in input order; each unit is
 one task (``meshdata.prepare``) and its shards sort after the previous unit's, so the token stream
 keeps the input order.
 
@@ -13,10 +15,11 @@ Every bad input is a DataError naming the file (and, for JSON, the line) and the
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from meshdata.errors import DataError, one_line
@@ -156,6 +159,20 @@ def read_documents(unit: Unit, text_key: str, text_column: str, encoding: str) -
                         yield text
 
 
+def read_rows(unit: Unit, encoding: str) -> Iterator[tuple[object, Callable[[], str]]]:
+    """``--chat``: the unit's JSON objects in order (one conversation each), each with its ``where()``."""
+    for f in unit.files:
+        yield from json_objects(f, unit.start, unit.stop, encoding)
+
+
+def check_chat_inputs(files: list[str]) -> None:
+    """``--chat`` reads JSON lines (or a JSON array) of ``{"messages": [...]}`` only."""
+    for f in files:
+        if not f.lower().endswith(JSON_EXT):
+            raise DataError(f"data prepare --chat: input {f!r} is not JSON lines; --chat reads .jsonl/.json files "
+                            'of {"messages": [{"role": ..., "content": ...}, ...]} rows', key=KEY)
+
+
 def _text_file(f: str, encoding: str) -> str:
     try:
         with open(f, "rb") as fh:  # bytes, not text mode: keep \r\n as written
@@ -169,7 +186,15 @@ def _text_file(f: str, encoding: str) -> str:
 
 
 def _json_lines(f: str, start: int, stop: int, text_key: str, encoding: str) -> Iterator[str]:
-    """Documents of the lines that *start* in ``[start, stop)`` (all lines when stop < 0).
+    """Documents of the lines that *start* in ``[start, stop)`` (all lines when stop < 0)."""
+    for obj, where in json_objects(f, start, stop, encoding):
+        yield _text_of(obj, text_key, where)
+
+
+def json_objects(f: str, start: int, stop: int, encoding: str) -> Iterator[tuple[object, Callable[[], str]]]:
+    """(object, where) of the lines that *start* in ``[start, stop)`` (all lines when stop < 0);
+    ``where()`` names the line ("file:line"), worked out only when called (it reads the file's prefix
+    to count lines: the error path only).
 
     The range is read in one block and its lines parsed ``JSON_BATCH`` at a time as one JSON array
     (a third of the per-line cost); a batch that fails is parsed line by line to name the bad line.
@@ -181,7 +206,7 @@ def _json_lines(f: str, start: int, stop: int, text_key: str, encoding: str) -> 
                         "it out", key=KEY) from None
     with fh:
         if start == 0 and stop < 0 and _is_json_array(fh):
-            yield from _json_array(f, fh, text_key, encoding)
+            yield from _json_array(f, fh, encoding)
             return
         if start > 0:
             fh.seek(start - 1)
@@ -199,7 +224,7 @@ def _json_lines(f: str, start: int, stop: int, text_key: str, encoding: str) -> 
         if objs is None:  # something in this batch is bad: find it line by line
             objs = [_parse_line(f, first, lines, i, encoding) for i, _ in batch]
         for (i, _), obj in zip(batch, objs):
-            yield _text_of(obj, text_key, "" if _has_text(obj, text_key) else _where(f, first, lines, i))
+            yield obj, functools.partial(_where, f, first, lines, i)
 
 
 JSON_BATCH = 2048
@@ -234,9 +259,10 @@ def _has_text(obj, key: str) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get(key), str)
 
 
-def _text_of(obj, key: str, where: str) -> str:
+def _text_of(obj, key: str, where: Callable[[], str]) -> str:
     if _has_text(obj, key):
         return obj[key]
+    where = where()
     if not isinstance(obj, dict):
         raise DataError(f"data prepare: {where}: expected a JSON object with a {key!r} string, got "
                         f"{type(obj).__name__}; write one object per line", key=KEY)
@@ -258,14 +284,14 @@ def _is_json_array(fh) -> bool:
     return head.startswith(b"[")
 
 
-def _json_array(f: str, fh, text_key: str, encoding: str) -> Iterator[str]:
+def _json_array(f: str, fh, encoding: str) -> Iterator[tuple[object, Callable[[], str]]]:
     try:
         items = json.loads(fh.read().decode(encoding))
     except (UnicodeDecodeError, ValueError) as e:
         line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
         raise DataError(f"data prepare: {f}{line}: invalid JSON ({one_line(e)}); fix the file", key=KEY) from None
     for i, obj in enumerate(items):
-        yield _text_of(obj, text_key, f"{f} item {i}" if not _has_text(obj, text_key) else "")
+        yield obj, functools.partial(str.format, "{} item {}", f, i)
 
 
 def _line_no(f: str, pos: int) -> int:

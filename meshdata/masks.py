@@ -6,6 +6,11 @@ model is never trained to predict the first token of a document from the end of 
 ``ignore_index``), so the summed loss skips them; the step's loss is then the sum over counted
 targets divided by their *global* count (every replica's microbatches), which keeps any mesh equal
 to one process (workers/runtime.py, workers/reference.py).
+
+Chat shards (``data prepare --chat``) carry their own mask: their targets come out of the source
+already IGNORE outside the assistant's tokens (meshdata.chat_source), and the same global count
+normalises them (:func:`counts_every_target` is False for them). A sample there is one conversation,
+so there is no document boundary inside a window to mask: the setting changes nothing on them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ KEY = "data.mask_document_boundaries"
 def boundary_eos(setting: bool | str, source) -> int | None:
     """The EOS id whose following targets are masked, or None for no masking.
 
-    ``setting``: True, False or "auto" (= on when the source's sidecar names an EOS id).
+    ``setting``: True, False or "auto" (= on when the source's sidecar names an EOS id). None for
+    chat shards, whatever the setting: no window holds two conversations.
     """
+    if getattr(source, "has_loss_mask", False):
+        return None
     if setting == "auto":
         return source.eos_id
     if setting is True or setting == "true":
@@ -41,6 +49,12 @@ def mask_targets(inputs: np.ndarray, targets: np.ndarray, eos_id: int | None) ->
     out = targets.copy()
     out[inputs == eos_id] = IGNORE
     return out
+
+
+def counts_every_target(source, eos_id: int | None) -> bool:
+    """True when no target of ``source`` can be IGNORE (no document mask, no loss mask): the step's
+    count is then ``G * seq_len`` without asking the other replicas."""
+    return eos_id is None and not getattr(source, "has_loss_mask", False)
 
 
 def counted(targets: np.ndarray) -> int:

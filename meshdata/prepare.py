@@ -33,7 +33,8 @@ import numpy as np
 
 from meshdata.errors import DataError
 from meshdata.index import FORMAT_VERSION, SIDECAR
-from meshdata.inputs import KEY, UNIT_BYTES, Unit, expand_inputs, plan_units, read_documents
+from meshdata.conversations import chat_sidecar, check_conversations, tokenize_conversations
+from meshdata.inputs import KEY, UNIT_BYTES, Unit, check_chat_inputs, expand_inputs, plan_units, read_documents
 from meshdata.tokenizer import TokenizerSpec, encode_rows, load_spec
 
 MAX_ROW_TOKENS = 65536  # byte tokenizer only: keeps a row (and a Parquet page) small for huge files
@@ -52,11 +53,12 @@ class FanOut(Protocol):
 
 @dataclass(frozen=True)
 class Job:
-    tokenizer: TokenizerSpec
+    tokenizer: TokenizerSpec  # with ``chat`` set: conversations (meshdata.chat), else text documents
     text_key: str = "text"
     text_column: str = "text"
     encoding: str = "utf-8"
     shard_tokens: int = SHARD_TOKENS
+    seq_len: int | None = None  # --chat: a conversation of more than seq_len + 1 tokens is refused
 
 
 @dataclass
@@ -65,12 +67,20 @@ class UnitResult:
     documents: int = 0
     tokens: int = 0
     text_bytes: int = 0
+    counted: int = 0  # --chat: tokens with loss mask 1
+    longest: int = 0  # --chat: the longest conversation's tokens
+    too_long: int = 0  # --chat: conversations refused for --seq-len
+    too_long_at: list[str] = field(default_factory=list)  # "where (n tokens)" of the first few
 
 
 def tokenize_unit(unit: Unit, job: Job) -> UnitResult:
     """One unit -> finished shard files (bytes). Runs in a Ray task or in this process."""
     result = UnitResult(text_bytes=unit.size)
     builder = _ShardBuilder(job.shard_tokens, result)
+    if job.tokenizer.chat is not None:
+        tokenize_conversations(unit, job, builder)
+        builder.finish()
+        return result
     for texts in _batches(read_documents(unit, job.text_key, job.text_column, job.encoding)):
         values, lengths = encode_rows(job.tokenizer, texts)
         if job.tokenizer.kind == "bytes" and len(lengths) and lengths.max() > MAX_ROW_TOKENS:
@@ -102,20 +112,24 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
 
 class _ShardBuilder:
     """Rows -> row groups of <= ROW_GROUP_TOKENS -> in-memory Parquet files of <= shard_tokens tokens
-    (a single longer row gets a row group, or a shard, of its own)."""
+    (a single longer row gets a row group, or a shard, of its own). Rows added with a mask get a
+    ``loss_mask: list<int8>`` column beside ``tokens`` (``--chat``)."""
 
     def __init__(self, shard_tokens: int, result: UnitResult) -> None:
         self.shard_tokens = shard_tokens
         self.result = result
         self.values: list[np.ndarray] = []  # pending rows of the open row group (flat) and their lengths
         self.lengths: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []  # their loss masks (flat), when rows come with one
         self.row_tokens = 0
         self.groups: list = []  # finished row groups of the open shard (pyarrow tables)
         self.group_tokens: list[int] = []
+        self.group_rows: list[int] = []
         self.open_tokens = 0  # tokens in the open shard (closed row groups + pending rows)
 
-    def add(self, values: np.ndarray, lengths: np.ndarray) -> None:
-        """Append rows given flat (``values``, ``lengths``), closing row groups and shards as they fill."""
+    def add(self, values: np.ndarray, lengths: np.ndarray, masks: np.ndarray | None = None) -> None:
+        """Append rows given flat (``values``, ``lengths``; ``masks`` beside ``values``), closing row
+        groups and shards as they fill."""
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         i, n = 0, len(lengths)
@@ -133,6 +147,8 @@ class _ShardBuilder:
                 j = i + 1  # one row larger than a row group (or a shard): it goes alone
             taken = int(offsets[j] - offsets[i])
             self.values.append(values[offsets[i] : offsets[j]])
+            if masks is not None:
+                self.masks.append(masks[offsets[i] : offsets[j]])
             self.lengths.append(lengths[i:j])
             self.row_tokens += taken
             self.open_tokens += taken
@@ -152,10 +168,14 @@ class _ShardBuilder:
         values = np.concatenate(self.values).astype(np.int32, copy=False)
         offsets = np.zeros(len(lengths) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
-        self.groups.append(pa.table({"tokens": lists}))
+        columns = {"tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))}
+        if self.masks:
+            masks = np.concatenate(self.masks).astype(np.int8, copy=False)
+            columns["loss_mask"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, type=pa.int8()))
+        self.groups.append(pa.table(columns))
         self.group_tokens.append(int(offsets[-1]))
-        self.values, self.lengths, self.row_tokens = [], [], 0
+        self.group_rows.append(len(lengths))
+        self.values, self.lengths, self.masks, self.row_tokens = [], [], [], 0
 
     def _close_shard(self) -> None:
         import pyarrow as pa
@@ -171,8 +191,10 @@ class _ShardBuilder:
         data = sink.getvalue().to_pybytes()
         info = {"bytes": len(data), "rows": sum(t.num_rows for t in self.groups),
                 "row_group_tokens": list(self.group_tokens), "sha256": hashlib.sha256(data).hexdigest()}
+        if "loss_mask" in self.groups[0].column_names:  # a conversation is a sample: find its row group
+            info["row_group_rows"] = list(self.group_rows)
         self.result.shards.append((data, info))
-        self.groups, self.group_tokens, self.open_tokens = [], [], 0
+        self.groups, self.group_tokens, self.group_rows, self.open_tokens = [], [], [], 0
 
 
 # -- the driver side ------------------------------------------------------------------------------
@@ -181,8 +203,11 @@ class _ShardBuilder:
 def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, text_key: str = "text",
             text_column: str = "text", encoding: str = "utf-8", shard_tokens: int = SHARD_TOKENS,
             parallel: bool | None = None, progress: bool = False, unit_bytes: int | None = None,
-            fan_out: FanOut | None = None) -> dict:
+            fan_out: FanOut | None = None, chat: bool = False, seq_len: int | None = None) -> dict:
     """Tokenize ``inputs`` into shards under ``out_dir``; returns the sidecar dict.
+
+    ``chat``: the inputs are conversations, rendered with the tokenizer's chat template, one per row
+    with its loss mask (``meshdata.conversations``); ``seq_len``: refuse conversations that do not fit.
 
     ``fan_out`` runs units as tasks elsewhere (the CLI passes ``orchestrator.cluster.prepare_tasks.
     RayFanOut``: this package never imports Ray). ``parallel``: True = through ``fan_out``, False =
@@ -196,9 +221,13 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     if out.is_dir() and any(out.iterdir()):
         raise DataError(f"data prepare: --out {str(out)!r} is not empty (it already contains shards or other "
                         "files); choose an empty --out directory (or delete its contents)", key=KEY)
+    if seq_len is not None and seq_len < 1:
+        raise DataError(f"data prepare: --seq-len {seq_len} must be >= 1", key=KEY)
     files = expand_inputs(list(inputs))
-    spec = load_spec(tokenizer)
-    job = Job(spec, text_key, text_column, encoding, shard_tokens)
+    if chat:
+        check_chat_inputs(files)
+    spec = load_spec(tokenizer, chat=chat)
+    job = Job(spec, text_key, text_column, encoding, shard_tokens, seq_len if chat else None)
     if unit_bytes is None:  # ~4 units per worker for balance, each within [1 MB, UNIT_BYTES]
         total = sum(os.path.getsize(f) for f in files)
         workers = fan_out.workers() if fan_out is not None else (os.cpu_count() or 1)
@@ -217,6 +246,8 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     written: list[Path] = []
     try:
         meta = _run(units, job, out, written, fan_out if use_fan_out else None, progress)
+        if chat:
+            check_conversations(meta, seq_len)
         if meta["num_tokens"] == 0:
             raise DataError("data prepare: the inputs hold no text (every document is empty); pass files "
                             "with text", key=KEY)
@@ -244,7 +275,7 @@ def _run(units: list[Unit], job: Job, out: Path, written: list[Path], fan_out: F
          progress: bool) -> dict:
     files: list[str] = []
     shards: dict[str, dict] = {}
-    totals = {"documents": 0, "tokens": 0}
+    totals = {"documents": 0, "tokens": 0, "counted": 0, "longest": 0, "too_long": 0, "too_long_at": []}
     bar = _Progress(sum(u.size for u in units), progress)
     try:
         results = fan_out(units, job) if fan_out is not None else ((i, tokenize_unit(u, job)) for i, u in enumerate(units))
@@ -258,6 +289,10 @@ def _run(units: list[Unit], job: Job, out: Path, written: list[Path], fan_out: F
                 next_unit += 1
                 totals["documents"] += done.documents
                 totals["tokens"] += done.tokens
+                totals["counted"] += done.counted
+                totals["longest"] = max(totals["longest"], done.longest)
+                totals["too_long"] += done.too_long
+                totals["too_long_at"] += done.too_long_at
                 for data, info in done.shards:
                     name = f"shard-{len(files):05d}.parquet"
                     path = out / name
@@ -268,8 +303,11 @@ def _run(units: list[Unit], job: Job, out: Path, written: list[Path], fan_out: F
     finally:
         bar.close()
     spec = job.tokenizer
-    return {"format": FORMAT_VERSION, "tokenizer": spec.sidecar(), "vocab_size": spec.vocab_size,
+    meta = {"format": FORMAT_VERSION, "tokenizer": spec.sidecar(), "vocab_size": spec.vocab_size,
             "documents": totals["documents"], "num_tokens": totals["tokens"], "files": files, "shards": shards}
+    if spec.chat is not None:
+        meta.update(chat_sidecar(spec.chat, totals))
+    return meta
 
 
 class _Progress:

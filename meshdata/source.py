@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshdata.chat_source import ConversationSource
+from meshdata.conversations import CONVERSATIONS
 from meshdata.errors import DataError
 from meshdata.index import DataIndex, build_index, content_identity, read_row_group
 from meshdata.storage import REMOTE_TIMEOUT_S, Location, bounded, local_path
@@ -174,6 +176,9 @@ def _open(path: str, *, check_files: bool) -> TokenSource:
     if vocab is None:  # third-party shards without a sidecar: the largest id is all we know
         top = index.max_token_id
         vocab = (top + 1) if top is not None and top >= 0 else 0
+    if meta.get("samples") == CONVERSATIONS:  # data prepare --chat: a sample is a conversation
+        return ConversationSource(index, loc, vocab_size=int(vocab), eos_id=tok.get("eos_id"),
+                                  bos_id=tok.get("bos_id"))
     return TokenSource(index, vocab_size=int(vocab), location=loc, eos_id=tok.get("eos_id"),
                        bos_id=tok.get("bos_id"))
 
@@ -197,6 +202,8 @@ def validate_source(path: str, seq_len: int, vocab_size: int, global_batch_size:
     src = open_source(path)
     if src.name != BUILTIN:
         src = _open(src.name, check_files=True)  # the driver pays for the footers once per run
+    if getattr(src, "has_loss_mask", False):
+        src.check_fits(seq_len, global_batch_size)
     if src.num_tokens == 0:
         raise DataError(f"data.path = {src.name!r} holds zero tokens; prepare it from non-empty text "
                         "files or use data.path = \"builtin\"")
@@ -214,7 +221,10 @@ def validate_source(path: str, seq_len: int, vocab_size: int, global_batch_size:
 
 
 def microbatch_tokens(source: TokenSource, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets), both int64 ``[len(ids), seq_len]`` (int64 is what embedding/CE want)."""
+    """(inputs, targets), both int64 ``[len(ids), seq_len]`` (int64 is what embedding/CE want).
+    Chat shards' targets come masked (meshdata.chat_source)."""
+    if getattr(source, "has_loss_mask", False):
+        return source.microbatch(ids, seq_len)
     windows = sample_windows(source, ids, seq_len).astype(np.int64)
     return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshdata.chat import ChatTemplate, load_template, template_path
 from meshdata.errors import DataError, one_line
 
 KEY = "data.prepare"
@@ -39,6 +40,7 @@ class TokenizerSpec:
     bos_id: int | None  # prepended to every document (None: not asked for)
     eos_id: int | None  # appended to every document (None only for bytes)
     files: tuple[str, ...] = ()  # files to copy beside the shards
+    chat: ChatTemplate | None = None  # --chat: the chat template conversations are rendered with
 
     def sidecar(self) -> dict:
         return {"kind": self.kind, "hash": self.hash, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
@@ -48,8 +50,12 @@ class TokenizerSpec:
 BYTES = TokenizerSpec("bytes", "", "bytes", 256, None, None)
 
 
-def load_spec(tok: str | None) -> TokenizerSpec:
-    """Resolve ``--tokenizer``: None -> bytes; a tokenizer.json file, or a directory holding one."""
+def load_spec(tok: str | None, *, chat: bool = False) -> TokenizerSpec:
+    """Resolve ``--tokenizer``: None -> bytes; a tokenizer.json file, or a directory holding one.
+    ``chat``: also its chat template (``meshdata.chat``), which is then hashed and copied with it."""
+    if not tok and chat:
+        raise DataError("data prepare --chat needs --tokenizer DIR: the chat model's tokenizer directory (its chat "
+                        "template renders the conversations)", key=KEY)
     if not tok:
         return BYTES
     if os.path.isdir(tok):
@@ -84,12 +90,14 @@ def load_spec(tok: str | None) -> TokenizerSpec:
         if bos is None:
             raise DataError(f"data prepare: {CONFIG_FILES[0]} of {path!r} sets add_bos_token but names no "
                             "bos_token the tokenizer knows; set \"bos_token\"", key=KEY)
+    template = load_template(folder, config) if chat else None
+    extra = [template_path(folder)] if template_path(folder) else []  # chat_template.jinja: part of the tokenizer
     digest = hashlib.sha256()
-    for f in [path, *configs]:
+    for f in [path, *configs, *extra]:
         with open(f, "rb") as fh:
             digest.update(hashlib.sha256(fh.read()).digest())
     return TokenizerSpec("tokenizers", os.path.abspath(path), digest.hexdigest(), int(vocab), bos, eos,
-                         tuple([os.path.abspath(path), *configs]))
+                         tuple([os.path.abspath(path), *configs, *extra]), template)
 
 
 def _read_json(f: str) -> dict:

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--encoding", default="utf-8", help="encoding of .txt / JSON input files")
     prep.add_argument("--shard-tokens", type=int, default=8_000_000, help="tokens per shard at most")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--chat", action="store_true", help='JSON lines of {"messages": [{"role", "content"}...]}: '
+                      "render each with the tokenizer's chat template, one conversation per row, loss only on the "
+                      "assistant's tokens (its {%% generation %%} blocks)")
+    prep.add_argument("--seq-len", type=int, default=None, metavar="N", help="--chat: refuse conversations of "
+                      "more than N + 1 tokens now (training refuses them against model.seq_len anyway)")
     return parser
 
 
@@ -205,8 +210,10 @@ def _dispatch(args) -> int:
 
         info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
                        text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
-                       progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut())
-        sys.stdout.write(f"wrote {info['documents']} documents, {info['num_tokens']} tokens in "
-                         f"{len(info['files'])} shard(s) to {args.out}\n")
+                       progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut(),
+                       chat=args.chat, seq_len=args.seq_len)
+        what = (f"{info['documents']} conversations ({info['chat']['counted_tokens']} assistant tokens counted)"
+                if args.chat else f"{info['documents']} documents")
+        sys.stdout.write(f"wrote {what}, {info['num_tokens']} tokens in {len(info['files'])} shard(s) to {args.out}\n")
         return 0
     raise AssertionError(args.command)

@@ -1,15 +1,16 @@
 """A step's tensors from sample ids, with the loss normalisation every mesh shares, and held-out eval.
 
 ``step_data`` turns one replica's microbatch ids into a ``StepData``: windows read from the source,
-targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py), and the
+targets after an EOS masked (``data.mask_document_boundaries``, meshdata/masks.py) or, on chat
+shards, every target outside the assistant's tokens (meshdata/chat_source.py), and the
 scales that make the summed loss the *global* mean over counted targets — ``grad_scale = dp /
 count`` (FSDP averages gradients over dp) and ``report_scale = 1 / count``. Without masking the count
-is ``G * seq_len``, whatever each replica's share (``elastic.rebalance``); with it, one scalar
+is ``G * seq_len``, whatever each replica's share (``elastic.rebalance``); with a mask, one scalar
 all-reduce over dp adds up every replica's count (tp and pp peers of a replica read the same
 windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
-order: a fixed set of windows) forward only through the same pipeline actions, without the backward
+order, or an ``eval.mix``'s batch ``b``: a fixed set of windows) forward only through the same pipeline actions, without the backward
 ones (``meshspeak.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
 from every rank's forward-only list: ``meshspeak.p2p_rounds.rank_batches``).
 """
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 import meshdata as data_lib
-from meshdata.masks import counted, mask_targets
+from meshdata.masks import counted, counts_every_target, mask_targets
 from meshspeak.schedule import Action, forward_only
 from workers.optim import checked_all_reduce
 from workers.pipeline import StepData
@@ -52,9 +53,10 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
         targets.append(to_device(y, groups.device))
     # Unmasked, every target counts: the global batch's G * seq_len, however the replicas split it
     # (elastic.rebalance gives them different numbers of microbatches: meshspeak/rebalance.py).
-    # Masked, one replica's own count is the global one.
-    total = runtime.spec.train.global_batch_size * seq_len if eos is None else local
-    if eos is not None and dp > 1:
+    # Masked (document boundaries, or chat shards' loss mask), one all-reduce adds the replicas' counts.
+    every = counts_every_target(source, eos)
+    total = runtime.spec.train.global_batch_size * seq_len if every else local
+    if not every and dp > 1:
         count = torch.tensor([local], dtype=torch.float64, device=groups.device)
         # Checked: the count scales every gradient (workers.optim.checked_all_reduce).
         checked_all_reduce(count, groups.dp_group, runtime.spec.collective_timeout_s)
@@ -63,15 +65,16 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total
 
 
-def eval_forward(runtime, path: str, batch: int, actions: list[Action], eos: int | None) -> dict:
+def eval_forward(runtime, path, batch: int, actions: list[Action], eos: int | None) -> dict:
     """Held-out batch ``batch``: {"loss": this replica's share of the batch mean (last stage, tp 0;
-    else None), "count": the batch's global count of counted targets}."""
+    else None), "count": the batch's global count of counted targets}. ``path``: eval.path, or
+    eval.mix's ((path, weight), ...) (meshdata/mixture.py lays its batches out)."""
     train, groups = runtime.spec.train, runtime.groups
-    source = data_lib.open_source(path)
+    held_out = data_lib.open_mixture(path, runtime.spec.model.seq_len)
     g, dp, mbs = train.global_batch_size, groups.shape.dp, train.micro_batch_size
     per = g // dp
-    ids = np.arange(batch * g, (batch + 1) * g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
-    data, total = step_data(runtime, source, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
+    ids = held_out.eval_ids(batch, g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
+    data, total = step_data(runtime, held_out.reader, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
     forward = forward_only(actions)
     with torch.no_grad():
         loss, _, _ = runtime.executor.run(forward, data)
