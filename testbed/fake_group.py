@@ -30,6 +30,7 @@ from typing import Any
 from meshspeak.messages import CallOutcome, StepResult, early_answer
 from meshspeak.rank_calls import RankCall, RankCalls, call_name
 from orchestrator.errors import WorkerGroupStartupError
+from testbed.fake_call import FakeCall
 from testbed.fake_rank import FakeRank
 
 __all__ = ["FakeCall", "FakeRank", "FakeWorkerGroup", "KICKED"]
@@ -37,16 +38,6 @@ __all__ = ["FakeCall", "FakeRank", "FakeWorkerGroup", "KICKED"]
 COLLECTIVE = (RankCalls.join_generation, RankCalls.train_step, RankCalls.save_checkpoint, RankCalls.load_checkpoint,
               RankCalls.load_snapshot)
 KICKED = "RuntimeError: Connection closed by peer (kicked)"
-
-
-class FakeCall:
-    """One call on one actor; also its ref (hashed by identity), as WorkerGroup's refs are."""
-
-    def __init__(self, actor: int, method: RankCall, args: tuple) -> None:
-        self.actor, self.method, self.args = actor, method, args
-        self.state = "done"  # done | later (done, but a poll says not yet) | dead | failed | blocked | hung
-        self.value: Any = None
-        self.error = ""
 
 
 class FakeWorkerGroup:
@@ -182,7 +173,7 @@ class FakeWorkerGroup:
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         outcome = CallOutcome()
         for call, actor in refs.items():
-            state = self._state(call)
+            state = self.call_state(call)
             if state in ("done", "later"):
                 call.state = "done"
                 outcome.results[actor] = call.value
@@ -196,10 +187,10 @@ class FakeWorkerGroup:
         return outcome
 
     def all_done(self, refs: Any) -> bool:
-        return all(self._state(c) in ("done", "dead", "failed") for c in refs)
+        return all(self.call_state(c) in ("done", "dead", "failed") for c in refs)
 
     def drain(self, refs: list) -> list:
-        done = [c for c in refs if self._state(c) in ("done", "dead", "failed")]
+        done = [c for c in refs if self.call_state(c) in ("done", "dead", "failed")]
         self.drained.extend(done)
         return [c for c in refs if c not in done]
 
@@ -215,7 +206,7 @@ class FakeWorkerGroup:
         return call
 
     def first_cause(self, refs: Any) -> str | None:
-        return next((c.error for c in refs if self._state(c) == "failed"), None)
+        return next((c.error for c in refs if self.call_state(c) == "failed"), None)
 
     # -- inside -----------------------------------------------------------------------------------
     def _start(self, count: int) -> list[int]:
@@ -228,7 +219,7 @@ class FakeWorkerGroup:
             ids.append(actor)
         return ids
 
-    def _state(self, call: FakeCall) -> str:
+    def call_state(self, call: FakeCall) -> str:
         if call.state in ("blocked", "hung", "later") and call.actor not in self.ranks:
             return "dead"  # killed while the call ran
         return call.state

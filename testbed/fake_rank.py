@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from checkpoints.layout import DCP_METADATA, parse_step
 from meshspeak.messages import (
@@ -27,15 +27,24 @@ from meshspeak.messages import (
     WriteAck,
     early_answer,
 )
+from testbed.fake_call import FakeCall
 
-if TYPE_CHECKING:
-    from testbed.fake_group import FakeCall, FakeWorkerGroup
+
+class RankHost(Protocol):
+    """What a rank uses of its scripted group (``testbed.fake_group.FakeWorkerGroup``): the snapshot
+    key each actor was told to keep, its own push to a holder, and the state of that push's call."""
+
+    keep_of: dict[int, tuple | None]
+
+    def push(self, holder: int, key: tuple, owner: int, snap: dict) -> FakeCall: ...
+
+    def call_state(self, call: FakeCall) -> str: ...
 
 
 class FakeRank:
     """One rank actor's behaviour, answering with the real messages."""
 
-    def __init__(self, actor_id: int, node_ip: str, group: FakeWorkerGroup) -> None:
+    def __init__(self, actor_id: int, node_ip: str, group: RankHost) -> None:
         self.actor_id, self.node_ip, self.pid = actor_id, node_ip, 10_000 + actor_id
         self.group = group
         self.generation = self.world_rank = -1
@@ -147,7 +156,7 @@ class FakeRank:
         if self.pushing is None:
             return
         key, call = self.pushing
-        state = self.group._state(call)
+        state = self.group.call_state(call)
         if state in ("done", "dead", "failed"):
             self.pushing = None
             if state == "done":

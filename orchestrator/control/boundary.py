@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from orchestrator.control.controller_view import BoundaryView
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp
 from orchestrator.control.states import ControllerState, Finished, Forming
 from orchestrator.errors import WorkerGroupStartupError
 from orchestrator.recovery.preemption import Preemption
-
-if TYPE_CHECKING:
-    from orchestrator.control.controller import Controller
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +82,16 @@ class Grow:
 Decision = Stop | ResizeTo | Evacuate | Evict | Grow
 
 
-def decide_stop(c: Controller, at: Boundary) -> Stop | None:
+def decide_stop(c: BoundaryView, at: Boundary) -> Stop | None:
     return Stop() if c.stop_requested() else None
 
 
-def decide_requested_resize(c: Controller, at: Boundary) -> ResizeTo | None:
+def decide_requested_resize(c: BoundaryView, at: Boundary) -> ResizeTo | None:
     dp = c.resize_requests.pop(at.step, None)
     return None if dp is None else ResizeTo(dp)
 
 
-def decide_preemption(c: Controller, at: Boundary) -> Evacuate | None:
+def decide_preemption(c: BoundaryView, at: Boundary) -> Evacuate | None:
     """Act on drain notices (polled every ``elastic.drain_poll_s``; each node decided once)."""
     if not c.preemptions.due(c.clock()):
         return None
@@ -114,7 +111,7 @@ def decide_preemption(c: Controller, at: Boundary) -> Evacuate | None:
     return Evacuate(notice, c.scaling.after_preemption(left))
 
 
-def decide_eviction(c: Controller, at: Boundary) -> Evict | None:
+def decide_eviction(c: BoundaryView, at: Boundary) -> Evict | None:
     actors = c.health.take_evictions(set(c.generation.members.values()))
     if not actors:
         return None
@@ -125,7 +122,7 @@ def decide_eviction(c: Controller, at: Boundary) -> Evict | None:
     return Evict(frozenset(actors), decision)
 
 
-def decide_grow(c: Controller, at: Boundary) -> Grow | None:
+def decide_grow(c: BoundaryView, at: Boundary) -> Grow | None:
     if not (c.grow_due() or at.adopted):
         return None
     c.spares.refill(c.generation.shape.world)  # spares first: a grow never takes them (control/scaling.py)
@@ -134,7 +131,7 @@ def decide_grow(c: Controller, at: Boundary) -> Grow | None:
     return Grow(decision) if isinstance(decision, ResizeDecision) else None
 
 
-def carry_out_decision(c: Controller, decision: Decision, step: int) -> ControllerState:
+def carry_out_decision(c: BoundaryView, decision: Decision, step: int) -> ControllerState:
     """A boundary decision: a stop finishes; every other one is a planned re-form, begun here
     (its recovery clock starts) and formed in the FORMING state."""
     if isinstance(decision, Stop):
@@ -159,7 +156,7 @@ def carry_out_decision(c: Controller, decision: Decision, step: int) -> Controll
     raise TypeError(f"unknown boundary decision {decision!r}")
 
 
-def _stop(c: Controller, step: int) -> Finished:
+def _stop(c: BoundaryView, step: int) -> Finished:
     """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
     saved = bool(c.ckpt.user_dir)  # without it nothing outlives the run: a rerun starts over
     (c.ckpt.save_now if saved else c.ckpt.finish)(c.group, c.generation, step)
