@@ -37,7 +37,6 @@ KNOWN_LONG_FUNCTIONS = {
     "workers/groups.py::build_process_groups": 91,
     "orchestrator/config/validate.py::_check_relations": 87,
     "orchestrator/config/validate.py::check_mesh": 82,
-    "orchestrator/report/goodput.py::_account_session": 81,
     "meshmodels/export.py::export_checkpoint": 80,
     "bench/scale.py::real": 80,
     "orchestrator/cli.py::_dispatch": 78,

@@ -200,91 +200,122 @@ def _resizes(session: list[dict]) -> dict[int, str]:
     return out
 
 
-def _account_session(session: list[dict], times: list[float], final: set[int], ledger: Ledger) -> None:
-    ledger.sessions += session[0].get("event") == "launch"
-    stalls = _stalls(session)
-    resizes = _resizes(session)
-    # After the session's last step, a finished run only waits for its last saves to commit (their
-    # checkpoint/snapshot events come in that wait) before ``done``/``stopped``: all of it is checkpoint.
-    last_step = max((i for i, rec in enumerate(session) if is_step(rec)), default=len(session))
-    finishing = any(r.get("event") in ("done", "stopped") for r in session[last_step + 1:])
-    cursor = times[0]
-    started = False  # the session's first step trained: start-up is over
+@dataclass
+class _SessionWalk:
+    """Where the walk through one session's records stands (``_account_session``)."""
+
+    stalls: dict[int, tuple[float, float]]  # step record index -> (checkpoint, snapshot) stall after it
+    resizes: dict[int, str]  # record index -> the re-forming no fault record opened (``_resizes``)
+    last_step: int  # index of the session's last step record
+    finishing: bool  # a done/stopped event follows the last step
+    cursor: float  # the time accounted up to
+    started: bool = False  # the session's first step trained: start-up is over
     episode: Recovery | None = None
-    preempted: set[int] = set()  # ranks of drain notices too short for a save (failure path follows)
-    due: list[list] = []  # [bucket, seconds] stalls still to take from the next gaps
+    # Ranks of drain notices too short for a save (the failure path follows).
+    preempted: set[int] = field(default_factory=set)
+    due: list[list] = field(default_factory=list)  # [bucket, seconds] stalls still to take from the next gaps
     # Seconds before a marker event (a snapshot or checkpoint completing, a spare requested...) that
     # the next step record takes as part of its own gap: with steps in flight the driver logs the
     # acknowledgements that come with step k's results just before step k's record, so the marker,
     # not the step, closes the interval in which step k trained (control/window.py).
-    carry = 0.0
+    carry: float = 0.0
+
+
+def _account_session(session: list[dict], times: list[float], final: set[int], ledger: Ledger) -> None:
+    ledger.sessions += session[0].get("event") == "launch"
+    # After the session's last step, a finished run only waits for its last saves to commit (their
+    # checkpoint/snapshot events come in that wait) before ``done``/``stopped``: all of it is checkpoint.
+    last_step = max((i for i, rec in enumerate(session) if is_step(rec)), default=len(session))
+    finishing = any(r.get("event") in ("done", "stopped") for r in session[last_step + 1:])
+    walk = _SessionWalk(_stalls(session), _resizes(session), last_step, finishing, cursor=times[0])
     for i, (rec, t) in enumerate(zip(session, times)):
-        gap, cursor = max(0.0, t - cursor), max(cursor, t)
-        event = rec.get("event")
+        gap, walk.cursor = max(0.0, t - walk.cursor), max(walk.cursor, t)
         if is_step(rec):
-            gap, carry = gap + carry, 0.0
-        elif carry and not _marker(rec, episode, started):
-            _spend(due, carry, "overhead", ledger)  # as the marker's own gap was spent before
-            carry = 0.0
-        if episode is None and i in resizes:  # a grow or requested resize begins with this gap
-            episode = Recovery(resizes[i], t - gap)
-            ledger.recoveries.append(episode)
-            due = []
+            gap, walk.carry = gap + walk.carry, 0.0
+        elif walk.carry and not _marker(rec, walk.episode, walk.started):
+            _spend(walk.due, walk.carry, "overhead", ledger)  # as the marker's own gap was spent before
+            walk.carry = 0.0
+        if walk.episode is None and i in walk.resizes:  # a grow or requested resize begins with this gap
+            walk.episode = Recovery(walk.resizes[i], t - gap)
+            ledger.recoveries.append(walk.episode)
+            walk.due = []
         if is_step(rec):
-            taken = min(gap, float(rec.get("step_time_s") or 0.0))
-            ledger.add("useful" if id(rec) in final else "rerun", taken)
-            rest = gap - taken
-            if episode is not None:  # the new generation's first step closes the recovery
-                episode.end, episode.generation = t - taken, rec.get("generation")
-                ledger.add("recovery", rest, episode.kind)
-                episode = None
-            elif not started:
-                ledger.add("startup", rest)
-            else:
-                _spend(due, rest, "overhead", ledger)
-            started = True
-            ledger.generations = max(ledger.generations, rec.get("generation") or 0)
-            due = [["checkpoint", stalls[i][0]], ["snapshot", stalls[i][1]]]
+            _account_step(walk, ledger, i, rec, t, gap, final)
             continue
-        if event == "failure":
-            ledger.restarts += 1
-        if event == "preemption" and rec.get("action") != "evacuate":
-            preempted |= set(rec.get("ranks") or ())
-        if _opens(rec) and episode is None:  # (an eviction's episode opened at its save, above)
-            kind = "eviction" if event == "evict" else "preemption" if event == "preemption" else \
-                failure_kind(rec, preempted)
-            # A preemption notice comes at the step boundary: the gap before it is ordinary.
-            episode = Recovery(kind, t if event == "preemption" else t - gap, reason=str(rec.get("reason", ""))[:200])
-            ledger.recoveries.append(episode)
-            if event == "preemption":
-                _spend(due, gap, "overhead", ledger)
-                gap = 0.0
-            due = []
-        if episode is not None:
-            episode.failures += event == "failure"
-            ledger.add("recovery", gap, episode.kind)
-            episode.end = t  # until a step closes it (a run still going ends here)
+        gap = _note_fault(walk, ledger, rec, t, gap)
+        if walk.episode is not None:
+            walk.episode.failures += rec.get("event") == "failure"
+            ledger.add("recovery", gap, walk.episode.kind)
+            walk.episode.end = t  # until a step closes it (a run still going ends here)
             continue
-        if not started:
-            ledger.add("startup", gap)
-        elif event == "eval":
-            _spend(due, gap, "evaluation", ledger)
-        elif event in ("done", "stopped") or (finishing and i > last_step):
-            _spend(due, gap, "checkpoint", ledger)  # the final saves are waited for
-            ledger.finished = ledger.finished or event in ("done", "stopped")
-        elif event == "bad_step" and rec.get("reason") != "recorded":
-            ledger.bad_steps += 1
-            _spend(due, gap, "rerun", ledger)  # trained, then thrown away
-        elif event == "rollback":
-            ledger.add("recovery", gap, "rollback")
-            ledger.recoveries.append(Recovery("rollback", t - gap, t, None, str(rec.get("restored_from", ""))))
-        else:
-            carry += gap  # a marker: see ``carry`` above
-    _spend(due, carry, "overhead", ledger)
+        _account_between_steps(walk, ledger, i, rec, t, gap)
+    _spend(walk.due, walk.carry, "overhead", ledger)
+
+
+def _account_step(walk: _SessionWalk, ledger: Ledger, i: int, rec: dict, t: float, gap: float,
+                  final: set[int]) -> None:
+    """A step record: its step time is useful (or rerun); the rest of its gap closes a recovery, ends
+    the start-up, or goes to the stalls due and the driver's overhead."""
+    taken = min(gap, float(rec.get("step_time_s") or 0.0))
+    ledger.add("useful" if id(rec) in final else "rerun", taken)
+    rest = gap - taken
+    if walk.episode is not None:  # the new generation's first step closes the recovery
+        walk.episode.end, walk.episode.generation = t - taken, rec.get("generation")
+        ledger.add("recovery", rest, walk.episode.kind)
+        walk.episode = None
+    elif not walk.started:
+        ledger.add("startup", rest)
+    else:
+        _spend(walk.due, rest, "overhead", ledger)
+    walk.started = True
+    ledger.generations = max(ledger.generations, rec.get("generation") or 0)
+    walk.due = [["checkpoint", walk.stalls[i][0]], ["snapshot", walk.stalls[i][1]]]
+
+
+def _note_fault(walk: _SessionWalk, ledger: Ledger, rec: dict, t: float, gap: float) -> float:
+    """Count a failure, remember a short drain's ranks, and open a recovery at a record that opens one;
+    the gap still to account is returned (none after a preemption notice: spent as ordinary)."""
+    event = rec.get("event")
+    if event == "failure":
+        ledger.restarts += 1
+    if event == "preemption" and rec.get("action") != "evacuate":
+        walk.preempted |= set(rec.get("ranks") or ())
+    if _opens(rec) and walk.episode is None:  # (an eviction's episode opened at its save: ``_resizes``)
+        kind = "eviction" if event == "evict" else "preemption" if event == "preemption" else \
+            failure_kind(rec, walk.preempted)
+        # A preemption notice comes at the step boundary: the gap before it is ordinary.
+        walk.episode = Recovery(kind, t if event == "preemption" else t - gap, reason=str(rec.get("reason", ""))[:200])
+        ledger.recoveries.append(walk.episode)
+        if event == "preemption":
+            _spend(walk.due, gap, "overhead", ledger)
+            gap = 0.0
+        walk.due = []
+    return gap
+
+
+def _account_between_steps(walk: _SessionWalk, ledger: Ledger, i: int, rec: dict, t: float, gap: float) -> None:
+    """A record outside any recovery: start-up, an eval, the final saves, a bad step, a rollback, or a
+    marker whose gap the next step takes (``_SessionWalk.carry``)."""
+    event = rec.get("event")
+    if not walk.started:
+        ledger.add("startup", gap)
+    elif event == "eval":
+        _spend(walk.due, gap, "evaluation", ledger)
+    elif event in ("done", "stopped") or (walk.finishing and i > walk.last_step):
+        _spend(walk.due, gap, "checkpoint", ledger)  # the final saves are waited for
+        ledger.finished = ledger.finished or event in ("done", "stopped")
+    elif event == "bad_step" and rec.get("reason") != "recorded":
+        ledger.bad_steps += 1
+        _spend(walk.due, gap, "rerun", ledger)  # trained, then thrown away
+    elif event == "rollback":
+        ledger.add("recovery", gap, "rollback")
+        ledger.recoveries.append(Recovery("rollback", t - gap, t, None, str(rec.get("restored_from", ""))))
+    else:
+        walk.carry += gap  # a marker: see ``_SessionWalk.carry``
 
 
 def _marker(rec: dict, episode, started: bool) -> bool:
-    """Whether ``rec`` may be a marker between steps (``_account_session``'s last branch), decided
+    """Whether ``rec`` may be a marker between steps (``_account_between_steps``' last branch), decided
     before the branches run so a carry is spent, as the old per-marker spend did, ahead of whatever
     else a record opens. Conservative: a record it rejects (a replayed ``bad_step`` "recorded" also
     lands in the last branch) only spends the carry earlier, as before the carry existed."""
