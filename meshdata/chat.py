@@ -111,19 +111,24 @@ def check_messages(row, where) -> list[dict]:
         raise DataError(f"data prepare --chat: {where()}: \"messages\" is {_kind(messages)}, not a non-empty list of "
                         f"role/content objects; {fix}", key=KEY)
     for i, m in enumerate(messages):
-        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-        if not ok or not (m["content"] is None or isinstance(m["content"], (str, list))):
-            raise DataError(f"data prepare --chat: {where()}: message {i} is not a role/content object ({_kind(m)}); "
-                            f"{fix}", key=KEY)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise DataError(f"data prepare --chat: {where()}: message {i} is not a role/content object ({_kind(m)}, "
+                            f"needs a string \"role\" and a \"content\"); {fix}", key=KEY)
+        if not (m["content"] is None or isinstance(m["content"], (str, list))):
+            raise DataError(f"data prepare --chat: {where()}: message {i} is not a role/content object (its \"content\" "
+                            f"is {_kind(m['content'])}, not a string, a list of parts or null); {fix}", key=KEY)
     return messages
 
 
 def _kind(value) -> str:
+    """What a JSON value is, in words (for messages)."""
     if isinstance(value, dict):
-        return f"object with keys {sorted(value)[:6]}"
+        return f"an object with keys {sorted(value)[:6]}"
     if isinstance(value, list):
         return "an empty list" if not value else "a list"
-    return type(value).__name__
+    if value is None:
+        return "null"
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def _as_transformers_sees(messages: list[dict]) -> list[dict]:

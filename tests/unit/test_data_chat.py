@@ -103,7 +103,8 @@ def test_a_conversation_longer_than_seq_len_is_refused_and_counted(tmp_path, cha
 
 
 @pytest.mark.parametrize("line, expect", [
-    ('{"messages": "hello"}', '"messages" is str, not a non-empty list'),
+    ('{"messages": "hello"}', '"messages" is a string, not a non-empty list'),
+    ('{"messages": [{"role": "user", "content": 3}]}', "message 0 is not a role/content object"),
     ('{"messages": []}', '"messages" is an empty list'),
     ('{"messages": [{"role": "user"}]}', "message 0 is not a role/content object"),
     ('{"messages": [{"content": "hi"}]}', "message 0 is not a role/content object"),
