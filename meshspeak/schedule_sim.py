@@ -106,15 +106,9 @@ def simulate(
             input arrived, sends something twice, leaves a message unreceived, or a microbatch is
             forwarded without being backwarded (or I'd without its W).
     """
-    if pp < 1 or virtual_stages < 1:
-        raise ValueError(f"need pp >= 1 and virtual_stages >= 1, got pp={pp} v={virtual_stages}")
     i_cost = b_cost / 2 if i_cost is None else i_cost
     w_cost = b_cost / 2 if w_cost is None else w_cost
-    if min(f_cost, b_cost, i_cost, w_cost) <= 0:
-        raise ValueError(f"costs must be > 0, got f_cost={f_cost} b_cost={b_cost} i_cost={i_cost} "
-                         f"w_cost={w_cost}")
-    if len(schedule) != pp:
-        raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected pp={pp}")
+    _check_arguments(schedule, pp, virtual_stages, f_cost=f_cost, b_cost=b_cost, i_cost=i_cost, w_cost=w_cost)
     num_stages = pp * virtual_stages
     rank_of = _rank_of(pp, placement, num_stages)
     for rank, actions in enumerate(schedule):
@@ -125,7 +119,27 @@ def simulate(
         by_op = {Op.FORWARD: f_cost, Op.BACKWARD: b_cost, Op.BACKWARD_INPUT: i_cost, Op.BACKWARD_WEIGHT: w_cost}
         cost = lambda action: by_op[action.op]  # noqa: E731
     machine = _Machine(num_stages, cost, pp, rank_of)
-    position = [0] * pp
+    _run_every_rank(schedule, machine)
+    machine.check_finished()
+    return _timeline(machine, pp)
+
+
+def _check_arguments(schedule: Sequence[Sequence[Action]], pp: int, virtual_stages: int, *, f_cost: float,
+                     b_cost: float, i_cost: float, w_cost: float) -> None:
+    """The mesh sizes are >= 1, every cost > 0, and there is one list per pp rank."""
+    if pp < 1 or virtual_stages < 1:
+        raise ValueError(f"need pp >= 1 and virtual_stages >= 1, got pp={pp} v={virtual_stages}")
+    if min(f_cost, b_cost, i_cost, w_cost) <= 0:
+        raise ValueError(f"costs must be > 0, got f_cost={f_cost} b_cost={b_cost} i_cost={i_cost} "
+                         f"w_cost={w_cost}")
+    if len(schedule) != pp:
+        raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected pp={pp}")
+
+
+def _run_every_rank(schedule: Sequence[Sequence[Action]], machine: _Machine) -> None:
+    """Run each rank's list as far as it can go, round after round, until no rank moves; a rank left
+    short of its end is blocked in a receive (``ScheduleDeadlock``)."""
+    position = [0] * len(schedule)
     progressed = True
     while progressed:
         progressed = False
@@ -137,8 +151,10 @@ def simulate(
     blocked = {r: schedule[r][i] for r, i in enumerate(position) if i < len(schedule[r])}
     if blocked:
         raise ScheduleDeadlock(blocked)
-    machine.check_finished()
 
+
+def _timeline(machine: _Machine, pp: int) -> SimResult:
+    """The finished simulation's busy intervals, makespan and bubble fraction."""
     makespan = max(machine.clock)
     total_busy = sum(iv.end - iv.start for rank_busy in machine.busy for iv in rank_busy)
     bubble = 1.0 - total_busy / (pp * makespan) if makespan > 0 else 0.0

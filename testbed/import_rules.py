@@ -43,7 +43,6 @@ KNOWN_LONG_FUNCTIONS = {
     "meshmodels/hf.py::check_weights": 78,
     "workers/runtime.py::RankRuntime.train_step": 76,
     "bench/preemption.py::run_ray_train": 76,
-    "meshspeak/schedule_sim.py::simulate": 75,
     "bench/node_loss.py::run_variant": 72,
     "workers/pipeline.py::Executor.run": 70,
     "bench/recovery.py::run_elastimesh": 70,
