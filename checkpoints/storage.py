@@ -11,6 +11,7 @@ Paths are strings. A plain path or a ``file://`` URI is local (:class:`LocalStor
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import shutil
@@ -39,6 +40,10 @@ class CheckpointStorage(Protocol):
 
     def write_text_atomic(self, path: str, text: str) -> None:
         """Make ``path`` appear complete or not at all (tmp + rename; one put on object stores)."""
+        ...
+
+    def create_text_exclusive(self, path: str, text: str) -> bool:
+        """Write ``text`` to ``path`` only if nothing is there (False if something is): a conditional create."""
         ...
 
     def remove_tree(self, path: str) -> None: ...
@@ -96,6 +101,17 @@ class LocalStorage:
                 os.remove(tmp)
             raise
         _fsync_dir(os.path.dirname(final) or ".")
+
+    def create_text_exclusive(self, path: str, text: str) -> bool:
+        try:
+            fd = os.open(_os(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
 
     def remove_tree(self, path: str) -> None:
         target = _os(path)
@@ -165,6 +181,20 @@ class FsspecStorage:
 
     def write_text_atomic(self, path: str, text: str) -> None:
         self.fs.pipe_file(path, text.encode("utf-8"))
+
+    def create_text_exclusive(self, path: str, text: str) -> bool:
+        # fsspec's mode="create": S3's If-None-Match: * (s3fs), an "xb" open elsewhere. A store that
+        # refuses it answers like an existing object on S3 (PreconditionFailed, which s3fs raises as EINVAL).
+        try:
+            self.fs.pipe_file(path, text.encode("utf-8"), mode="create")
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EINVAL or "PreconditionFailed" in str(exc):
+                return False
+            raise
+        self.fs.invalidate_cache(path)
+        return True
 
     def remove_tree(self, path: str) -> None:
         self.fs.rm(path, recursive=True)

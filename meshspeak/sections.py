@@ -174,6 +174,9 @@ class CheckpointConfig:
     init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
     memory_every: int = key(1, "with dir set: every N steps each rank also snapshots its shard into a peer's "
                                "memory, and a failure resumes from there (at most N steps lost); 0 = off", ge=0)
+    lease_s: float = key(60.0, "with dir set: the driver holds a run lease on dir (LEASE.json, renewed every "
+                               "lease_s / 6): a second driver on dir exits 2; a dead driver's lease is taken "
+                               "over lease_s after its last renewal", gt=0)
 
 
 @dataclass(**_SECTION)

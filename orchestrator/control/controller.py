@@ -199,6 +199,8 @@ class Controller:
         except TrainingFailed as exc:
             state = Errored(exc)
         self.state = state
+        if isinstance(state, TERMINAL):  # nothing more is saved: give the run lease back now
+            self.ckpt.close()
         return state.kind
 
     # -- FORMING, REBUILDING --------------------------------------------------------------------------

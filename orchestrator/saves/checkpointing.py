@@ -53,6 +53,7 @@ from checkpoints.catalog import (
     prepare_step,
 )
 from checkpoints.errors import CheckpointError
+from checkpoints.lease import LeaseHeldError, LeaseLostError, RunLease
 from checkpoints.manifest import CheckpointManifest
 from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
@@ -106,14 +107,23 @@ class CheckpointCoordinator:
         self._safe: set[str] = set()  # checkpoints whose .metadata passed checkpoints.safe_pickle
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
         self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
+        self.lease: RunLease | None = None
         if self.user_dir:
             try:
                 ensure_writable(self.root)
+                self.lease = RunLease(self.root, cfg.checkpoint.lease_s)
+                self.lease.acquire()  # before reading anything: another live driver may be writing here
+            except LeaseHeldError as exc:
+                raise UserInputError(exc.message) from None
             except CheckpointError as exc:
                 raise UserInputError(f"checkpoint.dir: {exc}") from None
             # Refuse a foreign directory or an alien checkpoint now, before groups are formed.
-            self._claim_root()
-            self.resume_point()
+            try:
+                self._claim_root()
+                self.resume_point()
+            except BaseException:
+                self.lease.release()
+                raise
 
     # -- saving -----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -229,6 +239,7 @@ class CheckpointCoordinator:
             run_id=self.run_id,
             skipped_steps=sorted(s for s in self.skipped_steps if s <= pending.step),
         )
+        self._fence(pending.step)
         try:
             commit(self.root, manifest)
         except CheckpointError as exc:
@@ -242,6 +253,18 @@ class CheckpointCoordinator:
                            write_s=write_s, path=pending.path)
         if self.user_dir:
             self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
+
+    def _fence(self, step: int) -> None:
+        """Write a manifest (and purge after it) only while this driver holds the run lease: a driver
+        that was silent past checkpoint.lease_s may have been replaced by another, whose directory this
+        now is (checkpoints/lease.py)."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.check_held()
+        except LeaseLostError as exc:
+            self.metrics.event("checkpoint_failed", step=step, path=self.root, reason=exc.message[:300])
+            raise TrainingFailed(f"checkpoint.dir: step {step} not committed: {exc.message}") from None
 
     def _storage_failed(self, step: int, path: str, reason: str) -> None:
         """Stop the run: a checkpoint could not be written although every rank is alive.
@@ -341,7 +364,11 @@ class CheckpointCoordinator:
         return info.step
 
     def close(self) -> None:
+        """Stop the purger, give back the run lease, remove a temporary root (idempotent)."""
         self.purger.close()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 

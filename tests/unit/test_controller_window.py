@@ -65,7 +65,7 @@ def test_an_eval_drains_the_window_and_runs_between_its_step_and_the_next(make):
     r.c.evaluator = Evaluator(r.cfg, "builtin", None)
     assert r.c.run().final_step == 6
     assert _order(r, 0) == [("train", 1), ("train", 2), ("train", 3)] + [("eval", b) for b in range(4)] + [
-        ("train", 4), ("train", 5), ("train", 6)] + [("eval", b) for b in range(4)]
+        ("train", 4), ("train", 5), ("train", 6)] + [("eval", b) for b in range(4)] + [("save", 6)]  # the last step
     assert [e["step"] for e in r.events("eval")] == [3, 6]
 
 

@@ -102,6 +102,7 @@ def test_the_controller_hands_every_rank_its_runs_128_bit_secret(make, monkeypat
     first = make()
     first.steps(2)
     first_secrets = {spec.store_secret for spec in seen}
+    first.close()  # the first run stops (and gives up its lease on the checkpoint directory)
     seen.clear()
     make().steps(1)
     (one,), (other,) = first_secrets, {spec.store_secret for spec in seen}
