@@ -213,16 +213,7 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
     RayFanOut``: this package never imports Ray). ``parallel``: True = through ``fan_out``, False =
     this process, None = through ``fan_out`` when there is more than one unit.
     """
-    if shard_tokens < 1:
-        raise DataError(f"data prepare: --shard-tokens {shard_tokens} must be >= 1", key=KEY)
-    out = Path(os.path.expanduser(out_dir))
-    if out.exists() and not out.is_dir():
-        raise DataError(f"data prepare: --out {str(out)!r} is a file; choose an empty --out directory", key=KEY)
-    if out.is_dir() and any(out.iterdir()):
-        raise DataError(f"data prepare: --out {str(out)!r} is not empty (it already contains shards or other "
-                        "files); choose an empty --out directory (or delete its contents)", key=KEY)
-    if seq_len is not None and seq_len < 1:
-        raise DataError(f"data prepare: --seq-len {seq_len} must be >= 1", key=KEY)
+    out = _checked_out(out_dir, shard_tokens, seq_len)
     files = expand_inputs(list(inputs))
     if chat:
         check_chat_inputs(files)
@@ -269,6 +260,22 @@ def prepare(inputs: list[str], out_dir: str, *, tokenizer: str | None = None, te
 
     clear_cache()  # a cached open of this directory (e.g. a failed one) must not hide the new shards
     return meta
+
+
+def _checked_out(out_dir: str, shard_tokens: int, seq_len: int | None) -> Path:
+    """``--out`` as a path, after the checks that need no input read: it is absent or an empty
+    directory (nothing good is overwritten), and the sizes are positive."""
+    if shard_tokens < 1:
+        raise DataError(f"data prepare: --shard-tokens {shard_tokens} must be >= 1", key=KEY)
+    if seq_len is not None and seq_len < 1:
+        raise DataError(f"data prepare: --seq-len {seq_len} must be >= 1", key=KEY)
+    out = Path(os.path.expanduser(out_dir))
+    if out.exists() and not out.is_dir():
+        raise DataError(f"data prepare: --out {str(out)!r} is a file; choose an empty --out directory", key=KEY)
+    if out.is_dir() and any(out.iterdir()):
+        raise DataError(f"data prepare: --out {str(out)!r} is not empty (it already contains shards or other "
+                        "files); choose an empty --out directory (or delete its contents)", key=KEY)
+    return out
 
 
 def _run(units: list[Unit], job: Job, out: Path, written: list[Path], fan_out: FanOut | None,

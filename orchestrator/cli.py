@@ -205,15 +205,20 @@ def _dispatch(args) -> int:
                              "which export does not contact on its own: pass --tokenizer-from to copy them\n")
         return 0
     if args.command == "data":
-        from meshdata import prepare
-        from orchestrator.cluster.prepare_tasks import RayFanOut
-
-        info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
-                       text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
-                       progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut(),
-                       chat=args.chat, seq_len=args.seq_len)
-        what = (f"{info['documents']} conversations ({info['chat']['counted_tokens']} assistant tokens counted)"
-                if args.chat else f"{info['documents']} documents")
-        sys.stdout.write(f"wrote {what}, {info['num_tokens']} tokens in {len(info['files'])} shard(s) to {args.out}\n")
-        return 0
+        return _data_prepare(args)
     raise AssertionError(args.command)
+
+
+def _data_prepare(args) -> int:
+    """`elastimesh data prepare`: text or (``--chat``) conversations -> shards, one line said."""
+    from meshdata import prepare
+    from orchestrator.cluster.prepare_tasks import RayFanOut
+
+    info = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_key=args.text_key,
+                   text_column=args.text_column, encoding=args.encoding, shard_tokens=args.shard_tokens,
+                   progress=not args.no_progress and sys.stderr.isatty(), fan_out=RayFanOut(),
+                   chat=args.chat, seq_len=args.seq_len)
+    what = (f"{info['documents']} conversations ({info['chat']['counted_tokens']} assistant tokens counted)"
+            if args.chat else f"{info['documents']} documents")
+    sys.stdout.write(f"wrote {what}, {info['num_tokens']} tokens in {len(info['files'])} shard(s) to {args.out}\n")
+    return 0
