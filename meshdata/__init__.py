@@ -20,13 +20,15 @@ targets ``[1:]``); the order in which samples are visited is ``meshdata.order``.
 (``meshdata.masks``).
 
 Modules: ``storage`` (local / fsspec locations), ``index`` (row-group token counts, sidecar, content
-identity), ``source`` (TokenSource, open/validate), ``order`` (sample order), ``masks``, ``inputs`` /
+identity), ``source`` (TokenSource, open/validate), ``order`` (sample order), ``mixture``
+(``data.mix``: weighted sources as one sample space), ``masks``, ``inputs`` /
 ``tokenizer`` / ``prepare`` (``data prepare``).
 """
 
 from meshdata.errors import DataError
 from meshdata.index import FORMAT_VERSION, SIDECAR
-from meshdata.order import global_sample_ids, replica_microbatches, sample_order
+from meshdata.mixture import Mixture, open_mixture
+from meshdata.order import global_sample_ids, replica_microbatches, replica_slice, sample_order
 from meshdata.prepare import MAX_ROW_TOKENS, prepare
 from meshdata.source import (
     BUILTIN,
@@ -41,6 +43,6 @@ from meshdata.source import (
 
 __all__ = [
     "BUILTIN", "BUILTIN_FILE", "BYTE_VOCAB", "DataError", "FORMAT_VERSION", "MAX_ROW_TOKENS", "SIDECAR",
-    "TokenSource", "global_sample_ids", "microbatch_tokens", "open_source", "prepare", "replica_microbatches",
-    "sample_order", "sample_windows", "validate_source",
+    "Mixture", "TokenSource", "global_sample_ids", "microbatch_tokens", "open_mixture", "open_source", "prepare",
+    "replica_microbatches", "replica_slice", "sample_order", "sample_windows", "validate_source",
 ]  # fmt: skip

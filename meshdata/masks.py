@@ -63,7 +63,8 @@ def counted(targets: np.ndarray) -> int:
 
 
 def mask_eos_for(data_cfg) -> int | None:
-    """:func:`boundary_eos` for a ``[data]`` config section (opens the source; cached per process)."""
-    from meshdata.source import open_source
+    """:func:`boundary_eos` for a ``[data]`` config section: data.path's source, or data.mix's
+    (their common EOS id: meshdata/mixture.py). Opens them; sources are cached per process."""
+    from meshdata.mixture import open_mixture
 
-    return boundary_eos(data_cfg.mask_document_boundaries, open_source(data_cfg.path))
+    return boundary_eos(data_cfg.mask_document_boundaries, open_mixture(data_cfg.mix or data_cfg.path, 1))

@@ -230,7 +230,10 @@ def microbatch_tokens(source: TokenSource, ids: np.ndarray, seq_len: int) -> tup
 
 
 def sample_windows(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """int32 ``[len(ids), seq_len + 1]``: sample ``i``'s window for each id."""
+    """int32 ``[len(ids), seq_len + 1]``: sample ``i``'s window for each id (``source`` may be a
+    ``meshdata.mixture.Mixture``: its ids then name (source, sample) pairs)."""
+    if not isinstance(source, TokenSource):
+        return source.windows(ids, seq_len)
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     n = source.num_samples(seq_len)
     if ids.size and (ids.min() < 0 or ids.max() >= n):

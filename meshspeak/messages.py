@@ -42,6 +42,8 @@ class RuntimeSpec:
     shape: Any = None
     init_from: str = ""  # checkpoint.init_from, set only when there is no checkpoint to resume
     mask_eos_id: int | None = None  # data.mask_document_boundaries resolved: targets after this id don't count
+    # data.mix with each path resolved by the driver, ((path, weight), ...); () = data_path alone.
+    data_mix: tuple[tuple[str, float], ...] = ()
     schedule: str = ""  # pipeline.schedule: NCCL ranks plan their batched P2P from every rank's list
     # The driver loads a checkpoint or in-memory snapshot right after the join: the ranks skip the
     # random init it would overwrite (and refuse to train if no load came: workers/runtime.py).

@@ -134,6 +134,37 @@ def _as_int_tuple(name: str, v: object) -> tuple[int, ...] | None:
     raise _type_error(name, "a list of integers", v)
 
 
+MIX_ANNOTATION = "tuple[tuple[str, float], ...] | None"  # data.mix / eval.mix: ((path, weight), ...)
+_MIX_TABLE = '{path = "DIR", weight = 0.5}'
+
+
+def _as_mix(name: str, v: object) -> tuple[tuple[str, float], ...] | None:
+    """A TOML array of inline tables ``{path = "...", weight = w}`` as ((path, weight), ...); an empty
+    array is None (no mixture). Each weight must be a finite number > 0, so the sum is positive."""
+    if not isinstance(v, (list, tuple)):
+        raise _type_error(name, f"a list of tables {_MIX_TABLE}", v)
+    out: list[tuple[str, float]] = []
+    for i, item in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(name, f"{where}: expected a table {_MIX_TABLE}, got {item!r}")
+        unknown = sorted(set(item) - {"path", "weight"})
+        if unknown:
+            raise ConfigError(name, f"{where}: unknown key {unknown[0]!r}: a source has only path and weight")
+        path = item.get("path")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(name, f"{where}.path: expected a shard directory or URI (a non-empty string), "
+                                    f"got {path!r}")
+        weight = _as_float(f"{where}.weight", item.get("weight"))
+        if weight <= 0:
+            raise ConfigError(name, f"{where}.weight must be > 0, got {item.get('weight')!r}: every source needs a "
+                                    "positive share (leave a source out to not train on it)")
+        if path in (p for p, _ in out):
+            raise ConfigError(name, f"{where}.path {path!r} is listed twice: give it one entry with the summed weight")
+        out.append((path, weight))
+    return tuple(out) or None
+
+
 # annotation spelling -> (coercer, the type as the docs show it)
 _TYPES: dict[str, tuple[Callable[[str, object], Any], str]] = {
     "int": (_as_int, "int"),
@@ -142,6 +173,7 @@ _TYPES: dict[str, tuple[Callable[[str, object], Any], str]] = {
     "bool": (_as_bool, "bool"),
     "str | bool": (_as_str_or_bool, "bool or string"),
     "tuple[int, ...] | None": (_as_int_tuple, "list of int"),
+    MIX_ANNOTATION: (_as_mix, "list of {path, weight}"),
 }
 
 
@@ -152,6 +184,13 @@ def coerce(name: str, f: dataclasses.Field[Any], value: object) -> Any:
 
 def is_string_key(f: dataclasses.Field[Any]) -> bool:
     return str(f.type) == "str"
+
+
+def plain_value(f: dataclasses.Field[Any], value: Any) -> Any:
+    """A key's value as TOML/JSON writes it: tuples as lists, a mixture as a list of tables."""
+    if str(f.type) == MIX_ANNOTATION and value is not None:
+        return [{"path": path, "weight": weight} for path, weight in value]
+    return list(value) if isinstance(value, tuple) else value
 
 
 # --- single-value rules ----------------------------------------------------------------------
@@ -232,18 +271,22 @@ def dump_toml(doc: dict[str, dict[str, Any]]) -> str:
     """{section: {key: value}} as TOML text (the value types a config key can have).
 
     Written here rather than taken from a library: the stdlib reads TOML but does not write it, and
-    a config needs only tables of scalars and integer lists.
+    a config needs only tables of scalars, lists, and lists of inline tables (a mixture).
     """
     lines: list[str] = []
     for section, table in doc.items():
         lines.append(f"[{section}]")
         for name, value in table.items():
-            if isinstance(value, (list, tuple)):
-                text = "[" + ", ".join(toml_literal(v) for v in value) + "]"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                text = toml_literal(value)
-            lines.append(f"{name} = {text}")
+            lines.append(f"{name} = {_toml_text(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return toml_literal(value)

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshspeak.schema import doc_table, iter_keys, key
+from meshspeak.schema import doc_table, iter_keys, key, plain_value
 
 __all__ = [
     "ALL_KEYS", "CheckpointConfig", "DataConfig", "ElasticConfig", "EvalConfig", "FIELDS", "JobConfig",
@@ -154,6 +154,10 @@ class DataConfig:
     mask_document_boundaries: str | bool = key(
         "auto", "do not count a target whose input is EOS (no predicting a document from the previous "
                 'one); "auto" = on when the shards record an EOS id', choices=(True, False, "auto"))
+    # TOML: mix = [{path = "s3://web/", weight = 0.7}, {path = "code/", weight = 0.3}]
+    mix: tuple[tuple[str, float], ...] | None = key(
+        None, "a mixture instead of data.path: sources (each like data.path) with weights > 0; every step "
+              "holds each in proportion, each source is read once per pass in its own seeded order")
 
 
 @dataclass(**_SECTION)
@@ -162,6 +166,9 @@ class EvalConfig:
     every: int = key(0, "evaluate after every N steps and after the last; 0 = after the last step only", ge=0)
     batches: int = key(4, "held-out batches of train.global_batch_size windows: samples [0, batches * "
                           "global_batch_size) of eval.path in order, the same on any mesh", ge=1)
+    mix: tuple[tuple[str, float], ...] | None = key(
+        None, "held-out mixture instead of eval.path (like data.mix): each batch holds the sources in "
+              "proportion, each read in file order")
 
 
 @dataclass(**_SECTION)
@@ -279,8 +286,9 @@ def replace_mesh(cfg: JobConfig, **changes: int) -> JobConfig:
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
     """The config as {section: {toml_key: value}}, JSON/TOML-ready.
 
-    Tuples become lists; None values are left out (TOML has no null, and a missing key loads
-    as its default), so `load_config` of this dict written as TOML gives back `cfg`.
+    Tuples become lists (a mixture a list of {path, weight} tables); None values are left out (TOML
+    has no null, and a missing key loads as its default), so `load_config` of this dict written as
+    TOML gives back `cfg`.
     """
     out: dict[str, dict[str, Any]] = {}
     for name in SECTIONS:
@@ -289,7 +297,7 @@ def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
         for key, f in FIELDS[name].items():
             value = getattr(section, f.name)
             if value is not None:
-                out[name][key] = list(value) if isinstance(value, tuple) else value
+                out[name][key] = plain_value(f, value)
     return out
 
 

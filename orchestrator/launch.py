@@ -21,14 +21,14 @@ import ray
 from checkpoints.catalog import ensure_writable, latest_valid
 from checkpoints.errors import CheckpointError
 from checkpoints.safe_pickle import check_metadata_file
-from meshdata import DataError, validate_source
-from meshdata.masks import boundary_eos
+from meshdata.mixture import source_counters
 from meshspeak.profile import profile_spec
 from meshspeak.sections import JobConfig
 from orchestrator.cluster.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
 from orchestrator.cluster.store_provider import StoreProvider
 from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 from orchestrator.control.controller import Controller, RunSummary
+from orchestrator.data_inputs import JobData, check_job_data
 from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
 from orchestrator.tracking.sinks import open_trackers
@@ -183,9 +183,8 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
 
     launched_at = time.time()  # the report's start-up counts from here (orchestrator/report/goodput.py)
     vocab = resolve_model(cfg.model).shape.vocab_size  # the model family's (model.from_hf's config.json)
-    source = validate_source(cfg.data.path, cfg.model.seq_len, vocab, cfg.train.global_batch_size)
-    boundary_eos(cfg.data.mask_document_boundaries, source)  # a bad setting is exit 2 before any actor
-    eval_source = validate_eval(cfg, vocab)
+    data = check_job_data(cfg, vocab)  # data.path / data.mix, eval.path / eval.mix; exit 2 before any actor
+    cfg = data.cfg  # a mixture's paths resolved (the ranks may run elsewhere)
     check_init_from(cfg)  # the HF weights, before any actor starts
     check_outputs(cfg.metrics)  # before Ray and the actors start
     if cfg.checkpoint.dir:  # a wrong bucket or path is exit 2 now, before Ray and the actors start
@@ -201,30 +200,13 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
     try:
         stop = StopRequest()
         with stop_on_signals(stop):
-            return _run(cfg, source, eval_source, progress, started_local, reserved, list(step_listeners), stop,
-                        launched_at)
+            return _run(cfg, data, progress, started_local, reserved, list(step_listeners), stop, launched_at)
     finally:
         if started_local:
             ray.shutdown()
 
 
-def validate_eval(cfg: JobConfig, vocab: int):
-    """The [eval] source, checked like data.path (enough samples for eval.batches), or None."""
-    if not cfg.eval.path:
-        return None
-    try:
-        src = validate_source(cfg.eval.path, cfg.model.seq_len, vocab,
-                              cfg.train.global_batch_size * cfg.eval.batches)
-        boundary_eos(cfg.data.mask_document_boundaries, src)
-    except DataError as exc:
-        # The data checks name data.path; here the file at fault is the eval one.
-        key = "eval.path" if exc.key == "data.path" else exc.key
-        raise DataError(str(exc).replace("data.path", "eval.path").replace(
-            "fewer than one global batch", "fewer than eval.batches global batches"), key=key) from None
-    return src
-
-
-def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: bool, reserved,
+def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, reserved,
          listeners, stop: StopRequest, launched_at: float) -> RunSummary:
     metrics = None
     group = None
@@ -263,11 +245,12 @@ def _run(cfg: JobConfig, source, eval_source, progress: bool, started_local: boo
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None,
                              launched_at=launched_at, trackers=open_trackers(cfg))
         metrics.step_listeners.extend(listeners)
+        if cfg.data.mix:  # per-source samples, tokens and epoch in every step record
+            metrics.data_counters = lambda step: source_counters(data.train, step, cfg.train.global_batch_size)
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
-            data_path=source.name,
-            eval_path=eval_source.name if eval_source is not None else "",
-            eval_mask_eos_id=boundary_eos(cfg.data.mask_document_boundaries, eval_source) if eval_source else None,
+            data_path=data.train.name if not cfg.data.mix else cfg.data.path,  # with a mix: RuntimeSpec.data_mix
+            eval_path=data.eval_spec, eval_mask_eos_id=data.eval_mask_eos_id,
         )
         controller.stop_requested = stop
         stop.on_stop.append(capacity.release)

@@ -159,6 +159,9 @@ class MetricsLog:
                  launched_at: float | None = None, trackers=()) -> None:
         self.cfg = cfg
         self.step_listeners: list[Callable[[dict], None]] = []  # e.g. a Tune trial reporting each step
+        # data.mix: step -> per-source counters after it (meshdata.mixture.source_counters), put in
+        # every step record as "sources"; None for a single data.path.
+        self.data_counters: Callable[[int], list[dict]] | None = None
         self.trackers = list(trackers)
         self._file = None
         if cfg.path:
@@ -195,6 +198,8 @@ class MetricsLog:
 
     def step(self, rec: dict) -> None:
         rec.setdefault("time", time.time())  # when it was written: the report's time axis
+        if self.data_counters is not None:
+            rec.setdefault("sources", self.data_counters(rec["step"]))
         self._write(rec)
         for tracker in self.trackers:
             tracker.step(rec)

@@ -13,12 +13,17 @@ from orchestrator.metrics import MetricsLog
 
 
 def make_controller(cfg, group, store_address, data_path: str = "builtin") -> Controller:
-    from meshdata import open_source
+    """``cfg.data.mix`` / ``cfg.eval.mix`` (absolute paths) go to the ranks as launch would send them."""
+    from meshdata import open_mixture, open_source
     from meshdata.masks import boundary_eos
+    from meshdata.mixture import source_counters
 
     metrics = MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False)
-    eval_path = open_source(cfg.eval.path).name if cfg.eval.path else ""
-    eval_eos = boundary_eos(cfg.data.mask_document_boundaries, open_source(eval_path)) if eval_path else None
+    if cfg.data.mix:
+        mixture = open_mixture(cfg.data.mix, cfg.model.seq_len)
+        metrics.data_counters = lambda step: source_counters(mixture, step, cfg.train.global_batch_size)
+    eval_path = cfg.eval.mix or (open_source(cfg.eval.path).name if cfg.eval.path else "")
+    eval_eos = boundary_eos(cfg.data.mask_document_boundaries, open_mixture(eval_path, 1)) if eval_path else None
     return Controller(cfg, group, metrics=metrics, store_address=store_address, use_gpu=False,
                       data_path=open_source(data_path).name, eval_path=eval_path, eval_mask_eos_id=eval_eos)
 

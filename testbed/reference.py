@@ -89,8 +89,8 @@ def _reference(overrides: tuple[str, ...], steps: int, skip: frozenset[int]) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path, init_from=cfg.checkpoint.init_from,
-                                   mask_eos_id=mask_eos_for(cfg.data))
+        trainer = ReferenceTrainer(cfg.model, cfg.train, cfg.data.mix or cfg.data.path,
+                                   init_from=cfg.checkpoint.init_from, mask_eos_id=mask_eos_for(cfg.data))
         losses = tuple(trainer.run(1, steps, skip=set(skip)))
         params = trainer.params()
     finally:

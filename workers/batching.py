@@ -10,7 +10,7 @@ all-reduce over dp adds up every replica's count (tp and pp peers of a replica r
 windows, so they agree).
 
 ``eval_forward`` runs the held-out batch ``b`` (samples ``[b*G, (b+1)*G)`` of the eval source, in
-order: a fixed set of windows) forward only through the same pipeline actions, without the backward
+order, or an ``eval.mix``'s batch ``b``: a fixed set of windows) forward only through the same pipeline actions, without the backward
 ones (``meshspeak.schedule.forward_only``; on NCCL the executor's lockstep batches are planned
 from every rank's forward-only list: ``meshspeak.p2p_rounds.rank_batches``).
 """
@@ -65,15 +65,16 @@ def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total
 
 
-def eval_forward(runtime, path: str, batch: int, actions: list[Action], eos: int | None) -> dict:
+def eval_forward(runtime, path, batch: int, actions: list[Action], eos: int | None) -> dict:
     """Held-out batch ``batch``: {"loss": this replica's share of the batch mean (last stage, tp 0;
-    else None), "count": the batch's global count of counted targets}."""
+    else None), "count": the batch's global count of counted targets}. ``path``: eval.path, or
+    eval.mix's ((path, weight), ...) (meshdata/mixture.py lays its batches out)."""
     train, groups = runtime.spec.train, runtime.groups
-    source = data_lib.open_source(path)
+    held_out = data_lib.open_mixture(path, runtime.spec.model.seq_len)
     g, dp, mbs = train.global_batch_size, groups.shape.dp, train.micro_batch_size
     per = g // dp
-    ids = np.arange(batch * g, (batch + 1) * g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
-    data, total = step_data(runtime, source, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
+    ids = held_out.eval_ids(batch, g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
+    data, total = step_data(runtime, held_out.reader, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
     forward = forward_only(actions)
     with torch.no_grad():
         loss, _, _ = runtime.executor.run(forward, data)

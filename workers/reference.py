@@ -18,8 +18,9 @@ from workers.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class ReferenceTrainer:
-    def __init__(self, model_cfg, train, data_path: str = data_lib.BUILTIN, init_from: str = "",
+    def __init__(self, model_cfg, train, data_path: str | tuple = data_lib.BUILTIN, init_from: str = "",
                  mask_eos_id: int | None = None) -> None:
+        """``data_path``: data.path, or data.mix's ((path, weight), ...)."""
         self.model_cfg, self.train = model_cfg, train
         resolved = resolve_model(model_cfg)
         self.family, self.shape = resolved.family, resolved.shape
@@ -34,14 +35,15 @@ class ReferenceTrainer:
 
             load_hf([self.model], self.family, init_from)
         self.optimizer = build_optimizer(self.model, train)
-        self.source = data_lib.open_source(data_path)
-        self.num_samples = self.source.num_samples(model_cfg.seq_len)
+        self.data = data_lib.open_mixture(data_path, model_cfg.seq_len)
+        self.source = self.data.reader
+        self.num_samples = self.data.num_samples()
         self.mask_eos_id = mask_eos_id  # data.mask_document_boundaries, resolved (meshdata.masks)
 
     def step(self, step: int) -> float:
         """Optimizer step ``step`` (1-based) on samples [(step-1)*G, step*G); returns the mean loss."""
         train, seq_len = self.train, self.model_cfg.seq_len
-        ids = data_lib.global_sample_ids(step, train.global_batch_size, train.seed, self.num_samples)
+        ids = self.data.step_ids(step, train.global_batch_size, train.seed)
         # --- loss normalisation: sum over counted targets / their count over the whole batch ---
         batches = []
         for start in range(0, len(ids), train.micro_batch_size):
@@ -62,14 +64,16 @@ class ReferenceTrainer:
         self.optimizer.step()
         return total
 
-    def eval_loss(self, path: str, batches: int, mask_eos_id: int | None = None) -> float:
-        """Held-out loss over samples [0, batches * G) of ``path`` in order (orchestrator/control/evaluation.py)."""
-        source = data_lib.open_source(path)
-        end, mbs, seq_len = batches * self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
+    def eval_loss(self, path, batches: int, mask_eos_id: int | None = None) -> float:
+        """Held-out loss over samples [0, batches * G) of ``path`` in order, or over an eval.mix's first
+        ``batches`` batches (orchestrator/control/evaluation.py)."""
+        held_out = data_lib.open_mixture(path, self.model_cfg.seq_len)
+        g, mbs, seq_len = self.train.global_batch_size, self.train.micro_batch_size, self.model_cfg.seq_len
+        ids = np.concatenate([held_out.eval_ids(b, g) for b in range(batches)])
         total, count = 0.0, 0
         with torch.no_grad():
-            for start in range(0, end, mbs):
-                x, y = data_lib.microbatch_tokens(source, np.arange(start, min(end, start + mbs)), seq_len)
+            for start in range(0, len(ids), mbs):
+                x, y = data_lib.microbatch_tokens(held_out.reader, ids[start : start + mbs], seq_len)
                 y = mask_targets(x, y, mask_eos_id)
                 total += float(self.family.loss_sum(self.model(torch.from_numpy(x)), torch.from_numpy(y)))
                 count += counted(y)

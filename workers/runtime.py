@@ -121,8 +121,8 @@ class RankRuntime:
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
         self._snapshots = None  # checkpoints.memory.SnapshotTaker, made at the first snapshot
         self._save_call_s = 0.0
-        self.source = data_lib.open_source(spec.data_path)
-        self.num_samples = self.source.num_samples(model_cfg.seq_len)
+        self.data = data_lib.open_mixture(spec.data_mix or spec.data_path, model_cfg.seq_len)
+        self.source = self.data.reader
         # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
         # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
         self.inject_nan_grad = False
@@ -146,9 +146,9 @@ class RankRuntime:
 
     def _step_data(self, step: int, split: tuple[int, ...] | None) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        ids = data_lib.replica_microbatches(
-            step, train.global_batch_size, train.micro_batch_size,
-            self.groups.coords.dp, shape.dp, train.seed, self.num_samples, counts=split,
+        ids = data_lib.replica_slice(
+            self.data.step_ids(step, train.global_batch_size, train.seed), train.micro_batch_size,
+            self.groups.coords.dp, shape.dp, counts=split,
         )
         # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
         return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]

@@ -148,7 +148,9 @@ def _check_relations(cfg: JobConfig) -> None:
         f"head_dim; choose d_model = n_heads x an even number (e.g. {even})",
     )
     vocab = resolve_model(model).shape.vocab_size
-    if cfg.data.path == BUILTIN_DATA:
+    _check_mixtures(cfg)
+    data_paths = [p for p, _ in cfg.data.mix] if cfg.data.mix else [cfg.data.path]
+    if BUILTIN_DATA in data_paths:
         _require(
             vocab >= BUILTIN_VOCAB,
             "model.vocab_size",
@@ -216,6 +218,23 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
             f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
         )
+
+
+def _check_mixtures(cfg: JobConfig) -> None:
+    """A mixture names its own sources: ``data.mix`` beside a ``data.path`` other than the default is
+    ambiguous (which one trains?), and so is ``eval.mix`` beside ``eval.path``; refused, not guessed."""
+    _require(
+        not (cfg.data.mix and cfg.data.path != BUILTIN_DATA),
+        "data.mix",
+        f"data.mix and data.path = {cfg.data.path!r} are both set: a mixture names its own sources; remove "
+        "data.path, or add it to data.mix with a weight",
+    )
+    _require(
+        not (cfg.eval.mix and cfg.eval.path),
+        "eval.mix",
+        f"eval.mix and eval.path = {cfg.eval.path!r} are both set: remove eval.path, or add it to eval.mix "
+        "with a weight",
+    )
 
 
 def _check_compression(cfg: JobConfig) -> None:

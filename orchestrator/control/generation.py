@@ -65,6 +65,7 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
         fsdp_unit_mb=cfg.mesh.fsdp_unit_mb,
         **model_fields(cfg, resuming=resuming),
         mask_eos_id=mask_eos_id,
+        data_mix=cfg.data.mix or (),  # paths resolved on the driver (orchestrator/data_inputs.py)
         schedule=cfg.pipeline.schedule,
         load_follows=load_follows,
     )

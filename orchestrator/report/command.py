@@ -26,6 +26,7 @@ def report_command(args) -> int:
     from orchestrator.report.page import render_table, write_html, write_json
     from orchestrator.report.plots import write_figures
     from orchestrator.report.read import read_records
+    from orchestrator.report.sources import last_sources, render_sources
 
     # The report logs nothing itself; keep the libraries' INFO lines (fsspec, botocore, matplotlib's
     # font cache) off stderr, which holds the error line only.
@@ -38,9 +39,12 @@ def report_command(args) -> int:
     except OSError as exc:
         raise UserInputError(f"--out {out}: cannot create it ({exc.strerror or exc}): give a writable directory") from None
     ledger = account(records)
+    sources = last_sources(records)  # data.mix: per-source counters of the last step
     figures = write_figures(records, ledger, out)
-    write_json(ledger, args.metrics, figures, out)
-    page = write_html(ledger, args.metrics, figures, out)
+    write_json(ledger, args.metrics, figures, out, sources)
+    page = write_html(ledger, args.metrics, figures, out, sources)
     Console().print(render_table(ledger, args.metrics))
+    if sources:
+        Console().print(render_sources(sources))
     sys.stdout.write(f"report: {page} ({len(figures)} figures, report.json) in {out}\n")
     return 0

@@ -9,6 +9,7 @@ import json
 import os
 
 from orchestrator.report.goodput import BUCKETS, FAULT_KINDS, Ledger, per_kind_counts
+from orchestrator.report.sources import HEADERS, source_rows
 
 LABELS = {"useful": "useful step time", "startup": "start-up", "checkpoint": "checkpoint stall",
           "snapshot": "snapshot stall", "evaluation": "evaluation", "recovery": "recovery",
@@ -54,17 +55,25 @@ def render_table(ledger: Ledger, source: str):
     return table
 
 
-def write_json(ledger: Ledger, source: str, figures: dict[str, str], out_dir: str) -> str:
+def write_json(ledger: Ledger, source: str, figures: dict[str, str], out_dir: str, sources: list[dict] = ()) -> str:
+    """``sources``: data.mix's per-source counters at the last step (orchestrator/report/sources.py)."""
     path = os.path.join(out_dir, "report.json")
     doc = {"metrics": source, **ledger.as_dict(), "figures": {k: os.path.basename(v) for k, v in figures.items()}}
+    if sources:
+        doc["sources"] = list(sources)
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=2)
     return path
 
 
-def write_html(ledger: Ledger, source: str, figures: dict[str, str], out_dir: str) -> str:
+def write_html(ledger: Ledger, source: str, figures: dict[str, str], out_dir: str, sources: list[dict] = ()) -> str:
     rows = "".join(f"<tr><td>{html.escape(a)}</td><td>{b}</td><td>{c}</td></tr>" for a, b, c in table_rows(ledger))
     rows += "".join(f"<tr><td>{html.escape(a)}</td><td>{html.escape(b)}</td><td></td></tr>" for a, b in facts(ledger))
+    mix = ""
+    if sources:
+        cells = ["".join(f"<td>{html.escape(c)}</td>" for c in row) for row in source_rows(sources)]
+        mix = ("<h2>data mixture (as of the last step)</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in HEADERS)
+               + "</tr>" + "".join(f"<tr>{c}</tr>" for c in cells) + "</table>")
     images = []
     for name, path in figures.items():
         with open(path, "rb") as fh:
@@ -73,7 +82,7 @@ def write_html(ledger: Ledger, source: str, figures: dict[str, str], out_dir: st
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>elastimesh report: {html.escape(source)}"
             "</title><style>body{font-family:sans-serif;max-width:1040px;margin:auto}td{padding:2px 12px}"
             "td+td{text-align:right}img{max-width:100%}</style></head><body>"
-            f"<h1>elastimesh report</h1><p>{html.escape(source)}</p><table>{rows}</table>"
+            f"<h1>elastimesh report</h1><p>{html.escape(source)}</p><table>{rows}</table>{mix}"
             + "".join(images) + "</body></html>\n")
     path = os.path.join(out_dir, "report.html")
     with open(path, "w") as fh:

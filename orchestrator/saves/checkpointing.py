@@ -326,7 +326,8 @@ class CheckpointCoordinator:
             # Moving the corpus keeps its identity (content, not path); other data would silently
             # change what "sample i" means for the data cursor.
             raise UserInputError(
-                f"checkpoint {info.path} was trained on other data than data.path = {self.cfg.data.path!r} "
+                f"checkpoint {info.path} was trained on other data than "
+                f"{'data.mix' if self.cfg.data.mix else f'data.path = {self.cfg.data.path!r}'} "
                 f"(content {saved_data[:12]} vs {self.data_identity[:12]}): to train this data from its "
                 f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
                 "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
@@ -374,10 +375,11 @@ class CheckpointCoordinator:
 
 
 def _data_identity(cfg: JobConfig) -> str:
-    """Content identity of the job's data (meshdata: torch-free, cached per process)."""
-    from meshdata import open_source
+    """Content identity of the job's data: data.path's, or data.mix's (every source's and the weights:
+    other weights would change which sample each step holds). meshdata: torch-free, cached per process."""
+    from meshdata import open_mixture
 
-    return open_source(cfg.data.path).identity
+    return open_mixture(cfg.data.mix or cfg.data.path, 1).identity
 
 
 def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:
