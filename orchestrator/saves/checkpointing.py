@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +58,12 @@ from checkpoints.lease import LeaseHeldError, LeaseLostError, RunLease
 from checkpoints.manifest import CheckpointManifest
 from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
-from meshspeak.messages import SaveAck, WriteAck
+from meshspeak.messages import CallOutcome, SaveAck, WriteAck
 from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import JobConfig, config_to_dict
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
+from orchestrator.recovery.hang_watch import probe
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class CheckpointCoordinator:
         # Poll: commit as soon as every ack is in, without waiting.
         if not block and not group.all_done(pending.refs):
             return  # still writing; look again after the next step
-        outcome = group.collect(dict(pending.refs), self.cfg.elastic.step_timeout_s)
+        outcome = self._collect_write_acks(group, pending)
         self._pending = None
         if outcome.failed and not (outcome.dead or outcome.pending):
             # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
@@ -253,6 +255,33 @@ class CheckpointCoordinator:
                            write_s=write_s, path=pending.path)
         if self.user_dir:
             self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
+
+    def _collect_write_acks(self, group, pending: PendingSave) -> CallOutcome:
+        """Every rank's write ack, waited for as long as the ranks still writing are alive.
+
+        Time alone never fails a live run: a write slower than ``elastic.step_timeout_s`` (a large
+        model, slow storage) used to be dropped as "no ack". Now, each time that much passed with acks
+        missing, the ranks still writing get a liveness probe (``recovery.hang_watch.probe``: a live
+        rank answers on its second thread at once, even mid-write); all answered -> wait again, logged
+        with the time so far. A dead rank, an error, or a rank that answers no probe ends the wait, and
+        the save is not committed (the failure path takes over, as before).
+        """
+        chunk_s = self.cfg.elastic.step_timeout_s
+        outcome = group.collect(dict(pending.refs), chunk_s)
+        waited_s = chunk_s
+        while outcome.pending and not (outcome.dead or outcome.failed):
+            polled, given_s = probe(group, list(outcome.pending), time.monotonic)
+            if polled.pending or polled.dead:
+                outcome.dead.update(polled.dead)
+                logger.warning("checkpoint of step %d: actors %s answer no liveness probe (%.1f s) while writing",
+                               pending.step, sorted(polled.pending), given_s)
+                return outcome
+            logger.warning("checkpoint of step %d still being written after %.0f s by actors %s, which are "
+                           "alive: waiting (a slow write is not a failure)", pending.step, waited_s,
+                           sorted(outcome.pending))
+            outcome.absorb(group.collect(outcome.pending_refs, chunk_s))
+            waited_s += chunk_s
+        return outcome
 
     def _fence(self, step: int) -> None:
         """Write a manifest (and purge after it) only while this driver holds the run lease: a driver

@@ -325,6 +325,26 @@ def test_storage_failure_stops(make):
     assert failed["step"] == 2 and r.committed() == []
 
 
+def test_a_write_slower_than_the_step_timeout_is_waited_for_while_its_ranks_live(make):
+    """#36 item 3: the save's acks missing after elastic.step_timeout_s, three times over, with every
+    writer answering its liveness probe: still committed, no failure, no restart."""
+    r = make()
+    r.group.write_collects_pending = 3
+    summary = r.c.run()
+    assert r.committed() == [2, 4, 6] and not r.events("checkpoint_failed") and summary.restarts == 0
+    assert len(r.group.calls(RankCalls.status)) >= 4 * 3  # each wait ended with a probe of the 4 writers
+
+
+def test_a_writer_that_answers_no_probe_is_not_waited_for(make):
+    r = make()
+    r.group.write_collects_pending = 1_000_000  # never done
+    r.group.fail(RankCalls.status, 2, "hang")  # the probe after the first wait finds actor 2 silent
+    r.steps(3)  # start, steps 1-2; the step-2 save starts
+    r.c.step()  # step 3, then the commit: waits once, probes, gives up on the save
+    failed, = r.events("checkpoint_failed")
+    assert failed["step"] == 2 and r.committed() == []
+
+
 def test_failure_abandons_the_save_in_flight(make):
     r = make()
     r.group.slow_writes = True
