@@ -186,7 +186,7 @@ class CheckpointCoordinator:
     def _started(self, group, gen, step: int, path: str, calls: dict) -> None:
         """Phase 1 answered (or will: the calls are read here): park the ``wait_checkpoint`` calls."""
         actors = list(gen.members.values())
-        staged = group.collect(calls, self.cfg.elastic.step_timeout_s)
+        staged = self._collect_while_alive(group, calls, step, "staged")
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
             if staged.failed and not (staged.dead or staged.pending):
@@ -205,7 +205,7 @@ class CheckpointCoordinator:
         # Poll: commit as soon as every ack is in, without waiting.
         if not block and not group.all_done(pending.refs):
             return  # still writing; look again after the next step
-        outcome = self._collect_write_acks(group, pending)
+        outcome = self._collect_while_alive(group, pending.refs, pending.step, "written")
         self._pending = None
         if outcome.failed and not (outcome.dead or outcome.pending):
             # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
@@ -256,29 +256,29 @@ class CheckpointCoordinator:
         if self.user_dir:
             self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
 
-    def _collect_write_acks(self, group, pending: PendingSave) -> CallOutcome:
-        """Every rank's write ack, waited for as long as the ranks still writing are alive.
+    def _collect_while_alive(self, group, refs: dict, step: int, what: str) -> CallOutcome:
+        """The answers to a save's calls (``what``: "staged", "written"), waited for as long as the
+        ranks still working on them are alive.
 
-        Time alone never fails a live run: a write slower than ``elastic.step_timeout_s`` (a large
-        model, slow storage) used to be dropped as "no ack". Now, each time that much passed with acks
-        missing, the ranks still writing get a liveness probe (``recovery.hang_watch.probe``: a live
+        Time alone never fails a live run: a stage or a write slower than ``elastic.step_timeout_s``
+        (a large model, slow storage) used to be dropped as "no ack". Now, each time that much passed
+        with answers missing, those ranks get a liveness probe (``recovery.hang_watch.probe``: a live
         rank answers on its second thread at once, even mid-write); all answered -> wait again, logged
         with the time so far. A dead rank, an error, or a rank that answers no probe ends the wait, and
         the save is not committed (the failure path takes over, as before).
         """
         chunk_s = self.cfg.elastic.step_timeout_s
-        outcome = group.collect(dict(pending.refs), chunk_s)
+        outcome = group.collect(dict(refs), chunk_s)
         waited_s = chunk_s
         while outcome.pending and not (outcome.dead or outcome.failed):
             polled, given_s = probe(group, list(outcome.pending), time.monotonic)
             if polled.pending or polled.dead:
                 outcome.dead.update(polled.dead)
-                logger.warning("checkpoint of step %d: actors %s answer no liveness probe (%.1f s) while writing",
-                               pending.step, sorted(polled.pending), given_s)
+                logger.warning("checkpoint of step %d: actors %s answer no liveness probe (%.1f s) before it "
+                               "was %s", step, sorted(polled.pending), given_s, what)
                 return outcome
-            logger.warning("checkpoint of step %d still being written after %.0f s by actors %s, which are "
-                           "alive: waiting (a slow write is not a failure)", pending.step, waited_s,
-                           sorted(outcome.pending))
+            logger.warning("checkpoint of step %d not %s after %.0f s by actors %s, which are alive: waiting "
+                           "(a slow save is not a failure)", step, what, waited_s, sorted(outcome.pending))
             outcome.absorb(group.collect(outcome.pending_refs, chunk_s))
             waited_s += chunk_s
         return outcome
