@@ -29,7 +29,6 @@ MAX_FUNCTION_LINES = 60  # a function's def line to its last line, docstring and
 # list can only get shorter. A file cap bent code (squeezed to fit); a function cap does not.
 KNOWN_LONG_FUNCTIONS = {
     "bench/pipeline_analysis.py::bubble_stats": 121,
-    "testbed/world.py::run_mesh": 108,
     "bench/pipeline_probes.py::memory_probe": 105,
     "bench/step_overhead.py::run": 100,
     "testbed/stress_meshes.py::main": 97,
@@ -44,7 +43,6 @@ KNOWN_LONG_FUNCTIONS = {
     "workers/runtime.py::RankRuntime.train_step": 76,
     "bench/preemption.py::run_ray_train": 76,
     "bench/node_loss.py::run_variant": 72,
-    "workers/pipeline.py::Executor.run": 70,
     "bench/recovery.py::run_elastimesh": 70,
     "testbed/s3.py::FaultProxy.__init__": 68,
     "bench/zero3_memory.py::count_model_state": 68,

@@ -230,31 +230,50 @@ def run_mesh(
         ConfigError: the overrides do not describe a valid job for this mesh.
     """
     cfg = mesh_config(dp, pp, tp, overrides, schedule, virtual_stages)
-    layers = stage_layers(cfg)
     shape = MeshShape(dp, pp, tp)
     microbatches = microbatches_per_replica(cfg.train, dp)
     job = _Job(
-        overrides=(
-            *overrides, f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}",
-            f'pipeline.schedule="{schedule}"', f"pipeline.virtual_stages={virtual_stages}",
-        ),
-        layers_per_stage=layers,
-        steps=steps,
-        first_step=first_step,
-        collect_params=collect_params,
-        collective_timeout_s=collective_timeout_s,
-        instrument=instrument,
+        overrides=_job_overrides(overrides, shape, schedule, virtual_stages), layers_per_stage=stage_layers(cfg),
+        steps=steps, first_step=first_step, collect_params=collect_params,
+        collective_timeout_s=collective_timeout_s, instrument=instrument,
         splits=None if splits is None else tuple(tuple(split) for split in splits),
-    )  # fmt: skip
+    )
     if splits is not None and len(splits) != steps:
         raise ValueError(f"splits: one per step, got {len(splits)} for {steps} steps")
+    out, wall = _run_in_pool(job, shape.world, timeout, fresh=fresh,
+                             what=f"run_mesh(dp={dp}, pp={pp}, tp={tp}, steps={steps})")
+    results = {rank: out[rank]["results"] for rank in range(shape.world)}
+    losses = _step_losses(results, steps, dp, first_step)
+    params = _gathered_params(out, shape.world)
+    return MeshRun(
+        shape=shape, schedule=schedule, virtual_stages=virtual_stages, layers_per_stage=job.layers_per_stage,
+        microbatches=microbatches, actions=make_schedule(schedule, pp, microbatches, virtual_stages),
+        losses=losses, params=params, results=results,
+        extras={rank: out[rank]["extra"] for rank in range(shape.world)},
+        setup_s={rank: out[rank]["setup_s"] for rank in range(shape.world)},
+        wall_s=wall,
+    )
+
+
+def _job_overrides(overrides: Sequence[str], shape: MeshShape, schedule: str, virtual_stages: int) -> tuple[str, ...]:
+    """The caller's overrides completed with the mesh and pipeline keys (the ranks build their config
+    from these alone)."""
+    return (
+        *overrides, f"mesh.dp={shape.dp}", f"mesh.pp={shape.pp}", f"mesh.tp={shape.tp}",
+        f'pipeline.schedule="{schedule}"', f"pipeline.virtual_stages={virtual_stages}",
+    )  # fmt: skip
+
+
+def _run_in_pool(job: _Job, world: int, timeout: float, *, fresh: bool, what: str) -> tuple[dict, float]:
+    """``job`` on ``world`` pool processes: (each rank's output, wall seconds once the workers were up).
+    A run broken by a native crash is re-run once in fresh processes; any other failure is raised."""
     for attempt in (1, 2):
         pool = _Pool() if fresh else shared_pool()
         t0 = time.monotonic()
         try:
-            pool.ensure(shape.world)
+            pool.ensure(world)
             t0 = time.monotonic()
-            out = pool.run(job, shape.world, timeout)
+            out = pool.run(job, world, timeout)
             break
         except BaseException as error:
             # A failed, timed-out or interrupted run leaves ranks blocked in collectives: kill them all.
@@ -264,43 +283,38 @@ def run_mesh(
                 pool.close()
             if attempt == 1 and _native_crash(error):
                 # Recorded, never silent: tests/conftest.py prints every record at the session's end.
-                path = record_native_crash(error, f"run_mesh(dp={dp}, pp={pp}, tp={tp}, steps={steps})")
+                path = record_native_crash(error, what)
                 warnings.warn(f"run_mesh: a rank crashed in native code; re-running once in fresh processes "
                               f"(docs/design.md, F20; recorded in {path}): {str(error).splitlines()[0]}",
-                              stacklevel=2)
+                              stacklevel=3)
                 continue
             raise
     wall = time.monotonic() - t0
     if fresh:
         pool.close()
+    return out, wall
 
-    results = {rank: out[rank]["results"] for rank in range(shape.world)}
+
+def _step_losses(results: dict[int, list], steps: int, dp: int, first_step: int) -> list[float]:
+    """Each step's loss: the sum of the dp loss shares the ranks reported (one per replica)."""
     losses = []
     for i in range(steps):
         shares = [results[r][i].loss for r in results if results[r][i].loss is not None]
         if len(shares) != dp:
             raise MeshRunError(f"step {first_step + i}: {len(shares)} loss shares reported, expected dp={dp}")
         losses.append(float(sum(shares)))
+    return losses
+
+
+def _gathered_params(out: dict, world: int) -> dict[str, np.ndarray]:
+    """The full parameters the ranks reported, each name from exactly one rank."""
     params: dict[str, np.ndarray] = {}
-    for rank in range(shape.world):
+    for rank in range(world):
         for name, value in out[rank]["params"].items():
             if name in params:
                 raise MeshRunError(f"parameter {name} reported by two ranks (rank {rank} is the second)")
             params[name] = value
-    return MeshRun(
-        shape=shape,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        layers_per_stage=layers,
-        microbatches=microbatches,
-        actions=make_schedule(schedule, pp, microbatches, virtual_stages),
-        losses=losses,
-        params=params,
-        results=results,
-        extras={rank: out[rank]["extra"] for rank in range(shape.world)},
-        setup_s={rank: out[rank]["setup_s"] for rank in range(shape.world)},
-        wall_s=wall,
-    )
+    return params
 
 
 # Signals with which glibc or the kernel stop a process whose native code (torch, gloo) broke: a heap

@@ -152,12 +152,7 @@ class Executor:
 
     def run(self, actions: list[Action], data: StepData) -> tuple[float, list[ActionTiming], float]:
         """Run the step's actions; returns (reported loss share, timings, compute seconds)."""
-        for stage in self.stages.values():
-            stage.clear()
-            backwards = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD]
-            stage.last_backward_mb = backwards[-1] if backwards else -1
-            weights = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD_WEIGHT]
-            stage.last_weight_mb = weights[-1] if weights else -1
+        self._prepare_stages(actions)
         plan = self.nccl_plan(actions) if self.nccl_plan is not None else None
         posting = StepPosting(actions, self.transport, peer=self._peer, new_buffer=self._new_buffer,
                               outgoing=self._outgoing, plan=plan, lookahead=self.recv_lookahead,
@@ -169,49 +164,9 @@ class Executor:
         for index, action in enumerate(actions):
             posting.before(index)
             t0 = clock.mark()
-            stage = self.stages[action.stage]
-            mb = action.microbatch
-            op = action.op
-            if op == Op.RECV_F:
-                stage.inputs[mb] = posting.recv(index).requires_grad_()
-            elif op == Op.FORWARD:
-                if stage.is_first:
-                    x = data.inputs[mb]
-                elif mb in stage.inputs:
-                    x = stage.inputs[mb]
-                else:  # the previous stage is on this rank: hand over in memory
-                    prev = self.stages[action.stage - 1].outputs[mb]
-                    x = stage.inputs[mb] = prev.detach().to(self.boundary_dtype).requires_grad_()
-                if stage.ddp is not None:
-                    # All-reduce on the step's last backward only (DDP's no_sync, as FSDP's
-                    # set_requires_gradient_sync in _backward); DDP reads the flag in forward.
-                    stage.ddp.require_backward_grad_sync = mb == stage.last_backward_mb
-                    out = stage.ddp(x)
-                else:
-                    out = stage.module(x)
-                if stage.is_last:
-                    with loss_context(out):  # TP: vocab-sharded logits (workers.parallelize)
-                        loss_sum = self.loss_fn(out, data.targets[mb])
-                    value = loss_sum.detach()
-                    if isinstance(value, DTensor):  # replicated over tp
-                        value = value.to_local()
-                    loss_share += value.double() * data.report_scale
-                    out = loss_sum * (data.grad_scale * self.loss_scale)
-                stage.outputs[mb] = out
-            elif op == Op.RECV_B:
-                stage.grad_outputs[mb] = posting.recv(index)
-            elif op == Op.BACKWARD:
-                self._backward(stage, mb)
-            elif op == Op.BACKWARD_INPUT:
-                self._backward_input(stage, mb)
-            elif op == Op.BACKWARD_WEIGHT:
-                stage.weight_passes.pop(mb).run()
-                if mb == stage.last_weight_mb and uses_fsdp(stage.module):
-                    reduce_gradients(stage.module)
-            elif op in (Op.SEND_F, Op.SEND_B):
-                posting.send(index)
-            else:  # pragma: no cover - the schedule only makes the ops above
-                raise ValueError(f"unknown action {action}")
+            share = self._run_action(index, action, posting, data)
+            if share is not None:
+                loss_share += share
             spans.append((t0, clock.mark()))
         posting.finish()
         for stage in self.stages.values():
@@ -220,6 +175,70 @@ class Executor:
         timings = [ActionTiming(str(a), at[t0], at[t1]) for a, (t0, t1) in zip(actions, spans)]
         compute = sum(at[t1] - at[t0] for a, (t0, t1) in zip(actions, spans) if a.op in COMPUTE_OPS)
         return float(loss_share), timings, compute
+
+    def _prepare_stages(self, actions: list[Action]) -> None:
+        """Empty each stage and note its last B and last W of the step (where gradients are reduced)."""
+        for stage in self.stages.values():
+            stage.clear()
+            backwards = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD]
+            stage.last_backward_mb = backwards[-1] if backwards else -1
+            weights = [a.microbatch for a in actions if a.stage == stage.index and a.op == Op.BACKWARD_WEIGHT]
+            stage.last_weight_mb = weights[-1] if weights else -1
+
+    def _run_action(self, index: int, action: Action, posting: StepPosting, data: StepData) -> torch.Tensor | None:
+        """Run one action of the list; a forward on the last stage answers its share of the reported loss."""
+        stage = self.stages[action.stage]
+        mb = action.microbatch
+        op = action.op
+        if op == Op.RECV_F:
+            stage.inputs[mb] = posting.recv(index).requires_grad_()
+        elif op == Op.FORWARD:
+            return self._forward(stage, action, data)
+        elif op == Op.RECV_B:
+            stage.grad_outputs[mb] = posting.recv(index)
+        elif op == Op.BACKWARD:
+            self._backward(stage, mb)
+        elif op == Op.BACKWARD_INPUT:
+            self._backward_input(stage, mb)
+        elif op == Op.BACKWARD_WEIGHT:
+            stage.weight_passes.pop(mb).run()
+            if mb == stage.last_weight_mb and uses_fsdp(stage.module):
+                reduce_gradients(stage.module)
+        elif op in (Op.SEND_F, Op.SEND_B):
+            posting.send(index)
+        else:  # pragma: no cover - the schedule only makes the ops above
+            raise ValueError(f"unknown action {action}")
+        return None
+
+    def _forward(self, stage: Stage, action: Action, data: StepData) -> torch.Tensor | None:
+        """F of one microbatch; on the last stage the loss (scaled for backward) is its output, and its
+        detached share of the reported loss is returned."""
+        mb = action.microbatch
+        if stage.is_first:
+            x = data.inputs[mb]
+        elif mb in stage.inputs:
+            x = stage.inputs[mb]
+        else:  # the previous stage is on this rank: hand over in memory
+            prev = self.stages[action.stage - 1].outputs[mb]
+            x = stage.inputs[mb] = prev.detach().to(self.boundary_dtype).requires_grad_()
+        if stage.ddp is not None:
+            # All-reduce on the step's last backward only (DDP's no_sync, as FSDP's
+            # set_requires_gradient_sync in _backward); DDP reads the flag in forward.
+            stage.ddp.require_backward_grad_sync = mb == stage.last_backward_mb
+            out = stage.ddp(x)
+        else:
+            out = stage.module(x)
+        share = None
+        if stage.is_last:
+            with loss_context(out):  # TP: vocab-sharded logits (workers.parallelize)
+                loss_sum = self.loss_fn(out, data.targets[mb])
+            value = loss_sum.detach()
+            if isinstance(value, DTensor):  # replicated over tp
+                value = value.to_local()
+            share = value.double() * data.report_scale
+            out = loss_sum * (data.grad_scale * self.loss_scale)
+        stage.outputs[mb] = out
+        return share
 
     def _backward(self, stage: Stage, mb: int) -> None:
         if uses_fsdp(stage.module):
