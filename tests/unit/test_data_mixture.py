@@ -166,3 +166,23 @@ def test_the_report_shows_the_newest_steps_sources():
     assert [s["samples"] for s in last_sources(records)] == [11, 5]
     assert source_rows(last_sources(records))[1] == ("code", "0.3", "31.2%", "5", "20", "1")
     assert last_sources([{"step": 1, "loss": 1.0}]) == []
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_two_sources_in_closed_form_equal_the_greedy_replay(seed):
+    rng = np.random.default_rng(100 + seed)
+    weights, g = rng.uniform(0.01, 1.0, size=2).tolist(), int(rng.integers(1, 50))
+    schedule = MixSchedule(mix_parts(weights), g)
+    extras = (0, 0)
+    for k in range(1, 500):
+        extras = schedule._advance(extras, k)  # the rule as more than two sources replay it
+        assert schedule._extras(k) == extras
+
+
+def test_a_mixture_identity_names_its_sources_and_weights():
+    web, code = _source(37, 0, "web"), _source(23, 500_000, "code")
+    same = Mixture([web, code], (0.7, 0.3), SEQ).identity
+    assert Mixture([web, code], (7, 3), SEQ).identity == same  # the same ratio is the same order
+    assert Mixture([web, code], (0.6, 0.4), SEQ).identity != same  # other weights: other steps
+    assert Mixture([code, web], (0.3, 0.7), SEQ).identity != same
+    assert Mixture([web], (1.0,), SEQ).identity == web.identity  # data.path's identity, as before
