@@ -191,13 +191,17 @@ class ElasticConfig:
     min_dp: int = key(1, "fail rather than shrink below this many replicas", ge=1)
     max_dp: int = key(0, "grow no higher than this; 0 = mesh.dp", ge=0)
     collective_timeout_s: float = key(60.0, "process-group timeout: bounds a blocked collective", gt=0)
-    step_timeout_s: float = key(120.0, "a step slower than this counts as a hang", gt=0)
+    step_timeout_s: float = key(120.0, "a step slower than this counts as a hang; also how often a "
+                                       "checkpoint's ranks are probed while they stage and write it (live "
+                                       "ones are waited for: a slow save is not a failure)", gt=0)
     hang_probe_factor: float = key(1.5, "once a step ran this many times the recent median step (at least "
                                         "1 s), probe the ranks still in it, and again at that interval: "
                                         "a rank answering no probe is hung (a live but slow step is never "
                                         "cut short); 0 = wait for step_timeout_s alone", ge=0)
     max_restarts: int = key(3, "rebuilds after failures allowed before the job fails", ge=0)
-    rebuild_timeout_s: float = key(120.0, "bound on forming a generation (join + checkpoint load)", gt=0)
+    rebuild_timeout_s: float = key(120.0, "how often a forming generation's members (join, checkpoint or "
+                                          "snapshot load) are probed while they work: members that answer "
+                                          "are waited for however long it takes, silent ones fail it", gt=0)
     grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
     drain_poll_s: float = key(1.0, "how often to look for drain (preemption) notices of the job's nodes; "
                                    "0 = ignore them", ge=0)

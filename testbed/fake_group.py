@@ -56,9 +56,9 @@ class FakeWorkerGroup:
         self.lost: set[int] = set()  # actors whose node died (what lost_ids reports while they live)
         self.exited_ids: set[int] = set()  # actors whose process is seen gone before "Ray" reports it
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
-        # A write slower than the driver's wait: this many collects of wait_checkpoint calls find them
-        # still pending (their ranks alive and answering status) before they answer.
-        self.write_collects_pending = 0
+        # A call slower than the driver's wait (a write, a join, a load): method -> how many collects of
+        # such calls find them still pending (their ranks alive and answering status) before they answer.
+        self.collects_pending: dict[RankCall, int] = {}
         self.log: list[tuple[RankCall, int, tuple]] = []  # (method, actor, args) of every call, in order
         self.killed: list[int] = []
         self.drained: list[FakeCall] = []
@@ -175,13 +175,12 @@ class FakeWorkerGroup:
 
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         outcome = CallOutcome()
-        still_writing = self.write_collects_pending > 0 and any(
-            c.method is RankCalls.wait_checkpoint for c in refs)
-        if still_writing:
-            self.write_collects_pending -= 1
+        slow = {c.method for c in refs if self.collects_pending.get(c.method, 0) > 0}
+        for method in slow:
+            self.collects_pending[method] -= 1
         for call, actor in refs.items():
             state = self.call_state(call)
-            if still_writing and call.method is RankCalls.wait_checkpoint and state in ("done", "later"):
+            if call.method in slow and state in ("done", "later"):
                 state = "pending"
             if state in ("done", "later"):
                 call.state = "done"

@@ -20,6 +20,7 @@ from orchestrator.control.states import ControllerState, Running
 from orchestrator.errors import TrainingFailed
 from orchestrator.plan.mesh_plan import MeshPlan, make_plan
 from orchestrator.recovery.failure_policy import Phase
+from orchestrator.recovery.hang_watch import collect_while_alive
 from orchestrator.saves.checkpointing import RestoreFailed
 from orchestrator.saves.snapshots import Restored
 
@@ -86,10 +87,21 @@ def _join(c: FormationView, gen: GenerationRecord, spares: list[int], args: dict
         c.group.call(spares, RankCalls.leave_generation, timeout_s=30.0)
     c.recovery.mark("planned")
     refs = c.group.submit(list(gen.members.values()), RankCalls.join_generation, args)
-    outcome = c.group.collect(refs, c.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken)
+    # Waited for while the members answer liveness probes (a model build or an init_from read can take
+    # minutes): elastic.rebuild_timeout_s is how often they are probed, not a deadline.
+    outcome = collect_while_alive(c.group, refs, c.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken,
+                                  waiting=_still_joining(gen.number))
     c.generation = GenerationRecord(gen.number, gen.plan, gen.members, infos=dict(outcome.results))
     c.recovery.mark("joined")
     return outcome
+
+
+def _still_joining(number: int):
+    def waiting(waited_s: float, actors: list[int]) -> None:
+        logger.warning("generation %d: actors %s still joining after %.0f s and alive: waiting", number, actors,
+                       waited_s)
+
+    return waiting
 
 
 def _resume_from(c: FormationView, restored: Restored, holders: dict[int, int]) -> None:

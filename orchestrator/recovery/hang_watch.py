@@ -18,6 +18,7 @@ tighter timeout, a probe only ever adds a status call.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -122,4 +123,30 @@ def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOut
         if not merged.pending_refs or clock() - start >= bound:
             break
     return merged, bound
+
+
+def collect_while_alive(group, refs: dict, chunk_s: float, *, stop_early=None,
+                        waiting: Callable[[float, list[int]], None] | None = None) -> CallOutcome:
+    """``group.collect(refs)`` for as long as the actors still in the call are alive: time alone never
+    fails a live run (a join that builds a large model, a load or a save from slow storage).
+
+    Each ``chunk_s`` with answers missing, those actors get a liveness ``probe``; when all answer, the
+    wait goes on (``waiting(seconds so far, actors)`` is told, to log it). It ends with the answers, a
+    death, an error, ``stop_early(outcome)``, or actors that answer no probe: those come back in
+    ``pending`` with the outcome's ``hung`` set, as ``collect_watching`` returns them.
+    """
+    outcome = group.collect(dict(refs), chunk_s, stop_early=stop_early)
+    waited_s = chunk_s
+    while outcome.pending and not (outcome.dead or outcome.failed or (stop_early and stop_early(outcome))):
+        polled, given_s = probe(group, list(outcome.pending), time.monotonic)
+        if polled.pending or polled.dead:
+            outcome.dead.update(polled.dead)
+            reason = f"no answer within {given_s:.1f} s to a liveness probe after {waited_s:.0f} s of waiting"
+            outcome.hung = {actor: reason for actor in sorted(polled.pending)}
+            return outcome
+        if waiting is not None:
+            waiting(waited_s, sorted(outcome.pending))
+        outcome.absorb(group.collect(outcome.pending_refs, chunk_s, stop_early=stop_early))
+        waited_s += chunk_s
+    return outcome
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +62,7 @@ from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import JobConfig, config_to_dict
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
-from orchestrator.recovery.hang_watch import probe
+from orchestrator.recovery.hang_watch import collect_while_alive
 
 logger = logging.getLogger(__name__)
 
@@ -257,31 +256,16 @@ class CheckpointCoordinator:
             self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
 
     def _collect_while_alive(self, group, refs: dict, step: int, what: str) -> CallOutcome:
-        """The answers to a save's calls (``what``: "staged", "written"), waited for as long as the
-        ranks still working on them are alive.
+        """The answers to a save's calls (``what``: "staged", "written"), waited for as long as the ranks
+        still working on them are alive (``recovery.hang_watch.collect_while_alive``): a stage or a write
+        slower than ``elastic.step_timeout_s`` (a large model, slow storage) used to be dropped as "no
+        ack". A dead, failed or silent rank ends the wait; the save is then not committed, as before."""
 
-        Time alone never fails a live run: a stage or a write slower than ``elastic.step_timeout_s``
-        (a large model, slow storage) used to be dropped as "no ack". Now, each time that much passed
-        with answers missing, those ranks get a liveness probe (``recovery.hang_watch.probe``: a live
-        rank answers on its second thread at once, even mid-write); all answered -> wait again, logged
-        with the time so far. A dead rank, an error, or a rank that answers no probe ends the wait, and
-        the save is not committed (the failure path takes over, as before).
-        """
-        chunk_s = self.cfg.elastic.step_timeout_s
-        outcome = group.collect(dict(refs), chunk_s)
-        waited_s = chunk_s
-        while outcome.pending and not (outcome.dead or outcome.failed):
-            polled, given_s = probe(group, list(outcome.pending), time.monotonic)
-            if polled.pending or polled.dead:
-                outcome.dead.update(polled.dead)
-                logger.warning("checkpoint of step %d: actors %s answer no liveness probe (%.1f s) before it "
-                               "was %s", step, sorted(polled.pending), given_s, what)
-                return outcome
+        def waiting(waited_s: float, actors: list[int]) -> None:
             logger.warning("checkpoint of step %d not %s after %.0f s by actors %s, which are alive: waiting "
-                           "(a slow save is not a failure)", step, what, waited_s, sorted(outcome.pending))
-            outcome.absorb(group.collect(outcome.pending_refs, chunk_s))
-            waited_s += chunk_s
-        return outcome
+                           "(a slow save is not a failure)", step, what, waited_s, actors)
+
+        return collect_while_alive(group, refs, self.cfg.elastic.step_timeout_s, waiting=waiting)
 
     def _fence(self, step: int) -> None:
         """Write a manifest (and purge after it) only while this driver holds the run lease: a driver
@@ -385,7 +369,8 @@ class CheckpointCoordinator:
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
         refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.path,))
-        outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead))
+        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
+                                      stop_early=lambda o: bool(o.dead), waiting=_still_loading(info.path))
         if not outcome.ok:
             raise RestoreFailed(
                 f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}", outcome)
@@ -409,6 +394,13 @@ def _data_identity(cfg: JobConfig) -> str:
     from meshdata import open_mixture
 
     return open_mixture(cfg.data.mix or cfg.data.path, 1).identity
+
+
+def _still_loading(path: str):
+    def waiting(waited_s: float, actors: list[int]) -> None:
+        logger.warning("loading %s: actors %s still reading after %.0f s and alive: waiting", path, actors, waited_s)
+
+    return waiting
 
 
 def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:

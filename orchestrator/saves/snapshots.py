@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from meshspeak.messages import RestoreSource, SnapKey, StepResult
 from meshspeak.rank_calls import RankCalls
+from orchestrator.recovery.hang_watch import collect_while_alive
 from orchestrator.saves.checkpointing import RestoreFailed
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,9 @@ class SnapshotCoordinator:
                                providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
         t0 = time.perf_counter()
         refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
-        outcome = group.collect(refs, self.cfg.elastic.rebuild_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
+        # Waited for while the loaders answer liveness probes: rebuild_timeout_s is the probe interval.
+        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
+                                      stop_early=lambda o: bool(o.dead or o.failed))
         if not outcome.ok:
             raise RestoreFailed(f"loading the in-memory snapshot of step {key[2]} failed: "
                                 f"{outcome.failed or outcome.dead or outcome.pending}", outcome)

@@ -329,7 +329,7 @@ def test_a_write_slower_than_the_step_timeout_is_waited_for_while_its_ranks_live
     """#36 item 3: the save's acks missing after elastic.step_timeout_s, three times over, with every
     writer answering its liveness probe: still committed, no failure, no restart."""
     r = make()
-    r.group.write_collects_pending = 3
+    r.group.collects_pending[RankCalls.wait_checkpoint] = 3
     summary = r.c.run()
     assert r.committed() == [2, 4, 6] and not r.events("checkpoint_failed") and summary.restarts == 0
     assert len(r.group.calls(RankCalls.status)) >= 4 * 3  # each wait ended with a probe of the 4 writers
@@ -337,12 +337,27 @@ def test_a_write_slower_than_the_step_timeout_is_waited_for_while_its_ranks_live
 
 def test_a_writer_that_answers_no_probe_is_not_waited_for(make):
     r = make()
-    r.group.write_collects_pending = 1_000_000  # never done
+    r.group.collects_pending[RankCalls.wait_checkpoint] = 1_000_000  # never done
     r.group.fail(RankCalls.status, 2, "hang")  # the probe after the first wait finds actor 2 silent
     r.steps(3)  # start, steps 1-2; the step-2 save starts
     r.c.step()  # step 3, then the commit: waits once, probes, gives up on the save
     failed, = r.events("checkpoint_failed")
     assert failed["step"] == 2 and r.committed() == []
+
+
+@pytest.mark.parametrize("method", [RankCalls.join_generation, RankCalls.load_checkpoint])
+def test_a_join_or_load_slower_than_rebuild_timeout_completes_while_everyone_lives(make, method):
+    """#36 item 1: a generation's join (a large model's build, an init_from read) or its checkpoint
+    load still unanswered after elastic.rebuild_timeout_s, twice over, with every member answering its
+    liveness probe, is waited for: no failure, no restart, nothing killed."""
+    r = make()
+    r.steps(4)  # start, steps 1-3 (step 2 committed)
+    r.group.fail(RankCalls.train_step, 3, "die", at=4)
+    assert r.c.step() == State.REBUILDING
+    r.group.collects_pending[method] = 2
+    assert r.c.step() == State.RUNNING  # generation 2 formed from the 3 that live
+    assert r.group.collects_pending[method] == 0 and r.group.killed == [3] and r.c.next_step == 3
+    assert r.c.run().restarts == 1 and not r.events("checkpoint_failed")
 
 
 def test_failure_abandons_the_save_in_flight(make):
