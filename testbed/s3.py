@@ -82,73 +82,92 @@ class FaultProxy:
 
     def __init__(self, upstream_port: int, method: str | None, path_pattern: str, fail: int,
                  status: int = 503, code: str = "SlowDown") -> None:
+        self.upstream_port = upstream_port
+        self.method, self.path_pattern, self.fail = method, path_pattern, fail
+        self.status, self.code = status, code
         self.failed: list[str] = []
         self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *_):
-                pass
-
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = b""
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return out
-                        out += self.rfile.read(size)
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
-
-            def _handle(self):
-                body = self._body()
-                with proxy.lock:
-                    inject = (method in (None, self.command) and re.search(path_pattern, self.path)
-                              and len(proxy.failed) < fail)
-                    if inject:
-                        proxy.failed.append(f"{self.command} {self.path}")
-                if inject:
-                    msg = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(msg)
-                    return
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-                headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                        self.send_header(k, v)
-                # A HEAD answer has no body but tells the object's size: pass that on as it is.
-                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _ProxyHandler)
+        self.server.proxy = self  # what each request's handler reads (``_ProxyHandler.proxy``)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def takes_fault(self, command: str, path: str) -> bool:
+        """Whether this request is one of the first ``fail`` that match (it is then recorded)."""
+        with self.lock:
+            inject = (self.method in (None, command) and re.search(self.path_pattern, path)
+                      and len(self.failed) < self.fail)
+            if inject:
+                self.failed.append(f"{command} {path}")
+        return bool(inject)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """One request through a ``FaultProxy``: answered with the injected error, or forwarded upstream."""
+
+    protocol_version = "HTTP/1.1"
+
+    @property
+    def proxy(self) -> FaultProxy:
+        return self.server.proxy
+
+    def log_message(self, *_):
+        pass
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _handle(self):
+        body = self._body()
+        if self.proxy.takes_fault(self.command, self.path):
+            self._answer_injected()
+            return
+        self._forward(body)
+
+    def _answer_injected(self) -> None:
+        msg = f"<Error><Code>{self.proxy.code}</Code><Message>injected</Message></Error>".encode()
+        self.send_response(self.proxy.status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(msg)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(msg)
+
+    def _forward(self, body: bytes) -> None:
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+        headers["Content-Length"] = str(len(body))
+        conn = http.client.HTTPConnection("127.0.0.1", self.proxy.upstream_port, timeout=60)
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                self.send_header(k, v)
+        # A HEAD answer has no body but tells the object's size: pass that on as it is.
+        length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+        self.send_header("Content-Length", length)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle

@@ -50,7 +50,7 @@ def _environment(args) -> dict[str, str]:
     return env
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--log", required=True, type=Path)
     p.add_argument("--only", action="append", help="case name(s), e.g. hf-dp1-pp1-tp2; default: all, in order")
@@ -63,7 +63,11 @@ def main() -> int:
     p.add_argument("--asan", action="store_true")
     p.add_argument("--valgrind", type=Path, default=None,
                    help="run the pool's fork server (so every rank) under valgrind memcheck, logs in this dir")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    args = _arguments()
     env = _environment(args)
     if env and os.environ.get("_STRESS_REEXEC") != "1":
         # LD_PRELOAD must be in place when a process starts: re-exec this driver with it (the pool's
@@ -72,38 +76,12 @@ def main() -> int:
         os.execv(sys.executable, [sys.executable, "-m", "testbed.stress_meshes", *sys.argv[1:]])
 
     from testbed import world
-    from testbed.family_cases import HF_BATCH, POSNORM, tied_copy
-    from testbed.hf_models import save_tiny_llama
     from testbed.mesh_cases import STEPS
-    from testbed.reference import assert_matches_reference, reference
-    from testbed.world import MeshRunError, run_mesh, shutdown_pool
+    from testbed.world import shutdown_pool
 
     world._native_crash = lambda error: False  # no re-run: every crash is counted
-    collective_timeout, run_timeout = 60.0, None
-    if args.valgrind:
-        # The fork server is a fresh interpreter started from multiprocessing's executable: a wrapper
-        # that execs valgrind puts it, and every rank forked from it, under memcheck (~50x slower).
-        import multiprocessing
-
-        from testbed import rank_pool
-
-        args.valgrind.mkdir(parents=True, exist_ok=True)
-        wrapper = args.valgrind / "python-under-valgrind.sh"
-        wrapper.write_text("#!/bin/sh\nPYTHONMALLOC=malloc exec valgrind --tool=memcheck --trace-children=no "
-                           f"--log-file={args.valgrind}/vg-%p.log --num-callers=40 --error-limit=no "
-                           f"{sys.executable} \"$@\"\n")
-        wrapper.chmod(0o755)
-        multiprocessing.set_executable(str(wrapper))
-        rank_pool.WORKER_START_TIMEOUT_S = 3600.0
-        collective_timeout, run_timeout = 1800.0, 7200.0
-    hf_dir = tempfile.mkdtemp(prefix="stress-llama-")
-    save_tiny_llama(hf_dir, tie=True, bias=True, layers=2)
-    hf = (f"model.from_hf={hf_dir}", f"checkpoint.init_from={hf_dir}", *HF_BATCH)
-    rand = (f"model.from_hf={hf_dir}", *HF_BATCH)
-    cases = [("posnorm-dp2-pp2-tp2", (2, 2, 2), POSNORM)]
-    cases += [(f"hf-dp{d}-pp{q}-tp{t}", (d, q, t), hf) for d, q, t in
-              [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)]]
-    cases += [("rand-dp2-pp2-tp2", (2, 2, 2), rand)]
+    timeouts = _under_valgrind(args.valgrind) if args.valgrind else (60.0, None)
+    cases = _cases()
     if args.only:
         unknown = set(args.only) - {c[0] for c in cases}
         if unknown:
@@ -121,22 +99,9 @@ def main() -> int:
     passes = 0
     while time.monotonic() < end and (not args.runs or runs < args.runs):
         passes += 1
-        for name, (dp, pp, tp), overrides in cases:
-            t0 = time.monotonic()
-            row = {"case": name, "pass": passes, "t": time.time()}
-            try:
-                run = run_mesh(dp, pp, tp, overrides, steps, instrument=tied_copy if pp > 1 else None,
-                               timeout=run_timeout or max(240.0, 8.0 * steps), collective_timeout_s=collective_timeout)
-                assert_matches_reference(run.losses, run.params, reference(overrides, steps))
-                row["outcome"] = "ok"
-            except MeshRunError as error:
-                row.update(outcome="mesh_error", died=error.died, ended_by=error.ended_by,
-                           raised=list(error.raised), message=str(error)[:4000])
-                crashes += any(code < 0 for code in error.died.values())
-            except AssertionError as error:
-                row.update(outcome="mismatch", message=str(error)[:2000])
-            row["wall_s"] = round(time.monotonic() - t0, 2)
-            row["load"] = list(os.getloadavg())
+        for name, shape, overrides in cases:
+            row, crashed = _run_case(name, passes, shape, overrides, steps, timeouts)
+            crashes += crashed
             runs += 1
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -148,6 +113,69 @@ def main() -> int:
     print(f"[stress] {runs} runs, {passes} passes, {crashes} native crashes", file=sys.stderr)
     return 0
 
+
+def _under_valgrind(directory: Path) -> tuple[float, float]:
+    """Run the pool's fork server under memcheck; (collective timeout, run timeout) fit for it."""
+    # The fork server is a fresh interpreter started from multiprocessing's executable: a wrapper
+    # that execs valgrind puts it, and every rank forked from it, under memcheck (~50x slower).
+    import multiprocessing
+
+    from testbed import rank_pool
+
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapper = directory / "python-under-valgrind.sh"
+    wrapper.write_text("#!/bin/sh\nPYTHONMALLOC=malloc exec valgrind --tool=memcheck --trace-children=no "
+                       f"--log-file={directory}/vg-%p.log --num-callers=40 --error-limit=no "
+                       f"{sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    multiprocessing.set_executable(str(wrapper))
+    rank_pool.WORKER_START_TIMEOUT_S = 3600.0
+    return 1800.0, 7200.0
+
+
+def _cases() -> list[tuple[str, tuple[int, int, int], tuple[str, ...]]]:
+    """tests/distributed/test_model_families.py's meshes, in its order: (name, (dp, pp, tp), overrides)."""
+    from testbed.family_cases import HF_BATCH, POSNORM
+    from testbed.hf_models import save_tiny_llama
+
+    hf_dir = tempfile.mkdtemp(prefix="stress-llama-")
+    save_tiny_llama(hf_dir, tie=True, bias=True, layers=2)
+    hf = (f"model.from_hf={hf_dir}", f"checkpoint.init_from={hf_dir}", *HF_BATCH)
+    rand = (f"model.from_hf={hf_dir}", *HF_BATCH)
+    cases = [("posnorm-dp2-pp2-tp2", (2, 2, 2), POSNORM)]
+    cases += [(f"hf-dp{d}-pp{q}-tp{t}", (d, q, t), hf) for d, q, t in
+              [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)]]
+    cases += [("rand-dp2-pp2-tp2", (2, 2, 2), rand)]
+    return cases
+
+
+def _run_case(name: str, passes: int, shape: tuple[int, int, int], overrides: tuple[str, ...], steps: int,
+              timeouts: tuple[float, float | None]) -> tuple[dict, bool]:
+    """One run of one case (in pass ``passes``), checked against the one-process reference: (its log row, whether a rank
+    died of a signal: a native crash)."""
+    from testbed.family_cases import tied_copy
+    from testbed.reference import assert_matches_reference, reference
+    from testbed.world import MeshRunError, run_mesh
+
+    dp, pp, tp = shape
+    collective_timeout, run_timeout = timeouts
+    t0 = time.monotonic()
+    row = {"case": name, "pass": passes, "t": time.time()}
+    crashed = False
+    try:
+        run = run_mesh(dp, pp, tp, overrides, steps, instrument=tied_copy if pp > 1 else None,
+                       timeout=run_timeout or max(240.0, 8.0 * steps), collective_timeout_s=collective_timeout)
+        assert_matches_reference(run.losses, run.params, reference(overrides, steps))
+        row["outcome"] = "ok"
+    except MeshRunError as error:
+        row.update(outcome="mesh_error", died=error.died, ended_by=error.ended_by,
+                   raised=list(error.raised), message=str(error)[:4000])
+        crashed = any(code < 0 for code in error.died.values())
+    except AssertionError as error:
+        row.update(outcome="mismatch", message=str(error)[:2000])
+    row["wall_s"] = round(time.monotonic() - t0, 2)
+    row["load"] = list(os.getloadavg())
+    return row, crashed
 
 if __name__ == "__main__":
     sys.exit(main())
