@@ -186,3 +186,33 @@ def test_a_mixture_identity_names_its_sources_and_weights():
     assert Mixture([web, code], (0.6, 0.4), SEQ).identity != same  # other weights: other steps
     assert Mixture([code, web], (0.3, 0.7), SEQ).identity != same
     assert Mixture([web], (1.0,), SEQ).identity == web.identity  # data.path's identity, as before
+
+
+def test_chat_shards_inside_a_mixture_keep_their_loss_mask(tmp_path):
+    """A mixture reads each source as the source itself would: a chat source's targets come masked
+    (meshdata.chat_source), a plain source's come whole, rows in the mixture's order."""
+    import json
+
+    from meshdata import open_source, prepare
+    from meshdata.masks import boundary_eos, counts_every_target
+    from testbed.tiny_tokenizer import conversations, make_chat_tokenizer
+
+    make_chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conversations(12)))
+    prepare([str(tmp_path / "chat.jsonl")], str(tmp_path / "chat"), tokenizer=str(tmp_path / "tok"), chat=True,
+            parallel=False)
+    chat = open_source(str(tmp_path / "chat"))
+    seq_len = int(chat.longest) + 3
+    plain = TokenSource.from_array(np.arange(20 * seq_len + 1) % 50, 50, "plain")
+    mix = Mixture([chat, plain], (0.5, 0.5), seq_len)
+    assert mix.has_loss_mask and not counts_every_target(mix, None) and boundary_eos("auto", mix) is None
+    ids = mix.step_ids(2, 8, seed=1)
+    x, y = microbatch_tokens(mix, ids, seq_len)
+    for row, i in enumerate(ids):
+        j = int(mix.source_of([i])[0])
+        want_x, want_y = microbatch_tokens(mix.sources[j], np.asarray([i - mix.offsets[j]]), seq_len)
+        np.testing.assert_array_equal(x[row], want_x[0])
+        np.testing.assert_array_equal(y[row], want_y[0])
+    assert sorted(set(mix.source_of(ids).tolist())) == [0, 1]
+    from_chat = mix.source_of(ids) == 0
+    assert (y[from_chat] == -100).any() and not (y[~from_chat] == -100).any()  # masked where chat masks
