@@ -19,48 +19,12 @@ import os
 
 import pytest
 
-from checkpoints.catalog import commit
-from checkpoints.layout import step_dir_name
-from checkpoints.manifest import CheckpointManifest
 from testbed.command_line import assert_bad_input, run_cli
+from testbed.family_cases import HF_BATCH, SaveAfter, commit_run
 from testbed.world import mesh_config, run_mesh
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-BATCH = ("train.global_batch_size=6", "train.micro_batch_size=1", "model.seq_len=32")
-
-
-class SaveAfter:
-    """An ``instrument``: after train step ``step``, save a checkpoint of it under ``root`` (all ranks)."""
-
-    def __init__(self, root: str, step: int) -> None:
-        self.root, self.step = root, step
-
-    def __call__(self, runtime):
-        real, acks = runtime.train_step, []
-
-        def train_step(step, actions):
-            result = real(step, actions)
-            if step == self.step:
-                runtime.save_checkpoint(os.path.join(self.root, step_dir_name(step)), step)
-                acks.append(runtime.wait_checkpoint())
-            return result
-
-        runtime.train_step = train_step
-        return lambda: acks
-
-
-def commit_run(root: str, run, overrides, step: int) -> str:
-    cfg = mesh_config(run.shape.dp, run.shape.pp, run.shape.tp, overrides)
-    files: dict[str, int] = {}
-    for acks in run.extras.values():
-        files.update(acks[0].files)
-    from meshspeak.sections import config_to_dict
-
-    return commit(root, CheckpointManifest(
-        step=step, generation=1, mesh=run.shape.as_dict(), model_fingerprint="test", data_cursor=step * 6,
-        global_batch_size=6, world_size=run.shape.world, ranks_acked=list(range(run.shape.world)),
-        model_config=config_to_dict(cfg)["model"], files=files))
 
 
 @pytest.mark.timeout(300)
@@ -72,7 +36,7 @@ def test_init_from_then_export_is_bit_identical(tmp_path):
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
-    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", "train.lr=1e-30", *BATCH)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", "train.lr=1e-30", *HF_BATCH)
     root = str(tmp_path / "ckpt")
     run = run_mesh(2, 2, 2, overrides, 1, instrument=SaveAfter(root, 1), collect_params=False)
     step_dir = commit_run(root, run, overrides, 1)
@@ -98,16 +62,14 @@ def torch_equal(a, b) -> bool:
 
 @pytest.mark.timeout(300)
 def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
-    import torch
     from transformers import AutoModelForCausalLM
 
-    import meshdata as data_lib
     from meshmodels.export import export_checkpoint
-    from testbed.hf_models import save_tiny_llama
+    from testbed.hf_models import hf_step_loss, save_tiny_llama
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, bias=True, layers=2)
-    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *BATCH)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *HF_BATCH)
     root = str(tmp_path / "ckpt")
     run = run_mesh(3, 1, 1, overrides, 4, instrument=SaveAfter(root, 3), collect_params=False)
     step_dir = commit_run(root, run, overrides, 3)
@@ -116,13 +78,7 @@ def test_trained_export_loads_in_transformers_with_the_same_loss(tmp_path):
     assert os.path.exists(f"{out}/model.safetensors.index.json")
     model, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
-    cfg = mesh_config(3, 1, 1, overrides)
-    source = data_lib.open_source(cfg.data.path)
-    ids = data_lib.global_sample_ids(4, 6, cfg.train.seed, source.num_samples(32))
-    x, y = data_lib.microbatch_tokens(source, ids, 32)
-    with torch.no_grad():
-        x, y = torch.from_numpy(x), torch.from_numpy(y)
-        expected = model.eval()(input_ids=x, labels=y, shift_labels=y).loss.item()
+    expected = hf_step_loss(model, mesh_config(3, 1, 1, overrides), 4)
     got = run.losses[3]  # elastimesh's step-4 loss, on the weights after step 3
     assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
 
@@ -155,7 +111,7 @@ def test_a_run_started_from_hf_weights_resumes_resharded(tmp_path):
 
     src = str(tmp_path / "src")
     save_tiny_llama(src, tie=True, bias=True, layers=2)
-    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *BATCH)
+    overrides = (f"model.from_hf={src}", f"checkpoint.init_from={src}", *HF_BATCH)
     root = str(tmp_path / "ckpt")
     first = run_mesh(2, 2, 2, overrides, 2, instrument=SaveAfter(root, 2), collect_params=False)
     step_dir = commit_run(root, first, overrides, 2)

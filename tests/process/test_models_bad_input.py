@@ -1,7 +1,8 @@
 """Bad model input through the real CLI: exit 2, one line naming the field / tensor / file and the fix.
 
-Config-level problems (architecture, sliding window, rope type, missing config.json, a [model] size
-key beside model.from_hf, tp not dividing the KV heads) fail while loading the config; weight
+Config-level problems (architecture, a sliding window on an architecture without one, rope type, a
+Qwen3 field we cannot train, missing config.json, a [model] size key beside model.from_hf, tp not
+dividing the KV heads) fail while loading the config; weight
 problems (missing tensor, shape mismatch, stray safetensors) fail in the driver's check of
 ``checkpoint.init_from`` before Ray starts. None of them may leave a traceback.
 """
@@ -26,6 +27,15 @@ def tiny(tmp_path_factory) -> Path:
 
     directory = tmp_path_factory.mktemp("tiny")
     save_tiny_llama(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from testbed.hf_models import save_tiny_llama
+
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    save_tiny_llama(str(directory), arch="qwen3")
     return directory
 
 
@@ -58,6 +68,21 @@ def train(*overrides: str):
 def test_unsupported_config_json(tiny, tmp_path, changes, needles):
     bad = copy_with_config(tiny, tmp_path / "bad", **changes)
     assert_bad_input(train(f"model.from_hf={bad}"), *needles)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needles"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 32768}}, ["rope_parameters", "yarn"]),
+        ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": False},
+         ["layer_types", "no window", "use_sliding_window"]),
+    ],
+    ids=["rope-yarn", "sliding-layers-without-window"],
+)
+def test_qwen3_field_we_cannot_train(tiny_qwen3, tmp_path, changes, needles):
+    bad = copy_with_config(tiny_qwen3, tmp_path / "bad", **changes)
+    assert_bad_input(train(f"model.from_hf={bad}"), "model.from_hf", *needles)
 
 
 def test_missing_config_json(tmp_path):

@@ -3,7 +3,10 @@
 Each variant is built offline with transformers, its weights perturbed (``testbed/hf_models.py``),
 saved with ``save_pretrained``; elastimesh shapes the model from ``config.json`` (``model.from_hf``),
 loads the safetensors through DCP's ``HuggingFaceStorageReader`` (``checkpoint.init_from``'s path) and
-must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off.
+must give the same logits (fp32, <= 1e-5) — while a wrong mapping is >= 1e-3 off. Qwen3 (q/k norms,
+explicit head_dim) and sliding windows (Mistral on every layer, Qwen2/Qwen3 on the layers
+``max_window_layers`` or ``layer_types`` name) included: a window one token wider is >= 1e-3 off, which
+pins transformers' semantics (a query sees itself and the W - 1 tokens before it).
 """
 
 from __future__ import annotations
@@ -31,7 +34,14 @@ VARIANTS = {
     "legacy-rope-fields": {"llama3": True, "legacy_rope": True},
     "head-dim-32": {"head_dim": 32},
     "qwen2": {"arch": "qwen2", "tie": True},
+    "qwen3": {"arch": "qwen3"},
+    "qwen3-tied-head-dim-32": {"arch": "qwen3", "tie": True, "head_dim": 32},
+    "qwen3-attention-bias": {"arch": "qwen3", "bias": True},
+    "mistral-window-5": {"arch": "mistral", "window": 5},
+    "qwen2-window-5-from-layer-1": {"arch": "qwen2", "window": 5, "window_from": 1, "layers": 3},
+    "qwen3-window-7-layer-types": {"arch": "qwen3", "window": 7, "layer_types": ["sliding_attention", "full_attention"]},
 }
+WINDOWED = [v for v in VARIANTS if "window-" in v]
 
 
 def ours(directory: str, seq_len: int = 32):
@@ -55,6 +65,41 @@ def test_logits_equal_transformers(tmp_path, variant):
     diff = (got - expected).abs().max().item()
     assert diff <= 1e-5, f"{variant}: max |logit difference| {diff}"
     assert expected.abs().max().item() > 1.0  # the perturbed model is far from uniform
+
+
+def logits_diff(model, hf, seq_len: int = 32) -> float:
+    ids = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return (model(ids) - hf(input_ids=ids).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", WINDOWED, ids=WINDOWED)
+def test_a_window_one_token_off_is_visibly_wrong(tmp_path, variant):
+    hf = save_tiny_llama(str(tmp_path), **VARIANTS[variant])
+    model, resolved = ours(str(tmp_path))
+    assert resolved.shape.sliding_layers and resolved.shape.sliding_window < 32
+    for shift in (1, -1):
+        for index in resolved.shape.sliding_layers:
+            model.layers[str(index)].attention.window = resolved.shape.sliding_window + shift
+            model.layers[str(index)].attention._mask = None
+        assert logits_diff(model, hf) >= 1e-3, shift
+
+
+def test_sequences_no_longer_than_the_window_equal_full_attention(tmp_path):
+    """Window 7: at 7 tokens the sliding layer's output is bit-identical to full attention's; at 8 it is
+    not — and at both lengths the logits are transformers' (whose window is applied the same way)."""
+    hf = save_tiny_llama(str(tmp_path), **VARIANTS["qwen3-window-7-layer-types"])
+    model, _ = ours(str(tmp_path))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        sliding = {n: model(ids[:, :n]) for n in (7, 8)}
+        model.layers["0"].attention.window = 0
+        full = {n: model(ids[:, :n]) for n in (7, 8)}
+        expected = {n: hf(input_ids=ids[:, :n]).logits for n in (7, 8)}
+    assert torch.equal(sliding[7], full[7])
+    assert (sliding[8] - full[8]).abs().max().item() >= 1e-3
+    for n in (7, 8):
+        assert (sliding[n] - expected[n]).abs().max().item() <= 1e-5, n
 
 
 def test_a_wrong_mapping_is_visibly_wrong(tmp_path):
@@ -99,10 +144,17 @@ def test_step1_loss_equals_transformers_loss(tmp_path):
     assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
 
 
-def test_export_config_round_trips(tmp_path):
+ROUND_TRIPS = ["legacy-rope-fields", "qwen3-tied-head-dim-32", "mistral-window-5", "qwen2-window-5-from-layer-1",
+               "qwen3-window-7-layer-types"]
+
+
+@pytest.mark.parametrize("variant", ROUND_TRIPS, ids=ROUND_TRIPS)
+def test_export_config_round_trips(tmp_path, variant):
+    """The config an export writes gives the same shape back, and transformers reads from it the
+    attention layout (head_dim, rope, which layers slide and how far) of the source model."""
     from transformers import AutoConfig
 
-    save_tiny_llama(str(tmp_path), llama3=True, legacy_rope=True)
+    hf = save_tiny_llama(str(tmp_path), **VARIANTS[variant])
     _, resolved = ours(str(tmp_path))
     config = resolved.family.hf_config(resolved.shape)
     again = resolved.family.shape_from_hf(config, load_config(None, ["model.seq_len=32"]).model, "x")
@@ -112,7 +164,23 @@ def test_export_config_round_trips(tmp_path):
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))
     loaded = AutoConfig.from_pretrained(str(out))
-    assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.num_key_value_heads == 2
+    for key in ("architectures", "num_key_value_heads", "rope_parameters", "tie_word_embeddings", "sliding_window",
+                "use_sliding_window", "layer_types", "attention_bias"):
+        assert getattr(loaded, key, None) == getattr(hf.config, key, None), key
+    # Qwen2's config class has no head_dim; its attention reads one when present, else hidden / heads.
+    head_dim = [getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads for c in (loaded, hf.config)]
+    assert head_dim[0] == head_dim[1]
+
+
+@pytest.mark.parametrize("variant", ["qwen3-tied-head-dim-32", "qwen3-attention-bias", "qwen2-window-5-from-layer-1"])
+def test_tensors_and_counts_match_transformers(tmp_path, variant):
+    hf = save_tiny_llama(str(tmp_path), **VARIANTS[variant])
+    _, resolved = ours(str(tmp_path))
+    theirs = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+    if resolved.shape.tie_embeddings:
+        del theirs["lm_head.weight"]
+    assert resolved.family.hf_tensors(resolved.shape) == theirs
+    assert resolved.family.param_counts(resolved.shape)["total"] == sum(p.numel() for p in hf.parameters())
 
 
 def test_plan_shows_the_real_parameter_count(tmp_path):
