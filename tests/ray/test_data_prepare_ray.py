@@ -36,3 +36,19 @@ def test_ray_tasks_equal_in_process(tmp_path):
     assert ray_meta == local and len(local["files"]) > 5 and local["documents"] == 3001
     for f in [*local["files"], SIDECAR, "tokenizer.json"]:
         assert (tmp_path / "ray" / f).read_bytes() == (tmp_path / "local" / f).read_bytes(), f
+
+
+def test_chat_over_ray_tasks_equals_in_process(tmp_path):
+    """--chat through Ray tasks: the job (with its chat template) travels to the tasks, each renders
+    and masks its units, and the shards and sidecar equal the in-process run's byte for byte."""
+    from testbed.tiny_tokenizer import conversations, make_chat_tokenizer
+
+    make_chat_tokenizer(tmp_path / "tok")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in conversations(300, seed=3)))
+    common = dict(tokenizer=str(tmp_path / "tok"), chat=True, shard_tokens=5000, unit_bytes=20_000)
+    local = prepare([str(rows)], str(tmp_path / "local"), parallel=False, **common)
+    ray_meta = prepare([str(rows)], str(tmp_path / "ray"), parallel=True, fan_out=RayFanOut(), **common)
+    assert ray_meta == local and len(local["files"]) > 3 and local["documents"] == 300
+    for f in [*local["files"], SIDECAR, "tokenizer.json", "tokenizer_config.json"]:
+        assert (tmp_path / "ray" / f).read_bytes() == (tmp_path / "local" / f).read_bytes(), f

@@ -151,3 +151,10 @@ def test_a_template_that_raises_names_the_row(tmp_path):
         prepare([_write(tmp_path / "a.jsonl", rows)], str(tmp_path / "o"), tokenizer=str(tmp_path / "tok"), chat=True)
     assert f"{tmp_path / 'a.jsonl'}:2" in str(ei.value)
     assert not (tmp_path / "o").exists()
+
+
+def test_conversations_without_any_assistant_token_are_refused(tmp_path, chat_tok):
+    rows = [{"messages": [{"role": "user", "content": "hello"}]}, {"messages": [{"role": "system", "content": "x"}]}]
+    with pytest.raises(DataError, match="no conversation has an assistant token"):
+        prepare([_write(tmp_path / "a.jsonl", rows)], str(tmp_path / "o"), tokenizer=str(chat_tok), chat=True)
+    assert not (tmp_path / "o").exists()
