@@ -33,8 +33,6 @@ KNOWN_LONG_FUNCTIONS = {
     "bench/step_overhead.py::run": 100,
     "workers/runtime.py::RankRuntime.__init__": 92,
     "workers/groups.py::build_process_groups": 91,
-    "orchestrator/config/validate.py::_check_relations": 87,
-    "orchestrator/config/validate.py::check_mesh": 82,
     "meshmodels/export.py::export_checkpoint": 80,
     "bench/scale.py::real": 80,
     "orchestrator/cli.py::_dispatch": 70,

@@ -24,7 +24,14 @@ from meshmodels.family import resolve_model
 from meshspeak.profile import profile_range
 from meshspeak.schedule import ZERO_BUBBLE
 from meshspeak.schema import ConfigError, check_values
-from meshspeak.sections import BUILTIN_DATA, BUILTIN_VOCAB, JobConfig, microbatches_per_replica
+from meshspeak.sections import (
+    BUILTIN_DATA,
+    BUILTIN_VOCAB,
+    JobConfig,
+    ModelConfig,
+    PipelineConfig,
+    microbatches_per_replica,
+)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -48,19 +55,23 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
             f"mesh.{axis}",
             f"mesh.{axis} must be an integer >= 1, got {degree!r}",
         )
-    model, train, pipe = cfg.model, cfg.train, cfg.pipeline
-
     # Tensor parallelism splits what the model family says (heads, vocabulary, FFN...) and, with
     # sequence parallelism, the sequence.
-    resolved = resolve_model(model)
+    resolved = resolve_model(cfg.model)
     resolved.family.check_mesh(resolved.shape, tp)
     _require(
-        model.seq_len % tp == 0,
+        cfg.model.seq_len % tp == 0,
         "model.seq_len",
-        f"model.seq_len={model.seq_len} is not divisible by mesh.tp={tp}: choose seq_len as a multiple of "
-        f"tp (e.g. {_next_multiple(model.seq_len, tp)}) or a tp that divides {model.seq_len}",
+        f"model.seq_len={cfg.model.seq_len} is not divisible by mesh.tp={tp}: choose seq_len as a multiple of "
+        f"tp (e.g. {_next_multiple(cfg.model.seq_len, tp)}) or a tp that divides {cfg.model.seq_len}",
     )
-    n_layers = resolved.shape.n_layers
+    _check_stages(cfg, pp, resolved.shape.n_layers)
+    _check_batch(cfg, dp, pp)
+
+
+def _check_stages(cfg: JobConfig, pp: int, n_layers: int) -> None:
+    """Every pipeline stage holds at least one layer; ``pipeline.layers`` gives one count per stage."""
+    model, pipe = cfg.model, cfg.pipeline
     layers_key = f"model.n_layers={n_layers}" if not model.from_hf else f"the {n_layers} layers of model.from_hf"
 
     n_stages = pp * pipe.virtual_stages
@@ -81,6 +92,10 @@ def check_mesh(cfg: JobConfig, dp: int, pp: int, tp: int) -> None:
             f"pipeline.virtual_stages = {n_stages} stages: give one layer count per stage",
         )
 
+
+def _check_batch(cfg: JobConfig, dp: int, pp: int) -> None:
+    """The global batch splits into whole microbatches per replica, as many as the schedule needs."""
+    train, pipe = cfg.train, cfg.pipeline
     per_step = dp * train.micro_batch_size
     if train.global_batch_size % per_step:
         raise ConfigError(
@@ -132,7 +147,25 @@ def validate_job(cfg: JobConfig) -> None:
 
 
 def _check_relations(cfg: JobConfig) -> None:
-    model, pipe = cfg.model, cfg.pipeline
+    _check_head_width(cfg.model)
+    _check_builtin_vocab(cfg)
+    _check_virtual_stages(cfg.pipeline)
+    if cfg.pipeline.schedule in ZERO_BUBBLE:
+        _check_zero_bubble(cfg)
+    _check_sharding(cfg)
+    _check_compression(cfg)
+    _require(
+        not cfg.elastic.rebalance or cfg.mesh.dp >= 2,
+        "elastic.rebalance",
+        f"elastic.rebalance=true needs mesh.dp >= 2 (it moves microbatches between data-parallel "
+        f"replicas; got mesh.dp={cfg.mesh.dp}): raise mesh.dp or set elastic.rebalance=false",
+    )
+    if cfg.pipeline.layers is not None:
+        _check_layer_counts(cfg)
+
+
+def _check_head_width(model: ModelConfig) -> None:
+    """The heads split ``d_model`` evenly, each head an even number of channels."""
     _require(
         model.d_model % model.n_heads == 0,
         "model.d_model",
@@ -147,7 +180,11 @@ def _check_relations(cfg: JobConfig) -> None:
         f"model.d_model / model.n_heads = {model.head_dim} is odd: rotary embeddings need an even "
         f"head_dim; choose d_model = n_heads x an even number (e.g. {even})",
     )
-    vocab = resolve_model(model).shape.vocab_size
+
+
+def _check_builtin_vocab(cfg: JobConfig) -> None:
+    """The sources are named once (``_check_mixtures``); the built-in byte data needs its vocabulary."""
+    vocab = resolve_model(cfg.model).shape.vocab_size
     _check_mixtures(cfg)
     data_paths = [p for p, _ in cfg.data.mix] if cfg.data.mix else [cfg.data.path]
     if BUILTIN_DATA in data_paths:
@@ -157,6 +194,10 @@ def _check_relations(cfg: JobConfig) -> None:
             f"model.vocab_size={vocab} is too small for data.path=\"builtin\" (byte "
             f"tokens need {BUILTIN_VOCAB}): set model.vocab_size >= {BUILTIN_VOCAB}",
         )
+
+
+def _check_virtual_stages(pipe: PipelineConfig) -> None:
+    """``pipeline.virtual_stages`` as the schedule needs it: >= 2 interleaved, 2 for zbv, else 1."""
     if pipe.schedule == "interleaved_1f1b":
         _require(
             pipe.virtual_stages >= 2,
@@ -180,8 +221,10 @@ def _check_relations(cfg: JobConfig) -> None:
             f"pipeline.schedule='interleaved_1f1b' (got {pipe.schedule!r}): set virtual_stages=1 "
             f"or switch the schedule",
         )
-    if pipe.schedule in ZERO_BUBBLE:
-        _check_zero_bubble(cfg)
+
+
+def _check_sharding(cfg: JobConfig) -> None:
+    """CPU offload and HSDP's replicate groups, against the ZeRO level and mesh.dp."""
     _require(
         not cfg.mesh.cpu_offload or cfg.mesh.zero == 3,
         "mesh.cpu_offload",
@@ -200,24 +243,21 @@ def _check_relations(cfg: JobConfig) -> None:
         f"mesh.dp_replicate={cfg.mesh.dp_replicate} needs mesh.zero >= 1: ZeRO-0 already replicates "
         f"over all dp ranks; set mesh.dp_replicate=1 or mesh.zero=1..3",
     )
-    _check_compression(cfg)
-    _require(
-        not cfg.elastic.rebalance or cfg.mesh.dp >= 2,
-        "elastic.rebalance",
-        f"elastic.rebalance=true needs mesh.dp >= 2 (it moves microbatches between data-parallel "
-        f"replicas; got mesh.dp={cfg.mesh.dp}): raise mesh.dp or set elastic.rebalance=false",
-    )
-    if pipe.layers is not None:
-        for i, n in enumerate(pipe.layers):
-            _require(
-                n >= 1, "pipeline.layers", f"pipeline.layers[{i}]={n}: every stage needs >= 1 layer"
-            )
+
+
+def _check_layer_counts(cfg: JobConfig) -> None:
+    """``pipeline.layers``: every stage at least one layer, all of them adding up to the model's."""
+    pipe, model = cfg.pipeline, cfg.model
+    for i, n in enumerate(pipe.layers):
         _require(
-            sum(pipe.layers) == resolve_model(model).shape.n_layers,
-            "pipeline.layers",
-            f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
-            f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
+            n >= 1, "pipeline.layers", f"pipeline.layers[{i}]={n}: every stage needs >= 1 layer"
         )
+    _require(
+        sum(pipe.layers) == resolve_model(model).shape.n_layers,
+        "pipeline.layers",
+        f"pipeline.layers={list(pipe.layers)} sums to {sum(pipe.layers)} but "
+        f"model.n_layers={resolve_model(model).shape.n_layers}: make the per-stage counts add up to n_layers",
+    )
 
 
 def _check_mixtures(cfg: JobConfig) -> None:
