@@ -1,13 +1,14 @@
 """The layout's import rules hold in this repository, and each rule fires when broken on purpose.
 
 The rules (docs/design.md, "Module map and import rules") are checked from the source by
-``testbed/import_rules.py``: no import cycle; the ground package imports no other project
-package, torch or Ray; workers/ never imports orchestrator/; checkpoints/ imports neither orchestrator/,
-workers/ nor Ray; orchestrator/ imports workers/ only lazily, in at most four modules the design doc
-names, and never torch.distributed; Ray only in the cluster package, launch, sweep and workers/; no
-test imports a test module or a conftest; bench/ never imports tests/; orchestrator/ has at most 12
-top-level modules; no function outside tests/ is over 60 lines (``KNOWN_LONG_FUNCTIONS`` lists the
-ones that were when this cap replaced a 400-line file cap: they may only shrink, and leave the list).
+``testbed/import_rules.py``: no import cycle (typing-only imports counted); the ground package
+imports no other project package, torch or Ray; workers/ never imports orchestrator/; checkpoints/
+imports neither orchestrator/, workers/ nor Ray; orchestrator/ imports workers/ only lazily, in at
+most four modules the design doc names, and never torch.distributed; Ray only in the cluster package,
+launch, sweep and workers/; no test imports a test module or a conftest; bench/ never imports tests/;
+orchestrator/ has at most 12 top-level modules; no function outside tests/ is over 60 lines
+(``KNOWN_LONG_FUNCTIONS`` lists the ones that were when this cap replaced a 400-line file cap: they
+may only shrink, and leave the list).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 BROKEN = {
     "cycle": ({"workers/a.py": "from workers import b\n", "workers/b.py": "def f():\n    import workers.a\n"},
               "import cycle: workers.a -> workers.b"),
+    "a typing-only cycle": ({"workers/a.py": "from workers import b\n",
+                             "workers/b.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                             "    from workers.a import A\n"},
+                            "import cycle: workers.a -> workers.b"),
     "ground imports the project": ({"meshspeak/x.py": "from workers.y import z\n", "workers/y.py": ""},
                                    "ground: meshspeak.x:1 imports workers.y"),
     "ground imports torch": ({"meshspeak/x.py": "def f():\n    import torch\n"}, "ground: meshspeak.x:2 imports torch"),
