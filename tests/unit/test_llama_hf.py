@@ -208,3 +208,30 @@ def test_init_slice_is_the_slice_of_the_full_init():
                        ((699, 700), (0, 64)), ((5, 5), (0, 64))]:
         slices = (slice(*rows), slice(*cols))
         assert torch.equal(family.init_slice(shape, "tok_embeddings.weight", size, 0, slices), full[slices])
+
+
+# The fields of Qwen3-0.6B's published config.json (transformers 4.x style: legacy rope_theta, no layer_types).
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+
+
+def test_a_real_size_qwen3_config_matches_transformers_meta_model(tmp_path):
+    """Qwen3-0.6B's config.json, built by transformers on the meta device: the same tensors and count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
+    config = AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    resolved = resolve_model(load_config(None, [f"model.from_hf={tmp_path}"]).model)
+    s = resolved.shape
+    assert (s.rope_theta, s.head_dim, s.tie_embeddings, s.qk_norm, s.sliding_layers) == (1e6, 128, True, True, ())
+    theirs = {name: tuple(t.shape) for name, t in hf.state_dict().items() if name != "lm_head.weight"}
+    assert resolved.family.hf_tensors(s) == theirs
+    assert resolved.family.param_counts(s)["total"] == sum(p.numel() for p in hf.parameters())
