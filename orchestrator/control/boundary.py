@@ -25,7 +25,7 @@ only, the background starts of the grow check); what it decides is data.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator.control.controller_view import BoundaryView
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp
@@ -129,6 +129,31 @@ def decide_grow(c: BoundaryView, at: Boundary) -> Grow | None:
     c.spares.adopt_new_capacity(c.scaling)
     decision = c.scaling.grow(c.generation.shape.dp, len(c.group.live_ids))
     return Grow(decision) if isinstance(decision, ResizeDecision) else None
+
+
+def refresh(c: BoundaryView, decision: Decision) -> Decision | None:
+    """A decision held while steps drained, taken again after a failure or rollback may have changed
+    the actors: what it drops is narrowed to the actors still live, the mesh it forms is chosen again
+    from them, and it lapses when nothing is left to do (the draining node already went; the stragglers
+    died). A grow lapses too: the grow check decides again from the capacity there is now."""
+    live = set(c.group.live_ids)
+    if isinstance(decision, Evacuate):
+        actors = decision.notice.actors & live
+        if not actors & set(c.generation.members.values()):  # gone, or only spares now: drop, no re-form
+            if actors:
+                c.group.kill(sorted(actors))
+            return None
+        notice = replace(decision.notice, actors=frozenset(actors))
+        return Evacuate(notice, c.scaling.after_preemption(len(live - actors)))
+    if isinstance(decision, Evict):
+        actors = decision.actors & set(c.generation.members.values())
+        if not actors:
+            return None
+        resized = choose_dp(c.cfg, len(live) - len(actors), "straggler")
+        return Evict(frozenset(actors), resized) if isinstance(resized, ResizeDecision) else None
+    if isinstance(decision, Grow):
+        return None
+    return decision  # a stop or a requested resize holds whatever happened
 
 
 def carry_out_decision(c: BoundaryView, decision: Decision, step: int) -> ControllerState:

@@ -50,6 +50,7 @@ from orchestrator.control.boundary import (
     Boundary,
     Decision,
     carry_out_decision,
+    refresh,
 )
 from orchestrator.control.evaluation import Evaluator
 from orchestrator.control.formation import form_generation, save_before_reform
@@ -252,7 +253,9 @@ class Controller:
             self.ckpt.finish_run(self.group, self.generation, step - 1)
             self.metrics.event("done", step=step - 1)
             return Finished(step - 1)
-        decision, self.window.held = self.window.held, None
+        decision, stale = self.window.take_held()
+        if decision is not None and stale:
+            decision = refresh(self, decision)  # a failure or rollback came between: actors may have changed
         if decision is None:
             for hook in self.step_hooks:
                 if _due(hook, step):

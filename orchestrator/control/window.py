@@ -54,6 +54,7 @@ class StepWindow:
         self.flights: deque[InFlight] = deque()
         self.after = 0  # the step the next one sent follows (the ranks check it)
         self.held = None  # a boundary decision waiting for the steps in flight to finish
+        self.held_across_reset = False  # ... and a failure or rollback ended those steps meanwhile
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -64,9 +65,19 @@ class StepWindow:
         return self.flights[-1].step if self.flights else self.after
 
     def reset(self, after: int) -> None:
-        """A generation formed (or reloaded in place) at step ``after``: nothing in flight."""
+        """A generation formed (or reloaded in place) at step ``after``: nothing in flight. A decision
+        held for the steps in flight is kept: a failure or a rollback that ends those steps must not
+        drop it (a draining node already seen would never be evacuated); the next boundary carries
+        it out, refreshed against the actors that live then (``boundary.refresh``)."""
         self.flights.clear()
-        self.after, self.held = after, None
+        self.after = after
+        self.held_across_reset = self.held is not None
+
+    def take_held(self):
+        """The held decision, if any, and whether a reset came between (cleared both ways)."""
+        held, stale = self.held, self.held_across_reset
+        self.held, self.held_across_reset = None, False
+        return held, stale
 
     def send(self, group, members: list[int], step: int, keep: tuple, split: dict | None = None) -> InFlight:
         """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch

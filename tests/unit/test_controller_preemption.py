@@ -96,3 +96,29 @@ def test_stop_request_saves_the_step_and_finishes(make):
     stopped, = r.events("stopped")
     assert (stopped["step"], stopped["resume_step"]) == (3, 4)
     assert [x["step"] for x in r.records() if "loss" in x] == [1, 2, 3] and not r.events("done")
+
+
+def test_a_drain_held_across_a_failure_still_evacuates_the_node(make):
+    """#36 item 7: with steps in flight the evacuation is held until they are read; a rank that dies in
+    one of them ends those steps with a failure. The held decision outlives it: once the mesh re-formed
+    from the survivors, the draining node's actor is still dropped at the next boundary (the node was
+    marked decided, so nothing else would ever evacuate it)."""
+    # No save (no boundary empties the window); a global batch of 24 lets the 3 survivors form dp=3.
+    r = make("train.steps=10", "checkpoint.every=0", "train.global_batch_size=24", window=3)
+    r.group.fail(RankCalls.train_step, 1, "die", at=4)
+    r.steps(3)  # generation 1, steps 1-2 read (3 and 4 in flight)
+    on_node_b(r, 3)
+    r.group.draining = {"node-b": 60.0}
+    r.clock.t += 1.0
+    assert r.c.step() == State.RUNNING  # step 3 read; the boundary before 5 decides the drain: held (4 in flight)
+    assert r.c.window.held is not None and r.c.window.held.notice.actors == {3}
+    assert r.c.step() == State.REBUILDING  # step 4: actor 1 died
+    assert r.c.step() == State.RUNNING  # generation 2 from actors 0, 2, 3 (node-b's 3 still in it)
+    assert 3 in r.c.generation.members.values()
+    assert r.c.step() == State.FORMING  # the held evacuation, refreshed: drop actor 3
+    assert r.c.step() == State.RUNNING
+    assert 3 not in r.c.generation.members.values() and 3 in r.group.killed
+    r.c.run()
+    assert r.c.state.kind == State.FINISHED
+    assert [e["reason"] for e in r.events("rebuild")][-1] == "preemption"
+    assert len(r.events("preemption")) == 1
