@@ -39,114 +39,164 @@ def bubble_stats(run) -> dict:
     for a slower one, which no schedule removes (it is the same under every schedule)."""
     pp = run.shape.pp
     steps = range(WARMUP_STEPS, len(run.results[0]))
-    per_step, per_rank_window, per_rank_step = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
-    bottleneck = []  # per step: idle / compute of the rank that computed longest
-    bottleneck_parts = []  # per step: that rank's (compute, receive waits, send posts, the rest) in s
-    cpu_share, windows = [], []
-    parts = {"compute": [], "recv_wait": [], "send_post": [], "other": []}  # fractions of the window
-    costs: dict[tuple[int, Op], list[float]] = {}
-    replay_per_step, handoffs, late_recvs = [], [], []
+    tally = _Tally(pp)
     for i in steps:
-        win = [run.extras[r][i] for r in range(pp)]
-        start, end = min(w[0] for w in win), max(w[1] for w in win)
-        window = end - start
-        windows.append(window)
-        busy_total = 0.0
-        splits = []  # per rank: (compute, receive waits, send posts, the rest) of the window, s
-        durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
-        spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
-        for r in range(pp):
-            result = run.results[r][i]
-            busy = recv = send = 0.0
-            for t in result.timings:
-                a = _parse(t.action)
-                spans[a] = (win[r][0] + t.start_s, win[r][0] + t.end_s)
-                if a.op in COMPUTE_OPS:
-                    busy += t.end_s - t.start_s
-                    durations[a] = t.end_s - t.start_s
-                    costs.setdefault((a.stage, a.op), []).append(t.end_s - t.start_s)
-                elif a.op in (Op.RECV_F, Op.RECV_B):
-                    recv += t.end_s - t.start_s
-                else:
-                    send += t.end_s - t.start_s
-            busy_total += busy
-            splits.append((busy, recv, send, window - busy - recv - send))
-            for key, seconds in zip(parts, splits[-1]):
-                parts[key].append(seconds / window)
-            per_rank_window[r].append(1.0 - busy / window)
-            per_rank_step[r].append(1.0 - busy / result.step_time_s)
-        per_step.append(1.0 - busy_total / (pp * window))
-        busiest = max(splits)  # the rank that computed longest
-        bottleneck.append((window - busiest[0]) / busiest[0])
-        bottleneck_parts.append(busiest)
-        cpu_share.append(sum(w[2] for w in win) / (pp * window))
-        replay_per_step.append(_replay(run, durations.__getitem__))
-        waiting, late = _handoff_latencies(spans)
-        handoffs += waiting
-        late_recvs += late
-    mean_cost = {k: statistics.mean(v) for k, v in costs.items()}
-    op_mean = {op: statistics.mean(v for (s, o), v in mean_cost.items() if o == op)
-               for op in COMPUTE_OPS if any(o == op for _, o in mean_cost)}  # fmt: skip
-    f_mean = op_mean[Op.FORWARD]
-    # A zero-bubble run has I and W instead of B: its "B" is their sum.
-    b_mean = op_mean.get(Op.BACKWARD, op_mean.get(Op.BACKWARD_INPUT, 0.0) + op_mean.get(Op.BACKWARD_WEIGHT, 0.0))
-    sim = simulate(run.actions, pp, run.virtual_stages, f_cost=f_mean, b_cost=b_mean,
-                   i_cost=op_mean.get(Op.BACKWARD_INPUT), w_cost=op_mean.get(Op.BACKWARD_WEIGHT),
+        _tally_step(run, i, tally)
+    costs = _MeanCosts(tally.costs)
+    sim = simulate(run.actions, pp, run.virtual_stages, f_cost=costs.f_mean, b_cost=costs.b_mean,
+                   i_cost=costs.op_mean.get(Op.BACKWARD_INPUT), w_cost=costs.op_mean.get(Op.BACKWARD_WEIGHT),
                    placement=placement_of(run.schedule))
-    stage_cost_sim = _simulate(run, lambda a: mean_cost[(a.stage, a.op)])
-    replayed = stage_cost_sim.bubble_fraction
-    measured = statistics.mean(per_step)
-    per_stage = {
-        f"{op.value}_s_per_stage": [mean_cost[(s, op)] for s in range(pp * run.virtual_stages)]
-        for op in op_mean
-    }
+    stage_cost_sim = _simulate(run, lambda a: costs.mean_cost[(a.stage, a.op)])
+    return {**_bubble_figures(tally, sim, stage_cost_sim), **_time_figures(run, steps, tally, costs)}
+
+
+class _Tally:
+    """What ``bubble_stats`` gathers over the measured steps."""
+
+    def __init__(self, pp: int) -> None:
+        self.per_step: list[float] = []
+        self.per_rank_window: list[list[float]] = [[] for _ in range(pp)]
+        self.per_rank_step: list[list[float]] = [[] for _ in range(pp)]
+        self.bottleneck: list[float] = []  # per step: idle / compute of the rank that computed longest
+        # Per step: that rank's (compute, receive waits, send posts, the rest) in s.
+        self.bottleneck_parts: list[tuple] = []
+        self.cpu_share: list[float] = []
+        self.windows: list[float] = []
+        # Fractions of the window.
+        self.parts: dict[str, list[float]] = {"compute": [], "recv_wait": [], "send_post": [], "other": []}
+        self.costs: dict[tuple[int, Op], list[float]] = {}
+        self.replay_per_step: list[float] = []
+        self.handoffs: list[float] = []
+        self.late_recvs: list[float] = []
+
+
+def _tally_step(run, i: int, tally: _Tally) -> None:
+    """Step ``i``: each rank's split of the pipeline window, the busiest rank, the replay at the step's
+    own action durations, the hand-off latencies."""
+    pp = run.shape.pp
+    win = [run.extras[r][i] for r in range(pp)]
+    start, end = min(w[0] for w in win), max(w[1] for w in win)
+    window = end - start
+    tally.windows.append(window)
+    busy_total = 0.0
+    splits = []  # per rank: (compute, receive waits, send posts, the rest) of the window, s
+    durations: dict[Action, float] = {}  # this step's F/B actions, all ranks
+    spans: dict[Action, tuple[float, float]] = {}  # absolute (start, end) of every action
+    for r in range(pp):
+        result = run.results[r][i]
+        busy, recv, send = _rank_times(result.timings, win[r][0], spans, durations, tally.costs)
+        busy_total += busy
+        splits.append((busy, recv, send, window - busy - recv - send))
+        for key, seconds in zip(tally.parts, splits[-1]):
+            tally.parts[key].append(seconds / window)
+        tally.per_rank_window[r].append(1.0 - busy / window)
+        tally.per_rank_step[r].append(1.0 - busy / result.step_time_s)
+    tally.per_step.append(1.0 - busy_total / (pp * window))
+    busiest = max(splits)  # the rank that computed longest
+    tally.bottleneck.append((window - busiest[0]) / busiest[0])
+    tally.bottleneck_parts.append(busiest)
+    tally.cpu_share.append(sum(w[2] for w in win) / (pp * window))
+    tally.replay_per_step.append(_replay(run, durations.__getitem__))
+    waiting, late = _handoff_latencies(spans)
+    tally.handoffs += waiting
+    tally.late_recvs += late
+
+
+def _rank_times(timings, origin: float, spans: dict, durations: dict, costs: dict) -> tuple[float, float, float]:
+    """One rank's (compute, receive waits, send posts) in a step, in s; each action's absolute span,
+    each F/B's duration and its cost by (stage, op) are recorded on the way."""
+    busy = recv = send = 0.0
+    for t in timings:
+        a = _parse(t.action)
+        spans[a] = (origin + t.start_s, origin + t.end_s)
+        if a.op in COMPUTE_OPS:
+            busy += t.end_s - t.start_s
+            durations[a] = t.end_s - t.start_s
+            costs.setdefault((a.stage, a.op), []).append(t.end_s - t.start_s)
+        elif a.op in (Op.RECV_F, Op.RECV_B):
+            recv += t.end_s - t.start_s
+        else:
+            send += t.end_s - t.start_s
+    return busy, recv, send
+
+
+class _MeanCosts:
+    """Mean compute time per (stage, op) and per op over the measured steps."""
+
+    def __init__(self, costs: dict[tuple[int, Op], list[float]]) -> None:
+        self.costs = costs
+        self.mean_cost = {k: statistics.mean(v) for k, v in costs.items()}
+        self.op_mean = {op: statistics.mean(v for (s, o), v in self.mean_cost.items() if o == op)
+                        for op in COMPUTE_OPS if any(o == op for _, o in self.mean_cost)}  # fmt: skip
+        self.f_mean = self.op_mean[Op.FORWARD]
+        # A zero-bubble run has I and W instead of B: its "B" is their sum.
+        self.b_mean = self.op_mean.get(Op.BACKWARD, self.op_mean.get(Op.BACKWARD_INPUT, 0.0)
+                                       + self.op_mean.get(Op.BACKWARD_WEIGHT, 0.0))
+
+
+def _bubble_figures(tally: _Tally, sim, stage_cost_sim) -> dict:
+    """The bubble measured, simulated and replayed, and the hand-off latencies."""
+    measured = statistics.mean(tally.per_step)
     return {
         "measured": measured,
         "idle_over_busy": measured / (1 - measured),
         "simulated_idle_over_busy": sim.bubble_fraction / (1 - sim.bubble_fraction),
-        "bottleneck_idle_over_busy": statistics.median(bottleneck),
-        "bottleneck_idle_over_busy_per_step": bottleneck,
+        "bottleneck_idle_over_busy": statistics.median(tally.bottleneck),
+        "bottleneck_idle_over_busy_per_step": tally.bottleneck,
         # Where the busiest rank's window went, ms (medians over steps): compute, waiting in receives,
         # posting sends (free in the theory), and the rest: before its first and after its last action
         # within the ranks' common window (a rank done before the others waits there), and between
         # actions.
         "bottleneck_window_ms": {
-            key: 1e3 * statistics.median(p[i] for p in bottleneck_parts)
-            for i, key in enumerate(parts)
+            key: 1e3 * statistics.median(p[i] for p in tally.bottleneck_parts)
+            for i, key in enumerate(tally.parts)
         },
         "simulated_bottleneck_idle_over_busy": _bottleneck(sim),
         # The schedule at each stage's own mean costs (the first stage's I is empty, see
         # workers/split_backward.py): what the schedule itself allows on this model.
         "replay_stage_costs_bottleneck_idle_over_busy": _bottleneck(stage_cost_sim),
-        "measured_median_over_steps": statistics.median(per_step),
-        "measured_per_step": per_step,
-        "measured_per_rank": [statistics.mean(x) for x in per_rank_window],
-        "measured_vs_full_step_per_rank": [statistics.mean(x) for x in per_rank_step],
+        "measured_median_over_steps": statistics.median(tally.per_step),
+        "measured_per_step": tally.per_step,
+        "measured_per_rank": [statistics.mean(x) for x in tally.per_rank_window],
+        "measured_vs_full_step_per_rank": [statistics.mean(x) for x in tally.per_rank_step],
         "simulated_mean_costs": sim.bubble_fraction,
-        "replay_measured_stage_costs": replayed,
+        "replay_measured_stage_costs": stage_cost_sim.bubble_fraction,
         # The schedule replayed with every F/B action's own measured duration, communication free:
         # what stage imbalance and the run-to-run jitter of action times alone make of the bubble.
         # measured - this = what hand-offs and the executor between actions add.
-        "replay_measured_action_durations": statistics.mean(replay_per_step),
-        "replay_measured_action_durations_per_step": replay_per_step,
-        "handoff_latency_ms": _quantiles_ms(handoffs),
-        "recv_of_an_already_sent_tensor_ms": _quantiles_ms(late_recvs),
+        "replay_measured_action_durations": statistics.mean(tally.replay_per_step),
+        "replay_measured_action_durations_per_step": tally.replay_per_step,
+        "handoff_latency_ms": _quantiles_ms(tally.handoffs),
+        "recv_of_an_already_sent_tensor_ms": _quantiles_ms(tally.late_recvs),
+    }
+
+
+def _time_figures(run, steps: range, tally: _Tally, costs: _MeanCosts) -> dict:
+    """The action times (their spread, the means per op and per stage), the window, the step, and
+    where each rank's window went."""
+    pp = run.shape.pp
+    per_stage = {
+        f"{op.value}_s_per_stage": [costs.mean_cost[(s, op)] for s in range(pp * run.virtual_stages)]
+        for op in costs.op_mean
+    }
+    return {
         "action_time_cv_per_stage_op": {
-            f"{s}{op.value}": statistics.pstdev(v) / statistics.mean(v) for (s, op), v in sorted(costs.items())
+            f"{s}{op.value}": statistics.pstdev(v) / statistics.mean(v) for (s, op), v in sorted(costs.costs.items())
         },
-        "mean_F_s": f_mean,
-        "mean_B_s": b_mean,
-        **{f"mean_{op.value}_s": op_mean[op] for op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if op in op_mean},
+        "mean_F_s": costs.f_mean,
+        "mean_B_s": costs.b_mean,
+        **{f"mean_{op.value}_s": costs.op_mean[op] for op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+           if op in costs.op_mean},
         **per_stage,
-        "pipeline_window_s": statistics.mean(windows),
-        "pipeline_window_s_per_step": windows,
+        "pipeline_window_s": statistics.mean(tally.windows),
+        "pipeline_window_s_per_step": tally.windows,
         "step_time_s": statistics.mean(
             max(run.results[r][i].step_time_s for r in range(pp)) for i in steps
         ),
-        "cpu_busy_share": statistics.mean(cpu_share),
+        "cpu_busy_share": statistics.mean(tally.cpu_share),
         # Where each rank's window went (mean over ranks and steps); "other" is the skew between the
         # ranks' starts/ends, Python between actions and waiting for the step's last sends.
-        "window_breakdown": {k: statistics.mean(v) for k, v in parts.items()},
+        "window_breakdown": {k: statistics.mean(v) for k, v in tally.parts.items()},
     }
 
 
