@@ -17,12 +17,15 @@ the tokenizer's EOS; third-party shards (no sidecar) work as long as they have t
 Sample ``i`` of sequence length ``L`` is the window ``tokens[i*L : i*L + L + 1]`` (inputs ``[:-1]``,
 targets ``[1:]``); the order in which samples are visited is ``meshdata.order``. With
 ``data.mask_document_boundaries`` a target whose input token is EOS is not counted
-(``meshdata.masks``).
+(``meshdata.masks``). Chat shards (``data prepare --chat``: sidecar format 3, a ``loss_mask`` column)
+are the exception: sample ``i`` is conversation ``i`` padded to the window, its targets counted only
+on the assistant's tokens (``meshdata.chat_source``).
 
 Modules: ``storage`` (local / fsspec locations), ``index`` (row-group token counts, sidecar, content
 identity), ``source`` (TokenSource, open/validate), ``order`` (sample order), ``mixture``
 (``data.mix``: weighted sources as one sample space), ``masks``, ``inputs`` /
-``tokenizer`` / ``prepare`` (``data prepare``).
+``tokenizer`` / ``prepare`` (``data prepare``), ``chat`` / ``conversations`` / ``chat_source``
+(``data prepare --chat`` and its shards).
 """
 
 from meshdata.errors import DataError

@@ -15,6 +15,9 @@ format 2: tokenizer hash/vocab/BOS/EOS, documents, tokens, each shard's row-grou
 and sha256) is written last, atomically: its presence marks a finished directory. The tokenizer files
 are copied beside the shards, so an export can ship them with the model. On failure the files written
 so far are removed again.
+
+``--chat`` (``chat=True``) reads conversations instead of text and writes a ``loss_mask`` column
+beside ``tokens``, one conversation per row (``meshdata.conversations``, ``meshdata.chat``).
 """
 
 from __future__ import annotations
