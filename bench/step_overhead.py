@@ -62,14 +62,28 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
     reference = ReferenceTrainer(cfg.model, cfg.train, cfg.data.path)
     num_params = sum(p.numel() for p in reference.model.parameters())
 
-    times = {"elastimesh": [], "plain": []}
-    cpu_times = {"elastimesh": [], "plain": []}
-    losses = {"elastimesh": {}, "plain": {}}
-
     def mesh_step(step: int) -> float:
         return runtime.train_step(step, actions).loss
 
     sides = {"elastimesh": mesh_step, "plain": reference.step}
+    try:
+        times, cpu_times, losses = _interleave(sides, warmup, total_steps, block)
+    finally:
+        runtime.destroy()
+        del store
+    return {
+        **_figures(times, cpu_times, losses, total_steps, quick),
+        "config": _config(cfg, num_params, warmup=warmup, steps=steps, block=block, threads=threads),
+        "environment": {**environment(), "machine": platform.machine()},
+    }
+
+
+def _interleave(sides: dict, warmup: int, total_steps: int, block: int) -> tuple[dict, dict, dict]:
+    """Both sides' warm-up, then blocks of ``block`` steps in turn, A B then B A: each side's wall and
+    CPU seconds of the measured steps, and every step's loss."""
+    times = {"elastimesh": [], "plain": []}
+    cpu_times = {"elastimesh": [], "plain": []}
+    losses = {"elastimesh": {}, "plain": {}}
 
     def run_block(name: str, first: int, count: int, record: bool) -> None:
         fn = sides[name]
@@ -82,25 +96,25 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
                 times[name].append(dt)
                 cpu_times[name].append(dc)
 
-    try:
-        # Warm-up: first-touch allocations, autograd graph caches, the data cache.
-        for name in sides:
-            run_block(name, 1, warmup, record=False)
-        step = warmup + 1
-        order = ["elastimesh", "plain"]
-        blocks = 0
-        while step <= total_steps:
-            count = min(block, total_steps - step + 1)
-            # A B, then B A: each side goes first in half of the rounds.
-            pair = order if blocks % 2 == 0 else order[::-1]
-            for name in pair:
-                run_block(name, step, count, record=True)
-            step += count
-            blocks += 1
-    finally:
-        runtime.destroy()
-        del store
+    # Warm-up: first-touch allocations, autograd graph caches, the data cache.
+    for name in sides:
+        run_block(name, 1, warmup, record=False)
+    step = warmup + 1
+    order = ["elastimesh", "plain"]
+    blocks = 0
+    while step <= total_steps:
+        count = min(block, total_steps - step + 1)
+        # A B, then B A: each side goes first in half of the rounds.
+        pair = order if blocks % 2 == 0 else order[::-1]
+        for name in pair:
+            run_block(name, step, count, record=True)
+        step += count
+        blocks += 1
+    return times, cpu_times, losses
 
+
+def _figures(times: dict, cpu_times: dict, losses: dict, total_steps: int, quick: bool) -> dict:
+    """The goal's ratio of median step times, the spread, the CPU cross-check, the losses compared."""
     mesh_losses = [losses["elastimesh"][s] for s in range(1, total_steps + 1)]
     plain_losses = [losses["plain"][s] for s in range(1, total_steps + 1)]
     max_abs = max(abs(a - b) for a, b in zip(mesh_losses, plain_losses))
@@ -131,23 +145,25 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
         "losses_match": max_rel < 1e-5,
         "loss_max_abs_diff": max_abs,
         "loss_max_rel_diff": max_rel,
-        "config": {
-            "model": {
-                k: getattr(cfg.model, k)
-                for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "ffn_dim")
-            },
-            "num_params": num_params,
-            "global_batch_size": cfg.train.global_batch_size,
-            "micro_batch_size": cfg.train.micro_batch_size,
-            "dtype": cfg.train.dtype,
-            "grad_clip": cfg.train.grad_clip,
-            "mesh": {"dp": 1, "pp": 1, "tp": 1, "zero": cfg.mesh.zero, "schedule": "1f1b"},
-            "warmup_steps_per_side": warmup,
-            "measured_steps_per_side": steps,
-            "block_steps": block,
-            "torch_num_threads": threads,
+    }
+
+
+def _config(cfg, num_params: int, *, warmup: int, steps: int, block: int, threads: int) -> dict:
+    return {
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "ffn_dim")
         },
-        "environment": {**environment(), "machine": platform.machine()},
+        "num_params": num_params,
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "dtype": cfg.train.dtype,
+        "grad_clip": cfg.train.grad_clip,
+        "mesh": {"dp": 1, "pp": 1, "tp": 1, "zero": cfg.mesh.zero, "schedule": "1f1b"},
+        "warmup_steps_per_side": warmup,
+        "measured_steps_per_side": steps,
+        "block_steps": block,
+        "torch_num_threads": threads,
     }
 
 
