@@ -59,12 +59,32 @@ CHATML_TEMPLATE = (
     "    {{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
-CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Llama 3's layout (BOS from the bos_token variable, header tokens, <|eot_id|> ends a turn, contents
+# trimmed), counting turns in a namespace: the template features a renderer must get right.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- set ns = namespace(turns=0) %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- set ns.turns = ns.turns + 1 %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}\n"
+    "    {%- if message['role'] == 'assistant' %}\n"
+    "        {%- generation %}\n"
+    "            {{- message['content'] | trim + '<|eot_id|>' }}\n"
+    "        {%- endgeneration %}\n"
+    "    {%- else %}\n"
+    "        {{- message['content'] | trim + '<|eot_id|>' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if ns.turns > 6 %}{{- '<|start_header_id|>note<|end_header_id|>\n\nlong<|eot_id|>' }}{%- endif %}\n"
+)
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+                 "<|end_header_id|>", "<|eot_id|>"]
 
 
 def make_chat_tokenizer(folder: Path, *, template: str | None = CHATML_TEMPLATE, as_file: bool = False):
-    """A byte-level BPE with ChatML's special tokens and ``template`` as its chat template (in
-    tokenizer_config.json, or in chat_template.jinja when ``as_file``; None: no template)."""
+    """A byte-level BPE with ChatML's and Llama 3's special tokens and ``template`` as its chat template
+    (in tokenizer_config.json, or in chat_template.jinja when ``as_file``; None: no template). Its
+    bos_token is Llama 3's (ChatML never writes it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -76,7 +96,7 @@ def make_chat_tokenizer(folder: Path, *, template: str | None = CHATML_TEMPLATE,
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "bos_token": None, "add_bos_token": False}
+              "bos_token": "<|begin_of_text|>", "add_bos_token": False}
     if template is not None and as_file:
         (folder / "chat_template.jinja").write_text(template)
     elif template is not None:

@@ -1,5 +1,5 @@
-"""`data prepare --chat`: 50 conversations rendered with a ChatML template that marks the assistant's
-turns with {% generation %}; every row equals transformers' `apply_chat_template(tokenize=True)` and
+"""`data prepare --chat`: 50 conversations rendered with a ChatML (Qwen2) and a Llama-3-style template that
+mark the assistant's turns with {% generation %}; every row equals transformers' `apply_chat_template(tokenize=True)` and
 its loss mask the `assistant_masks` transformers reports (the oracle), through several units, shards
 and row groups. The chat source then counts exactly the targets that predict a masked-in token, one
 conversation per padded sample. Bad input is one DataError line naming the file (and line) and the
@@ -17,15 +17,16 @@ from meshdata import DataError, microbatch_tokens, open_source, prepare, validat
 from meshdata.chat_source import IGNORE as CHAT_IGNORE
 from meshdata.index import SIDECAR
 from meshdata.masks import IGNORE, boundary_eos
-from testbed.tiny_tokenizer import CHATML_TEMPLATE, conversations, make_chat_tokenizer
+from testbed.tiny_tokenizer import CHATML_TEMPLATE, LLAMA3_TEMPLATE, conversations, make_chat_tokenizer
 
 ROWS = conversations(50)
 
 
-@pytest.fixture(scope="module", params=["config", "jinja_file"])
+@pytest.fixture(scope="module", params=["chatml-config", "chatml-jinja_file", "llama3-config"])
 def chat_tok(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat_tok")
-    make_chat_tokenizer(folder, as_file=request.param == "jinja_file")
+    template = CHATML_TEMPLATE if request.param.startswith("chatml") else LLAMA3_TEMPLATE
+    make_chat_tokenizer(folder, template=template, as_file=request.param.endswith("jinja_file"))
     return folder
 
 
