@@ -63,24 +63,20 @@ def _storage_key(t) -> tuple[int, int]:
 def count_model_state(runtime) -> dict:
     """Model-state bytes this rank holds: parameters, gradients, AdamW moments (local and allocated)."""
     import torch
-    from torch.distributed.tensor import DTensor
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
 
     local_bytes = {"params": 0, "grads": 0, "optimizer": 0}
     storages: dict[str, dict[tuple[int, int], int]] = {k: {} for k in local_bytes}
     numel = 0
 
     def add(kind: str, t: torch.Tensor) -> None:
-        lt = local(t)
+        lt = _local(t)
         local_bytes[kind] += lt.numel() * lt.element_size()
         if lt.untyped_storage().nbytes() > 0:
             key = _storage_key(lt)
             storages[kind][key] = key[1]
 
     for p in runtime.params:
-        numel += local(p).numel()
+        numel += _local(p).numel()
         add("params", p)
         if p.grad is not None:
             add("grads", p.grad)
@@ -91,7 +87,30 @@ def count_model_state(runtime) -> dict:
                     continue
                 add("optimizer", value)
 
-    # Unsharded parameter buffers FSDP2 may still hold between steps (ZeRO-3 frees them).
+    unsharded, fsdp_params_seen = _fsdp_unsharded_storages(runtime)
+    allocated = {k: sum(v.values()) for k, v in storages.items()}
+    return {
+        "local_numel": numel,
+        "local_bytes": local_bytes,
+        "local_total": sum(local_bytes.values()),
+        "allocated_bytes": allocated,
+        "allocated_total": sum(allocated.values()),
+        "fsdp_unsharded_alive_bytes": sum(unsharded.values()),
+        "fsdp_params_inspected": fsdp_params_seen,
+    }
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fsdp_unsharded_storages(runtime) -> tuple[dict[tuple[int, int], int], int]:
+    """Unsharded parameter buffers FSDP2 may still hold between steps (ZeRO-3 frees them): their
+    storages (key -> bytes), and how many FSDP parameters were inspected."""
+    import torch
+
     unsharded = {}
     fsdp_params_seen = 0
     for module in runtime.model_parts():
@@ -117,17 +136,7 @@ def count_model_state(runtime) -> dict:
                     if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
                         key = _storage_key(t)
                         unsharded[key] = key[1]
-
-    allocated = {k: sum(v.values()) for k, v in storages.items()}
-    return {
-        "local_numel": numel,
-        "local_bytes": local_bytes,
-        "local_total": sum(local_bytes.values()),
-        "allocated_bytes": allocated,
-        "allocated_total": sum(allocated.values()),
-        "fsdp_unsharded_alive_bytes": sum(unsharded.values()),
-        "fsdp_params_inspected": fsdp_params_seen,
-    }
+    return unsharded, fsdp_params_seen
 
 
 def _child(rank: int, port: int, dp: int, model: dict[str, int]) -> dict:

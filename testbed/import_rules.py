@@ -39,7 +39,6 @@ KNOWN_LONG_FUNCTIONS = {
     "bench/preemption.py::run_ray_train": 76,
     "bench/node_loss.py::run_variant": 72,
     "bench/recovery.py::run_elastimesh": 70,
-    "bench/zero3_memory.py::count_model_state": 68,
     "bench/preemption.py::run_elastimesh": 68,
     "bench/pipeline_zero_bubble.py::zero_bubble_sweep": 68,
     "bench/chaos.py::run_campaign": 67,
