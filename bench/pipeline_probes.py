@@ -30,106 +30,132 @@ def timing_probe(runtime):
 
 def memory_probe(runtime):
     """Count live bytes of autograd-saved activations (distinct storages) during each step."""
-    import torch
+    counter = _ActivationCounter(runtime)
+    counter.hook_stage_forwards(runtime)
+    counter.hook_loss(runtime.executor)
+    counter.hook_backward_input(runtime.executor)
+    counter.hook_step(runtime.executor)
+    return lambda: counter.per_step
 
-    excluded = set()
-    for stage in runtime.stages.values():
-        for t in [*stage.module.parameters(), *stage.module.buffers()]:
-            excluded.add(t.untyped_storage().data_ptr())
-    # live/peak: saved activations; kept/peak_total: zero-bubble's kept gradients, and both together.
-    state = {"live": 0, "peak": 0, "refs": {}, "first_f": None, "first_start": 0, "forwards": 0, "kept": 0,
-             "peak_total": 0}
-    per_step: list[dict] = []
 
-    class Saved:
-        __slots__ = ("tensor", "key", "__weakref__")
+class _Saved:
+    """One tensor autograd saved, detached; its storage's count drops when autograd lets it go."""
 
-        def __init__(self, tensor, key):
-            self.tensor, self.key = tensor, key
+    __slots__ = ("tensor", "key", "counter", "__weakref__")
 
-        def __del__(self):
-            count, nbytes = state["refs"][self.key]
-            if count == 1:
-                del state["refs"][self.key]
-                state["live"] -= nbytes
-            else:
-                state["refs"][self.key] = (count - 1, nbytes)
+    def __init__(self, tensor, key, counter: _ActivationCounter):
+        self.tensor, self.key, self.counter = tensor, key, counter
 
-    def pack(tensor):
+    def __del__(self):
+        count, nbytes = self.counter.refs[self.key]
+        if count == 1:
+            del self.counter.refs[self.key]
+            self.counter.live -= nbytes
+        else:
+            self.counter.refs[self.key] = (count - 1, nbytes)
+
+
+class _ActivationCounter:
+    """The probe's state: saved-activation bytes live now and at the step's peak, the first
+    microbatch's F, and (zero-bubble) the gradients kept from each I to its W."""
+
+    def __init__(self, runtime) -> None:
+        self.excluded = set()
+        for stage in runtime.stages.values():
+            for t in [*stage.module.parameters(), *stage.module.buffers()]:
+                self.excluded.add(t.untyped_storage().data_ptr())
+        # live/peak: saved activations; kept/peak_total: zero-bubble's kept gradients, and both together.
+        self.live = self.peak = 0
+        self.refs: dict[int, tuple[int, int]] = {}  # storage -> (saved tensors on it, its bytes)
+        self.first_f: int | None = None
+        self.first_start = self.forwards = self.kept = self.peak_total = 0
+        self.per_step: list[dict] = []
+
+    def pack(self, tensor):
         key = tensor.untyped_storage().data_ptr()
-        if key in excluded or key == 0:
+        if key in self.excluded or key == 0:
             return tensor
-        count, nbytes = state["refs"].get(key, (0, tensor.untyped_storage().nbytes()))
+        count, nbytes = self.refs.get(key, (0, tensor.untyped_storage().nbytes()))
         if count == 0:
-            state["live"] += nbytes
-            state["peak"] = max(state["peak"], state["live"])
-            state["peak_total"] = max(state["peak_total"], state["live"] + state["kept"])
-        state["refs"][key] = (count + 1, nbytes)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            self.peak_total = max(self.peak_total, self.live + self.kept)
+        self.refs[key] = (count + 1, nbytes)
         # Detached: a saved output of a node would otherwise reference that node (through its
         # grad_fn) from what the node saves, a cycle Python cannot collect. A backward with
         # retain_graph=False breaks it by releasing what it ran through; a zero-bubble I
         # (retain_graph=True) and its W leave nodes on the input path unreleased, and those would
         # stay alive for good and be counted (workers/split_backward.py).
-        return Saved(tensor.detach(), key)
+        return _Saved(tensor.detach(), key, self)
 
+    @staticmethod
     def unpack(packed):
-        return packed.tensor if isinstance(packed, Saved) else packed
+        return packed.tensor if isinstance(packed, _Saved) else packed
 
-    for stage in runtime.stages.values():
-        module, forward = stage.module, stage.module.forward
+    def hook_stage_forwards(self, runtime) -> None:
+        """Count what each stage's forward saves; the first microbatch's F of a step is noted."""
+        import torch
 
-        def hooked(x, _forward=forward):
-            before = state["live"]
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                out = _forward(x)
-            state["forwards"] += 1
-            if state["forwards"] == 1:
-                state["first_start"], state["first_f"] = before, state["live"] - before
+        for stage in runtime.stages.values():
+            module, forward = stage.module, stage.module.forward
+
+            def hooked(x, _forward=forward):
+                before = self.live
+                with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                    out = _forward(x)
+                self.forwards += 1
+                if self.forwards == 1:
+                    self.first_start, self.first_f = before, self.live - before
+                return out
+
+            module.forward = hooked
+
+    def hook_loss(self, executor) -> None:
+        """The last stage's loss is computed by the executor outside the stage module: count it too."""
+        import torch
+
+        loss_fn = executor.loss_fn
+
+        def hooked_loss(logits, targets):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                loss = loss_fn(logits, targets)
+            if self.forwards == 1:  # the first microbatch's F includes its loss
+                self.first_f = self.live - self.first_start
+            return loss
+
+        executor.loss_fn = hooked_loss
+
+    def hook_backward_input(self, executor) -> None:
+        """Zero-bubble: from its I to its W a microbatch also holds the gradients the W starts from
+        (WeightPass.kept_bytes, workers/split_backward.py), which 1F1B's backward frees at once."""
+        backward_input = executor._backward_input
+
+        def counted_backward_input(stage, mb):
+            backward_input(stage, mb)
+            weights = stage.weight_passes[mb]
+            kept, run_weights = weights.kept_bytes, weights.run
+            self.kept += kept
+            self.peak_total = max(self.peak_total, self.live + self.kept)
+
+            def run():
+                run_weights()
+                self.kept -= kept
+
+            weights.run = run
+
+        executor._backward_input = counted_backward_input
+
+    def hook_step(self, executor) -> None:
+        """Each step starts its peaks from what is live and records one row when it ends."""
+        inner = executor.run
+
+        def run(actions, data):
+            self.peak, self.first_f, self.forwards = self.live, None, 0
+            self.peak_total = self.live + self.kept
+            out = inner(actions, data)
+            self.per_step.append({"peak_bytes": self.peak, "one_microbatch_bytes": self.first_f,
+                                  "live_after_step": self.live, "peak_with_kept_gradients_bytes": self.peak_total,
+                                  "kept_after_step": self.kept})  # fmt: skip
             return out
 
-        module.forward = hooked
-
-    # The last stage's loss is computed by the executor outside the stage module: count it too.
-    loss_fn = runtime.executor.loss_fn
-
-    def hooked_loss(logits, targets):
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            loss = loss_fn(logits, targets)
-        if state["forwards"] == 1:  # the first microbatch's F includes its loss
-            state["first_f"] = state["live"] - state["first_start"]
-        return loss
-
-    runtime.executor.loss_fn = hooked_loss
-
-    executor = runtime.executor
-    # Zero-bubble: from its I to its W a microbatch also holds the gradients the W starts from
-    # (WeightPass.kept_bytes, workers/split_backward.py), which 1F1B's backward frees at once.
-    backward_input = executor._backward_input
-
-    def counted_backward_input(stage, mb):
-        backward_input(stage, mb)
-        weights = stage.weight_passes[mb]
-        kept, run_weights = weights.kept_bytes, weights.run
-        state["kept"] += kept
-        state["peak_total"] = max(state["peak_total"], state["live"] + state["kept"])
-
-        def run():
-            run_weights()
-            state["kept"] -= kept
-
-        weights.run = run
-
-    executor._backward_input = counted_backward_input
-    inner = executor.run
-
-    def run(actions, data):
-        state["peak"], state["first_f"], state["forwards"] = state["live"], None, 0
-        state["peak_total"] = state["live"] + state["kept"]
-        out = inner(actions, data)
-        per_step.append({"peak_bytes": state["peak"], "one_microbatch_bytes": state["first_f"],
-                         "live_after_step": state["live"], "peak_with_kept_gradients_bytes": state["peak_total"],
-                         "kept_after_step": state["kept"]})  # fmt: skip
-        return out
-
-    executor.run = run
-    return lambda: per_step
+        executor.run = run

@@ -75,70 +75,93 @@ def zero_bubble_sweep(model: tuple[str, ...], micro: int, pps, ms, steps: int, r
     rows = []
     for pp in pps:
         for m in ms:
-            base = (*model, f"model.n_layers={2 * pp}", f"train.global_batch_size={m * micro}")
-            samples: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
-            actions = {}
-            for _ in range(rounds):
-                for name in SCHEDULES:
-                    v, layers = _variant(name, pp)
-                    run = run_mesh(1, pp, 1, (*base, *layers), steps, schedule=name, virtual_stages=v,
-                                   collect_params=False, instrument=timing_probe, timeout=900)  # fmt: skip
-                    samples[name].append(bubble_stats(run))
-                    actions[name] = (run.actions, v)
+            samples, actions = _measure_schedules(model, micro, pp, m, steps, rounds)
             row: dict = {"pp": pp, "m": m, "rounds": rounds}
             for name, runs in samples.items():
                 lists, v = actions[name]
-                per_step = [b for r in runs for b in r["measured_per_step"]]
-                measured = statistics.median(per_step)
-                row[name] = {
-                    "measured": measured,
-                    "measured_mean": statistics.mean(per_step),
-                    "idle_over_busy": measured / (1 - measured),
-                    "bottleneck_idle_over_busy": statistics.median(
-                        b for r in runs for b in r["bottleneck_idle_over_busy_per_step"]),
-                    "bottleneck_window_ms": {k: statistics.mean(r["bottleneck_window_ms"][k] for r in runs)
-                                             for k in runs[0]["bottleneck_window_ms"]},
-                    "simulated_idle_over_busy": statistics.mean(r["simulated_idle_over_busy"] for r in runs),
-                    "replay_stage_costs_bottleneck_idle_over_busy": statistics.mean(
-                        r["replay_stage_costs_bottleneck_idle_over_busy"] for r in runs),
-                    "replay_measured_action_durations": statistics.mean(
-                        r["replay_measured_action_durations"] for r in runs),
-                    "peak_in_flight_stage_units": max(peak_in_flight(a) for a in lists) / v,
-                    "mean_action_s": {k: statistics.mean(r[k] for r in runs)
-                                      for k in ("mean_F_s", "mean_B_s", "mean_I_s", "mean_W_s") if k in runs[0]},
-                    "action_s_per_stage": {k: [statistics.mean(x) for x in zip(*(r[k] for r in runs))]
-                                           for k in runs[0] if k.endswith("_s_per_stage")},
-                    "step_time_s_median": statistics.median(r["step_time_s"] for r in runs),
-                    "cpu_busy_share": statistics.mean(r["cpu_busy_share"] for r in runs),
-                }  # fmt: skip
-            ofob, h1 = row["1f1b"], row["zb-h1"]
-            row["1f1b"]["theory_idle_over_busy"] = (pp - 1) / m
-            row["interleaved_1f1b"]["theory_idle_over_busy"] = (pp - 1) / (2 * m)
-            row["zb-h1"]["theory_idle_over_busy"] = (pp - 1) / (3 * m)  # F = I = W
-            row["1f1b"]["theory_bubble"] = theoretical_bubble(pp, m)
-            for key, field in (("idle", "idle_over_busy"), ("bottleneck", "bottleneck_idle_over_busy"),
-                               ("idle_simulated_at_measured_costs", "simulated_idle_over_busy"),
-                               ("bottleneck_at_stage_costs", "replay_stage_costs_bottleneck_idle_over_busy")):
-                row[f"zb_h1_over_1f1b_{key}"] = h1[field] / ofob[field]
-            row["zb_h1_over_1f1b_formula_at_measured_costs"] = formula_ratio(h1["action_s_per_stage"])
-            for key, field in (("idle", "idle_over_busy"), ("bottleneck", "bottleneck_idle_over_busy")):
-                row[f"zbv_over_1f1b_{key}"] = row["zbv"][field] / ofob[field]
-            row["same_activation_peak"] = h1["peak_in_flight_stage_units"] == ofob["peak_in_flight_stage_units"]
-            row["goal_met"] = row["same_activation_peak"] and row["zb_h1_over_1f1b_bottleneck"] <= 1 / 3
-            # With fewer cores than ranks a rank waiting in a receive hands its core to the others, so
-            # the phases where 1F1B idles run faster than they would with a core each: its bubble is
-            # measured below its theory and the ratio is not the schedule's. Reported, still judged.
-            row["one_core_per_rank"] = pp <= (os.cpu_count() or 1)
-            print(f"  pp={pp} m={m:2d}: idle/busy at the bottleneck rank (averaged over ranks) 1f1b "
-                  f"{ofob['bottleneck_idle_over_busy']:.3f} ({ofob['idle_over_busy']:.3f}) interleaved "
-                  f"{row['interleaved_1f1b']['bottleneck_idle_over_busy']:.3f} zb-h1 "
-                  f"{h1['bottleneck_idle_over_busy']:.3f} ({h1['idle_over_busy']:.3f}) zbv "
-                  f"{row['zbv']['bottleneck_idle_over_busy']:.3f}; zb-h1/1f1b {row['zb_h1_over_1f1b_bottleneck']:.2f} "
-                  f"({row['zb_h1_over_1f1b_idle']:.2f}); at the stage costs "
-                  f"{row['zb_h1_over_1f1b_bottleneck_at_stage_costs']:.2f}, formula "
-                  f"{row['zb_h1_over_1f1b_formula_at_measured_costs']:.2f}", flush=True)
+                row[name] = _schedule_figures(runs, lists, v)
+            _compare_with_1f1b(row, pp, m)
+            _print_row(row, pp, m)
             rows.append(row)
     return rows
+
+
+def _measure_schedules(model: tuple[str, ...], micro: int, pp: int, m: int, steps: int,
+                       rounds: int) -> tuple[dict[str, list[dict]], dict]:
+    """``rounds`` runs of every schedule at (pp, m), interleaved: each run's bubble_stats, and each
+    schedule's action lists with its virtual stages."""
+    base = (*model, f"model.n_layers={2 * pp}", f"train.global_batch_size={m * micro}")
+    samples: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+    actions = {}
+    for _ in range(rounds):
+        for name in SCHEDULES:
+            v, layers = _variant(name, pp)
+            run = run_mesh(1, pp, 1, (*base, *layers), steps, schedule=name, virtual_stages=v,
+                           collect_params=False, instrument=timing_probe, timeout=900)  # fmt: skip
+            samples[name].append(bubble_stats(run))
+            actions[name] = (run.actions, v)
+    return samples, actions
+
+
+def _schedule_figures(runs: list[dict], lists, v: int) -> dict:
+    """One schedule's figures over its runs (medians of the per-step values, means of the per-run ones)."""
+    per_step = [b for r in runs for b in r["measured_per_step"]]
+    measured = statistics.median(per_step)
+    return {
+        "measured": measured,
+        "measured_mean": statistics.mean(per_step),
+        "idle_over_busy": measured / (1 - measured),
+        "bottleneck_idle_over_busy": statistics.median(
+            b for r in runs for b in r["bottleneck_idle_over_busy_per_step"]),
+        "bottleneck_window_ms": {k: statistics.mean(r["bottleneck_window_ms"][k] for r in runs)
+                                 for k in runs[0]["bottleneck_window_ms"]},
+        "simulated_idle_over_busy": statistics.mean(r["simulated_idle_over_busy"] for r in runs),
+        "replay_stage_costs_bottleneck_idle_over_busy": statistics.mean(
+            r["replay_stage_costs_bottleneck_idle_over_busy"] for r in runs),
+        "replay_measured_action_durations": statistics.mean(
+            r["replay_measured_action_durations"] for r in runs),
+        "peak_in_flight_stage_units": max(peak_in_flight(a) for a in lists) / v,
+        "mean_action_s": {k: statistics.mean(r[k] for r in runs)
+                          for k in ("mean_F_s", "mean_B_s", "mean_I_s", "mean_W_s") if k in runs[0]},
+        "action_s_per_stage": {k: [statistics.mean(x) for x in zip(*(r[k] for r in runs))]
+                               for k in runs[0] if k.endswith("_s_per_stage")},
+        "step_time_s_median": statistics.median(r["step_time_s"] for r in runs),
+        "cpu_busy_share": statistics.mean(r["cpu_busy_share"] for r in runs),
+    }  # fmt: skip
+
+
+def _compare_with_1f1b(row: dict, pp: int, m: int) -> None:
+    """The theory beside the measures, the zero-bubble schedules over 1F1B, and the goal (in ``row``)."""
+    ofob, h1 = row["1f1b"], row["zb-h1"]
+    row["1f1b"]["theory_idle_over_busy"] = (pp - 1) / m
+    row["interleaved_1f1b"]["theory_idle_over_busy"] = (pp - 1) / (2 * m)
+    row["zb-h1"]["theory_idle_over_busy"] = (pp - 1) / (3 * m)  # F = I = W
+    row["1f1b"]["theory_bubble"] = theoretical_bubble(pp, m)
+    for key, field in (("idle", "idle_over_busy"), ("bottleneck", "bottleneck_idle_over_busy"),
+                       ("idle_simulated_at_measured_costs", "simulated_idle_over_busy"),
+                       ("bottleneck_at_stage_costs", "replay_stage_costs_bottleneck_idle_over_busy")):
+        row[f"zb_h1_over_1f1b_{key}"] = h1[field] / ofob[field]
+    row["zb_h1_over_1f1b_formula_at_measured_costs"] = formula_ratio(h1["action_s_per_stage"])
+    for key, field in (("idle", "idle_over_busy"), ("bottleneck", "bottleneck_idle_over_busy")):
+        row[f"zbv_over_1f1b_{key}"] = row["zbv"][field] / ofob[field]
+    row["same_activation_peak"] = h1["peak_in_flight_stage_units"] == ofob["peak_in_flight_stage_units"]
+    row["goal_met"] = row["same_activation_peak"] and row["zb_h1_over_1f1b_bottleneck"] <= 1 / 3
+    # With fewer cores than ranks a rank waiting in a receive hands its core to the others, so
+    # the phases where 1F1B idles run faster than they would with a core each: its bubble is
+    # measured below its theory and the ratio is not the schedule's. Reported, still judged.
+    row["one_core_per_rank"] = pp <= (os.cpu_count() or 1)
+
+
+def _print_row(row: dict, pp: int, m: int) -> None:
+    ofob, h1 = row["1f1b"], row["zb-h1"]
+    print(f"  pp={pp} m={m:2d}: idle/busy at the bottleneck rank (averaged over ranks) 1f1b "
+          f"{ofob['bottleneck_idle_over_busy']:.3f} ({ofob['idle_over_busy']:.3f}) interleaved "
+          f"{row['interleaved_1f1b']['bottleneck_idle_over_busy']:.3f} zb-h1 "
+          f"{h1['bottleneck_idle_over_busy']:.3f} ({h1['idle_over_busy']:.3f}) zbv "
+          f"{row['zbv']['bottleneck_idle_over_busy']:.3f}; zb-h1/1f1b {row['zb_h1_over_1f1b_bottleneck']:.2f} "
+          f"({row['zb_h1_over_1f1b_idle']:.2f}); at the stage costs "
+          f"{row['zb_h1_over_1f1b_bottleneck_at_stage_costs']:.2f}, formula "
+          f"{row['zb_h1_over_1f1b_formula_at_measured_costs']:.2f}", flush=True)
 
 
 def formula_ratio(per_stage: dict[str, list[float]]) -> float:
