@@ -51,8 +51,9 @@ class RankCalls(Protocol):
     def status(self) -> WorkerStatus:
         """Answered on a second thread while the training thread may be blocked."""
 
-    def kick(self, peers: list[tuple[str, int]]) -> int:
-        """Free a collective blocked on a dead peer (docs/design.md, Failure path)."""
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
+        """Free a collective blocked on a dead peer (docs/design.md, Failure path): ``peers`` are the
+        live members' gloo listeners, ``gone`` the dead or cut-off members'."""
 
     def node_id(self) -> str:
         """The Ray node the actor runs on."""

@@ -41,3 +41,9 @@ class TrainingFailed(OrchestratorError):
 
 class RebuildTimeoutError(TrainingFailed):
     """A generation could not be formed within elastic.rebuild_timeout_s."""
+
+
+class ClusterNetworkError(TrainingFailed, UserInputError):
+    """The ranks cannot reach the rendezvous store or each other: the cluster's network configuration
+    (a firewall, a host name on a loopback address), named with the address and what to open. The run
+    stops as a failed run does (the controller's ERRORED state), with exit 2: the fix is the input."""

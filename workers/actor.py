@@ -22,7 +22,6 @@ The methods the driver calls are listed, with their parameters, in ``meshspeak.r
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -31,7 +30,6 @@ import traceback
 from dataclasses import replace
 
 import ray
-import torch
 
 from meshspeak.messages import (
     GenerationOrders,
@@ -49,45 +47,27 @@ from meshspeak.messages import (
     WriteAck,
     early_answer,
 )
-from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP
+from meshspeak.rank_calls import SNAPSHOT_GROUP
+from meshspeak.rank_errors import RankError
 from workers.faults import Faults
 from workers.profiling import profiled_step
+from workers.rank_methods import on, plain, training
 from workers.snapshot_push import SnapshotWorker, serve_pieces
 from workers.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-# Why one thread: DTensor's sharding-propagation caches (and torch's other per-thread state) are per
-# thread, so on Ray's rotating pool every new thread paid the warm-up again: steps 1-4 of the default
-# job took 1.6-2.8 s, then 0.3-0.5 s. On one thread step 2 is already at full speed.
-# (The names live in meshspeak.rank_calls: the driver declares the groups when it creates the actor.)
-
-
-def _on(group: str):
-    def wrap(method):
-        """Run ``method`` in ``group``'s thread (noting the training thread, for ``train_threads``)."""
-
-        def on_thread(self, *args, **kwargs):
-            if group == TRAIN_GROUP:
-                self._train_threads.add(threading.get_ident())
-            return method(self, *args, **kwargs)
-
-        # Not functools.wraps: with __wrapped__ set, Ray 2.60 ignored the concurrency group and ran
-        # the method on the default pool (measured: 3 threads over 10 calls instead of 1). The
-        # signature is set instead (what Ray and tests/unit/test_rank_calls.py read).
-        on_thread.__name__, on_thread.__qualname__ = method.__name__, method.__qualname__
-        on_thread.__doc__ = method.__doc__
-        on_thread.__signature__ = inspect.signature(method)
-        return ray.method(concurrency_group=group)(on_thread)
-
-    return wrap
-
-
-_train = _on(TRAIN_GROUP)
-
 
 class RankActor:
     def __init__(self, actor_id: int, profile=None) -> None:
+        try:
+            self._start(actor_id, profile)
+        except Exception as exc:  # as every call's error: text only (``workers.rank_methods.plain``)
+            raise RankError.of(exc) from exc
+
+    def _start(self, actor_id: int, profile) -> None:
+        import torch  # here, not at the top: the driver imports this module to create the actors
+
         # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
         torch.set_num_threads(1)
         logging.basicConfig(
@@ -105,6 +85,9 @@ class RankActor:
         self.busy = False
         self.error: str | None = None  # latched: later training calls of the generation refuse
         self.gloo_listeners: tuple[tuple[str, int], ...] = ()
+        # The connections the generation's groups made (workers/sockets.py): a kick matches the
+        # listeners of peers that are gone against these only.
+        self.gloo_conns: frozenset = frozenset()
         self._backend = "gloo"  # of the current (or joining) generation's training groups
         self._lock = threading.Lock()
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
@@ -117,10 +100,12 @@ class RankActor:
         self.snapshot_worker = SnapshotWorker(self.snapshots)
         self.warm()
 
+    @plain
     def ping(self) -> tuple[int, str, str]:
         """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
         return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
+    @plain
     def warm(self) -> None:
         """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
         joins as fast as a member re-forms (``elastic.spares``); the first call (from ``__init__``,
@@ -131,20 +116,22 @@ class RankActor:
 
         freeze_startup_heap()
 
+    @plain
     def train_threads(self) -> int:
         """How many distinct threads have run this actor's training work (1 unless misconfigured)."""
         return len(self._train_threads)
 
+    @plain
     def node_id(self) -> str:
         """The Ray node this actor runs on (several nodes may share one IP, e.g. in tests)."""
         return ray.get_runtime_context().get_node_id()
 
-    @_train
+    @training
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
         ``RankGroups`` and ``RankRuntime`` for it are built here. ``orders``: what every step runs."""
         from workers import sockets
-        from workers.device import backend_for, select_device
+        from workers.bind import listeners
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
@@ -152,23 +139,16 @@ class RankActor:
             t0 = time.perf_counter()
             self._leave()
             t_left = time.perf_counter()
-            # A GPU job on a rank without CUDA fails here, in one line (no silent gloo fallback).
-            device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
-                                   where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
-            self._backend = backend_for(device)
-            if device.type == "cuda":
-                # The host's share of a GPU rank (the offloaded optimizer step, data, staging) gets
-                # the CPUs Ray reserved for it, not the one thread CPU ranks share cores with.
-                cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-                torch.set_num_threads(max(1, int(cpus)))
+            device = self._device_for(gen, spec)
             self._joining = (gen, frozenset(sockets.listening_ports()))
+            conns_before = sockets.established()
             try:
                 self.faults.fire("join", gen.generation)
                 groups = build_process_groups(
                     store_addr=gen.store_addr, store_port=gen.store_port, store_prefix=gen.store_prefix,
                     store_secret=gen.store_secret, generation=gen.generation, shape=gen.shape,
                     world_rank=gen.world_rank, timeout_s=spec.collective_timeout_s, device=device,
-                    replicate=spec.dp.replicate)
+                    replicate=spec.dp.replicate, bind_ip=ray.util.get_node_ip_address())
                 t_groups = time.perf_counter()
                 try:
                     self.runtime = RankRuntime(spec, groups)
@@ -182,7 +162,10 @@ class RankActor:
             self.orders, self.split, self.life, self.step = orders, None, 0, 0
             self._store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
-            self.gloo_listeners = tuple((ip, port) for port in groups.gloo_ports)
+            # Where they listen, as peers dial them (Ray's node address since workers/bind.py; read,
+            # not assumed: a kick matches the peers' connections by it). The tied groups' are in.
+            self.gloo_listeners = listeners(groups.gloo_ports)
+            self.gloo_conns = sockets.established() - conns_before  # the tied groups' are in
             logger.info("joined generation %d as rank %d in %.3f s: leave %.3f, groups %.3f, runtime %.3f",
                         gen.generation, gen.world_rank, time.perf_counter() - t0, t_left - t0,
                         t_groups - t_left, time.perf_counter() - t_groups)
@@ -195,6 +178,23 @@ class RankActor:
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
 
+    def _device_for(self, gen: JoinSpec, spec: RuntimeSpec):
+        """This rank's device for generation ``gen`` (its backend noted for the kick). A GPU job on a
+        rank without CUDA fails here, in one line (no silent gloo fallback)."""
+        import torch
+
+        from workers.device import backend_for, select_device
+
+        device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
+                               where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
+        self._backend = backend_for(device)
+        if device.type == "cuda":
+            # The host's share of a GPU rank (the offloaded optimizer step, data, staging) gets
+            # the CPUs Ray reserved for it, not the one thread CPU ranks share cores with.
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+            torch.set_num_threads(max(1, int(cpus)))
+        return device
+
     def _refuse(self, what: str) -> None:
         """A training call behind a broken one, or before any generation: fail at once."""
         if self.runtime is None:
@@ -202,7 +202,7 @@ class RankActor:
         if self.error is not None:
             raise RuntimeError(f"{what} refused: generation {self.generation} broke ({self.error})")
 
-    @_train
+    @training
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
         """Train ``step``; ``after``: the step this one follows (``step - 1`` unless the steps between
@@ -255,7 +255,7 @@ class RankActor:
         key: SnapKey = (self.generation, self.life, step)
         self.snapshot_worker.submit(key, planned, self.orders.holder, self.world_rank, time.perf_counter() - t0)
 
-    @_train
+    @training
     def eval_step(self, path: str, batch: int, mask_eos_id: int | None) -> dict:
         """Held-out loss of eval batch ``batch`` (forward only, between steps); errors propagate.
 
@@ -268,11 +268,11 @@ class RankActor:
             self.runtime.compute_clock.sleep_s = self.faults.take_sleep("eval", self.step)
         return self.runtime.eval_step(path, batch, list(self.orders.actions), mask_eos_id)
 
-    @_train
+    @training
     def full_state(self) -> dict:
         return self.runtime.full_state()
 
-    @_train
+    @training
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
         self._refuse(f"the checkpoint of step {step}")
         if step < self.step:  # later than ``step`` (the steps between may have been passed over)
@@ -280,10 +280,11 @@ class RankActor:
         self.faults.before_checkpoint_write(step)
         return SaveAck(stall_s=self.runtime.save_checkpoint(path, step))
 
+    @plain
     def wait_checkpoint(self) -> WriteAck:
         return self.runtime.wait_checkpoint()
 
-    @_train
+    @training
     def load_checkpoint(self, path: str) -> int:
         with self._lock:
             self.faults.fire("load", self.generation)
@@ -293,28 +294,30 @@ class RankActor:
             return self.step
 
     # -- in-memory snapshots (workers/snapshots.py, snapshot_push.py; orchestrator/saves/snapshots.py)
-    @_on(SNAPSHOT_GROUP)
+    @on(SNAPSHOT_GROUP)
     def keep_snapshot(self, key: SnapKey, owner: int, snap) -> int:
         """Hold a copy of rank ``owner``'s snapshot (its owner's push; Ray resolved the bytes)."""
         return self.snapshots.keep(tuple(key), owner, snap)
 
+    @plain
     def wait_snapshots(self, timeout_s: float) -> tuple:
         """Wait until the snapshot taken last was copied, pushed and acknowledged; the own keys."""
         self.snapshot_worker.wait_idle(timeout_s)
         return tuple(k for k, _ in self.snapshots.inventory().own)
 
+    @plain
     def snapshot_inventory(self) -> SnapshotInventory:
         return self.snapshots.inventory()
 
-    @_on(SNAPSHOT_GROUP)
+    @on(SNAPSHOT_GROUP)
     def snapshot_meta(self, key: SnapKey, owner: int):
         return self.snapshots.find(tuple(key), owner).metadata
 
-    @_on(SNAPSHOT_GROUP)
+    @on(SNAPSHOT_GROUP)
     def snapshot_pieces(self, key: SnapKey, owner: int, requests: list) -> list:
         return serve_pieces(self.snapshots, tuple(key), owner, requests)
 
-    @_train
+    @training
     def load_snapshot(self, source: RestoreSource) -> RestoreAck:
         """Load snapshot set ``source.key`` into this generation (a collective), fetching from the
         providers only the pieces of the old shards this rank needs."""
@@ -326,6 +329,7 @@ class RankActor:
             self.life += 1
             return ack
 
+    @plain
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         """Test hook: SIGKILL ("kill") or SIGSTOP ("hang") this process once, ``delay_s`` after reaching
         ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
@@ -337,7 +341,7 @@ class RankActor:
         arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 
-    @_train
+    @training
     def leave_generation(self) -> None:
         with self._lock:
             self._leave()
@@ -351,9 +355,11 @@ class RankActor:
             self.runtime.destroy()
             self.runtime = None
             release_memory(device)  # before the next generation allocates its own
+        self.gloo_listeners, self.gloo_conns = (), frozenset()
         self.generation, self.world_rank, self.orders = -1, -1, None
 
-    def kick(self, peers: list[tuple[str, int]]) -> int:
+    @plain
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
         """Make a collective blocked on a dead peer fail now (runs on a second actor thread).
 
         gloo: this generation's gloo connections are shut down (``workers.sockets``). NCCL: the
@@ -366,6 +372,9 @@ class RankActor:
         bootstrap: left alone); the join then raises and leaves nothing behind. On NCCL a group's
         communicator is made at its first collective, which reads its NCCL id from the store, so
         there the store connection is shut down after the join too (workers/groups.py).
+        ``peers``: the live members' listeners; ``gone``: the dead or cut-off members', whose
+        connections are shut only among those the join recorded (``workers.sockets``: a vanished
+        host sends no FIN, and its port may be another process's by now).
         """
         from workers.groups import abort_nccl
         from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
@@ -382,13 +391,17 @@ class RankActor:
             remote.add(endpoint(gen.store_addr, gen.store_port))
         elif self._backend == "nccl" and self._store is not None:
             remote.add(endpoint(*self._store))
-        closed = shutdown_gloo_sockets(local, remote)
+        # ``gone``: listeners of the generation's members that are dead or cut off; matched against the
+        # connections recorded at the join only (workers/sockets.py): after the join, never mid-join.
+        closed = shutdown_gloo_sockets(local, remote, recorded=self.gloo_conns if joining is None else frozenset(),
+                                       gone_endpoints=set(map(tuple, gone)))
         # Which connections a kick reached, for a survivor that still does not return (docs/design.md,
         # Failure path): its own listeners and the peers' it was given.
-        logger.warning("kick (generation %d, busy=%s): shut %d connections; own listeners %s, peers %s",
-                       self.generation, self.busy, closed, sorted(local), sorted(remote))
+        logger.warning("kick (generation %d, busy=%s): shut %d connections; own listeners %s, peers %s, gone %s",
+                       self.generation, self.busy, closed, sorted(local), sorted(remote), sorted(map(tuple, gone)))
         return closed
 
+    @plain
     def status(self) -> WorkerStatus:
         return WorkerStatus(
             world_rank=self.world_rank,

@@ -62,7 +62,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshspeak.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
+from workers.bind import bound_groups, listener_addresses, nccl_interface
 from workers.device import apply_nccl_env, backend_for
+from workers.reach import check_store, peer_unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class RankGroups:
     destroyed: bool = False
     replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp.replicate); 1 = a 1-D dp axis
     flat_dp_group: dist.ProcessGroup | None = None  # all dp ranks, made only when replicate > 1
+    bind_ip: str | None = None  # the address gloo binds to (Ray's node address: workers/bind.py); None: gloo's choice
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -188,6 +191,18 @@ class RankGroups:
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(self.axis_names[MeshAxis.PP])
 
+    def new_group(self, ranks: list[int], backend: str, timeout_s: float) -> dist.ProcessGroup:
+        """A further group of this generation (``new_group`` over the whole world: every rank calls it),
+        bound as the others are, with its gloo listeners added to ``gloo_ports`` so that a kick frees a
+        rank blocked in it (the pipeline-tied embedding's pairs: workers/tied.py). Made while the
+        generation forms, before the actor reports its listeners to the driver."""
+        before = sockets.listening_ports() if backend == "gloo" else set()
+        with bound_groups(self.bind_ip):
+            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
+        if backend == "gloo":
+            self.gloo_ports = sorted(set(self.gloo_ports) | (sockets.listening_ports() - before))
+        return group
+
     def pp_peer(self, pp_index: int) -> int:
         """World rank of the rank with my dp/tp coordinates at pipeline position ``pp_index``."""
         return self.shape.rank_of(self.coords.dp, pp_index, self.coords.tp)
@@ -216,12 +231,16 @@ def build_process_groups(
     store_prefix: str | None = None,
     replicate: int = 1,
     store_secret: str = "",
+    bind_ip: str | None = None,
 ) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
 
     ``replicate`` > 1 (HSDP, and ZeRO-0 with replicate = dp) splits the dp axis into (replicate,
     shard) axes of one 4-D mesh: FSDP2 needs its 2-D dp mesh and the TP mesh sliced from the same
-    root mesh; the flattened dp group is made beside it.
+    root mesh; the flattened dp group is made beside it. ``bind_ip``: the address this rank's groups
+    listen on and advertise (Ray's node address: workers/bind.py); None leaves it to gloo (the host
+    name's address). A store or a peer this rank cannot connect to ends the join with one line
+    (``workers.reach``).
     """
     clear_dtensor_caches()
     _restart_group_names()
@@ -229,50 +248,32 @@ def build_process_groups(
     backend = backend_for(device)
     nccl = backend == "nccl"
     if nccl:
+        nccl_interface(bind_ip)
         apply_nccl_env()
     os.environ.pop(GLOO_LAZY_INIT, None)  # eager pairs (see the module docstring); read per group
+    where = f"a rank on {bind_ip}" if bind_ip else f"rank {world_rank}"
+    check_store(store_addr, store_port, where)
     listeners_before = sockets.listening_ports()
     try:
-        base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
-        # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
-        # reused prefix would meet the previous generation's keys (docs/design.md, F4).
-        # The run's secret goes in front of every key (messages.JoinSpec; README, Trust boundary).
-        prefix = store_prefix or f"gen{generation}"
-        store = dist.PrefixStore(f"{store_secret}-{prefix}" if store_secret else prefix, base)
-        # No device_id, on NCCL too: lazy communicators, each abortable (module docstring). On gloo
-        # the default group connects lazily: nothing uses it (``world_axes``), so it never connects,
-        # and no pair of it can outlive a kick. The groups below connect eagerly.
-        if not nccl:
-            os.environ[GLOO_LAZY_INIT] = "1"
-        try:
-            dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
-        finally:
-            os.environ.pop(GLOO_LAZY_INIT, None)
-        axis_members = [shape.group_ranks(axis) for axis in AXES]
-        if replicate > 1:
-            rep, shard = hsdp_group_ranks(shape, replicate)
-            axis_members = [rep, shard, *axis_members[1:], axis_members[0]]  # the last: flat dp
-        # Only this rank's own groups: their members meet by their ranks (see the module docstring).
-        groups = [dist.new_group(next(m for m in members_of_axis if world_rank in m), timeout=timeout,
-                                 backend=backend, use_local_synchronization=True)
-                  for members_of_axis in axis_members]
-        flat_dp = groups.pop() if replicate > 1 else None
-        # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
-        # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
-        if nccl:
-            listeners_before = sockets.listening_ports()
-        ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo",
-                                    use_local_synchronization=True)
+        with bound_groups(bind_ip):
+            groups, flat_dp, ckpt_group, listeners_before = _make_groups(
+                store_addr, store_port, store_prefix or f"gen{generation}", store_secret, shape, world_rank,
+                timeout, backend, replicate, listeners_before)
         ports = sorted(sockets.listening_ports() - listeners_before)
-    except BaseException:
+    except BaseException as exc:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
         # the next generation's init_process_group would fail with "initialize twice".
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception as exc:
-                logger.warning("gen=%d cleanup after a failed rendezvous: %s", generation, exc)
+            except Exception as cleanup:
+                logger.warning("gen=%d cleanup after a failed rendezvous: %s", generation, cleanup)
+        unreachable = peer_unreachable(exc, where, bind_ip) if isinstance(exc, Exception) else None
+        if unreachable is not None:
+            raise unreachable from exc
         raise
+    _check_bound(ports, bind_ip, backend)
+    names = _axis_names(store_prefix or f"gen{generation}")
     names = _axis_names(store_prefix or f"gen{generation}")
     if replicate > 1:
         layout = torch.arange(shape.world).view(replicate, shape.dp // replicate, shape.pp, shape.tp)
@@ -294,7 +295,57 @@ def build_process_groups(
         backend=backend,
         replicate=replicate,
         flat_dp_group=flat_dp,
+        bind_ip=bind_ip,
     )
+
+
+def _make_groups(store_addr: str, store_port: int, prefix: str, store_secret: str, shape: MeshShape,
+                 world_rank: int, timeout: timedelta, backend: str, replicate: int, listeners_before: set[int]):
+    """The generation's groups (``build_process_groups``): (the mesh's groups, the flat dp group or
+    None, the checkpoint group, the listening ports before the ones to record for the kick)."""
+    nccl = backend == "nccl"
+    base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
+    # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
+    # reused prefix would meet the previous generation's keys (docs/design.md, F4).
+    # The run's secret goes in front of every key (messages.JoinSpec; README, Trust boundary).
+    store = dist.PrefixStore(f"{store_secret}-{prefix}" if store_secret else prefix, base)
+    # No device_id, on NCCL too: lazy communicators, each abortable (module docstring). On gloo
+    # the default group connects lazily: nothing uses it (``world_axes``), so it never connects,
+    # and no pair of it can outlive a kick. The groups below connect eagerly.
+    if not nccl:
+        os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        dist.init_process_group(backend, store=store, rank=world_rank, world_size=shape.world, timeout=timeout)
+    finally:
+        os.environ.pop(GLOO_LAZY_INIT, None)
+    axis_members = [shape.group_ranks(axis) for axis in AXES]
+    if replicate > 1:
+        rep, shard = hsdp_group_ranks(shape, replicate)
+        axis_members = [rep, shard, *axis_members[1:], axis_members[0]]  # the last: flat dp
+    # Only this rank's own groups: their members meet by their ranks (see the module docstring).
+    groups = [dist.new_group(next(m for m in members_of_axis if world_rank in m), timeout=timeout,
+                             backend=backend, use_local_synchronization=True)
+              for members_of_axis in axis_members]
+    flat_dp = groups.pop() if replicate > 1 else None
+    # Async DCP saves must not share the training groups (docs/design.md, F9): gloo, the whole world.
+    # On NCCL only this group's listeners are gloo's, so only they are recorded for the kick.
+    if nccl:
+        listeners_before = sockets.listening_ports()
+    ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo",
+                                use_local_synchronization=True)
+    return groups, flat_dp, ckpt_group, listeners_before
+
+
+def _check_bound(ports: list[int], bind_ip: str | None, backend: str) -> None:
+    """Warn when gloo's listeners are not on ``bind_ip`` (the interface holds other addresses first:
+    gloo takes the interface's first one); peers may then fail to connect, with the line
+    ``workers.reach`` gives."""
+    if not bind_ip or not ports:
+        return
+    bound = listener_addresses(ports)
+    if bound and bound != {bind_ip.split("%")[0]}:
+        logger.warning("gloo (%s groups) listens on %s, not on Ray's node address %s: set GLOO_SOCKET_IFNAME "
+                       "if peers cannot connect", backend, sorted(bound), bind_ip)
 
 
 def abort_nccl() -> bool:

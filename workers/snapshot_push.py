@@ -25,14 +25,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
-from checkpoints.memory import MemorySnapshot, pack_piece, unpack_piece
-from checkpoints.snapshot_taker import PlannedSnapshot
 from meshspeak.messages import SnapKey, SnapshotAck
 from meshspeak.rank_calls import RankCalls, call_name
 from workers.snapshots import SnapshotStore
+
+if TYPE_CHECKING:  # torch is imported where a snapshot is handled, never when the driver imports workers.actor
+    from checkpoints.memory import MemorySnapshot
+    from checkpoints.snapshot_taker import PlannedSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,8 @@ class SnapshotWorker:
                     self._cond.notify_all()
 
     def _take(self, key: SnapKey, planned, holder, rank: int, plan_s: float) -> None:
+        from checkpoints.snapshot_taker import PlannedSnapshot
+
         if isinstance(planned, PlannedSnapshot):
             self.store.drop_own_slot(planned.slot)
             snap, slot = planned.copy(), planned.slot
@@ -134,6 +139,8 @@ def fetch_pieces(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[
     """The pieces ``wanted`` (old rank -> [(storage index, offsets, lengths)]) of snapshot set
     ``key``: from this actor's own store when it is the provider, else from the provider's actor
     (``providers``: old rank -> (actor id, handle)), every remote request issued before any is read."""
+    from checkpoints.memory import unpack_piece
+
     refs, out = {}, {}
     for owner, requests in wanted.items():
         actor, handle = providers[owner]
@@ -147,6 +154,8 @@ def fetch_pieces(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[
 
 
 def serve_pieces(store: SnapshotStore, key: SnapKey, owner: int, requests: list) -> list:
+    from checkpoints.memory import pack_piece
+
     return [pack_piece(p) for p in store.find(key, owner).pieces(requests)]
 
 

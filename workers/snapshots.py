@@ -25,9 +25,12 @@ restore's reads) run on the actor's snapshot thread.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-from checkpoints.memory import MemorySnapshot
 from meshspeak.messages import SnapKey, SnapshotInventory
+
+if TYPE_CHECKING:  # torch-free at import: the driver imports workers.actor (tests/unit/test_driver_torch_free.py)
+    from checkpoints.memory import MemorySnapshot
 
 NEWEST = 2  # snapshots kept per owner besides the kept set (see the module docstring)
 

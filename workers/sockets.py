@@ -10,6 +10,15 @@ some rank of this generation, and re-check each fd's addresses right before shut
 A rank blocked in the *rendezvous* of a generation (a peer died before registering in the store) is
 freed the same way, by shutting down its connection to the driver's store endpoint.
 On GPU the proper tool is NCCL's communicator abort; this module is for the gloo path.
+
+A connection this rank dialled to a peer that is gone (its host cut off: no FIN ever arrives) matches
+only that peer's listener, and a gone peer's port may belong to another process by now, so the
+listing of the moment never matches gone peers. The connections the generation's groups made are
+recorded when the join ends instead (``established``: every gloo pair is connected by then, as
+groups connect eagerly: workers/groups.py), and a gone peer's listener is matched against that
+record only: a connection that existed while that port was the peer's gloo listener can only have
+been dialled to it. Each recorded socket is shut only if its fd still has the recorded local and
+peer address, both ip and port.
 """
 
 from __future__ import annotations
@@ -45,32 +54,48 @@ def endpoint(host: str, port: int) -> tuple[str, int]:
         return host, port
 
 
-def shutdown_gloo_sockets(local_ports: set[int], peer_endpoints: set[tuple[str, int]]) -> int:
-    """Shut down established connections that belong to the given gloo listeners. Returns the count."""
-    closed = 0
-    peer_endpoints = {(_plain_ip(ip), port) for ip, port in peer_endpoints}
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status != psutil.CONN_ESTABLISHED or not conn.raddr or conn.fd < 0:
-            continue
-        ours = conn.laddr.port in local_ports
-        # Every gloo connection was either accepted by one of our listeners or dialled to a peer's.
-        theirs = (_plain_ip(conn.raddr.ip), conn.raddr.port) in peer_endpoints
-        if not (ours or theirs):
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(conn.fd))
-        except OSError:
-            continue  # closed in the meantime
-        try:
-            # Re-check: the fd number may have been reused since the listing.
-            local, peer = sock.getsockname(), sock.getpeername()
-            if local[1] != conn.laddr.port or peer[1] != conn.raddr.port:
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            closed += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()  # closes our dup only; the shutdown applies to the shared connection
-    return closed
+Conn = tuple[int, tuple[str, int], tuple[str, int]]  # (fd, local (ip, port), peer (ip, port)), ips plain
+
+
+def established() -> frozenset[Conn]:
+    """This process's established TCP connections now."""
+    return frozenset(
+        (c.fd, (_plain_ip(c.laddr.ip), c.laddr.port), (_plain_ip(c.raddr.ip), c.raddr.port))
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0
+    )
+
+
+def shutdown_gloo_sockets(local_ports: set[int], peer_endpoints: set[tuple[str, int]], *,
+                          recorded: frozenset[Conn] = frozenset(),
+                          gone_endpoints: set[tuple[str, int]] = frozenset()) -> int:
+    """Shut down established connections that belong to the given gloo listeners: accepted on one of
+    ``local_ports`` or dialled to one of ``peer_endpoints`` (live peers); and among ``recorded`` (the
+    generation's connections, see the module docstring) also those dialled to ``gone_endpoints``.
+    Returns the count."""
+    peers = {(_plain_ip(ip), port) for ip, port in peer_endpoints}
+    gone = {(_plain_ip(ip), port) for ip, port in gone_endpoints}
+    # Every gloo connection was either accepted by one of our listeners or dialled to a peer's.
+    chosen = {c for c in established() if c[1][1] in local_ports or c[2] in peers}
+    chosen |= {c for c in recorded if c[1][1] in local_ports or c[2] in peers | gone}
+    return sum(_shut(*conn) for conn in chosen)
+
+
+def _shut(fd: int, local: tuple[str, int], peer: tuple[str, int]) -> bool:
+    """Shut down the connection on ``fd`` if it still joins ``local`` and ``peer``; whether it did."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False  # closed in the meantime
+    try:
+        # Re-check: the fd number may have been reused since it was listed or recorded.
+        now_local, now_peer = sock.getsockname(), sock.getpeername()
+        if (_plain_ip(now_local[0]), now_local[1]) != local or (_plain_ip(now_peer[0]), now_peer[1]) != peer:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()  # closes our dup only; the shutdown applies to the shared connection
 

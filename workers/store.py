@@ -20,6 +20,8 @@ import socket
 
 import ray
 
+from meshspeak.rank_errors import RankError
+
 
 def listen_on(host: str) -> socket.socket:
     """A listening TCP socket on ``host`` (an IPv4 or IPv6 literal), port chosen by the OS."""
@@ -51,6 +53,12 @@ def bind_host(node_ip: str, loopback: bool) -> str:
 @ray.remote(num_cpus=0, max_concurrency=2)
 class StoreHost:
     def __init__(self, loopback: bool = False) -> None:
+        try:
+            self._start(loopback)
+        except Exception as exc:  # text only: the driver never unpickles a torch error (meshspeak/rank_errors.py)
+            raise RankError.of(exc) from exc
+
+    def _start(self, loopback: bool) -> None:
         import torch.distributed as dist
 
         host = bind_host(ray.util.get_node_ip_address(), loopback)

@@ -15,8 +15,6 @@ all-reduce in workers/optim.py does). On the CPU (gloo) the host tensor is reduc
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,7 +35,8 @@ class TiedGrads:
         for dp in range(shape.dp):  # new_group is collective: every rank creates every pair
             for tp in range(shape.tp):
                 pair = sorted({shape.rank_of(dp, 0, tp), shape.rank_of(dp, shape.pp - 1, tp)})
-                group = dist.new_group(pair, timeout=timedelta(seconds=timeout_s), backend=backend)
+                # Through the RankGroups: bound like the others, its listeners known to the kick.
+                group = groups.new_group(pair, backend, timeout_s)
                 if groups.world_rank in pair:
                     self.group = group
         for index in (0, num_stages - 1):

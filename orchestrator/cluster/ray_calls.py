@@ -9,6 +9,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
+from meshspeak.rank_errors import kind_of
+
 WORKER_DIED = "its worker process has died"  # Ray's cause when the node's raylet saw the worker die
 
 
@@ -21,9 +23,10 @@ def worker_process_died(exc: BaseException) -> bool:
 
 def error_line(exc: BaseException) -> str:
     """The first line of the actor-side error: a RayTaskError's own first line is Ray's wrapper
-    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception."""
+    (``ray::RankActor.join_generation() (pid=.., ip=..)``), its ``cause`` is the rank's exception (a
+    ``RankError``, named by the class it had in the rank)."""
     cause = getattr(exc, "cause", None) or exc
-    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return f"{kind_of(cause)}: {cause}".splitlines()[0]
 
 
 SHARED_PUT_BYTES = 4096  # a shared argument at least this big is put into the object store once

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCall, RankCalls, call_name
+from meshspeak.rank_errors import kind_of
 from orchestrator.cluster.bundles import Placements, Slot
 from orchestrator.cluster.ray_calls import error_line, shared_arg
 from orchestrator.errors import WorkerGroupStartupError
@@ -57,9 +58,9 @@ class WorkerGroup:
         self.placement_timeout_s = placement_timeout_s
         self.clock = clock
         self.actors: dict[int, ray.actor.ActorHandle] = {}
-        self.pids: dict[int, int] = {}
-        self.node_ips: dict[int, str] = {}
-        self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (drain notices name nodes by id)
+        self.pids: dict[int, int] = {}  # actor id -> pid, meaningful on its own node only (see ``_local_pid``)
+        self.node_ips: dict[int, str] = {}  # actor id -> its node's address (placement, events); never identity
+        self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (what a process is told apart by)
         self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
@@ -185,13 +186,24 @@ class WorkerGroup:
             self.node_ids.pop(actor_id, None)
             self.placements.release(actor_id)
 
+    def _local_pid(self, actor_id: int, here: str) -> int | None:
+        """The actor's pid when it runs on the driver's own Ray node ``here``, else None.
+
+        By Ray node id, never by address: several Ray nodes may share one address (pods on the host
+        network, ``ray.cluster_utils.Cluster``, containers on one machine), each with its own pid
+        namespace, where an actor's pid names some other process of this host, or none (issue 35)."""
+        pid = self.pids.get(actor_id)
+        if pid and pid > 0 and self.node_ids.get(actor_id) == here:  # never pid -1 or 0: every process
+            return pid
+        return None
+
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
-        """SIGKILL local processes directly (~0.1 s), then drop them from the group (``ray.kill``
-        alone takes ~5 s on a stopped process)."""
-        here = ray.util.get_node_ip_address()
+        """SIGKILL processes on the driver's node directly (~0.1 s), then drop them from the group
+        (``ray.kill`` alone takes ~5 s on a stopped process; it is what ends the others)."""
+        here = ray.get_runtime_context().get_node_id()
         for actor_id in actor_ids:
-            pid = self.pids.get(actor_id)
-            if pid and pid > 0 and self.node_ips.get(actor_id) == here:  # never pid -1 or 0: every process
+            pid = self._local_pid(actor_id, here)
+            if pid is not None:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -202,12 +214,13 @@ class WorkerGroup:
         """The actors among ``actor_ids`` whose process, on this node, is gone (a SIGKILL, a crash)
         though Ray may not have reported the death yet: the failure path takes them as dead instead
         of waiting out a status poll on them (a killed rank's poll ran its full 3 s in the chaos
-        campaign, and the rank was then blamed as hung). Actors on other nodes are never in it."""
-        here = ray.util.get_node_ip_address()
+        campaign, and the rank was then blamed as hung). Actors on other Ray nodes are never in it,
+        on this machine or not (``_local_pid``)."""
+        here = ray.get_runtime_context().get_node_id()
         gone = set()
         for actor_id in actor_ids:
-            pid = self.pids.get(actor_id)
-            if pid and pid > 0 and self.node_ips.get(actor_id) == here and not _process_alive(pid):
+            pid = self._local_pid(actor_id, here)
+            if pid is not None and not _process_alive(pid):
                 gone.add(actor_id)
         return gone
 
@@ -343,7 +356,7 @@ class WorkerGroup:
             except Exception as exc:
                 cause = getattr(exc, "cause", None) or exc
                 text = getattr(cause, "message", None) or str(cause)
-                return f"{type(cause).__name__}: {text}".splitlines()[0]
+                return f"{kind_of(cause)}: {text}".splitlines()[0]
         return None
 
 

@@ -13,7 +13,10 @@ checkpoint into it. The controller first frees the survivors (``orchestrator.rec
   - ``RebuildTimeoutError`` when a generation could not be formed within ``elastic.max_restarts``;
   - ``TrainingFailed`` at once when forming a generation broke although no actor was lost: that is no
     elastic business (a bug, bad state), and rebuilding again would only repeat it — unless the
-    rendezvous store itself was lost (``store_lost``): the next formation re-hosts it.
+    rendezvous store itself was lost (``store_lost``): the next formation re-hosts it;
+  - ``ClusterNetworkError`` (exit 2) at once when the network kept live ranks from the store or from
+    each other (``Casualties.unreachable``: one line naming the address and what to open), never a
+    rebuild onto fewer hosts.
 
 There is no "retry the step in the same generation": a failed step leaves the survivors' groups
 broken (a collective was cut), so every recovery forms a new generation.
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from meshspeak.messages import StepResult
-from orchestrator.errors import RebuildTimeoutError, TrainingFailed
+from orchestrator.errors import ClusterNetworkError, RebuildTimeoutError, TrainingFailed
 from orchestrator.recovery.settle import Casualties, reason_line
 
 
@@ -62,6 +65,7 @@ class Failure:
     reasons: Mapping[int, str] = field(default_factory=dict)  # actor id (-1: nobody) -> reason
     store_lost: bool = False  # the rendezvous store's host was found dead (forming only)
     preempted: bool = False  # every lost actor was on a node announced as draining
+    unreachable: str = ""  # the network kept live ranks apart (settle.Casualties.unreachable): the line
 
 
 def diagnose(
@@ -99,10 +103,12 @@ def diagnose(
         reason = f"rebuild of generation {generation} failed while {phase.value}: {reason_line(reasons)}"
         if store_lost:
             reason += " (the rendezvous store was lost: re-hosting it)"
+        if found.unreachable:
+            reason = f"generation {generation} cannot form: {found.unreachable}"
     return Failure(phase=phase, step=step, generation=generation, lost=frozenset(found.lost),
                    ranks=tuple(sorted(rank_of[a] for a in blamed if a in rank_of)),
                    reason=reason, reasons=reasons, store_lost=store_lost,
-                   preempted=bool(found.lost) and set(found.lost) <= preempted)
+                   preempted=bool(found.lost) and set(found.lost) <= preempted, unreachable=found.unreachable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +141,8 @@ class FailurePolicy:
                 f"giving up after {self.restarts} restarts ({budget}); last failure at step "
                 f"{failure.step}: raise elastic.max_restarts or look at the failure events in the "
                 "metrics file"))
+        if failure.unreachable:
+            return Raise(ClusterNetworkError(failure.reason))
         if not failure.lost and not failure.store_lost:
             return Raise(TrainingFailed(failure.reason))
         return self._restart(RebuildTimeoutError, (

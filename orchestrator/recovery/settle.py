@@ -17,6 +17,14 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
+
+One exception to "kill what never returns": a join that failed because the network keeps ranks from
+the store or from each other (``meshspeak.rank_errors.UNREACHABLE``: the rank's line names the
+address and what to open, workers/reach.py) while every member is alive. Ranks still dialling a
+peer then do not return to a kick (there is no connection to shut yet), and killing them as "did not
+return" turned a cluster that cannot form its mesh into a silent shrink onto fewer hosts (issue 35).
+They are left alone after a short wait (``UNREACHABLE_WAIT_S``) and ``Casualties.unreachable`` carries
+the line: the failure policy stops the run with it (exit 2).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
+from meshspeak.rank_errors import unreachable
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fake one
     from orchestrator.cluster.worker_group import WorkerGroup
@@ -45,6 +54,7 @@ REKICK_S = 1.0  # how often survivors that have not returned from the broken cal
 # Failure path, open), which cost more than replacing it.
 KICKED_STEPS = 3
 KICKED_FLOOR_S = 5.0
+UNREACHABLE_WAIT_S = 3.0  # kicked members of a join the network broke: how long they may take to return
 
 
 def kicked_wait_s(timeout_s: float, pace_s: float | None) -> float:
@@ -63,6 +73,7 @@ class Casualties:
 
     lost: set[int] = field(default_factory=set)  # killed: dead, hung, or never freed
     reasons: dict[int, str] = field(default_factory=dict)
+    unreachable: str = ""  # with every member alive, the network kept ranks apart: the line naming it
 
 
 def settle(
@@ -102,41 +113,73 @@ def settle(
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
     group.kill_now(dead)
-    live = set(group.live_ids)
-    survivors = [a for a in members if a not in dead and a in live]
-    # Only survivors' listeners: a dead rank's port may already belong to another process.
-    alive = [ep for a in survivors for ep in listeners.get(a, ())]
-    if survivors:
-        group.call(survivors, RankCalls.kick, (alive,), timeout_s=KICK_S)
-    # Let the freed survivors finish their (failed) call so their threads are idle again.
-    still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
-    if still:
-        never = _wait_returned(group, still, alive, wait_s)
-        if never:
-            logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
-            found.reasons.update({a: "did not return after the kick" for a in never})
-        group.kill_now(never)
-        dead |= never
-    found.lost = dead
+    found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found)
     return found
 
 
-def _wait_returned(group: WorkerGroup, still: dict, alive: list, wait_s: float) -> set[int]:
+def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int], dead: set[int],
+                    listeners: dict[int, tuple[tuple[str, int], ...]], wait_s: float, found: Casualties) -> set[int]:
+    """Kick the survivors and wait for their calls to return (step 3 of the module docstring); the
+    ones killed because they never did. Sets ``found.unreachable`` instead when the network broke the
+    join (the module docstring's exception): then nobody is killed."""
+    live = set(group.live_ids)
+    survivors = [a for a in members if a not in dead and a in live]
+    # Survivors' listeners, and apart the dead ones' (a dead rank's port may already belong to another
+    # process: a rank matches those only against the connections its join recorded, RankActor.kick).
+    alive = [ep for a in survivors for ep in listeners.get(a, ())]
+    gone = [ep for a in members if a not in survivors for ep in listeners.get(a, ())]
+    if survivors:
+        group.call(survivors, RankCalls.kick, (alive, gone), timeout_s=KICK_S)
+    # Let the freed survivors finish their (failed) call so their threads are idle again.
+    still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
+    cut_off = {a: r for a, r in outcome.failed.items() if unreachable(r)}
+    if cut_off and not dead:  # the network, not a rank (module docstring): nobody is killed for it
+        _wait_returned(group, still, (alive, gone), UNREACHABLE_WAIT_S, found.reasons)
+        found.unreachable = unreachable_line(cut_off)
+        return set()
+    if not still:
+        return set()
+    never = _wait_returned(group, still, (alive, gone), wait_s, found.reasons, stop_if_unreachable=not dead)
+    late_cut_off = {a: r for a, r in found.reasons.items() if unreachable(r)}
+    if late_cut_off and not dead:  # one that did return said why the others cannot
+        found.unreachable = unreachable_line(late_cut_off)
+        return set()
+    if never:
+        logger.warning("actors %s did not come back after the kick: killing them", sorted(never))
+        found.reasons.update({a: "did not return after the kick" for a in never})
+    group.kill_now(never)
+    return never
+
+
+def _wait_returned(group: WorkerGroup, still: dict, kick_args: tuple, wait_s: float, reasons: dict[int, str], *,
+                   stop_if_unreachable: bool = False) -> set[int]:
     """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
-    kicking again every ``REKICK_S`` the ones still inside (see the module docstring); the actors that
-    died meanwhile or never returned. Bounded by rounds as well as by the clock."""
+    kicking again (``kick_args``) every ``REKICK_S`` the ones still inside (see the module docstring); the actors that
+    died meanwhile or never returned. The errors of the calls that failed unreachable are added to
+    ``reasons`` (a join that waited out a peer it could not connect to says so only now), and with
+    ``stop_if_unreachable`` the wait ends there. Bounded by rounds as well as by the clock."""
     lost: set[int] = set()
     deadline = time.monotonic() + wait_s
     for _ in range(max(1, math.ceil(wait_s / REKICK_S))):
         late = group.collect(still, max(0.1, min(REKICK_S, deadline - time.monotonic())))
         lost |= set(late.dead)
+        cut_off = {a: r for a, r in late.failed.items() if unreachable(r)}
+        reasons.update(cut_off)
         still = late.pending_refs
+        if cut_off and stop_if_unreachable:
+            break
         if not still or time.monotonic() >= deadline:
             break
-        group.call(sorted(set(still.values())), RankCalls.kick, (alive,), timeout_s=KICK_S)
+        group.call(sorted(set(still.values())), RankCalls.kick, kick_args, timeout_s=KICK_S)
     return lost | set(still.values())
 
 
 def reason_line(reasons: dict[int, str]) -> str:
     """The distinct first lines of the reasons, for a ``failure`` event."""
     return "; ".join(sorted({v.splitlines()[0][:200] for v in reasons.values()}))
+
+
+def unreachable_line(reasons: dict[int, str]) -> str:
+    """The distinct lines of ranks the network kept apart, whole (they name the address and what to
+    open) and without their kind: the run's one error line."""
+    return "; ".join(sorted({v.splitlines()[0].split(":", 1)[-1].strip() for v in reasons.values()}))

@@ -9,6 +9,10 @@ on, no autoscaler). Each test submits with `--working-dir` the repository, as RE
     there: no step trained twice, losses equal one process's;
   * a job asking for GPUs on this CPU-only cluster fails after resources.placement_timeout_s with one
     clear line instead of waiting forever.
+
+And on a cluster of its own shaped as Ray advises for large clusters (issue 35): a head with no CPUs
+and a worker node holding the ranks, both `ray start`ed on this machine the plain way (one session
+directory), the job trains to the end.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from testbed.ray_start import free_ports
 from tests.e2e.raycluster import RayCluster, records, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -34,6 +39,54 @@ def cluster():
 
 def steps_of(recs: list[dict]) -> list[dict]:
     return [r for r in recs if "step" in r and "loss" in r]
+
+
+def add_plain_node(cluster: RayCluster, num_cpus: int, timeout_s: float = 180.0) -> None:
+    """A worker node started as a user starts a second node on one machine: `ray start --address`
+    with no --temp-dir, so it shares the head's session directory. Its runtime-env agent then unpacks
+    the job's working_dir package into the directory the head's job driver runs in, deleting it
+    under the driver: a driver that imports torch after that dies in MKL (issue 35). Stopped with the
+    cluster (its `ray start --block` process is one of ``cluster.procs``)."""
+    agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
+    log = cluster.root / "plain-node.log"
+    cluster._spawn(["ray", "start", f"--address={cluster.gcs_address}", "--block",
+                    f"--dashboard-agent-listen-port={agent_listen}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                    f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+                    "--min-worker-port=0", "--max-worker-port=0", f"--num-cpus={num_cpus}", "--num-gpus=0",
+                    "--disable-usage-stats"], cluster.env, log)
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert cluster.procs[-1].poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(1)
+
+
+@pytest.mark.timeout(1200)
+def test_a_job_on_a_head_without_cpus_trains_on_the_worker_node(tmp_path):
+    """Issue 35's reproduction: `ray start --head --num-cpus=0`, a 4-CPU worker node, `ray job submit
+    --working-dir .` of dp=2 pp=2 for 30 steps with checkpoints every 20. It died about a second after
+    the store was hosted ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so", exit 2): the
+    driver imported torch (the actor class's module) after its working directory was replaced."""
+    steps = 30
+    metrics = tmp_path / "metrics.jsonl"
+    with running_cluster("em-e2e0-", num_cpus=0) as cluster:
+        add_plain_node(cluster, 4)
+        out = cluster.submit("zero-cpu-head", ["--no-progress", "--set", "mesh.dp=2", "--set", "mesh.pp=2",
+                                               "--set", "mesh.tp=1", "--set", f"train.steps={steps}",
+                                               "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                                               "--set", "checkpoint.every=20", "--set", f"metrics.path={metrics}"],
+                             wait=True)
+        status = cluster.job_status("zero-cpu-head")
+        logs = cluster.job_logs("zero-cpu-head")
+    assert status == "SUCCEEDED", out.stdout[-4000:] + out.stderr[-2000:]
+    assert "oneMKL" not in logs, logs[-3000:]
+    recs = records(metrics)
+    trained = steps_of(recs)
+    assert sorted({r["step"] for r in trained}) == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) for r in trained) and trained[-1]["loss"] < trained[0]["loss"]
+    assert all((r["dp"], r["pp"], r["tp"]) == (2, 2, 1) for r in trained)  # never shrank
+    assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
+    assert "failure" not in {r.get("event") for r in recs}
+    assert {r["step"] for r in recs if r.get("event") == "checkpoint"} >= {20}
 
 
 @pytest.mark.timeout(900)

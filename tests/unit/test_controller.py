@@ -127,6 +127,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     kicks = r.group.calls(RankCalls.kick)
     assert sorted(a for a, _ in kicks) == [0, 2, 3]
     assert sorted(kicks[0][1][0]) == [("10.0.0.1", 40_000), ("10.0.0.1", 40_002), ("10.0.0.1", 40_003)]
+    assert kicks[0][1][1] == [("10.0.0.1", 40_001)]  # the dead rank's: matched against recorded connections only
 
     r.clock.t = 103.0
     assert r.c.step() == State.RUNNING  # REBUILDING -> RUNNING: 3 live actors, dp=3 does not split 8

@@ -74,6 +74,7 @@ def test_nccl_groups_are_made_without_device_id_and_in_nonblocking_mode(monkeypa
         seen.update(kwargs, backend=backend)
         raise Stop
 
+    monkeypatch.setattr(groups, "check_store", lambda *a, **k: None)  # no store listens on port 1
     monkeypatch.setattr(groups.dist, "TCPStore", lambda *a, **k: object())
     monkeypatch.setattr(groups.dist, "PrefixStore", lambda prefix, store: store)
     monkeypatch.setattr(groups.dist, "init_process_group", init_process_group)
@@ -98,7 +99,8 @@ def test_after_the_join_the_nccl_kick_also_cuts_the_store(monkeypatch):
         rank = actor_mod.RankActor(0)
         calls: dict[str, object] = {}
         monkeypatch.setattr(groups, "abort_nccl", lambda: True)
-        monkeypatch.setattr(sockets, "shutdown_gloo_sockets", lambda local, remote: calls.setdefault("remote", set(remote)) and 0)
+        monkeypatch.setattr(sockets, "shutdown_gloo_sockets",
+                            lambda local, remote, **_: calls.setdefault("remote", set(remote)) and 0)
         rank._backend, rank._store = backend, ("127.0.0.1", 29500)
         rank.kick([("10.0.0.2", 6000)])
         want = {("10.0.0.2", 6000)} | ({("127.0.0.1", 29500)} if backend == "nccl" else set())
@@ -120,7 +122,7 @@ def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(m
     monkeypatch.setattr(groups, "abort_nccl", lambda: calls.setdefault("abort", True))
     monkeypatch.setattr(sockets, "listening_ports", lambda: {1000, 2000, 7777})
     monkeypatch.setattr(sockets, "shutdown_gloo_sockets",
-                        lambda local, remote: calls.setdefault("shutdown", (set(local), set(remote))) and 0)
+                        lambda local, remote, **_: calls.setdefault("shutdown", (set(local), set(remote))) and 0)
     rank._backend = backend
     rank.gloo_listeners = (("10.0.0.1", 5000),)  # the checkpoint group's gloo listener on NCCL
     gen = JoinSpec(2, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen2")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import typing
+from types import SimpleNamespace
 
 from orchestrator.cluster.group_protocol import WorkerGroupLike
 from testbed.fake_group import FakeWorkerGroup
@@ -72,7 +73,35 @@ def test_exited_sees_a_gone_process_on_this_node_only(monkeypatch):
     done = subprocess.Popen(["true"])
     done.wait()  # exited and reaped: its pid names no process now
     group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
-    group.pids.update({1: done.pid, 2: os.getpid(), 3: done.pid})
-    group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2"})  # 3: another node, unknown
-    assert group.exited([1, 2, 3]) == {1}
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+    group.pids.update({1: done.pid, 2: os.getpid(), 3: done.pid, 4: done.pid})
+    group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2", 4: "10.0.0.1"})
+    # 3: another node; 4: another Ray node at this node's address (its pid is its own namespace's)
+    group.node_ids.update({1: "node-a", 2: "node-a", 3: "node-b", 4: "node-c"})
+    assert group.exited([1, 2, 3, 4]) == {1}
+
+
+def test_kill_now_signals_only_processes_of_the_drivers_ray_node(monkeypatch):
+    """Two Ray nodes sharing one address: the other node's actor is ended by Ray, never by its pid,
+    which on this host may name an unrelated process (here: one we started)."""
+    import subprocess
+
+    import ray
+
+    from orchestrator.cluster import worker_group as wg
+
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        group = wg.WorkerGroup(wg.ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+        signalled, ended = [], []
+        monkeypatch.setattr(wg.os, "kill", lambda pid, sig: signalled.append(pid))
+        monkeypatch.setattr(group, "kill", lambda ids: ended.extend(ids))
+        group.pids.update({1: 4242, 2: bystander.pid})
+        group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1"})
+        group.node_ids.update({1: "node-a", 2: "node-c"})
+        group.kill_now([1, 2])
+        assert signalled == [4242] and ended == [1, 2]
+    finally:
+        bystander.kill()
+        bystander.wait()

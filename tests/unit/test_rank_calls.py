@@ -44,7 +44,7 @@ def test_the_rank_actor_implements_every_call_with_the_same_parameters():
 
 
 def test_training_thread_methods_keep_their_signature():
-    """``_train`` sets ``__signature__`` (never ``__wrapped__``: Ray would then ignore the concurrency
+    """``training`` (workers/rank_methods.py) sets ``__signature__`` (never ``__wrapped__``: Ray would then ignore the concurrency
     group), so the wrapped method shows its own parameters."""
     from workers.actor import RankActor
 
