@@ -51,6 +51,18 @@ class CheckpointInfo:
     def committed(self) -> bool:  # a manifest was written, even if the files were damaged since
         return self.manifest is not None
 
+    @property
+    def dcp_path(self) -> str:
+        """Where the committed attempt's DCP files are (the step directory for format-1 checkpoints)."""
+        return dcp_path(self.path, self.manifest)
+
+
+def dcp_path(step_path: str, manifest: CheckpointManifest | None) -> str:
+    """The DCP directory of a committed step directory: its manifest's ``dcp_dir`` beneath it, if any."""
+    if manifest is None or not manifest.dcp_dir:
+        return step_path
+    return f"{step_path.rstrip('/')}/{manifest.dcp_dir}"
+
 
 def check_checkpoint(path: str, storage: CheckpointStorage | None = None, *, read_dcp_metadata: bool = True,
                      ) -> tuple[bool, str, CheckpointManifest | None]:
@@ -74,11 +86,11 @@ def check_checkpoint(path: str, storage: CheckpointStorage | None = None, *, rea
         return False, f"manifest.json says step {manifest.step} but the directory is step {dir_step}", manifest
     if not manifest.files and not read_dcp_metadata:
         problem = _check_acks(manifest)
-        if problem is None and not storage.exists(storage.join(path, DCP_METADATA)):
+        if problem is None and not storage.exists(storage.join(dcp_path(path, manifest), DCP_METADATA)):
             problem = f"missing DCP {DCP_METADATA} (the shard write did not finish)"
         note = "shard sizes not checked: manifest.json has no file map (DCP's pickled .metadata is not read here)"
         return (problem is None), (problem or note), manifest
-    problem = _check_files(path, storage, manifest.files) or _check_acks(manifest)
+    problem = _check_files(dcp_path(path, manifest), storage, manifest.files) or _check_acks(manifest)
     return (problem is None), (problem or ""), manifest
 
 
@@ -205,7 +217,7 @@ def commit(root: str, manifest: CheckpointManifest, storage: CheckpointStorage |
     """
     storage = storage or storage_for(root)
     path = storage.join(root, step_dir_name(manifest.step))
-    problem = _check_acks(manifest) or _check_files(path, storage, manifest.files)
+    problem = _check_acks(manifest) or _check_files(dcp_path(path, manifest), storage, manifest.files)
     if problem:
         raise CheckpointError(f"refusing to commit step {manifest.step}: {problem}", path)
     try:
@@ -255,6 +267,22 @@ def prepare_step(root: str, step: int, storage: CheckpointStorage | None = None,
     return path
 
 
+def prepare_attempt(step_path: str, attempt: str, storage: CheckpointStorage | None = None) -> str:
+    """Make the directory one save attempt of a step writes its DCP files to (``manifest.dcp_dir``).
+
+    Raises:
+        CheckpointError: it cannot be made.
+    """
+    storage = storage or storage_for(step_path)
+    path = storage.join(step_path, attempt)
+    try:
+        storage.makedirs(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot prepare the attempt directory ({type(e).__name__}: {e}); check that "
+                              "checkpoint.dir is writable", path) from e
+    return path
+
+
 def purge(root: str, keep: int, storage: CheckpointStorage | None = None, *,
           run_id: str | None = None) -> list[str]:
     """Delete all but the newest ``keep`` valid checkpoints, and leftovers older than the newest valid.
@@ -299,6 +327,7 @@ class BackgroundPurger:
     def __init__(self, storage: CheckpointStorage | None = None) -> None:
         self._storage = storage
         self._queue: queue.Queue[tuple[str, int, str | None] | None] = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="ckpt-purge", daemon=True)
         self._thread.start()
 
@@ -310,7 +339,11 @@ class BackgroundPurger:
         self._queue.join()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish queued purges and stop the thread (waits at most ``timeout`` seconds)."""
+        """Finish queued purges and stop the thread (waits at most ``timeout`` seconds). Idempotent: a
+        second stop request would never be taken, and ``wait_idle`` would then wait for it forever."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from checkpoints.errors import ManifestError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: DCP files in an attempt subdirectory (dcp_dir)
 _AXES = ("dp", "pp", "tp")
 
 
@@ -48,8 +48,13 @@ class CheckpointManifest:
     """Content identity of the training data (``meshdata`` source identity: the sidecar's hash),
     not its path: resuming onto moved data is fine, onto other data is refused. "" = not recorded."""
     files: dict[str, int] = field(default_factory=dict)
-    """Minimum byte size of each DCP file, relative to the step directory; lets the driver detect a
-    missing or truncated shard without reading DCP's (pickled, torch-typed) ``.metadata``."""
+    """Minimum byte size of each DCP file, relative to the DCP directory (``dcp_dir``); lets the driver
+    detect a missing or truncated shard without reading DCP's (pickled, torch-typed) ``.metadata``."""
+    dcp_dir: str = ""
+    """The subdirectory of the step directory that holds the DCP files of the save attempt that
+    committed (e.g. ``g3``, the generation that wrote them): a write abandoned by an earlier attempt
+    of the same step can only land in its own subdirectory, never in this one. "" (format 1): the
+    step directory itself."""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     run_id: str = ""
@@ -139,6 +144,8 @@ def _validate(m: CheckpointManifest) -> None:
         _fail(f"mesh degrees must be ints >= 1, got {m.mesh!r}")
     if math.prod(m.mesh[a] for a in _AXES) != m.world_size:
         _fail(f"world_size {m.world_size} != dp*pp*tp of mesh {m.mesh!r}")
+    if not isinstance(m.dcp_dir, str) or m.dcp_dir in (".", "..") or "/" in m.dcp_dir or "\\" in m.dcp_dir:
+        _fail(f"dcp_dir must be a plain subdirectory name of the step directory, got {m.dcp_dir!r}")
     if not all(isinstance(v, str) for v in (m.model_fingerprint, m.schedule, m.run_id)):
         _fail("model_fingerprint, schedule and run_id must be strings")
     if not isinstance(m.data_identity, str):

@@ -36,20 +36,21 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 2**30  # transformers' default max_shard_size is "
 
 
 def find_checkpoint(path: str) -> tuple[str, Any]:
-    """(step directory, manifest) of the committed checkpoint at ``path``, or of the newest under a root.
+    """(DCP directory, manifest) of the committed checkpoint at ``path``, or of the newest under a root
+    (the DCP directory: the step directory, or the attempt subdirectory its manifest names).
 
     Raises:
         CheckpointError: neither a committed checkpoint nor a root holding one.
     """
-    from checkpoints.catalog import check_checkpoint, latest_valid
+    from checkpoints.catalog import check_checkpoint, dcp_path, latest_valid
 
     valid, reason, manifest = check_checkpoint(path)
     if valid:
-        return path, manifest
+        return dcp_path(path, manifest), manifest
     if manifest is None:
         info = latest_valid(path)
         if info is not None:
-            return info.path, info.manifest
+            return info.dcp_path, info.manifest
     raise CheckpointError(f"not a committed checkpoint ({reason}): pass a step-N directory holding "
                           "manifest.json, or a checkpoint.dir holding one (see `elastimesh ckpt list`)", path)
 

@@ -195,7 +195,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
         if cfg.checkpoint.resume:  # the one it would resume: a crafted .metadata is exit 2 now too
             info = latest_valid(cfg.checkpoint.dir)  # (the controller checks again, at every resume)
             if info is not None:
-                check_metadata_file(info.path)
+                check_metadata_file(info.dcp_path)
     started_local = connect(cfg)
     try:
         stop = StopRequest()

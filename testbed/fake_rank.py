@@ -199,7 +199,10 @@ class FakeRank:
 
     def load_checkpoint(self, path: str) -> int:
         self.loaded.append(path)
-        self.step, self.life = parse_step(os.path.basename(path)), self.life + 1
+        # The DCP directory: a step directory, or an attempt subdirectory of one (manifest dcp_dir).
+        step = parse_step(os.path.basename(path))
+        step = step if step is not None else parse_step(os.path.basename(os.path.dirname(path)))
+        self.step, self.life = step, self.life + 1
         return self.step
 
     def keep_snapshot(self, key: tuple, owner: int, snap: Any) -> int:

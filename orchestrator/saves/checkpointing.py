@@ -50,6 +50,7 @@ from checkpoints.catalog import (
     ensure_writable,
     latest_valid,
     list_checkpoints,
+    prepare_attempt,
     prepare_step,
 )
 from checkpoints.errors import CheckpointError
@@ -86,6 +87,7 @@ class PendingSave:
     path: str
     refs: dict  # wait_checkpoint call -> actor id
     stall_s: float  # the slowest member's save call
+    attempt: str  # the subdirectory of ``path`` its DCP files go to (manifest ``dcp_dir``)
 
 
 class CheckpointCoordinator:
@@ -175,14 +177,19 @@ class CheckpointCoordinator:
 
     def _start_save(self, group, gen, step: int) -> None:
         self._try_commit(group, block=True)  # at most one save in flight
+        # Each attempt writes its DCP files into a subdirectory of its own (the generation's), which the
+        # manifest names: a write abandoned by a failure (a survivor's thread, a partitioned host's
+        # process) can only ever land in its own attempt's directory, never in a later attempt's.
+        attempt = f"g{gen.number}"
         try:
             path = prepare_step(self.root, step, run_id=self.run_id)
+            dcp_dir = prepare_attempt(path, attempt)
         except CheckpointError as exc:
             self._storage_failed(step, self.root, exc.message)
-        calls = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (path, step))
-        self._started(group, gen, step, path, calls)
+        calls = group.submit(list(gen.members.values()), RankCalls.save_checkpoint, (dcp_dir, step))
+        self._started(group, gen, step, path, calls, attempt)
 
-    def _started(self, group, gen, step: int, path: str, calls: dict) -> None:
+    def _started(self, group, gen, step: int, path: str, calls: dict, attempt: str) -> None:
         """Phase 1 answered (or will: the calls are read here): park the ``wait_checkpoint`` calls."""
         actors = list(gen.members.values())
         staged = self._collect_while_alive(group, calls, step, "staged")
@@ -195,7 +202,7 @@ class CheckpointCoordinator:
         acks: list[SaveAck] = list(staged.results.values())
         refs = group.submit(actors, RankCalls.wait_checkpoint)
         self._pending = PendingSave(step=step, gen=gen, path=path, refs=refs,
-                                    stall_s=max(a.stall_s for a in acks))
+                                    stall_s=max(a.stall_s for a in acks), attempt=attempt)
 
     def _try_commit(self, group, *, block: bool) -> None:
         pending = self._pending
@@ -237,6 +244,7 @@ class CheckpointCoordinator:
             model_config=config_to_dict(self.cfg)["model"],
             data_identity=self.data_identity,
             files=files,
+            dcp_dir=pending.attempt,
             run_id=self.run_id,
             skipped_steps=sorted(s for s in self.skipped_steps if s <= pending.step),
         )
@@ -325,7 +333,7 @@ class CheckpointCoordinator:
         if info is None:
             return None
         if info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
-            check_metadata_file(info.path)
+            check_metadata_file(info.dcp_path)
             self._safe.add(info.path)
         if info.manifest.model_fingerprint != self.fingerprint:
             keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
@@ -368,7 +376,7 @@ class CheckpointCoordinator:
             return 0
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
-        refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.path,))
+        refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.dcp_path,))
         outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
                                       stop_early=lambda o: bool(o.dead), waiting=_still_loading(info.path))
         if not outcome.ok:

@@ -25,7 +25,7 @@ from checkpoints.catalog import (
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, ManifestError
 from checkpoints.inspect_view import describe, format_table, require_root
 from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
-from checkpoints.manifest import CheckpointManifest
+from checkpoints.manifest import FORMAT_VERSION, CheckpointManifest
 from checkpoints.storage import FsspecStorage, LocalStorage, local_path, storage_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
@@ -74,7 +74,7 @@ def test_step_dir_names():
 def test_manifest_round_trip():
     m = _manifest(40, {SHARD: 10, DCP_METADATA: 5})
     again = CheckpointManifest.from_json(m.to_json())
-    assert again == m and again.mesh_str == "dp=1 pp=1 tp=1" and again.format_version == 1
+    assert again == m and again.mesh_str == "dp=1 pp=1 tp=1" and again.format_version == FORMAT_VERSION == 2
     assert json.loads(m.to_json())["data_cursor"] == 320
     with pytest.raises(ManifestError, match="pp=2"):  # 3 stages cannot spread over 2 pipeline ranks
         _manifest(1, mesh={"dp": 1, "pp": 2, "tp": 1}, world_size=2, ranks_acked=[0, 1], stage_layers=[[0], [1], [2]])
@@ -84,7 +84,8 @@ def test_manifest_round_trip():
     "", "{", "[1, 2]", "null", '{"format_version": 1}',
     "CHANGE step='12'", "CHANGE world_size=3", "CHANGE mesh={'dp': 1, 'pp': 1}", "CHANGE format_version=99",
     "CHANGE ranks_acked=[0, 7]", "CHANGE data_cursor=-8", "CHANGE files={'../x': 3}", "CHANGE created_at='now'",
-    "CHANGE stage_layers=[[0], ['x']]", "CHANGE mesh={'dp': 1, 'pp': 0, 'tp': 1}",
+    "CHANGE stage_layers=[[0], ['x']]", "CHANGE mesh={'dp': 1, 'pp': 0, 'tp': 1}", "CHANGE dcp_dir='../g1'",
+    "CHANGE dcp_dir='g1/x'", "CHANGE dcp_dir='..'", "CHANGE dcp_dir=3",
 ])
 def test_mangled_manifest_raises(text):
     if text.startswith("CHANGE "):

@@ -44,6 +44,7 @@ import os
 
 import pytest
 
+from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
@@ -136,7 +137,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     assert [a for a, _ in r.group.calls(RankCalls.leave_generation)] == [3]  # the spare
     assert sorted(a for a, _ in r.group.calls(RankCalls.load_checkpoint)) == [0, 2]
     # The step-4 save was still to be committed after step 5: abandoned, so step 2 is the newest.
-    assert r.group.calls(RankCalls.load_checkpoint)[0][1] == (str(r.ckpt / step_dir_name(2)),)
+    assert r.group.calls(RankCalls.load_checkpoint)[0][1] == (str(r.ckpt / step_dir_name(2) / "g1"),)  # its attempt dir
     skipped, = r.events("checkpoint_skipped")
     assert skipped["step"] == 4 and skipped["reason"].startswith("partial")
     assert r.c.next_step == 3 and not r.events("rebuild")  # the event goes out with the first step
@@ -374,6 +375,31 @@ def test_failure_abandons_the_save_in_flight(make):
     r.group.finish_writes()
     r.steps(1)
     assert set(r.group.drained) == set(waits)  # the abandoned acks were read once they came in
+
+
+def test_a_late_write_of_an_abandoned_save_cannot_reach_a_later_attempt(make):
+    """#36 item 5 (the fence): generation 1's save of step 2 is abandoned by a failure while it writes;
+    generation 2 saves step 2 again. Files the abandoned writer puts down afterwards (a survivor's
+    thread, a partitioned host's process) land in its own attempt directory, so the committed step 2
+    stays whole (with one directory per step, a late truncated shard would have replaced the new one)."""
+    r = make()
+    r.group.slow_writes = True
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.steps(3)  # the step-2 save of generation 1 is staged and still writing
+    abandoned = {args[0] for _, args in r.group.calls(RankCalls.save_checkpoint)}
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.RUNNING and r.c.next_step == 1  # nothing committed to resume from
+    r.group.finish_writes()
+    r.group.slow_writes = False
+    r.steps(3)  # generation 2 trains steps 1-3; its save of step 2 commits after step 3
+    for late in abandoned:  # the abandoned attempt's files arrive now, truncated
+        os.makedirs(late, exist_ok=True)
+        for name in os.listdir(os.path.join(late, os.pardir, "g2")):
+            with open(os.path.join(late, name), "wb") as fh:
+                fh.write(b"x")
+    assert r.committed() == [2]
+    info = list_checkpoints(str(r.ckpt))[0]
+    assert info.valid and info.manifest.dcp_dir == "g2" and info.dcp_path not in abandoned
 
 
 def test_requested_resize_commits_the_save_in_flight_first(make):

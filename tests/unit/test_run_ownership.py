@@ -55,7 +55,7 @@ def test_resuming_run_continues_that_run_and_purges_only_its_own(tmp_path):
         f.write(b"x" * 8)
     manifest = latest_valid(str(first.ckpt)).manifest.to_dict()
     manifest.update(step=1, data_cursor=8, run_id="someone-else", files={"__0_0.distcp": 16, ".metadata": 8},
-                    ranks_acked=list(range(manifest["world_size"])))
+                    dcp_dir="", ranks_acked=list(range(manifest["world_size"])))  # format 1: files in the step dir
     import json
     (foreign / MANIFEST).write_text(json.dumps(manifest))
 
@@ -89,5 +89,5 @@ def test_after_a_failure_a_run_resumes_its_own_not_a_newer_foreign_one(tmp_path)
     assert run.c.step() == State.REBUILDING
     assert run.c.step() == State.RUNNING
     loaded = {args[0] for _, args in run.group.calls(RankCalls.load_checkpoint)}
-    assert loaded == {str(run.ckpt / "step-00000004")}  # its own newest, not other-run's step 7
+    assert loaded == {str(run.ckpt / "step-00000004" / "g1")}  # its own newest, not other-run's step 7
     assert _committed(run.ckpt)[7] == "other-run"
