@@ -110,6 +110,8 @@ class TrainConfig:
     loss_scale_initial: float = key(65536.0, "float16: the dynamic loss scale's first value", gt=0)
     loss_scale_window: int = key(2000, "float16: overflow-free steps in a row before the loss scale doubles "
                                        "(an overflow halves it and skips the step)", ge=1)
+    loss_scale_min: float = key(1.0, "float16: the loss scale's floor; gradients that still overflow there "
+                                     "make a bad step (train.max_bad_steps), as a non-finite loss does", gt=0)
     activation_checkpointing: bool = key(False, "recompute each block's activations in backward")
     compile: bool = key(False, "torch.compile each transformer block (kernel fusion)")
     max_bad_steps: int = key(3, "a step whose loss or grad norm is not finite is skipped; this many in a "

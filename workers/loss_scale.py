@@ -32,18 +32,27 @@ class DynamicLossScale:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    min_scale: float = 1.0  # an overflow at this scale is a bad step, not a reason to halve again
 
     def unscale_(self, params: list[nn.Parameter], device: torch.device, group,
                  timeout_s: float = 1800.0) -> bool:
-        """Divide this rank's gradients by the scale; True when no rank found an inf or NaN.
+        """Divide this rank's gradients by the scale; True when no rank found an inf or NaN."""
+        return self.unscale_and_check(params, device, group, timeout_s)[0]
+
+    def unscale_and_check(self, params: list[nn.Parameter], device: torch.device, group,
+                          timeout_s: float = 1800.0, *, loss_bad: bool = False) -> tuple[bool, bool]:
+        """Divide this rank's gradients by the scale: (no rank found an inf or NaN gradient, no rank's
+        loss was non-finite), ``loss_bad`` being this rank's own loss verdict (the last stage's).
 
         Collective over ``group`` (every rank of the generation: one group or the mesh's axis groups,
-        ``workers.optim.reduce_over_world``), checked: the decision is never this rank's own. On overflow the gradients are
-        left as they are, to be dropped with the skipped step.
+        ``workers.optim.reduce_over_world``), checked: the decision is never this rank's own. On overflow
+        the gradients are left as they are, to be dropped with the skipped step. The loss travels in the
+        same all-reduce because a non-finite loss also makes every gradient non-finite: without it, a
+        NaN from the data or the model read as an overflow, reported no bad step and halved the scale.
         """
         grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
                  for p in params if p.grad is not None]
-        found = torch.zeros(1, device=device)
+        found = torch.tensor([0.0, float(loss_bad)], device=device)  # [gradient, loss] not finite
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:  # the fused kernel wants one device per call (offloaded grads are on the host)
             by_device.setdefault(g.device, []).append(g)
@@ -51,16 +60,29 @@ class DynamicLossScale:
             here = torch.zeros(1, device=where)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 tensors, here, torch.full((), 1.0 / self.scale, device=where))
-            found = torch.maximum(found, here.to(device))
+            found[0] = torch.maximum(found[0], here.to(device)[0])
         if group is not None:
             from workers.optim import reduce_over_world
 
             reduce_over_world(found, group, timeout_s, op=dist.ReduceOp.MAX)
-        return not bool(found.item())
+        grads_bad, loss_was_bad = found.tolist()
+        return not grads_bad, not loss_was_bad
+
+    def judge(self, grads_finite: bool, loss_finite: bool) -> str:
+        """The step's verdict, with the scale updated: "" (step), "overflow" (skip; the scale halved),
+        or a bad step's reason ("loss": the loss itself was not finite, the scale stays; "grad_norm":
+        gradients still overflow at ``min_scale``), which the bad-step counter counts."""
+        if not loss_finite:
+            return "loss"
+        if not grads_finite and self.scale <= self.min_scale:
+            self.growth_tracker = 0
+            return "grad_norm"
+        self.update(grads_finite)
+        return "" if grads_finite else "overflow"
 
     def update(self, finite: bool) -> None:
         if not finite:
-            self.scale *= self.backoff_factor
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
             self.growth_tracker = 0
             return
         self.growth_tracker += 1

@@ -114,8 +114,8 @@ class RankRuntime:
             placement=placement,
         )
         # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
-        self.loss_scale = DynamicLossScale(scale=train.loss_scale_initial, growth_interval=train.loss_scale_window) \
-            if train.dtype == "float16" else None
+        self.loss_scale = DynamicLossScale(scale=train.loss_scale_initial, growth_interval=train.loss_scale_window,
+                                           min_scale=train.loss_scale_min) if train.dtype == "float16" else None
         self._writer = None
         self._save_future = None
         self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
@@ -195,13 +195,9 @@ class RankRuntime:
         if loss_bad or self.inject_nan_grad:
             self.inject_nan_grad = False
             poison_grads(self.params, self.tied.not_in_norm)
-        finite = True
-        bad = ""
-        if scaler is not None:  # every rank takes the same decision (an all-reduce over the world)
-            finite = scaler.unscale_(self.params, self.groups.device, self.groups.world_axes,
-                                     self.spec.collective_timeout_s)
-            scaler.update(finite)
-        if finite:
+        verdict = self._fp16_verdict(loss_bad) if scaler is not None else ""
+        bad = "" if verdict == "overflow" else verdict
+        if not verdict:
             # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
             # a NaN/inf gradient anywhere, or a rank's non-finite loss (poisoned into its gradient
             # above), makes it non-finite everywhere. So it is computed even when clipping is off.
@@ -218,9 +214,12 @@ class RankRuntime:
             else:
                 bad = "loss" if loss_bad else "grad_norm"
                 logger.warning("step %d: %s not finite; update skipped on every rank", step, bad)
-        else:
+        elif verdict == "overflow":
             logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
                            "scale now %g", step, scaler.scale)
+        else:
+            logger.warning("step %d: %s not finite at loss scale %g; update skipped on every rank", step, bad,
+                           scaler.scale)
         coords = self.groups.coords
         reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
         return StepResult(
@@ -232,13 +231,20 @@ class RankRuntime:
             compute_s=compute,
             timings=tuple(timings),
             loss_scale=scale_used if scaler is not None else None,
-            skipped=not finite or bool(bad),
+            skipped=bool(verdict) or bool(bad),
             bad=bad,
             own_s=time.thread_time() - own0,
             forward_s=self.compute_clock.take(),
             dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
             recompiles=compile_stats.PROCESS.stop() if compiled else None,
         )
+
+    def _fp16_verdict(self, loss_bad: bool) -> str:
+        """float16: unscale the gradients and judge the step, one decision for every rank (an
+        all-reduce over the world): "", "overflow", or a bad step's reason (workers/loss_scale.py)."""
+        checked = self.loss_scale.unscale_and_check(self.params, self.groups.device, self.groups.world_axes,
+                                                    self.spec.collective_timeout_s, loss_bad=loss_bad)
+        return self.loss_scale.judge(*checked)
 
     # -- inspection -------------------------------------------------------------------------------
     def full_state(self) -> dict[str, np.ndarray]:

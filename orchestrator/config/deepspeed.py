@@ -208,6 +208,9 @@ def _precision(r: DSReader) -> None:
     r.put("train.loss_scale_initial", float(2 ** (16 if power is None else power)), "fp16.initial_scale_power")
     window = r.get("fp16.loss_scale_window", "int")
     r.put("train.loss_scale_window", 1000 if window is None else window, "fp16.loss_scale_window")
+    floor = r.get("fp16.min_loss_scale", "number")
+    if floor is not None:  # DeepSpeed's default floor (1) is ours
+        r.put("train.loss_scale_min", float(floor), "fp16.min_loss_scale")
     if r.get("fp16.hysteresis", "int") not in (None, 1):
         r.warn("fp16.hysteresis", "every overflow halves the scale here, as hysteresis=1")
 

@@ -110,6 +110,32 @@ def test_fp16_overflow_skips_the_step_everywhere_and_the_halved_scale_survives_a
         assert resumed.extras[rank] == {"scale": 2.0**15, "growth_tracker": 2}
 
 
+def _nan_loss_at_step_2(runtime):
+    """The last stage's loss comes out NaN in the 2nd step (what a bad batch or a diverged model gives)."""
+    inner_run, runs = runtime.executor.run, []
+
+    def run(actions, data):
+        loss, timings, compute = inner_run(actions, data)
+        runs.append(1)
+        return (float("nan") if len(runs) == 2 and loss is not None else loss), timings, compute
+
+    runtime.executor.run = run
+    return lambda: runtime.loss_scale.state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_fp16_a_non_finite_loss_is_a_bad_step_on_every_rank_and_keeps_the_scale():
+    """#36 item 9: before, the poisoned gradients read as an overflow: the step was not reported bad
+    (the bad-step counter reset, no rollback) and the scale halved."""
+    run = run_mesh(1, 2, 1, (*SMALL, "train.dtype=float16"), steps=3, collect_params=False,
+                   instrument=_nan_loss_at_step_2)
+    for rank, results in run.results.items():
+        assert [r.bad for r in results] == ["", "loss", ""], rank
+        assert [r.skipped for r in results] == [False, True, False], rank
+        assert [r.loss_scale for r in results] == [2.0**16] * 3, rank
+        assert run.extras[rank] == {"scale": 2.0**16, "growth_tracker": 2}
+
+
 def _logits_layout(runtime):
     """Record the shape of the logits the last stage hands to the loss, on every tp rank."""
     from torch.distributed.tensor import DTensor

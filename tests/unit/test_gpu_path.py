@@ -202,3 +202,22 @@ def test_compiled_step_records_report_the_most_recompiles_of_any_rank(monkeypatc
         counter.start()
         counts.append(counter.stop())
     assert counts == [0, 0, 2]
+
+
+def test_a_non_finite_loss_in_fp16_is_a_bad_step_not_an_overflow_and_the_scale_has_a_floor():
+    """#36 item 9: a rank's non-finite loss poisons its gradients, which the overflow check saw as an
+    overflow: the step read good, the bad-step counter reset, the scale halved every step, unbounded.
+    The loss verdict travels in the same all-reduce; an overflow at the floor is a bad step too."""
+    from workers.loss_scale import DynamicLossScale
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    params[0].grad = torch.full((3,), float("nan"))  # what poison_grads leaves after a NaN loss
+    scale = DynamicLossScale(scale=8.0, min_scale=2.0)
+    checked = scale.unscale_and_check(params, torch.device("cpu"), None, loss_bad=True)
+    assert checked == (False, False) and scale.judge(*checked) == "loss" and scale.scale == 8.0
+    assert scale.judge(False, True) == "overflow" and scale.scale == 4.0  # a real overflow: halved
+    assert scale.judge(False, True) == "overflow" and scale.scale == 2.0
+    assert scale.judge(False, True) == "grad_norm" and scale.scale == 2.0  # at the floor: a bad step
+    params[0].grad = torch.full((3,), 4.0)
+    assert scale.unscale_and_check(params, torch.device("cpu"), None) == (True, True)
+    assert scale.judge(True, True) == "" and torch.equal(params[0].grad, torch.full((3,), 2.0))
