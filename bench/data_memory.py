@@ -127,7 +127,7 @@ def child(data_path: str, steps: int) -> dict:
     return {"rss_before_runtime_mb": rss_before, "rss_after_build_mb": rss_built, "rss_after_step_mb": rss,
             "growth_over_run_mb": max(rss) - rss[0], "growth_from_build_mb": max(rss) - rss_built,
             "build_s": built_s, "first_step_s": step_s[0], "start_s": start_s, "step_s": step_s,
-            "losses": losses, "num_samples": runtime.num_samples, "mask_eos_id": spec.mask_eos_id}
+            "losses": losses, "num_samples": runtime.data.num_samples(), "mask_eos_id": spec.mask_eos_id}
 
 
 def run_child(data_path: str, steps: int) -> dict:
@@ -152,22 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gb = args.gb or (0.02 if args.quick else 2.0)
 
-    from meshdata import validate_source
-    from meshdata.index import SIDECAR
-
     tmp = None
     corpus = Path(args.corpus) if args.corpus else Path(tmp := tempfile.mkdtemp(prefix="elastimesh-bigcorpus-"))
     try:
-        t0 = time.perf_counter()
-        if (corpus / SIDECAR).exists():
-            meta = json.loads((corpus / SIDECAR).read_text())
-        else:
-            meta = make_corpus(corpus, gb)
-        make_s = time.perf_counter() - t0
-        corpus_bytes = sum(f.stat().st_size for f in corpus.glob("*.parquet"))
-        t0 = time.perf_counter()
-        src = validate_source(str(corpus), 512, VOCAB, 16)
-        validate_s = time.perf_counter() - t0
+        corpus_facts = _corpus_facts(corpus, gb)
         sides = {"builtin": run_child("builtin", steps), "big": run_child(str(corpus), steps)}
     finally:
         if tmp:
@@ -186,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal_met": big["growth_over_run_mb"] <= 64 and start_ratio <= 2.0 and (args.quick or gb >= 2.0),
         "peak_rss_mb": {k: max(v["rss_after_step_mb"]) for k, v in sides.items()},
         "peak_rss_big_minus_builtin_mb": max(big["rss_after_step_mb"]) - max(builtin["rss_after_step_mb"]),
-        "corpus": {"token_gb": meta["num_tokens"] * 4 / 2**30, "num_tokens": meta["num_tokens"],
-                   "documents": meta["documents"], "shards": len(meta["files"]), "file_bytes": corpus_bytes,
-                   "row_groups": int(len(src.index.rg_tokens)), "generate_s": make_s,
-                   "driver_validate_s": validate_s},
+        "corpus": corpus_facts,
         "sides": sides,
         "config": {"model": MODEL, "train": TRAIN, "steps": steps, "cache_mb": 4},
         "environment": common.environment(),
@@ -203,6 +188,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{'met' if result['goal_met'] else 'NOT met'} -> {out}")
     return 0
 
+
+def _corpus_facts(corpus: Path, gb: float) -> dict:
+    """The corpus at ``corpus`` (made with ``gb`` GB of tokens unless it is complete there): its size
+    and shape, how long making it and the driver's validation of it took."""
+    from meshdata import validate_source
+    from meshdata.index import SIDECAR
+
+    t0 = time.perf_counter()
+    if (corpus / SIDECAR).exists():
+        meta = json.loads((corpus / SIDECAR).read_text())
+    else:
+        meta = make_corpus(corpus, gb)
+    make_s = time.perf_counter() - t0
+    corpus_bytes = sum(f.stat().st_size for f in corpus.glob("*.parquet"))
+    t0 = time.perf_counter()
+    src = validate_source(str(corpus), 512, VOCAB, 16)
+    validate_s = time.perf_counter() - t0
+    return {"token_gb": meta["num_tokens"] * 4 / 2**30, "num_tokens": meta["num_tokens"],
+            "documents": meta["documents"], "shards": len(meta["files"]), "file_bytes": corpus_bytes,
+            "row_groups": int(len(src.index.rg_tokens)), "generate_s": make_s,
+            "driver_validate_s": validate_s}
 
 if __name__ == "__main__":
     sys.exit(main())

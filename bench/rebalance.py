@@ -76,13 +76,7 @@ MODES = {
 
 def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: float, workdir: str) -> dict:
     """One mode: ``slow_s`` slept per microbatch on the slow rank, ``device_s`` on every other actor."""
-    import ray
-
-    from meshspeak.rank_calls import RankCalls
     from orchestrator.config.load import load_config
-    from testbed.ray_cluster import make_group
-    from testbed.ray_harness import make_controller
-    from workers.store import StoreHost
 
     extra, actors = MODES[name]
     # A fresh metrics file and checkpoint directory for every run: a later round must neither resume
@@ -92,24 +86,7 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
     cfg = load_config(None, SCENARIOS[scenario] + COMMON + extra + [
         f"train.steps={steps}", f"metrics.path={mpath}", f"checkpoint.dir={os.path.join(run_dir, 'ckpt')}"])
     load_before = load_average()
-    with local_ray():
-        host = StoreHost.remote()
-        store_address = ray.get(host.address.remote(), timeout=60)
-        group = make_group(actors)
-        try:
-            controller = make_controller(cfg, group, store_address)
-            controller.step()  # generation 1 formed
-            victim = controller.generation.members[SLOW_RANK]
-            for actor in group.live_ids:  # spares included: a promoted spare is a healthy device
-                sleep = slow_s if actor == victim else device_s
-                if sleep > 0:
-                    group.call([actor], RankCalls.arm_fault, (1, "sleep", sleep, "microbatch", steps + 1), timeout_s=30)
-            t0 = time.time()
-            summary = controller.run()
-            wall = time.time() - t0
-            controller.metrics.close()
-        finally:
-            group.shutdown()
+    summary, wall, victim = _train_with_a_slow_rank(cfg, actors, steps, slow_s, device_s)
     records = [json.loads(line) for line in open(mpath)]
     by_step = {r["step"]: r for r in records if "loss" in r and "event" not in r}  # the last record wins
     assert sorted(by_step) == list(range(1, steps + 1)), f"{name}: steps {sorted(by_step)}"
@@ -137,6 +114,37 @@ def run_mode(scenario: str, name: str, steps: int, slow_s: float, device_s: floa
                   for s in range(steps // 2 + 1, steps + 1)]
         out["compute_per_microbatch_s"] = round(statistics.median(per_mb), 5)
     return out
+
+
+def _train_with_a_slow_rank(cfg, actors: int, steps: int, slow_s: float, device_s: float) -> tuple:
+    """Train ``cfg`` on ``actors`` rank actors of a local Ray, SLOW_RANK's actor sleeping ``slow_s`` per
+    microbatch and every other actor ``device_s``: (the run's summary, its wall seconds, the slow actor)."""
+    import ray
+
+    from meshspeak.rank_calls import RankCalls
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
+    from workers.store import StoreHost
+
+    with local_ray():
+        host = StoreHost.remote()
+        store_address = ray.get(host.address.remote(), timeout=60)
+        group = make_group(actors)
+        try:
+            controller = make_controller(cfg, group, store_address)
+            controller.step()  # generation 1 formed
+            victim = controller.generation.members[SLOW_RANK]
+            for actor in group.live_ids:  # spares included: a promoted spare is a healthy device
+                sleep = slow_s if actor == victim else device_s
+                if sleep > 0:
+                    group.call([actor], RankCalls.arm_fault, (1, "sleep", sleep, "microbatch", steps + 1), timeout_s=30)
+            t0 = time.time()
+            summary = controller.run()
+            wall = time.time() - t0
+            controller.metrics.close()
+        finally:
+            group.shutdown()
+    return summary, wall, victim
 
 
 def run_mode_retried(*args) -> dict:

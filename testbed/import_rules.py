@@ -40,8 +40,6 @@ KNOWN_LONG_FUNCTIONS = {
     "bench/recovery.py::run_elastimesh": 70,
     "bench/preemption.py::run_elastimesh": 68,
     "bench/chaos.py::run_campaign": 67,
-    "bench/rebalance.py::run_mode": 63,
-    "bench/data_memory.py::main": 63,
 }
 SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".pytest_cache", "runs"}
 DESIGN_MARKER = re.compile(r"^[ \t]*lazy imports of workers/ from orchestrator/: (.*)$", re.MULTILINE)
