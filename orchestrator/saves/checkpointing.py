@@ -109,6 +109,7 @@ class CheckpointCoordinator:
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
         self._safe: set[str] = set()  # checkpoints whose .metadata passed checkpoints.safe_pickle
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
+        self.owed_step: int | None = None  # a save abandoned by a failure, to be made good (``due``)
         self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
         self.lease: RunLease | None = None
         if self.user_dir:
@@ -130,7 +131,10 @@ class CheckpointCoordinator:
 
     # -- saving -----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
+        """A save of ``step`` is due: a periodic one, or one owed for a save a failure abandoned (the
+        first step trained at or after it, from whatever state the recovery restored)."""
+        periodic = bool(self.every) and step % self.every == 0
+        return periodic or (self.owed_step is not None and step >= self.owed_step)
 
     def after_step(self, group, gen, step: int) -> None:
         self._reap_abandoned(group)
@@ -164,9 +168,15 @@ class CheckpointCoordinator:
         self._reap_abandoned(group)
 
     def abandon_pending(self) -> None:
+        """A failure ends the generation writing the save in flight: it is never committed, and a save
+        is owed instead (``due``), so that no save is lost in silence (a restore from a snapshot past
+        its step would otherwise leave the run without it until the next periodic one)."""
         if self._pending is not None:
-            logger.warning("checkpoint of step %d abandoned (failure while writing)", self._pending.step)
+            logger.warning("checkpoint of step %d abandoned (failure while writing); the first step trained "
+                           "at or after it is saved instead", self._pending.step)
             self._abandoned.extend(self._pending.refs)
+            if self.user_dir:  # a planned resize's temporary save is not owed: it only moved state
+                self.owed_step = self._pending.step
         self._pending = None
 
     def _reap_abandoned(self, group) -> None:
@@ -181,6 +191,8 @@ class CheckpointCoordinator:
         # manifest names: a write abandoned by a failure (a survivor's thread, a partitioned host's
         # process) can only ever land in its own attempt's directory, never in a later attempt's.
         attempt = f"g{gen.number}"
+        if self.owed_step is not None and step >= self.owed_step:
+            self.owed_step = None  # this save makes good the one a failure abandoned
         try:
             path = prepare_step(self.root, step, run_id=self.run_id)
             dcp_dir = prepare_attempt(path, attempt)

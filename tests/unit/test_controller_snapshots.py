@@ -78,6 +78,24 @@ def test_a_lost_rank_is_restored_from_snapshots(make):
     assert summary.final_step == 6 and summary.losses[5] == pytest.approx(5)
 
 
+def test_a_save_lost_to_a_failure_is_made_good_from_the_restored_state(make):
+    """#36 item 5: the save of step 3 is still writing when a rank dies in step 5; the snapshots restore
+    step 4, past it, so replaying never reaches step 3 again. The first step trained after the restore
+    (5) is saved instead of waiting for the next periodic save (6): no save lost in silence."""
+    r = make("checkpoint.every=3", "train.steps=8", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.group.slow_writes = True
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
+    r.steps(5)  # start, steps 1-4; step 3's save still writing
+    assert r.c.step() == State.REBUILDING
+    assert r.c.ckpt.owed_step == 3 and r.committed() == []
+    r.group.finish_writes()
+    r.group.slow_writes = False
+    assert r.c.step() == State.RUNNING and r.c.next_step == 5  # restored step 4 from snapshots
+    r.c.run()
+    assert [e["step"] for e in r.events("checkpoint")] == [5, 6, 8]  # 5: the save owed for 3
+    assert r.c.ckpt.owed_step is None
+
+
 def test_a_rank_and_its_holder_lost_fall_back_to_storage(make):
     r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})
     # Rank 1's snapshot lives on rank 3 and rank 3's on rank 0: losing 1 and 3 loses rank 1's shard.
