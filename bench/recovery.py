@@ -62,13 +62,7 @@ def _pid_dead(pid: int) -> bool:
 
 # -- elastimesh ------------------------------------------------------------------------------------
 def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
-    import ray
-
-    from meshspeak.rank_calls import RankCalls
     from orchestrator.config.load import load_config
-    from testbed.ray_cluster import make_group
-    from testbed.ray_harness import make_controller
-    from workers.store import StoreHost
 
     mpath = os.path.join(workdir, f"em{memory_every}.jsonl")
     cfg = load_config(None, MODEL + [
@@ -77,35 +71,7 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
         f"checkpoint.memory_every={memory_every}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     t0 = time.time()
-    with local_ray():
-        host = StoreHost.remote()
-        store_address = ray.get(host.address.remote(), timeout=60)
-        group = make_group(cfg.mesh.world)
-        try:
-            controller = make_controller(cfg, group, store_address)
-            controller.step()  # FORMING -> RUNNING (generation 1 formed)
-            victim = controller.generation.members[VICTIM]
-            pid = group.pids[victim]
-            death: list[float] = []
-            stop = threading.Event()
-
-            def watch() -> None:
-                while not stop.is_set():
-                    if _pid_dead(pid):
-                        death.append(time.time())
-                        return
-                    time.sleep(0.005)
-
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
-            t_loop = time.time()
-            summary = controller.run()
-            t_done = time.time()
-            stop.set()
-            controller.metrics.close()
-        finally:
-            group.shutdown()
+    summary, death, t_loop, t_done = _train_killing_the_victim(cfg)
     records = [json.loads(line) for line in open(mpath)]
     failure = next(r for r in records if r.get("event") == "failure")
     rebuild = next(r for r in records if r.get("event") == "rebuild")
@@ -131,6 +97,53 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
         "loop_wall_s": t_done - t_loop, "total_wall_s": t_done - t0,
         "kill_time_source": "driver polled /proc/<victim pid>/stat every 5 ms",
     }
+
+
+def _train_killing_the_victim(cfg) -> tuple:
+    """Train ``cfg`` on a local Ray with rank VICTIM's actor armed to die at FAIL_STEP, its death
+    timed by polling its pid: (the run's summary, [the death's time] or [], the loop's start and end)."""
+    import ray
+
+    from meshspeak.rank_calls import RankCalls
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
+    from workers.store import StoreHost
+
+    with local_ray():
+        host = StoreHost.remote()
+        store_address = ray.get(host.address.remote(), timeout=60)
+        group = make_group(cfg.mesh.world)
+        try:
+            controller = make_controller(cfg, group, store_address)
+            controller.step()  # FORMING -> RUNNING (generation 1 formed)
+            victim = controller.generation.members[VICTIM]
+            death, stop = _watch_death(group.pids[victim])
+            group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
+            t_loop = time.time()
+            summary = controller.run()
+            t_done = time.time()
+            stop.set()
+            controller.metrics.close()
+        finally:
+            group.shutdown()
+    return summary, death, t_loop, t_done
+
+
+def _watch_death(pid: int) -> tuple[list[float], threading.Event]:
+    """A thread that notes when ``pid`` dies (polled every 5 ms) until the event it returns is set."""
+    death: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if _pid_dead(pid):
+                death.append(time.time())
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return death, stop
 
 
 # -- Ray Train -------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ KNOWN_LONG_FUNCTIONS = {
     "workers/runtime.py::RankRuntime.train_step": 76,
     "bench/preemption.py::run_ray_train": 76,
     "bench/node_loss.py::run_variant": 72,
-    "bench/recovery.py::run_elastimesh": 70,
     "bench/preemption.py::run_elastimesh": 68,
     "bench/chaos.py::run_campaign": 67,
 }
