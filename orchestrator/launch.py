@@ -249,7 +249,8 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
             metrics.data_counters = lambda step: source_counters(data.train, step, cfg.train.global_batch_size)
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
-            data_path=data.train.name if not cfg.data.mix else cfg.data.path,  # with a mix: RuntimeSpec.data_mix
+            # With a mix the ranks read RuntimeSpec.data_mix; its first source is where export finds the tokenizer.
+            data_path=data.train.sources[0].name,
             eval_path=data.eval_spec, eval_mask_eos_id=data.eval_mask_eos_id,
         )
         controller.stop_requested = stop

@@ -216,3 +216,24 @@ def test_chat_shards_inside_a_mixture_keep_their_loss_mask(tmp_path):
     assert sorted(set(mix.source_of(ids).tolist())) == [0, 1]
     from_chat = mix.source_of(ids) == 0
     assert (y[from_chat] == -100).any() and not (y[~from_chat] == -100).any()  # masked where chat masks
+
+
+def test_the_driver_resolves_a_mixtures_paths_before_the_ranks_see_them(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from orchestrator.config.load import load_config
+    from orchestrator.data_inputs import check_job_data
+
+    (tmp_path / "code").mkdir()
+    rows = pa.array([list(range(100))] * 4, type=pa.list_(pa.int32()))
+    pq.write_table(pa.table({"tokens": rows}), tmp_path / "code" / "a.parquet")
+    monkeypatch.chdir(tmp_path)  # "code" is relative to where the driver runs
+    mix = '[{path = "builtin", weight = 3}, {path = "code", weight = 1}]'
+    cfg = load_config(None, [f"data.mix={mix}", f"eval.mix={mix}", "eval.batches=2", "model.seq_len=16"])
+    data = check_job_data(cfg, 256)
+    want = (("builtin", 3.0), (str(tmp_path / "code"), 1.0))
+    assert data.cfg.data.mix == want and data.cfg.eval.mix == want and data.eval_spec == want
+    assert data.train.name == f"mix(builtin: 3, {tmp_path / 'code'}: 1)" and data.eval_mask_eos_id is None
+    with pytest.raises(DataError, match=r"eval\.mix\[1\]\.path = .* fewer than its share of 40 eval batches"):
+        check_job_data(load_config(None, [f"eval.mix={mix}", "eval.batches=40", "model.seq_len=16"]), 256)
