@@ -39,14 +39,49 @@ def hosts_cluster(prefix: str, workers: int, cpus: int, *, loopback_hostnames: b
     require_hosts()
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Ray's unix socket paths
     net = HostNet(workers, root, loopback_hostnames=loopback_hostnames)
-    cluster = RayCluster(root, num_cpus=0, node_ip=net.bridge_ip)
+    cluster = None
     try:
-        cluster.start()
+        cluster = start_head(root, net)
         for i, host in enumerate(net.hosts):
-            cluster.add_node(cpus, env=node_env, on_host=(net, host))
+            start_node(cluster, net, host, cpus, node_env)
             cluster.wait_nodes(2 + i)
         yield cluster, net
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         net.teardown()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def start_head(root: Path, net: HostNet, attempts: int = 2) -> RayCluster:
+    """The 0-CPU head on the bridge address; tried again in a fresh folder when `ray start --head` gives
+    up (its 30 s for the head's node to register, hard-coded in Ray 2.60, was missed here under a load
+    of ~20 on 2 cores, several times in a row; a head without its dashboard started within it)."""
+    for attempt in range(1, attempts + 1):
+        folder = root / f"head{attempt}"
+        folder.mkdir()
+        cluster = RayCluster(folder, num_cpus=0, node_ip=net.bridge_ip)
+        try:
+            cluster.start()
+            return cluster
+        except RuntimeError:
+            cluster.shutdown()
+            if attempt == attempts:
+                raise
+            print(f"ray start --head failed (attempt {attempt}); again", flush=True)
+    raise AssertionError("unreachable")
+
+
+def start_node(cluster: RayCluster, net: HostNet, host, cpus: int, env: dict | None = None, attempts: int = 3):
+    """A Ray node on ``host``; tried again (after killing what the failed try left there) when `ray start`
+    gives up: it gives its raylet 30 s to register (hard-coded in Ray 2.60), which a loaded 2-core
+    machine can miss. Returns its `ray start` process."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return cluster.add_node(cpus, env=env, on_host=(net, host))
+        except RuntimeError:
+            net.kill_host(host)
+            if attempt == attempts:
+                raise
+            print(f"ray start on {host.hostname} failed (attempt {attempt}); again", flush=True)
+    raise AssertionError("unreachable")
