@@ -91,10 +91,7 @@ def drain(nodes, node_id: str, deadline_s: float) -> float:
 
 # -- elastimesh ------------------------------------------------------------------------------------
 def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
-    from orchestrator.cluster.store_provider import StoreProvider
     from orchestrator.config.load import load_config
-    from testbed.ray_cluster import make_group
-    from testbed.ray_harness import make_controller
 
     mpath = os.path.join(workdir, "em.jsonl")
     cfg = load_config(None, MODEL + [
@@ -102,8 +99,43 @@ def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
         f"checkpoint.dir={os.path.join(workdir, 'em_ckpt')}", f"metrics.path={mpath}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     marks: dict[str, float] = {}
-    timers: list[threading.Timer] = []
     t0 = time.time()
+    summary = _train_through_a_drain(cfg, deadline_s, marks)
+    records = [json.loads(line) for line in open(mpath)]
+    events = {r["event"]: r for r in reversed(records) if "event" in r}  # the first of each kind
+    if "preemption" not in events or "rebuild" not in events:
+        raise RuntimeError(f"elastimesh did not evacuate the drained node: {[r for r in records if 'event' in r]}")
+    preemption, rebuild = events["preemption"], events["rebuild"]
+    trained = [r["step"] for r in records if "loss" in r]
+    idx = records.index(rebuild)
+    before = [r["step"] for r in records[:idx] if "loss" in r and r.get("generation") == 1]
+    resumed = rebuild["resumed_from_step"]
+    drain_t = marks["drain"]
+    return {
+        "victim_ranks": preemption["ranks"], "action": preemption["action"],
+        "notice_step": preemption["step"], "deadline_left_at_notice_s": preemption["deadline_s"],
+        "drain_to_notice_s": preemption["time"] - drain_t,
+        "resumed_from_step": resumed, "new_dp": rebuild["dp"],
+        "steps_done_before_reform": max(before), "steps_lost": max(before) - resumed,
+        "steps_logged_twice": len(trained) - len(set(trained)),
+        "drain_to_next_step_done_s": rebuild["time"] - drain_t,
+        "drain_to_new_progress_s": rebuild["time"] - drain_t,
+        "recovery_s_event": rebuild.get("recovery_s"),
+        "failures": sum(r.get("event") == "failure" for r in records),
+        "restarts": summary.restarts, "final_step": summary.final_step,
+        "total_wall_s": time.time() - t0,
+    }
+
+
+def _train_through_a_drain(cfg, deadline_s: float, marks: dict[str, float]):
+    """Train ``cfg`` on a multi-node Ray whose added node is drained (``deadline_s`` of notice,
+    ``marks["drain"]`` its time) DELAY_S after step DRAIN_AFTER, then removed at the deadline;
+    the run's summary."""
+    from orchestrator.cluster.store_provider import StoreProvider
+    from testbed.ray_cluster import make_group
+    from testbed.ray_harness import make_controller
+
+    timers: list[threading.Timer] = []
     with multinode_ray() as nodes:
         provider = StoreProvider()  # on the driver's node: the head
         provider.address()
@@ -134,33 +166,9 @@ def run_elastimesh(steps: int, deadline_s: float, workdir: str) -> dict:
                 timer.join()
             group.shutdown()
             provider.close()
-    records = [json.loads(line) for line in open(mpath)]
-    events = {r["event"]: r for r in reversed(records) if "event" in r}  # the first of each kind
-    if "preemption" not in events or "rebuild" not in events:
-        raise RuntimeError(f"elastimesh did not evacuate the drained node: {[r for r in records if 'event' in r]}")
-    preemption, rebuild = events["preemption"], events["rebuild"]
-    trained = [r["step"] for r in records if "loss" in r]
-    idx = records.index(rebuild)
-    before = [r["step"] for r in records[:idx] if "loss" in r and r.get("generation") == 1]
-    resumed = rebuild["resumed_from_step"]
-    drain_t = marks["drain"]
-    return {
-        "victim_ranks": preemption["ranks"], "action": preemption["action"],
-        "notice_step": preemption["step"], "deadline_left_at_notice_s": preemption["deadline_s"],
-        "drain_to_notice_s": preemption["time"] - drain_t,
-        "resumed_from_step": resumed, "new_dp": rebuild["dp"],
-        "steps_done_before_reform": max(before), "steps_lost": max(before) - resumed,
-        "steps_logged_twice": len(trained) - len(set(trained)),
-        "drain_to_next_step_done_s": rebuild["time"] - drain_t,
-        "drain_to_new_progress_s": rebuild["time"] - drain_t,
-        "recovery_s_event": rebuild.get("recovery_s"),
-        "failures": sum(r.get("event") == "failure" for r in records),
-        "restarts": summary.restarts, "final_step": summary.final_step,
-        "total_wall_s": time.time() - t0,
-    }
+    return summary
 
 
-# -- Ray Train -------------------------------------------------------------------------------------
 def _log(logdir: str, name: str, **fields) -> None:
     with open(os.path.join(logdir, name), "a") as f:
         f.write(json.dumps({**fields, "time": time.time()}) + "\n")
@@ -211,14 +219,51 @@ def _train_loop(config: dict) -> None:
 
 
 def run_ray_train(deadline_s: float, workdir: str) -> dict:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     logdir = os.path.join(workdir, "rt_logs")
     os.makedirs(logdir, exist_ok=True)
     marks: dict[str, float] = {}
-    error = None
     t0 = time.time()
+    victim_node, error = _fit_through_a_drain(deadline_s, workdir, logdir, marks)
+    steps_log = _read(logdir, "steps.jsonl")
+    starts = _read(logdir, "starts.jsonl")
+    jit = _read(logdir, "jit.jsonl")
+    drain_t = marks.get("drain")
+    first = [r for r in steps_log if r["attempt"] == 1]
+    after = [r for r in steps_log if r["attempt"] == 2]
+    restart = [s for s in starts if s["attempt"] == 2]
+    done_before = max((r["step"] for r in first), default=0)
+    resumed = (restart[0]["start"] - 1) if restart else None
+
+    def done_at(step: int) -> float | None:  # the slowest worker of the restarted group
+        times = [r["time"] for r in after if r["step"] == step]
+        return max(times) if times else None
+
+    t_next = done_at(min(r["step"] for r in after)) if after else None
+    t_new = done_at(done_before + 1)
+    return {
+        "victim_ranks": sorted(s["rank"] for s in starts if s["attempt"] == 1 and s["node"] == victim_node),
+        "jit_checkpoint_step": jit[0]["step"] if jit else None,
+        "drain_to_notice_s": (jit[0]["time"] - drain_t) if jit and drain_t else None,
+        "steps_done_before_restart": done_before, "resumed_from_step": resumed,
+        "new_world": restart[0]["world"] if restart else None,
+        "steps_lost": done_before - resumed if resumed is not None else None,
+        "drain_to_restart_loop_entry_s": (min(s["time"] for s in restart) - drain_t) if restart and drain_t else None,
+        "deadline_to_restart_loop_entry_s": (min(s["time"] for s in restart) - drain_t - deadline_s)
+        if restart and drain_t else None,
+        "drain_to_next_step_done_s": (t_next - drain_t) if t_next and drain_t else None,
+        "drain_to_new_progress_s": (t_new - drain_t) if t_new and drain_t else None,
+        "preemption_poll_s": float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5.0)),
+        "fit_error": error, "total_wall_s": time.time() - t0,
+    }
+
+
+def _fit_through_a_drain(deadline_s: float, workdir: str, logdir: str, marks: dict[str, float]) -> tuple:
+    """Ray Train's TorchTrainer on a multi-node Ray whose added node is drained as on the elastimesh
+    side (``marks["drain"]`` its time): (that node's id, the fit's error line or None)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    error = None
     with multinode_ray() as nodes:
         victim = nodes.add_node(num_cpus=2)
         stop = threading.Event()
@@ -255,37 +300,7 @@ def run_ray_train(deadline_s: float, workdir: str) -> dict:
             watcher.join()
             for timer in removal:
                 timer.join()
-    steps_log = _read(logdir, "steps.jsonl")
-    starts = _read(logdir, "starts.jsonl")
-    jit = _read(logdir, "jit.jsonl")
-    drain_t = marks.get("drain")
-    first = [r for r in steps_log if r["attempt"] == 1]
-    after = [r for r in steps_log if r["attempt"] == 2]
-    restart = [s for s in starts if s["attempt"] == 2]
-    done_before = max((r["step"] for r in first), default=0)
-    resumed = (restart[0]["start"] - 1) if restart else None
-
-    def done_at(step: int) -> float | None:  # the slowest worker of the restarted group
-        times = [r["time"] for r in after if r["step"] == step]
-        return max(times) if times else None
-
-    t_next = done_at(min(r["step"] for r in after)) if after else None
-    t_new = done_at(done_before + 1)
-    return {
-        "victim_ranks": sorted(s["rank"] for s in starts if s["attempt"] == 1 and s["node"] == victim.node_id),
-        "jit_checkpoint_step": jit[0]["step"] if jit else None,
-        "drain_to_notice_s": (jit[0]["time"] - drain_t) if jit and drain_t else None,
-        "steps_done_before_restart": done_before, "resumed_from_step": resumed,
-        "new_world": restart[0]["world"] if restart else None,
-        "steps_lost": done_before - resumed if resumed is not None else None,
-        "drain_to_restart_loop_entry_s": (min(s["time"] for s in restart) - drain_t) if restart and drain_t else None,
-        "deadline_to_restart_loop_entry_s": (min(s["time"] for s in restart) - drain_t - deadline_s)
-        if restart and drain_t else None,
-        "drain_to_next_step_done_s": (t_next - drain_t) if t_next and drain_t else None,
-        "drain_to_new_progress_s": (t_new - drain_t) if t_new and drain_t else None,
-        "preemption_poll_s": float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5.0)),
-        "fit_error": error, "total_wall_s": time.time() - t0,
-    }
+    return victim.node_id, error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,9 +35,7 @@ KNOWN_LONG_FUNCTIONS = {
     "orchestrator/cli.py::_dispatch": 70,
     "meshmodels/hf.py::check_weights": 78,
     "workers/runtime.py::RankRuntime.train_step": 76,
-    "bench/preemption.py::run_ray_train": 76,
     "bench/node_loss.py::run_variant": 72,
-    "bench/preemption.py::run_elastimesh": 68,
     "bench/chaos.py::run_campaign": 67,
 }
 SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".pytest_cache", "runs"}
