@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from meshdata import DataError, Mixture, validate_source
 from meshdata.masks import boundary_eos
-from meshdata.mixture import MixSpec, resolved, validate_mixture
+from meshdata.mixture import MixSpec, resolved, source_counters, validate_mixture
 from meshspeak.sections import JobConfig
 
 
@@ -24,6 +24,10 @@ class JobData:
     train: Mixture  # data.path as a one-source mixture, or data.mix
     eval_spec: str | MixSpec  # the resolved eval.path or eval.mix; "" = no evaluation
     eval_mask_eos_id: int | None
+
+    def counters(self, step: int) -> list[dict]:
+        """Per training source after ``step``: samples, tokens and epoch (step records' ``sources``)."""
+        return source_counters(self.train, step, self.cfg.train.global_batch_size)
 
 
 def check_job_data(cfg: JobConfig, vocab: int) -> JobData:

@@ -21,7 +21,6 @@ import ray
 from checkpoints.catalog import ensure_writable, latest_valid
 from checkpoints.errors import CheckpointError
 from checkpoints.safe_pickle import check_metadata_file
-from meshdata.mixture import source_counters
 from meshspeak.profile import profile_spec
 from meshspeak.sections import JobConfig
 from orchestrator.cluster.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
@@ -245,8 +244,7 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None,
                              launched_at=launched_at, trackers=open_trackers(cfg))
         metrics.step_listeners.extend(listeners)
-        if cfg.data.mix:  # per-source samples, tokens and epoch in every step record
-            metrics.data_counters = lambda step: source_counters(data.train, step, cfg.train.global_batch_size)
+        metrics.data_counters = data.counters if cfg.data.mix else None  # per-source counters in step records
         controller = Controller(
             cfg, group, metrics=metrics, store_address=store, use_gpu=use_gpu,
             # With a mix the ranks read RuntimeSpec.data_mix; its first source is where export finds the tokenizer.

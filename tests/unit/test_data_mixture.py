@@ -235,5 +235,6 @@ def test_the_driver_resolves_a_mixtures_paths_before_the_ranks_see_them(tmp_path
     want = (("builtin", 3.0), (str(tmp_path / "code"), 1.0))
     assert data.cfg.data.mix == want and data.cfg.eval.mix == want and data.eval_spec == want
     assert data.train.name == f"mix(builtin: 3, {tmp_path / 'code'}: 1)" and data.eval_mask_eos_id is None
+    assert [(c["samples"], c["tokens"]) for c in data.counters(2)] == [(12, 12 * 16), (4, 4 * 16)]  # 3 : 1 of 8
     with pytest.raises(DataError, match=r"eval\.mix\[1\]\.path = .* fewer than its share of 40 eval batches"):
         check_job_data(load_config(None, [f"eval.mix={mix}", "eval.batches=40", "model.seq_len=16"]), 256)
