@@ -88,6 +88,19 @@ class SaveFuture(Future):
             self.observed = self.observed or self.done()
 
 
+# The slowest storage a checkpoint waits for (a throttled bucket, a busy NFS server), and the least time
+# any checkpoint collective is given: DCP's save and load wait in them for the slowest rank's storage.
+SLOWEST_STORAGE_BYTES_PER_S = 1e6
+CHECKPOINT_COLLECTIVE_FLOOR_S = 600.0
+
+
+def checkpoint_group_timeout_s(state_bytes: int, collective_timeout_s: float) -> float:
+    """The checkpoint group's timeout for a rank holding ``state_bytes``: its write or read at
+    ``SLOWEST_STORAGE_BYTES_PER_S`` on top of ``CHECKPOINT_COLLECTIVE_FLOOR_S``, never below
+    ``collective_timeout_s``."""
+    return max(collective_timeout_s, CHECKPOINT_COLLECTIVE_FLOOR_S + state_bytes / SLOWEST_STORAGE_BYTES_PER_S)
+
+
 def dcp_writer(path: str) -> dcp.StorageWriter:
     """DCP writer for a local/shared path (``FileSystemWriter``) or any fsspec URI (``FsspecWriter``)."""
     lp = local_path(path)

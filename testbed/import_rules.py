@@ -28,13 +28,13 @@ MAX_FUNCTION_LINES = 60  # a function's def line to its last line, docstring and
 # then: each may only shrink, and an entry must go once its function is within the cap (or gone), so the
 # list can only get shorter. A file cap bent code (squeezed to fit); a function cap does not.
 KNOWN_LONG_FUNCTIONS = {
-    "workers/runtime.py::RankRuntime.__init__": 92,
+    "workers/runtime.py::RankRuntime.__init__": 87,
     "workers/groups.py::build_process_groups": 91,
     "meshmodels/export.py::export_checkpoint": 80,
     "bench/scale.py::real": 80,
     "orchestrator/cli.py::_dispatch": 70,
     "meshmodels/hf.py::check_weights": 78,
-    "workers/runtime.py::RankRuntime.train_step": 76,
+    "workers/runtime.py::RankRuntime.train_step": 75,
     "bench/node_loss.py::run_variant": 72,
     "bench/chaos.py::run_campaign": 67,
 }

@@ -89,13 +89,8 @@ class RankRuntime:
         self.params: list[nn.Parameter] = [
             p for stage in self.stages.values() for p in stage.module.parameters()
         ]
-        # -- model-family specifics (meshmodels/): tied copies across stages, initial HF weights
-        modules = {i: st.module for i, st in self.stages.items()}
-        self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, groups,
-                              spec.collective_timeout_s)
-        if spec.init_from:
-            # Straight into the local shards, collectively; the driver validated the directory.
-            load_hf(self.model_parts(), self.family, spec.init_from, process_group=groups.ckpt_group)
+        self._bound_checkpoint_group()
+        self._apply_family_specifics()
         seq_local = model_cfg.seq_len // shape.tp if shape.tp > 1 else model_cfg.seq_len
         self.executor = Executor(
             self.stages,
@@ -264,6 +259,33 @@ class RankRuntime:
                 if keep and not self.tied.is_copy(param):  # a tied copy is reported by the first stage
                     out[name] = (full if full.dtype == torch.float64 else full.float()).cpu().numpy().copy()
         return out
+
+    def _bound_checkpoint_group(self) -> None:
+        """Give the checkpoint group's collectives (DCP save and load, init_from) a bound derived from
+        the work instead of ``elastic.collective_timeout_s``: in them every rank waits for the slowest
+        one's storage, and a rank a minute behind used to fail a save with every rank alive, which read
+        as storage failing and stopped the run. A rank that dies is found by liveness and its peers
+        freed by the driver's kick, so this bound is only the backstop for a live rank that never
+        returns (#36: time alone never fails a live run)."""
+        from datetime import timedelta
+
+        from checkpoints.writer import checkpoint_group_timeout_s
+
+        planned = 3 * sum(p.numel() * p.element_size() for p in self.params)  # parameters + Adam's 2 moments
+        bound_s = checkpoint_group_timeout_s(planned, self.spec.collective_timeout_s)
+        if bound_s > self.spec.collective_timeout_s:
+            self.groups.ckpt_group.set_timeout(timedelta(seconds=bound_s))
+            logger.info("checkpoint group timeout %.0f s (elastic.collective_timeout_s %.0f s): %d bytes of state "
+                        "at the slowest storage waited for", bound_s, self.spec.collective_timeout_s, planned)
+
+    def _apply_family_specifics(self) -> None:
+        """The model family's specifics (meshmodels/): tied copies across stages, initial HF weights."""
+        modules = {i: st.module for i, st in self.stages.items()}
+        self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, self.groups,
+                              self.spec.collective_timeout_s)
+        if self.spec.init_from:
+            # Straight into the local shards, collectively; the driver validated the directory.
+            load_hf(self.model_parts(), self.family, self.spec.init_from, process_group=self.groups.ckpt_group)
 
     def model_parts(self) -> list[nn.Module]:
         return [stage.module for stage in self.stages.values()]
