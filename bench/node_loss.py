@@ -189,64 +189,90 @@ def run_variant(variant: str, window_s: float, warmup: int, work: Path) -> dict:
         tail.start()
         probe = Probe(cluster, work / f"{variant}-probe.log")
         wait_steps(metrics, driver, warmup)
-        t0, gcs0 = time.time(), cpu_seconds([gcs])
-        time.sleep(window_s)
-        t_notice, gcs1 = time.time(), cpu_seconds([gcs])
-        if variant == "drain":
-            drained = cluster.ray("drain-node", f"--address={cluster.gcs_address}", f"--node-id={worker_node}",
-                                  "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=bench preemption",
-                                  f"--deadline-remaining-seconds={DRAIN_DEADLINE_S}")
-            if drained.returncode != 0:
-                raise RuntimeError(f"ray drain-node failed: {drained.stderr[-2000:]}")
-            time.sleep(max(0.0, t_notice + DRAIN_DEADLINE_S - time.time()))
-            worker.send_signal(signal.SIGTERM)
-        else:
-            worker.send_signal(signal.SIGKILL)
-        t_signal, gcs_signal = time.time(), cpu_seconds([gcs])
-        t_gone = probe.ask(f"dead {worker_node}")["dead_at"]
-        if t_gone is None:
-            raise RuntimeError("the GCS did not declare the worker node dead within 300 s")
-        head0 = cpu_seconds(head_processes(cluster))
-        gcs2 = cpu_seconds([gcs])
-        time.sleep(max(0.0, t_gone + LOSS_WINDOW_S - time.time()))
-        gcs3, head1 = cpu_seconds([gcs]), cpu_seconds(head_processes(cluster))
-        t_end = time.time()
+        marks = _measure_node_loss(cluster, gcs, probe, worker, worker_node, variant, window_s)
         pgs = probe.ask("groups")["groups"]
         recs = records(metrics)
         tail.stop.set()
-        before, own_before, n_before = medians(tail.stamped, t0, t_notice)
-        gen_before = max(r["generation"] for r in tail.stamped if r["time"] <= t_notice)
-        later = [r for r in tail.stamped if r["generation"] > gen_before]  # the mesh without the node
-        after, own_after, n_after = medians(later, t_gone + SETTLE_S, t_end)
-        cpu = lambda a, b, s: round((b[gcs.pid][1] - a[gcs.pid][1]) / s, 4)  # noqa: E731
-        events = [{k: v for k, v in r.items() if k in ("event", "step", "dp", "action", "reason", "recovery_s")}
-                  for r in recs if r.get("event") in ("preemption", "failure", "rebuild")]
-        return {
-            "variant": variant,
-            "signal_to_dead_s": round(t_gone - t_signal, 2),
-            "median_step_before_s": before and round(before, 4), "steps_before": n_before,
-            "median_step_after_s": after and round(after, 4), "steps_after": n_after,
-            "step_ratio": round(after / before, 3) if before and after else None,
-            "median_step_time_before_s": own_before and round(own_before, 4),
-            "median_step_time_after_s": own_after and round(own_after, 4),
-            "gcs_cpu_before": cpu(gcs0, gcs1, t_notice - t0),
-            "gcs_cpu_signal_to_dead": cpu(gcs_signal, gcs2, max(1e-3, t_gone - t_signal)),
-            "gcs_cpu_after": cpu(gcs2, gcs3, t_end - t_gone),
-            "head_cpu_after": cpu_by_name(head0, head1, t_end - t_gone),
-            "placement_groups_after": pgs,
-            "events": events,
-            "load_average_end": load_average(),
-        }
+        return _variant_figures(variant, marks, tail.stamped, recs, gcs.pid, pgs)
     finally:
-        if driver is not None and driver.poll() is None:
-            driver.send_signal(signal.SIGTERM)  # saves at the next step boundary and exits 0
-            try:
-                driver.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                driver.kill()
-        if probe is not None:
-            probe.close()
-        cluster.shutdown()
+        _stop_run(driver, probe, cluster)
+
+
+def _measure_node_loss(cluster, gcs, probe, worker, worker_node: str, variant: str, window_s: float) -> dict:
+    """A window of steps with the node, its loss (drained then stopped, or killed), the GCS declaring
+    it dead, and LOSS_WINDOW_S after: each moment's wall time and the GCS's (and the head's) CPU seconds."""
+    t0, gcs0 = time.time(), cpu_seconds([gcs])
+    time.sleep(window_s)
+    t_notice, gcs1 = time.time(), cpu_seconds([gcs])
+    _lose_node(cluster, worker, worker_node, variant, t_notice)
+    t_signal, gcs_signal = time.time(), cpu_seconds([gcs])
+    t_gone = probe.ask(f"dead {worker_node}")["dead_at"]
+    if t_gone is None:
+        raise RuntimeError("the GCS did not declare the worker node dead within 300 s")
+    head0 = cpu_seconds(head_processes(cluster))
+    gcs2 = cpu_seconds([gcs])
+    time.sleep(max(0.0, t_gone + LOSS_WINDOW_S - time.time()))
+    gcs3, head1 = cpu_seconds([gcs]), cpu_seconds(head_processes(cluster))
+    t_end = time.time()
+    return {"t0": t0, "gcs0": gcs0, "t_notice": t_notice, "gcs1": gcs1, "t_signal": t_signal,
+            "gcs_signal": gcs_signal, "t_gone": t_gone, "head0": head0, "gcs2": gcs2, "gcs3": gcs3,
+            "head1": head1, "t_end": t_end}
+
+
+def _lose_node(cluster, worker, worker_node: str, variant: str, t_notice: float) -> None:
+    """``drain``: a preemption notice, then SIGTERM at its deadline; otherwise SIGKILL at once."""
+    if variant == "drain":
+        drained = cluster.ray("drain-node", f"--address={cluster.gcs_address}", f"--node-id={worker_node}",
+                              "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=bench preemption",
+                              f"--deadline-remaining-seconds={DRAIN_DEADLINE_S}")
+        if drained.returncode != 0:
+            raise RuntimeError(f"ray drain-node failed: {drained.stderr[-2000:]}")
+        time.sleep(max(0.0, t_notice + DRAIN_DEADLINE_S - time.time()))
+        worker.send_signal(signal.SIGTERM)
+    else:
+        worker.send_signal(signal.SIGKILL)
+
+
+def _variant_figures(variant: str, marks: dict, stamped: list[dict], recs: list[dict], gcs_pid: int,
+                     pgs) -> dict:
+    """Steps before the notice and after the loss (on the mesh without the node), the GCS's CPU share
+    in each phase, what the run logged."""
+    t0, t_notice, t_signal, t_gone, t_end = (marks[k] for k in ("t0", "t_notice", "t_signal", "t_gone", "t_end"))
+    before, own_before, n_before = medians(stamped, t0, t_notice)
+    gen_before = max(r["generation"] for r in stamped if r["time"] <= t_notice)
+    later = [r for r in stamped if r["generation"] > gen_before]  # the mesh without the node
+    after, own_after, n_after = medians(later, t_gone + SETTLE_S, t_end)
+    cpu = lambda a, b, s: round((b[gcs_pid][1] - a[gcs_pid][1]) / s, 4)  # noqa: E731
+    events = [{k: v for k, v in r.items() if k in ("event", "step", "dp", "action", "reason", "recovery_s")}
+              for r in recs if r.get("event") in ("preemption", "failure", "rebuild")]
+    return {
+        "variant": variant,
+        "signal_to_dead_s": round(t_gone - t_signal, 2),
+        "median_step_before_s": before and round(before, 4), "steps_before": n_before,
+        "median_step_after_s": after and round(after, 4), "steps_after": n_after,
+        "step_ratio": round(after / before, 3) if before and after else None,
+        "median_step_time_before_s": own_before and round(own_before, 4),
+        "median_step_time_after_s": own_after and round(own_after, 4),
+        "gcs_cpu_before": cpu(marks["gcs0"], marks["gcs1"], t_notice - t0),
+        "gcs_cpu_signal_to_dead": cpu(marks["gcs_signal"], marks["gcs2"], max(1e-3, t_gone - t_signal)),
+        "gcs_cpu_after": cpu(marks["gcs2"], marks["gcs3"], t_end - t_gone),
+        "head_cpu_after": cpu_by_name(marks["head0"], marks["head1"], t_end - t_gone),
+        "placement_groups_after": pgs,
+        "events": events,
+        "load_average_end": load_average(),
+    }
+
+
+def _stop_run(driver, probe, cluster) -> None:
+    if driver is not None and driver.poll() is None:
+        driver.send_signal(signal.SIGTERM)  # saves at the next step boundary and exits 0
+        try:
+            driver.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+    if probe is not None:
+        probe.close()
+    cluster.shutdown()
 
 
 def main() -> None:

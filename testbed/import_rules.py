@@ -35,7 +35,6 @@ KNOWN_LONG_FUNCTIONS = {
     "orchestrator/cli.py::_dispatch": 70,
     "meshmodels/hf.py::check_weights": 78,
     "workers/runtime.py::RankRuntime.train_step": 75,
-    "bench/node_loss.py::run_variant": 72,
     "bench/chaos.py::run_campaign": 67,
 }
 SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".pytest_cache", "runs"}
