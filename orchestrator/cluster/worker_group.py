@@ -64,6 +64,7 @@ class WorkerGroup:
         self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
+        self._cwd = _cwd_path()  # re-entered after a node unpacked the job's working_dir over it (_started)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def bundle(self) -> dict[str, float]:
@@ -176,6 +177,7 @@ class WorkerGroup:
     def _started(self, actor_id: int, answer: tuple[int, str, str]) -> None:
         self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = answer
         self.placements.placed(actor_id, self.node_ids[actor_id])
+        reenter_cwd(self._cwd)
 
     def kill(self, actor_ids: list[int]) -> None:
         for actor_id in actor_ids:
@@ -358,6 +360,36 @@ class WorkerGroup:
                 text = getattr(cause, "message", None) or str(cause)
                 return f"{kind_of(cause)}: {text}".splitlines()[0]
         return None
+
+
+def _cwd_path() -> str | None:
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return os.environ.get("PWD")
+
+
+def reenter_cwd(path: str | None) -> None:
+    """Enter ``path`` again when this process's working directory was deleted under it.
+
+    A job driver (``ray job submit --working-dir``) runs in the job's unpacked package inside the
+    session directory. Nodes on one machine share that directory, and a node setting the package up
+    for its first actor deletes and unpacks it again (Ray's ``packaging.py``: "Removing ..."): the
+    driver is then in a deleted directory, and every relative path (the default ``metrics.path``)
+    fails with FileNotFoundError. The new copy is at the same path, with the same files. Called as
+    each actor answers: its node's unpack is done by then (it precedes the worker's start)."""
+    if not path:
+        return
+    try:
+        os.getcwd()
+        return
+    except FileNotFoundError:
+        pass
+    try:
+        os.chdir(path)
+        logger.info("the working directory %s was replaced (a node unpacked the job's package again): re-entered", path)
+    except OSError as exc:
+        logger.warning("the working directory %s is gone and cannot be re-entered: %s", path, exc)
 
 
 def _process_alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ directory), the job trains to the end.
 from __future__ import annotations
 
 import math
+import re
 import time
 import urllib.request
 
@@ -63,53 +64,36 @@ def add_plain_node(cluster: RayCluster, num_cpus: int, timeout_s: float = 180.0)
 @pytest.mark.timeout(1200)
 def test_a_job_on_a_head_without_cpus_trains_on_the_worker_node(tmp_path):
     """Issue 35's reproduction: `ray start --head --num-cpus=0`, a 4-CPU worker node, `ray job submit
-    --working-dir .` of dp=2 pp=2 for 30 steps with checkpoints every 20. It died about a second after
-    the store was hosted ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so", exit 2): the
-    driver imported torch (the actor class's module) after its working directory was replaced."""
+    --working-dir .` of dp=2 pp=2 for 30 steps with checkpoints every 20 (metrics.path left at its
+    relative default). It died about a second after the store was hosted ("Intel oneMKL FATAL ERROR:
+    Cannot load .../libtorch_cpu.so", exit 2): the driver imported torch (the actor class's module)
+    after the worker node unpacked the job's package over its working directory. Without torch, the
+    relative metrics.path then failed (FileNotFoundError): the driver re-enters the directory
+    (``reenter_cwd``)."""
+    from checkpoints.catalog import list_checkpoints
+
     steps = 30
-    metrics = tmp_path / "metrics.jsonl"
     with running_cluster("em-e2e0-", num_cpus=0) as cluster:
         add_plain_node(cluster, 4)
+        # Four ranks importing torch on a loaded 2-core machine took up to 100 s to answer: a wider wait.
         out = cluster.submit("zero-cpu-head", ["--no-progress", "--set", "mesh.dp=2", "--set", "mesh.pp=2",
                                                "--set", "mesh.tp=1", "--set", f"train.steps={steps}",
                                                "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                                               "--set", "checkpoint.every=20", "--set", f"metrics.path={metrics}"],
-                             wait=True)
+                                               "--set", "checkpoint.every=20",
+                                               "--set", "resources.placement_timeout_s=600"], wait=True)
         status = cluster.job_status("zero-cpu-head")
         logs = cluster.job_logs("zero-cpu-head")
     assert status == "SUCCEEDED", out.stdout[-4000:] + out.stderr[-2000:]
     assert "oneMKL" not in logs, logs[-3000:]
-    recs = records(metrics)
-    trained = steps_of(recs)
-    assert sorted({r["step"] for r in trained}) == list(range(1, steps + 1))
-    assert all(math.isfinite(r["loss"]) for r in trained) and trained[-1]["loss"] < trained[0]["loss"]
-    assert all((r["dp"], r["pp"], r["tp"]) == (2, 2, 1) for r in trained)  # never shrank
-    assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
-    assert "failure" not in {r.get("event") for r in recs}
-    assert {r["step"] for r in recs if r.get("event") == "checkpoint"} >= {20}
-
-
-@pytest.mark.timeout(900)
-def test_default_job_succeeds_on_the_cluster(cluster, tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    started = time.monotonic()
-    out = cluster.submit("default-1", ["--set", f"metrics.path={metrics}",
-                                       "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                                       "--set", "checkpoint.every=5"], wait=True)
-    elapsed = time.monotonic() - started
-    assert cluster.job_status("default-1") == "SUCCEEDED", out.stdout[-4000:] + out.stderr[-2000:]
-    print(f"default job on the cluster: submit -> SUCCEEDED in {elapsed:.1f}s")
-    logs = cluster.job_logs("default-1")
-    # The driver joined this cluster through RAY_ADDRESS (set by the job), not a local Ray of its own.
-    assert "Connecting to existing Ray cluster" in logs and "Started a local Ray" not in logs, logs[-3000:]
-    recs = records(metrics)
-    steps = steps_of(recs)
-    assert sorted({r["step"] for r in steps}) == list(range(1, DEFAULT_STEPS + 1))
-    assert all(math.isfinite(r["loss"]) for r in steps)
-    assert all((r["dp"], r["pp"], r["tp"]) == (2, 1, 2) for r in steps)
-    assert steps[-1]["loss"] < steps[0]["loss"]  # it trained
-    assert [r["step"] for r in recs if r.get("event") == "done"] == [DEFAULT_STEPS]
-    assert {r["step"] for r in recs if r.get("event") == "checkpoint"} >= {5, 10, 15}
+    driver_lines = [line for line in logs.splitlines() if "(RankActor" not in line and "(StoreHost" not in line]
+    assert not [line for line in driver_lines if "Traceback" in line], logs[-3000:]
+    trained = {int(m.group(1)): float(m.group(2))
+               for m in re.finditer(r"orchestrator\.metrics: step +(\d+) +loss ([0-9.]+) .* mesh dp=2 pp=2 tp=1", logs)}
+    assert sorted(trained) == list(range(1, steps + 1)), logs[-3000:]
+    assert trained[steps] < trained[1]  # it trained
+    # One generation, no restart: never a failure, never a shrink.
+    assert f"elastimesh: done: step {steps}, 1 generation(s), 0 restart(s)" in logs, logs[-3000:]
+    assert {c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.valid} >= {20}
 
 
 def scrape(cluster: RayCluster, name: str, timeout_s: float = 60) -> str:

@@ -105,3 +105,29 @@ def test_kill_now_signals_only_processes_of_the_drivers_ray_node(monkeypatch):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_working_directory_unpacked_again_under_the_driver_is_reentered(tmp_path, monkeypatch):
+    """A node on the same machine unpacks the job's package again over the driver's working directory
+    (issue 35): relative paths then fail until the driver enters the new copy at the same path."""
+    import os
+    import shutil
+
+    from orchestrator.cluster.worker_group import reenter_cwd
+
+    job_dir = tmp_path / "_ray_pkg_x"
+    job_dir.mkdir()
+    monkeypatch.chdir(job_dir)
+    shutil.rmtree(job_dir)
+    job_dir.mkdir()  # the new copy
+    (job_dir / "metrics.jsonl").write_text("")
+    try:
+        os.getcwd()
+        deleted = False
+    except FileNotFoundError:
+        deleted = True
+    assert deleted
+    reenter_cwd(str(job_dir))
+    assert os.getcwd() == str(job_dir) and os.path.exists("metrics.jsonl")
+    reenter_cwd(str(tmp_path))  # a working directory that is there is left alone
+    assert os.getcwd() == str(job_dir)
