@@ -94,70 +94,31 @@ def head_created_bytes(ray) -> int:
 
 def real(n: int, args) -> dict:
     import ray
-    from ray.cluster_utils import Cluster
     from scale_rank import FakeRankActor
 
     from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
     from orchestrator.config.load import load_config
-    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
 
     tmp = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": {"enable_metrics_collection": False}})
-    per_node = -(-(n + 1) // NODES) + 1
-    for _ in range(NODES):
-        cluster.add_node(num_cpus=per_node, object_store_memory=max(200, 4 * per_node * args.snapshot_mb) * 2**20)
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = _start_cluster(n, args.snapshot_mb)
     group = None
     out: dict = {"ranks": n}
     try:
         group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=900, actor_class=FakeRankActor,
                             actor_kwargs={"step_s": args.step_s, "snapshot_bytes": int(args.snapshot_mb * 2**20)})
         t0 = time.perf_counter()
-        started = 0
-        while started < n + 1:  # in batches, stopping before the shared machine runs short of memory
-            batch = min(START_BATCH, n + 1 - started)  # the check asks room for this batch only
-            if _available_mib() < MEMORY_MARGIN_MIB + batch * ACTOR_MIB:
-                out.update(skipped=f"memory: {_available_mib()} MiB available after {started} actors "
-                                   f"(a margin of {MEMORY_MARGIN_MIB} MiB is kept for the machine's other users)")
-                return out
-            group.add(batch)
-            started += batch
+        if not _start_actors(group, n + 1, out):
+            return out
         out["actors_start_s"] = round(time.perf_counter() - t0, 2)
         cfg = load_config(None, overrides(n, args.steps, tmp))
         metrics = MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False)
         controller = Controller(cfg, group, metrics=metrics, store_address=("127.0.0.1", 1), use_gpu=False,
                                 data_path="builtin")
-        records: list[tuple[int, float, float, float, int]] = []  # step, wall, cpu, step_time_s, generation
-        metrics.step_listeners.append(lambda r: records.append(
-            (r["step"], time.perf_counter(), time.process_time(), r["step_time_s"], r["generation"])))
         kill_after = args.steps - 4
-        killed: list[float] = []
-        created: list[tuple[int, int]] = []
-
-        before_kill: dict[int, dict[int, float]] = {}  # actor -> step -> idle seconds, of the last generation
-
-        def maybe_kill(record) -> None:  # after step kill_after was read: SIGKILL a member
-            if record["step"] == kill_after and not killed:
-                members = list(controller.generation.members.values())
-                # What each rank waited for the driver before each step, read before the kill.
-                before_kill.update(zip(members, ray.get([group.handle(a).idle_before.remote() for a in members])))
-                victim = controller.generation.members[1]
-                pid = group.pids[victim]
-                if pid > 1:
-                    killed.append((time.perf_counter(), record["generation"]))
-                    os.kill(pid, signal.SIGKILL)
-
-        metrics.step_listeners.append(lambda r: created.append((r["step"], head_created_bytes(ray))))
-        metrics.step_listeners.append(maybe_kill)
-        transitions = []
-        while controller.state.kind not in (State.FINISHED, State.ERRORED):
-            before, t = controller.state.kind, time.perf_counter()
-            after = controller.step()
-            transitions.append((str(before), str(after), time.perf_counter() - t))
-        if controller.state.kind == State.ERRORED:
-            raise controller.error
+        records, transitions, killed, created, before_kill = _run_killing_a_member(controller, group, metrics,
+                                                                                   kill_after)
         out.update(_figures(records, transitions, killed, created, kill_after))
         out.update(_rank_idle(ray, group, before_kill, records, kill_after))
         out["restore"] = (None if controller.last_restore is None else
@@ -172,6 +133,74 @@ def real(n: int, args) -> dict:
         ray.shutdown()
         cluster.shutdown()
     return out
+
+
+def _start_cluster(n: int, snapshot_mb: float):
+    """A local multi-node Ray (a head without CPUs, NODES nodes sharing n + 1 actors), connected."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 200 * 2**20, "_system_config": {"enable_metrics_collection": False}})
+    per_node = -(-(n + 1) // NODES) + 1
+    for _ in range(NODES):
+        cluster.add_node(num_cpus=per_node, object_store_memory=max(200, 4 * per_node * snapshot_mb) * 2**20)
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def _start_actors(group, count: int, out: dict) -> bool:
+    """Start ``count`` actors in batches; False (the reason in ``out["skipped"]``) when the shared
+    machine would run short of memory first."""
+    started = 0
+    while started < count:  # in batches, stopping before the shared machine runs short of memory
+        batch = min(START_BATCH, count - started)  # the check asks room for this batch only
+        if _available_mib() < MEMORY_MARGIN_MIB + batch * ACTOR_MIB:
+            out.update(skipped=f"memory: {_available_mib()} MiB available after {started} actors "
+                               f"(a margin of {MEMORY_MARGIN_MIB} MiB is kept for the machine's other users)")
+            return False
+        group.add(batch)
+        started += batch
+    return True
+
+
+def _run_killing_a_member(controller, group, metrics, kill_after: int) -> tuple:
+    """Run the controller to its end, one transition at a time, SIGKILLing world rank 1's actor once
+    step ``kill_after`` was read: (step records, transitions, the kill, head bytes per step, each rank's
+    idle before each step as read before the kill)."""
+    import ray
+
+    from orchestrator.control.controller import State
+
+    records: list[tuple[int, float, float, float, int]] = []  # step, wall, cpu, step_time_s, generation
+    metrics.step_listeners.append(lambda r: records.append(
+        (r["step"], time.perf_counter(), time.process_time(), r["step_time_s"], r["generation"])))
+    killed: list[float] = []
+    created: list[tuple[int, int]] = []
+
+    before_kill: dict[int, dict[int, float]] = {}  # actor -> step -> idle seconds, of the last generation
+
+    def maybe_kill(record) -> None:  # after step kill_after was read: SIGKILL a member
+        if record["step"] == kill_after and not killed:
+            members = list(controller.generation.members.values())
+            # What each rank waited for the driver before each step, read before the kill.
+            before_kill.update(zip(members, ray.get([group.handle(a).idle_before.remote() for a in members])))
+            victim = controller.generation.members[1]
+            pid = group.pids[victim]
+            if pid > 1:
+                killed.append((time.perf_counter(), record["generation"]))
+                os.kill(pid, signal.SIGKILL)
+
+    metrics.step_listeners.append(lambda r: created.append((r["step"], head_created_bytes(ray))))
+    metrics.step_listeners.append(maybe_kill)
+    transitions = []
+    while controller.state.kind not in (State.FINISHED, State.ERRORED):
+        before, t = controller.state.kind, time.perf_counter()
+        after = controller.step()
+        transitions.append((str(before), str(after), time.perf_counter() - t))
+    if controller.state.kind == State.ERRORED:
+        raise controller.error
+    return records, transitions, killed, created, before_kill
 
 
 def _figures(records, transitions, killed, created, kill_after) -> dict:

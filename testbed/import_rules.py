@@ -31,7 +31,6 @@ KNOWN_LONG_FUNCTIONS = {
     "workers/runtime.py::RankRuntime.__init__": 87,
     "workers/groups.py::build_process_groups": 91,
     "meshmodels/export.py::export_checkpoint": 80,
-    "bench/scale.py::real": 80,
     "orchestrator/cli.py::_dispatch": 70,
     "meshmodels/hf.py::check_weights": 78,
     "workers/runtime.py::RankRuntime.train_step": 75,
