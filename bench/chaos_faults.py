@@ -179,7 +179,7 @@ def truncate_ckpt(c: Campaign, controller, step: int, rng) -> str:
     info = latest_valid(str(c.ckpt_dir), run_id=controller.ckpt.run_id)
     if info is None:
         return "no committed checkpoint yet: skipped"
-    shards = sorted(p for p in Path(info.path).iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0)
+    shards = sorted(p for p in Path(info.dcp_path).iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0)
     victim = rng.choice(shards)
     size = victim.stat().st_size
     with open(victim, "r+b") as f:

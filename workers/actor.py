@@ -337,7 +337,8 @@ class RankActor:
         checkpoint or snapshot in it) or "ckpt_write" (inside the background write of step ``at``'s
         shard). ``delay_s`` is ignored at "forward" and "ckpt_write". "nan", "slow", "sleep" take
         ``where="step"``; "sleep" also takes "microbatch" (every microbatch's forward, ``steps``
-        steps: a slower device) or a ``SLEEP_POINTS`` point (workers/faults.py). Bad
+        steps: a slower device), "ckpt_write" (every save from step ``at`` stalls ``delay_s``: slow
+        storage) or a ``SLEEP_POINTS`` point (workers/faults.py). Bad
         arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 

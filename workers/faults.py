@@ -8,7 +8,9 @@ start of loading a checkpoint or snapshot, and inside the background checkpoint 
 that leave the process running, in ``steps`` train steps from ``at``: "nan" puts a NaN into this
 rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps ``delay_s``
 inside the first block's forward of the step (a straggler: workers/compute_clock.py); "sleep" at
-``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py).
+``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py);
+"sleep" at ``where="ckpt_write"`` stalls every checkpoint write from step ``at`` on by ``delay_s`` (slow
+storage: the save's collectives wait for this rank).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import signal
 import threading
 
-from workers.write_faults import dcp_write_function, die_inside_next_dcp_write
+from workers.write_faults import dcp_write_function, die_inside_next_dcp_write, stall_inside_next_dcp_write
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class Faults:
         self._armed: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         self._step: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
         self._sleeps: dict[str, tuple[int, float]] = {}  # SLEEP_POINTS point -> (at, delay_s)
+        self._slow_writes: tuple[int, float] | None = None  # every save from step ``at`` stalls delay_s
 
     def arm(self, at: int, kind: str, delay_s: float, where: str, steps: int) -> None:
         """See ``RankActor.arm_fault``; bad arguments raise, so a test never arms nothing."""
@@ -45,6 +48,10 @@ class Faults:
             return
         if kind == "sleep" and where in SLEEP_POINTS:
             self._sleeps[where] = (at, delay_s)
+            return
+        if kind == "sleep" and where == "ckpt_write":  # slow storage, from the save of step ``at`` on
+            dcp_write_function()  # fail now, not silently at the write, if torch moved it
+            self._slow_writes = (at, delay_s)
             return
         if kind not in FAULT_SIGNALS or where not in FAULT_POINTS:
             raise ValueError(f"arm_fault: kind must be one of {list(FAULT_SIGNALS)}, "
@@ -115,4 +122,6 @@ class Faults:
         fault = self.take("ckpt_write", step)
         if fault is not None:
             die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+        elif self._slow_writes is not None and step >= self._slow_writes[0]:
+            stall_inside_next_dcp_write(self._slow_writes[1])
 

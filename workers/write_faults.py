@@ -1,7 +1,9 @@
-"""The "ckpt_write" fault injection of ``RankActor.arm_fault``: a signal inside DCP's shard write.
+"""The "ckpt_write" fault injections of ``RankActor.arm_fault``: a signal, or a stall, inside DCP's
+shard write.
 
 Test hooks only: a rank is made to die (or stop) after the first item of its next shard is on
-disk, so the shard file is partial and the rank never acks it (tests of uncommitted checkpoints).
+disk, so the shard file is partial and the rank never acks it (tests of uncommitted checkpoints);
+or its write stalls as on a slow storage (tests that a slow but live save is waited for).
 """
 
 from __future__ import annotations
@@ -38,3 +40,20 @@ def die_inside_next_dcp_write(sig: int) -> None:
 
     filesystem._write_item = write_then_die
 
+
+def stall_inside_next_dcp_write(seconds: float) -> None:
+    """Make this rank's next shard write stall ``seconds`` before its first item (a throttled disk or
+    bucket), on DCP's writer thread: training goes on, the save's collectives wait for this rank."""
+    import time
+
+    from torch.distributed.checkpoint import filesystem
+
+    real = dcp_write_function()
+
+    def stall_then_write(*args, **kwargs):
+        filesystem._write_item = real
+        logger.warning("fault injection: the checkpoint write stalls %.1f s (slow storage)", seconds)
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    filesystem._write_item = stall_then_write

@@ -72,7 +72,9 @@ def _valid_steps(run_dir: Path) -> list[int]:
 
 
 def _digest(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+    """Every file under a step directory (its attempt subdirectory's DCP files too) -> its hash."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,7 @@ def test_resume_at_another_mesh_equals_one_process(source, target, stopped_run, 
 
 
 def _truncate_a_shard(step_dir: Path) -> str:
-    shard = sorted(step_dir.glob("*.distcp"))[-1]
+    shard = sorted(step_dir.rglob("*.distcp"))[-1]  # in the attempt subdirectory the manifest names
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     return "truncated"
@@ -194,17 +196,17 @@ def test_disk_full_during_a_save_stops_cleanly_and_a_rerun_resumes(stopped_run, 
                                                                    tmp_path, monkeypatch):
     run_dir = _copy_run(stopped_run((4, 1, 1)), tmp_path / "run")
     before = {s: _digest(run_dir / "ckpt" / step_dir_name(s)) for s in (2, 4)}
-    real_prepare = checkpointing.prepare_step
+    real_prepare = checkpointing.prepare_attempt
 
-    def prepare_on_a_full_disk(root, step, storage=None, **kwargs):
+    def prepare_on_a_full_disk(step_path, attempt, storage=None):
         # Rank 1's shard of step 6 lands on /dev/full: its write fails with ENOSPC in the actor,
         # exactly as on a full disk, while every rank stays alive.
-        path = real_prepare(root, step, storage, **kwargs)
-        if step == 6:
+        path = real_prepare(step_path, attempt, storage)
+        if step_path.rstrip("/").endswith(step_dir_name(6)):
             os.symlink("/dev/full", os.path.join(path, "__1_0.distcp"))
         return path
 
-    monkeypatch.setattr(checkpointing, "prepare_step", prepare_on_a_full_disk)
+    monkeypatch.setattr(checkpointing, "prepare_attempt", prepare_on_a_full_disk)
     with pytest.raises(TrainingFailed) as failed:
         _resume(run_dir, (2, 1, 1), pool8, store_address)
     message = str(failed.value)

@@ -48,11 +48,14 @@ def test_resume_follows_data_content_not_path(tmp_path):
     cfg = load_config(None, [f"data.path={tmp_path / 'a'}", f"checkpoint.dir={ckpt}"])
     _committed(ckpt, cfg, open_source(str(tmp_path / "a")).identity)
 
-    assert CheckpointCoordinator(cfg, _Events()).resume_point().step == 5
+    first = CheckpointCoordinator(cfg, _Events())
+    assert first.resume_point().step == 5
+    first.close()  # each coordinator is one driver: it gives back its lease on the directory
     shutil.move(tmp_path / "a", tmp_path / "moved")  # same content elsewhere: resumes
     moved = load_config(None, [f"data.path={tmp_path / 'moved'}", f"checkpoint.dir={ckpt}"])
     coord = CheckpointCoordinator(moved, _Events())
     assert coord.resume_point().step == 5 and coord.data_identity == open_source(str(tmp_path / "moved")).identity
+    coord.close()
 
     other = load_config(None, [f"data.path={tmp_path / 'b'}", f"checkpoint.dir={ckpt}"])
     with pytest.raises(UserInputError) as ei:
