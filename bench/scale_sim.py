@@ -12,6 +12,8 @@ methods), the rest is the controller's. ``kill_at(step, actor)`` makes an actor 
 from __future__ import annotations
 
 import itertools
+import os
+import pickle
 import time
 from typing import Any
 
@@ -152,6 +154,7 @@ class SimGroup:
                                           compute_s=0.9, forward_s=0.4)
                         for actor, rank in self._world.items()}
         self._taken = []
+        self._files: dict[int, dict[str, int]] = {}  # actor -> the shard files of its last save
 
     def _stepped(self, step: int) -> None:
         """Step ``step`` ran: its snapshot is taken, the previous step's acknowledged (in place)."""
@@ -162,6 +165,20 @@ class SimGroup:
         for result in self._result.values():
             object.__setattr__(result, "snapshots", acks)
         self._taken = (self._taken + [(self._generation, 0, step)])[-3:]
+
+    def _save_shard(self, actor: int, path: str) -> SaveAck:
+        """What a save leaves on disk for the commit to check (the run ends with a save of its last
+        step): a pickle that imports nothing as ``.metadata`` (the driver's check reads it statically)."""
+        rank = self._world[actor]
+        contents = {f"__{rank}_0.distcp": b"x"}
+        if rank == 0:
+            contents[".metadata"] = pickle.dumps({"fake": "metadata"})
+        os.makedirs(path, exist_ok=True)
+        for name, data in contents.items():
+            with open(os.path.join(path, name), "wb") as fh:
+                fh.write(data)
+        self._files[actor] = {name: len(data) for name, data in contents.items()}
+        return SaveAck(stall_s=0.0)
 
     def _answer(self, name: str, args):
         if name == "train_step":
@@ -187,10 +204,10 @@ class SimGroup:
         if name == "status":
             return lambda actor: WorkerStatus(world_rank=0, pid=self.pids[actor], generation=self._generation,
                                               busy=False, step=0, error=None)
-        if name == "save_checkpoint":
-            return lambda actor: SaveAck(stall_s=0.0)
+        if name == "save_checkpoint":  # (path, step): each rank a one-byte shard, rank 0 the .metadata too
+            return lambda actor: self._save_shard(actor, args[0])
         if name == "wait_checkpoint":
-            return lambda actor: WriteAck(write_s=0.0, files={}, stall_s=0.0, staging_s=0.0)
+            return lambda actor: WriteAck(write_s=0.0, files=self._files.pop(actor, {}), stall_s=0.0, staging_s=0.0)
         if name in ("kick", "warm", "leave_generation", "wait_snapshots"):
             return lambda actor: ()
         raise ValueError(f"the simulated ranks do not answer {name}")
