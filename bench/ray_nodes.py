@@ -38,12 +38,14 @@ VENV_BIN = Path(sys.executable).parent
 class RayStartCluster:
     """Head and worker nodes as `ray start --block` processes; ``nodes[i]`` is node i's process."""
 
-    def __init__(self, head_cpus: int) -> None:
+    def __init__(self, head_cpus: int, head_ip: str = "127.0.0.1") -> None:
+        """``head_ip``: the head's address (a bridge's, for worker nodes on namespace hosts:
+        ``add_node(on_host=...)``, testbed.netns_hosts)."""
         self.root = Path(tempfile.mkdtemp(prefix="em-bench-", dir="/tmp"))  # short: unix socket paths
         self.token_path = self.root / "auth_token"
         self.token_path.write_text(secrets.token_hex(32))
         self.gcs_port, self.dashboard_port = free_ports(2)
-        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
+        self.gcs_address = f"{head_ip}:{self.gcs_port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update({
             "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -54,22 +56,24 @@ class RayStartCluster:
         self.failed: list[subprocess.Popen] = []  # `ray start`s that gave up (their own sessions: teardown)
         self._node(["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
                     "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-                    f"--ray-client-server-port={free_ports(1)[0]}"], head_cpus, {})
+                    f"--ray-client-server-port={free_ports(1)[0]}",
+                    *([f"--node-ip-address={head_ip}"] if head_ip != "127.0.0.1" else [])], head_cpus, {})
 
-    def add_node(self, cpus: int, env: dict | None = None, attempts: int = 3) -> subprocess.Popen:
+    def add_node(self, cpus: int, env: dict | None = None, attempts: int = 3, on_host=None) -> subprocess.Popen:
         """A worker node. `ray start` gives a raylet 30 s (hard-coded in Ray 2.60's node.py) to register
         with the GCS and exits otherwise, which happens on this machine under a load of ~100: try again
-        (the failed attempt's processes die with its `ray start`: Ray's kernel fate-sharing)."""
+        (the failed attempt's processes die with its `ray start`: Ray's kernel fate-sharing).
+        ``on_host``: (HostNet, Host) of testbed.netns_hosts: the node runs on that host, at its address."""
         for attempt in range(attempts):
             try:
-                return self._node([f"--address={self.gcs_address}"], cpus, env or {})
+                return self._node([f"--address={self.gcs_address}"], cpus, env or {}, on_host)
             except RuntimeError:
                 self.failed.append(self.nodes.pop())
                 if attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _node(self, args: list[str], cpus: int, env: dict) -> subprocess.Popen:
+    def _node(self, args: list[str], cpus: int, env: dict, on_host=None) -> subprocess.Popen:
         index = len(self.nodes) + len(self.failed)
         agent_listen, agent_grpc, runtime_env, metrics = free_ports(4)
         log = self.root / f"node{index}.log"
@@ -78,6 +82,9 @@ class RayStartCluster:
                f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
                "--min-worker-port=0", "--max-worker-port=0", f"--num-cpus={cpus}", "--num-gpus=0",
                "--disable-usage-stats"]
+        if on_host is not None:
+            net, host = on_host
+            cmd = net.command(host, [*cmd, f"--node-ip-address={host.ip}"])
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, cwd=self.root)

@@ -24,8 +24,8 @@ from tests.e2e.raycluster import records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-# Long enough to outlast the grow: here the mesh grew back 60-100 s after the heal (Ray's view of the
-# healed node's free CPUs came back about a minute later), at 0.1-0.3 s a step.
+# Long enough to outlast the grow: here the mesh grew back 60-100 s after the heal, at 0.1-0.3 s a step
+# (why so late is not pinned down: 20 s after the heal the node was alive and no stale RankActor was).
 STEPS = 2000
 CUT_AT, CUT_S = 15, 15.0
 # Which nodes are alive and where the live rank actors are (a driver of its own, with RAY_ADDRESS).
