@@ -72,7 +72,7 @@ def start_head(root: Path, net: HostNet, attempts: int = 2) -> RayCluster:
     raise AssertionError("unreachable")
 
 
-def start_node(cluster: RayCluster, net: HostNet, host, cpus: int, env: dict | None = None, attempts: int = 3):
+def start_node(cluster: RayCluster, net: HostNet, host, cpus: int, env: dict | None = None, attempts: int = 4):
     """A Ray node on ``host``; tried again (after killing what the failed try left there) when `ray start`
     gives up: it gives its raylet 30 s to register (hard-coded in Ray 2.60), which a loaded 2-core
     machine can miss. Returns its `ray start` process."""
