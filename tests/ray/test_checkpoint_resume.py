@@ -218,7 +218,7 @@ def test_disk_full_during_a_save_stops_cleanly_and_a_rerun_resumes(stopped_run, 
     assert _valid_steps(run_dir) == [2, 4]
     assert {s: _digest(run_dir / "ckpt" / step_dir_name(s)) for s in (2, 4)} == before
     # The disk has room again: a rerun resumes from step 4 and the run still equals one process.
-    monkeypatch.setattr(checkpointing, "prepare_step", real_prepare)
+    monkeypatch.setattr(checkpointing, "prepare_attempt", real_prepare)
     controller, summary, overrides = _resume(run_dir, (2, 1, 1), pool8, store_address)
     assert [e["resumed_from_step"] for e in events(run_dir / "m.jsonl", "start")] == [0, 4, 4]
     assert_matches_reference(last_losses(run_dir / "m.jsonl"), mesh_params(controller),
