@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +59,8 @@ def test_rank_dies_while_its_checkpoint_shard_is_written(ray_local, store_addres
     def look_at_step4(controller, step):  # runs before every step
         if controller.generation.number == 2 and not seen:
             path = str(ckpt / step_dir_name(4))
-            seen[step] = (check_checkpoint(path), sorted(os.listdir(path)) if os.path.isdir(path) else None)
+            files = sorted(f.name for f in Path(path).rglob("*") if f.is_file())  # the attempt dir's too
+            seen[step] = (check_checkpoint(path), files if os.path.isdir(path) else None)
 
     controller, summary, overrides = run_with_fault(
         tmp_path, store_address, ["mesh.dp=2", "mesh.tp=1"], "kill", victim_rank=1, at_step=4,
