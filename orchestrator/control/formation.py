@@ -89,19 +89,11 @@ def _join(c: FormationView, gen: GenerationRecord, spares: list[int], args: dict
     refs = c.group.submit(list(gen.members.values()), RankCalls.join_generation, args)
     # Waited for while the members answer liveness probes (a model build or an init_from read can take
     # minutes): elastic.rebuild_timeout_s is how often they are probed, not a deadline.
-    outcome = collect_while_alive(c.group, refs, c.cfg.elastic.rebuild_timeout_s, stop_early=_join_broken,
-                                  waiting=_still_joining(gen.number))
+    outcome = collect_while_alive(c.group, refs, c.cfg.elastic.rebuild_timeout_s,
+                                  f"generation {gen.number}: joining", stop_early=_join_broken)
     c.generation = GenerationRecord(gen.number, gen.plan, gen.members, infos=dict(outcome.results))
     c.recovery.mark("joined")
     return outcome
-
-
-def _still_joining(number: int):
-    def waiting(waited_s: float, actors: list[int]) -> None:
-        logger.warning("generation %d: actors %s still joining after %.0f s and alive: waiting", number, actors,
-                       waited_s)
-
-    return waiting
 
 
 def _resume_from(c: FormationView, restored: Restored, holders: dict[int, int]) -> None:

@@ -17,6 +17,7 @@ tighter timeout, a probe only ever adds a status call.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -24,6 +25,8 @@ from collections.abc import Callable
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
+
+logger = logging.getLogger(__name__)
 
 PROBE_ANSWER_S = 2.0  # a live rank answers a probe in ms even on a loaded host; what a hang costs on top
 # Once some ranks answered a probe, the silent ones get this many times the slowest answer (at least
@@ -125,13 +128,12 @@ def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOut
     return merged, bound
 
 
-def collect_while_alive(group, refs: dict, chunk_s: float, *, stop_early=None,
-                        waiting: Callable[[float, list[int]], None] | None = None) -> CallOutcome:
+def collect_while_alive(group, refs: dict, chunk_s: float, what: str, *, stop_early=None) -> CallOutcome:
     """``group.collect(refs)`` for as long as the actors still in the call are alive: time alone never
     fails a live run (a join that builds a large model, a load or a save from slow storage).
 
     Each ``chunk_s`` with answers missing, those actors get a liveness ``probe``; when all answer, the
-    wait goes on (``waiting(seconds so far, actors)`` is told, to log it). It ends with the answers, a
+    wait goes on and is logged as ``what`` (e.g. "generation 3: joining"). It ends with the answers, a
     death, an error, ``stop_early(outcome)``, or actors that answer no probe: those come back in
     ``pending`` with the outcome's ``hung`` set, as ``collect_watching`` returns them.
     """
@@ -144,8 +146,8 @@ def collect_while_alive(group, refs: dict, chunk_s: float, *, stop_early=None,
             reason = f"no answer within {given_s:.1f} s to a liveness probe after {waited_s:.0f} s of waiting"
             outcome.hung = {actor: reason for actor in sorted(polled.pending)}
             return outcome
-        if waiting is not None:
-            waiting(waited_s, sorted(outcome.pending))
+        logger.warning("%s: actors %s still at it after %.0f s and alive: waiting", what, sorted(outcome.pending),
+                       waited_s)
         outcome.absorb(group.collect(outcome.pending_refs, chunk_s, stop_early=stop_early))
         waited_s += chunk_s
     return outcome

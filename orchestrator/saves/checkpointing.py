@@ -204,7 +204,7 @@ class CheckpointCoordinator:
     def _started(self, group, gen, step: int, path: str, calls: dict, attempt: str) -> None:
         """Phase 1 answered (or will: the calls are read here): park the ``wait_checkpoint`` calls."""
         actors = list(gen.members.values())
-        staged = self._collect_while_alive(group, calls, step, "staged")
+        staged = self._collect_while_alive(group, calls, step, "staging")
         if not staged.ok:
             logger.warning("checkpoint of step %d not started: %s", step, staged.failed or staged.dead)
             if staged.failed and not (staged.dead or staged.pending):
@@ -223,7 +223,7 @@ class CheckpointCoordinator:
         # Poll: commit as soon as every ack is in, without waiting.
         if not block and not group.all_done(pending.refs):
             return  # still writing; look again after the next step
-        outcome = self._collect_while_alive(group, pending.refs, pending.step, "written")
+        outcome = self._collect_while_alive(group, pending.refs, pending.step, "writing")
         self._pending = None
         if outcome.failed and not (outcome.dead or outcome.pending):
             # Every rank is alive and answered, yet the write failed: storage, not a lost rank.
@@ -276,16 +276,11 @@ class CheckpointCoordinator:
             self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
 
     def _collect_while_alive(self, group, refs: dict, step: int, what: str) -> CallOutcome:
-        """The answers to a save's calls (``what``: "staged", "written"), waited for as long as the ranks
+        """The answers to a save's calls (``what``: "staging", "writing"), waited for as long as the ranks
         still working on them are alive (``recovery.hang_watch.collect_while_alive``): a stage or a write
         slower than ``elastic.step_timeout_s`` (a large model, slow storage) used to be dropped as "no
         ack". A dead, failed or silent rank ends the wait; the save is then not committed, as before."""
-
-        def waiting(waited_s: float, actors: list[int]) -> None:
-            logger.warning("checkpoint of step %d not %s after %.0f s by actors %s, which are alive: waiting "
-                           "(a slow save is not a failure)", step, what, waited_s, actors)
-
-        return collect_while_alive(group, refs, self.cfg.elastic.step_timeout_s, waiting=waiting)
+        return collect_while_alive(group, refs, self.cfg.elastic.step_timeout_s, f"checkpoint of step {step}: {what}")
 
     def _fence(self, step: int) -> None:
         """Write a manifest (and purge after it) only while this driver holds the run lease: a driver
@@ -389,8 +384,8 @@ class CheckpointCoordinator:
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
         refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.dcp_path,))
-        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
-                                      stop_early=lambda o: bool(o.dead), waiting=_still_loading(info.path))
+        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s, f"loading {info.path}",
+                                      stop_early=lambda o: bool(o.dead))
         if not outcome.ok:
             raise RestoreFailed(
                 f"loading {info.path} failed: {outcome.failed or outcome.dead or outcome.pending}", outcome)
@@ -414,13 +409,6 @@ def _data_identity(cfg: JobConfig) -> str:
     from meshdata import open_mixture
 
     return open_mixture(cfg.data.mix or cfg.data.path, 1).identity
-
-
-def _still_loading(path: str):
-    def waiting(waited_s: float, actors: list[int]) -> None:
-        logger.warning("loading %s: actors %s still reading after %.0f s and alive: waiting", path, actors, waited_s)
-
-    return waiting
 
 
 def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:

@@ -254,6 +254,7 @@ class SnapshotCoordinator:
         refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
         # Waited for while the loaders answer liveness probes: rebuild_timeout_s is the probe interval.
         outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
+                                      f"loading the in-memory snapshot of step {key[2]}",
                                       stop_early=lambda o: bool(o.dead or o.failed))
         if not outcome.ok:
             raise RestoreFailed(f"loading the in-memory snapshot of step {key[2]} failed: "
