@@ -103,6 +103,7 @@ def test_kill_now_signals_only_processes_of_the_drivers_ray_node(monkeypatch):
         group.kill_now([1, 2])
         assert signalled == [4242] and ended == [1, 2]
     finally:
+        monkeypatch.undo()  # os.kill itself was replaced above: Popen.kill needs the real one back
         bystander.kill()
         bystander.wait()
 
