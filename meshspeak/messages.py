@@ -205,6 +205,9 @@ class WorkerStatus:
     busy: bool
     step: int
     error: str | None
+    # train.compile: seconds compiled inside the step running now (workers/compile_stats.py); the driver
+    # does not count them against elastic.step_timeout_s
+    step_compile_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from meshspeak.messages import (
 )
 from meshspeak.rank_calls import SNAPSHOT_GROUP
 from meshspeak.rank_errors import RankError
+from workers import compile_stats
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
@@ -411,4 +412,5 @@ class RankActor:
             busy=self.busy,
             step=self.step,
             error=self.error,
+            step_compile_s=compile_stats.PROCESS.step_compile_s(),
         )

@@ -74,21 +74,37 @@ class HangWatch:
 def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: HangWatch, step: int) -> CallOutcome:
     """``group.collect(refs, timeout_s, stop_early=...)``, probing the ranks still in the call every
     ``watch.probe_after_s()``: the actors that do not answer a probe come back in ``pending`` with the
-    outcome's ``hung`` set (``settle`` then kills them without polling again)."""
+    outcome's ``hung`` set (``settle`` then kills them without polling again).
+
+    ``timeout_s`` is step time: the seconds a rank's answer to a probe says it compiled inside this step
+    (``train.compile``: a first step, recompiles after a rebuild) are added to it (``compile_extended``).
+    """
     every = watch.probe_after_s()
-    if every is None or every >= timeout_s:
-        return group.collect(refs, timeout_s, stop_early=stop_early)
+    if every is not None and every >= timeout_s:
+        every = None
     start = watch.clock()
+    allowed_s = timeout_s
     merged = CallOutcome()
-    for _ in range(int(timeout_s // every) + 1):  # bounded also when the clock stands still (tests)
-        left = timeout_s - (watch.clock() - start)
-        outcome = group.collect(refs, max(0.0, min(every, left)), stop_early=stop_early)
+    rounds = int(timeout_s // every) + 1 if every else 1  # bounded also when the clock stands still (tests)
+    while rounds > 0:
+        rounds -= 1
+        left = allowed_s - (watch.clock() - start)
+        outcome = group.collect(refs, max(0.0, left if every is None else min(every, left)), stop_early=stop_early)
         merged.absorb(outcome)
         if not outcome.pending or outcome.dead or outcome.failed or (stop_early and stop_early(merged)):
             return merged
-        if watch.clock() - start >= timeout_s:
-            return merged
+        refs = outcome.pending_refs
+        timed_out = watch.clock() - start >= allowed_s
+        if not timed_out and every is None:
+            continue
         polled, given = probe(group, outcome.pending, watch.clock)
+        if timed_out:
+            extended_s = compile_extended(polled, timeout_s, watch.clock() - start, step)
+            if extended_s is None:
+                return merged
+            rounds += int((extended_s - allowed_s) // every) + 1 if every else 1
+            allowed_s = extended_s
+            continue
         silent = set(polled.pending)
         merged.dead.update(polled.dead)
         if silent or polled.dead:
@@ -97,8 +113,19 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
                       f"{ran:.1f} s (elastic.hang_probe_factor: stopped or wedged)")
             merged.hung = {actor: reason for actor in sorted(silent)}
             return merged
-        refs = outcome.pending_refs
     return merged
+
+
+def compile_extended(polled: CallOutcome, timeout_s: float, ran_s: float, step: int) -> float | None:
+    """The step's new bound once ``timeout_s`` ran out: ``timeout_s`` plus the most seconds a rank said
+    (``WorkerStatus.step_compile_s``, in ``polled``) it compiled inside this step — time alone never
+    fails a live run, and compiling is work — or None when that does not reach past ``ran_s``."""
+    compile_s = max((getattr(status, "step_compile_s", 0.0) for status in polled.results.values()), default=0.0)
+    if timeout_s + compile_s <= ran_s:
+        return None
+    logger.warning("step %d: %.0f s of it compiling (train.compile): elastic.step_timeout_s=%g counts from the "
+                   "rest, so the step may run %.0f s", step, compile_s, timeout_s, timeout_s + compile_s)
+    return timeout_s + compile_s
 
 
 def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOutcome, float]:

@@ -204,6 +204,36 @@ def test_compiled_step_records_report_the_most_recompiles_of_any_rank(monkeypatc
     assert counts == [0, 0, 2]
 
 
+def test_a_step_reports_the_seconds_it_spent_compiling_the_running_compile_included():
+    """#36 item 10: what ``status`` answers so the driver does not count compile time as step time."""
+    from workers import compile_stats
+
+    now = [0.0]
+    clock = compile_stats.CompileClock(clock=lambda: now[0])
+    counter = compile_stats.RecompileCounter(clock)
+    assert counter.step_compile_s() == 0.0  # outside a step
+    counter.start()
+    now[0] = 5.0
+    clock.started()
+    now[0] = 12.0
+    assert counter.step_compile_s() == 7.0  # a compile running now counts as far as it got
+    clock.ended()
+    now[0] = 20.0
+    assert counter.step_compile_s() == 7.0  # running compiled code is step time
+    counter.stop()
+    assert counter.step_compile_s() == 0.0
+    counter.start()  # the next step starts from what the process compiled so far
+    assert counter.step_compile_s() == 0.0 and clock.total_s() == 7.0
+
+    torch._dynamo.reset()  # (clears dynamo's callbacks: ``start`` registers them again)
+    real = compile_stats.RecompileCounter()  # dynamo's own callbacks drive it
+    real.start()
+    compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
+    compiled(torch.ones(4))
+    assert real.step_compile_s() > 0.0
+    real.stop()
+
+
 def test_a_non_finite_loss_in_fp16_is_a_bad_step_not_an_overflow_and_the_scale_has_a_floor():
     """#36 item 9: a rank's non-finite loss poisons its gradients, which the overflow check saw as an
     overflow: the step read good, the bad-step counter reset, the scale halved every step, unbounded.

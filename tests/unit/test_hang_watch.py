@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshspeak.messages import CallOutcome
+from meshspeak.messages import CallOutcome, WorkerStatus
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
 from orchestrator.recovery import hang_watch
@@ -154,3 +154,51 @@ def test_a_driver_stalled_past_the_probe_wait_marks_no_live_rank_hung(at):
     group.clock = StallingClock(3.0, at)  # longer than PROBE_ANSWER_S
     polled, _ = hang_watch.probe(group, [0, 1, 2], group.clock)
     assert set(polled.results) == {0, 1} and polled.pending == [2]
+
+
+class CompilingRanks:
+    """Ranks whose step answers at ``done_at`` (None: never) and whose status says they compiled
+    ``min(now, compile_until)`` seconds inside the step (``train.compile``); each read advances the
+    clock by its timeout, as a wait with nothing arriving would."""
+
+    def __init__(self, done_at: float | None, compile_until: float) -> None:
+        self.done_at, self.compile_until, self.clock = done_at, compile_until, Clock()
+
+    def submit(self, actors, method):
+        return {(method, a): a for a in actors}
+
+    def collect(self, refs, timeout_s, stop_early=None):
+        self.clock.t += timeout_s
+        out = CallOutcome()
+        for ref, actor in refs.items():
+            if ref[0] is RankCalls.status:
+                out.results[actor] = WorkerStatus(world_rank=actor, pid=100 + actor, generation=1, busy=True,
+                                                  step=6, error=None,
+                                                  step_compile_s=min(self.clock.t, self.compile_until))
+            elif self.done_at is not None and self.clock.t >= self.done_at:
+                out.results[actor] = f"step of {actor}"
+            else:
+                out.pending.append(actor)
+                out.pending_refs[ref] = actor
+        return out
+
+
+def _watch(clock, paced: bool) -> HangWatch:
+    watch = HangWatch(3.0 if paced else 0.0, clock)
+    watch.intervals.extend([1.0] * MIN_HISTORY)  # paced: probed every 3 s into the step
+    return watch
+
+
+@pytest.mark.parametrize("paced", [False, True])
+@pytest.mark.parametrize("done_at,compile_until,answered,ran", [
+    (30.0, 25.0, True, 30.0),  # 25 s compiling + 5 s of work: inside a 10 s step_timeout_s
+    (30.0, 0.0, False, 10.0),  # nothing compiled: the step times out as before
+    (None, 25.0, False, 35.0),  # compiled 25 s, then stuck: 10 s of step time after the compile
+])
+def test_compile_time_inside_a_step_is_not_step_time(paced, done_at, compile_until, answered, ran):
+    group = CompilingRanks(done_at, compile_until)
+    refs = group.submit([0, 1], RankCalls.train_step)
+    outcome = hang_watch.collect_watching(group, refs, 10.0, None, _watch(group.clock, paced), step=6)
+    assert (set(outcome.results) == {0, 1}) == answered
+    assert outcome.pending == ([] if answered else [0, 1]) and not outcome.hung
+    assert group.clock.t == pytest.approx(ran, abs=3.1)  # read in probe-sized chunks when paced
