@@ -1,6 +1,6 @@
 """A seeded fault campaign: one run, dp=4 + 1 hot spare, >= 200 steps, >= 20 faults of >= 7 kinds.
 
-    python bench/chaos.py [--steps N] [--every K] [--seed S] [--quick] [--out PATH]
+    python bench/chaos.py [--steps N] [--every K] [--seed S] [--quick] [--hosts] [--out PATH]
 
 One real ``Controller`` on ``RankActor``s spread over a local multi-node Ray (``ray.cluster_utils.Cluster``:
 a CPU-less head for the driver and the store host, ``--nodes`` 2-slot worker nodes) trains a tiny model in
@@ -8,6 +8,11 @@ float64 with in-memory snapshots every step, storage checkpoints every 5 steps, 
 straggler eviction on. Every ``--every`` steps, from a step hook at the boundary, one fault of the
 kinds in ``bench/chaos_faults.py`` is injected (their order is a seeded shuffle in which every kind
 appears at least twice). A lost node is replaced ``REPLACE_AFTER_S`` later, as an autoscaler would.
+
+``--hosts`` (needs root, `ip netns` and `unshare`; exits with the reason elsewhere): the same campaign on
+hosts in network namespaces (``bench/chaos_hosts.py``): a `ray start` head with 0 CPUs on a bridge
+address, each worker node on a host of its own with its own address and hostname; the kinds then
+include "partition" (a host's link down for ``PARTITION_S`` seconds, then healed).
 
 The JSON says, against the issue's goals:
 * ``faults_by_kind``; ``survived``: the run reached its last step (goal: every fault survived);
@@ -68,73 +73,100 @@ def overrides_for(args, tmp: Path) -> list[str]:
     ]
 
 
+def start_nodes(args):
+    """The campaign's cluster: a local multi-node Ray, or (``--hosts``) hosts in network namespaces."""
+    if args.hosts:
+        from chaos_hosts import HostNodes
+
+        return HostNodes(args.nodes)
+    return cf.LocalNodes()
+
+
 def run_campaign(args, tmp: Path) -> dict:
     import ray
-    from ray.cluster_utils import Cluster
 
     from orchestrator.cluster.store_provider import StoreProvider
     from orchestrator.config.load import load_config
     from testbed.ray_cluster import make_group
-    from testbed.ray_harness import make_controller, mesh_params
 
     overrides = overrides_for(args, tmp)
     cfg = load_config(None, overrides)
-    plan = fault_plan(args.steps, args.every, args.seed, args.only)
-    rng = random.Random(args.seed + 1)
-    nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
+    nodes = start_nodes(args)
     campaign = cf.Campaign(nodes, None, tmp / "ckpt")
-    for _ in range(args.nodes):
-        campaign.add_node()
-    ray.init(address=nodes.address, log_to_driver=False)
-    provider = StoreProvider()
-    campaign.provider = provider
     group = None
-    t0 = time.time()
     try:
+        for _ in range(args.nodes):
+            campaign.add_node()
+        ray.init(address=nodes.address, log_to_driver=False)
+        campaign.provider = StoreProvider()
+        t0 = time.time()
         group = make_group(cfg.mesh.world + cfg.elastic.spares)
-        controller = make_controller(cfg, group, provider)
-
-        def inject(c, step):
-            kind = plan.get(step)
-            if kind is None or any(f["step"] == step for f in campaign.injected):
-                return
-            what = cf.KINDS[kind](campaign, c, step, rng)
-            campaign.injected.append({"step": step, "kind": kind, "what": what, "time": time.time()})
-            print(f"step {step}: {kind}: {what}", flush=True)
-
-        # Only at the fault steps: a hook drains the steps in flight before its step
-        # (orchestrator/control/window.py), so one run at every step would stop the pipelining.
-        inject.steps = frozenset(plan)
-        controller.step_hooks.append(inject)
-        # Replacement nodes are started as steps are recorded (Campaign.tick), on a timer thread.
-        controller.metrics.step_listeners.append(lambda rec: campaign.tick())
-        done_at: list[tuple[int, float]] = []  # (step, when its record was written)
-        controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
-        pool: list[tuple] = []  # (step, live actors, starting, dp): how the pool kept up
-        controller.metrics.step_listeners.append(
-            lambda rec: pool.append((rec["step"], len(group.live_ids), group.starting, rec["dp"])))
-        error = None
-        t_run = time.time()
-        try:
-            summary = controller.run()
-        except Exception as exc:  # the campaign reports a run that did not survive; it does not hide it
-            error, summary = f"{type(exc).__name__}: {exc}", None
-        wall = {"run_s": time.time() - t_run, "with_startup_s": time.time() - t0}
-        params = mesh_params(controller) if summary is not None else None
-        campaign.finish()
-        controller.metrics.close()
+        trace = run_with_faults(args, cfg, campaign, group, t0)
     finally:
         if group is not None:
             group.shutdown()
-        provider.close()
+        if campaign.provider is not None:
+            campaign.provider.close()
         ray.shutdown()
         nodes.shutdown()
-    result = report(args, cfg, overrides, campaign, tmp, summary, error, wall, params, done_at, t_run)
-    result["pool"] = pool
+    result = report(args, cfg, overrides, campaign, tmp, trace)
+    result["pool"] = trace["pool"]
     if args.metrics_copy:
         shutil.copy(tmp / "metrics.jsonl", args.metrics_copy)
     return result
+
+
+def fault_hook(plan: dict[int, str], campaign, rng):
+    """The controller step hook that injects ``plan``'s fault at its step (once, though a step may be
+    re-run after a failure) and runs the follow-ups the faults asked for (``Campaign.follow_ups``)."""
+    def inject(c, step):
+        follow_up = campaign.follow_ups.pop(step, None)
+        if follow_up is not None:
+            print(f"step {step}: follow-up: {follow_up(c, step)}", flush=True)
+        kind = plan.get(step)
+        if kind is None or any(f["step"] == step for f in campaign.injected):
+            return
+        what = cf.KINDS[kind](campaign, c, step, rng)
+        campaign.injected.append({"step": step, "kind": kind, "what": what, "time": time.time()})
+        print(f"step {step}: {kind}: {what}", flush=True)
+
+    # Only at the fault and follow-up steps: a hook drains the steps in flight before its step
+    # (orchestrator/control/window.py), so one run at every step would stop the pipelining.
+    inject.steps = frozenset(plan) | {s + cf.FOLLOW_UP_AFTER[k] for s, k in plan.items() if k in cf.FOLLOW_UP_AFTER}
+    return inject
+
+
+def run_with_faults(args, cfg, campaign, group, t0: float) -> dict:
+    """Train the campaign's run with the faults injected; returns what the report reads: the summary (or
+    the error that ended the run), wall times, final parameters, when each step was recorded, the pool."""
+    from testbed.ray_harness import make_controller, mesh_params
+
+    plan = fault_plan(args.steps, args.every, args.seed, args.only or kinds_for(campaign.nodes))
+    controller = make_controller(cfg, group, campaign.provider)
+    controller.step_hooks.append(fault_hook(plan, campaign, random.Random(args.seed + 1)))
+    # Replacement nodes are started as steps are recorded (Campaign.tick), on a timer thread.
+    controller.metrics.step_listeners.append(lambda rec: campaign.tick())
+    done_at: list[tuple[int, float]] = []  # (step, when its record was written)
+    controller.metrics.step_listeners.append(lambda rec: done_at.append((rec["step"], time.time())))
+    pool: list[tuple] = []  # (step, live actors, starting, dp): how the pool kept up
+    controller.metrics.step_listeners.append(
+        lambda rec: pool.append((rec["step"], len(group.live_ids), group.starting, rec["dp"])))
+    error, t_run = None, time.time()
+    try:
+        summary = controller.run()
+    except Exception as exc:  # the campaign reports a run that did not survive; it does not hide it
+        error, summary = f"{type(exc).__name__}: {exc}", None
+    wall = {"run_s": time.time() - t_run, "with_startup_s": time.time() - t0}
+    params = mesh_params(controller) if summary is not None else None
+    campaign.finish()
+    controller.metrics.close()
+    return {"summary": summary, "error": error, "wall": wall, "params": params, "done_at": done_at,
+            "t_run": t_run, "pool": pool}
+
+
+def kinds_for(nodes) -> list[str]:
+    """Every kind the cluster can have (a local Ray has no links to cut: no "partition")."""
+    return [k for k in cf.KINDS if k not in nodes.kinds_left_out]
 
 
 def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: float) -> dict:
@@ -149,7 +181,7 @@ def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: flo
     return out
 
 
-def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict, params, done_at, t_run) -> dict:
+def report(args, cfg, overrides, campaign, tmp: Path, trace: dict) -> dict:
     import numpy as np
     from rich.console import Console
 
@@ -159,6 +191,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
     from orchestrator.report.read import read_records
     from testbed.reference import reference
 
+    summary, error, wall, params = trace["summary"], trace["error"], trace["wall"], trace["params"]
     records = read_records(str(tmp / "metrics.jsonl"))
     ledger = account(records)  # the goodput accounting of `elastimesh report`, printed as it does
     Console().print(render_table(ledger, "the chaos campaign's metrics"))
@@ -194,7 +227,7 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
                        for r in records if r.get("event") in ("rebuild", "grow")],
         "failures": [{k: r.get(k) for k in ("step", "ranks", "reason", "time")}
                      for r in records if r.get("event") == "failure"],
-        "fault_to_progress_s_by_kind": lost_time(campaign.injected, done_at, t_run),
+        "fault_to_progress_s_by_kind": lost_time(campaign.injected, trace["done_at"], trace["t_run"]),
         "useful_step_time_s": useful, "wall_s": wall,
         "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
         "goal_goodput": GOAL_GOODPUT, "goodput_accounting": ledger.as_dict(),
@@ -205,11 +238,15 @@ def report(args, cfg, overrides, campaign, tmp: Path, summary, error, wall: dict
 
 
 def main() -> None:
-    p = parser(__doc__, "chaos", "60 steps, a fault every 6 steps (a smoke run, not the campaign)")
+    p = parser(__doc__, "chaos", "60 steps, a fault every 5 steps (a smoke run, not the campaign)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=9, help="steps between faults")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nodes", type=int, default=4, help="2-slot worker nodes (5 actors: dp=4 + 1 spare)")
+    p.add_argument("--nodes", type=int, default=4,
+                   help="2-slot worker nodes (5 actors: dp=4 + 1 spare); with --hosts, one per namespace host")
+    p.add_argument("--hosts", action="store_true",
+                   help="run on hosts in network namespaces (bench/chaos_hosts.py), adding the 'partition' kind: "
+                        "needs root, `ip netns` and `unshare` (exits with the reason elsewhere)")
     p.add_argument("--metrics-copy", type=Path, help="keep the run's metrics JSONL here")
     p.add_argument("--step-timeout", type=float, default=10.0, help="elastic.step_timeout_s")
     p.add_argument("--d-model", type=int, default=64)
@@ -218,8 +255,10 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=sorted(cf.KINDS), metavar="KIND",
                    help="inject only these kinds (to reproduce one failure; the result is not the campaign)")
     args = p.parse_args()
+    if args.only and "partition" in args.only and not args.hosts:
+        p.error("--only partition needs --hosts (a local Ray's nodes share one network)")
     if args.quick:
-        args.steps, args.every = 60, 6
+        args.steps, args.every = 60, 5
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         result = run_campaign(args, Path(tmp))
     write_result(args.out, result)

@@ -13,7 +13,16 @@ rank dies while the next generation joins), ``hang`` (SIGSTOP: the step times ou
 node removed at the deadline), ``straggler`` (one rank sleeps inside its forward in each of its next
 steps until it is evicted: workers/compute_clock.py), ``store_kill`` (the rendezvous store's actor is
 killed), ``truncate_ckpt`` (a shard file of the newest committed checkpoint is cut in half: it must be
-found invalid and never resumed from).
+found invalid and never resumed from), ``slow_storage`` (issue 36: one rank's next checkpoint write
+stalls ``slow_write_s`` — longer than the step timeout — before its first byte, as on a throttled disk or
+bucket; the save's collectives and the driver wait for it, and a follow-up ``SLOW_STORAGE_STEPS`` later
+makes that rank's storage fast again) and, on namespace hosts only (``bench/chaos_hosts.py``),
+``partition`` (issue 35: the link of a host holding a rank goes down for ``PARTITION_S`` seconds, then
+comes back; its processes live on, unreachable).
+
+The cluster ("nodes") is either a local ``ray.cluster_utils.Cluster`` (``LocalNodes``) or hosts in network
+namespaces (``chaos_hosts.HostNodes``); both give ``add_node``, ``remove(node, pids)``, ``address`` and
+``shutdown``; a node has ``node_id``.
 """
 
 from __future__ import annotations
@@ -31,13 +40,49 @@ NODE_CPUS = 2
 REPLACE_AFTER_S = 2.0
 DRAIN_DEADLINE_S = 20.0
 STRAGGLER_SLEEP_S = 0.5
+PARTITION_S = 15.0
+SLOW_STORAGE_STEPS = 6  # the slowed rank's storage is fast again this many steps after the fault (one save)
+
+
+class LocalNodes:
+    """A local multi-node Ray (``ray.cluster_utils.Cluster``): a CPU-less head for the driver and the
+    store host, worker nodes of ``NODE_CPUS`` slots on this machine."""
+
+    needs = None  # runs wherever Ray does
+    kinds_left_out = ("partition",)  # every node shares this machine's network
+
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
+        self.address = self.cluster.address
+        self._adding = threading.Lock()
+
+    def add_node(self, off_main: bool = False):
+        if not off_main:
+            return self.cluster.add_node(num_cpus=NODE_CPUS)
+        # Ray's ``Cluster.add_node`` installs exit signal handlers, which only the main thread may:
+        # without them (``_shutdown_at_exit``) the node is still stopped by ``Cluster.shutdown``.
+        with self._adding:
+            saved, self.cluster._shutdown_at_exit = self.cluster._shutdown_at_exit, False
+            try:
+                return self.cluster.add_node(num_cpus=NODE_CPUS)
+            finally:
+                self.cluster._shutdown_at_exit = saved
+
+    def remove(self, node, pids: list[int]) -> None:
+        remove_node(self.cluster, node, pids)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
 
 
 @dataclass
 class Campaign:
     """The cluster, the store provider and what the faults did (for the report)."""
 
-    nodes: object  # ray.cluster_utils.Cluster
+    nodes: object  # LocalNodes or chaos_hosts.HostNodes
     provider: object  # orchestrator.cluster.store_provider.StoreProvider
     ckpt_dir: Path
     worker_nodes: list = field(default_factory=list)
@@ -45,10 +90,10 @@ class Campaign:
     truncated: list[str] = field(default_factory=list)  # checkpoint paths we damaged on purpose
     timers: list[threading.Timer] = field(default_factory=list)
     replacements: list[float] = field(default_factory=list)  # when a replacement node is due
-    _adding: threading.Lock = field(default_factory=threading.Lock)
+    follow_ups: dict[int, object] = field(default_factory=dict)  # step -> fn(controller) run at its boundary
 
-    def add_node(self):
-        node = self.nodes.add_node(num_cpus=NODE_CPUS)
+    def add_node(self, off_main: bool = False):
+        node = self.nodes.add_node(off_main=off_main)
         self.worker_nodes.append(node)
         return node
 
@@ -62,7 +107,7 @@ class Campaign:
                 if n == node.node_id and a in controller.group.pids]
         if node in self.worker_nodes:
             self.worker_nodes.remove(node)
-            remove_node(self.nodes, node, pids)
+            self.nodes.remove(node, pids)
         self.replacements.append(time.time() + REPLACE_AFTER_S)
 
     def tick(self) -> None:
@@ -72,17 +117,10 @@ class Campaign:
         now = time.time()
         for due in [t for t in self.replacements if t <= now]:
             self.replacements.remove(due)
-            self.later(0.0, self._add_node_off_main)
-
-    def _add_node_off_main(self) -> None:
-        # Ray's ``Cluster.add_node`` installs exit signal handlers, which only the main thread may:
-        # without them (``_shutdown_at_exit``) the node is still stopped by ``Cluster.shutdown``.
-        with self._adding:
-            saved, self.nodes._shutdown_at_exit = self.nodes._shutdown_at_exit, False
-            try:
-                self.add_node()
-            finally:
-                self.nodes._shutdown_at_exit = saved
+            self.later(0.0, self.add_node, True)
+        if getattr(self.nodes, "exited", lambda: False)():
+            # A healed host whose `ray start` exited starts again (as systemd's Restart=always would).
+            self.later(0.0, self.nodes.restart_exited)
 
     def later(self, delay_s: float, fn, *args) -> None:
         timer = threading.Timer(delay_s, fn, args)
@@ -161,6 +199,32 @@ def straggler(c: Campaign, controller, step: int, rng) -> str:
     return f"actor {victim}: sleeps {STRAGGLER_SLEEP_S} s in each of steps {step}..{step + steps - 1}"
 
 
+def slow_storage(c: Campaign, controller, step: int, rng) -> str:
+    every = controller.cfg.checkpoint.every
+    at = ((step + every - 1) // every) * every  # the next step whose checkpoint is written
+    victim = _member(controller, rng)
+    stall = controller.cfg.elastic.step_timeout_s + 2.0  # longer than the driver waits for a step
+    controller.group.call([victim], RankCalls.arm_fault, (at, "sleep", stall, "ckpt_write"), timeout_s=10)
+
+    def fast_again(ctrl, now: int) -> str:
+        # A stall of 0 s from this step on: the rank's later saves are not slowed.
+        outcome = ctrl.group.call([victim], RankCalls.arm_fault, (now, "sleep", 0.0, "ckpt_write"), timeout_s=10)
+        return f"actor {victim}: storage fast again" if outcome.ok else f"actor {victim} gone: {outcome}"
+
+    c.follow_ups[step + SLOW_STORAGE_STEPS] = fast_again
+    return (f"actor {victim}: its checkpoint writes from step {at} stall {stall:.0f} s (slow storage), "
+            f"until step {step + SLOW_STORAGE_STEPS}")
+
+
+def partition(c: Campaign, controller, step: int, rng) -> str:
+    cut_for = getattr(c.nodes, "cut_for", None)
+    node = c.node_of(controller, _member(controller, rng))
+    if cut_for is None or node is None:
+        return "no namespace host holds a rank: skipped"
+    cut_for(node, PARTITION_S)
+    return f"host {node.name} (node {node.node_id[:8]}) cut off for {PARTITION_S:.0f} s, then healed"
+
+
 def store_kill(c: Campaign, controller, step: int, rng) -> str:
     import ray
 
@@ -189,4 +253,5 @@ def truncate_ckpt(c: Campaign, controller, step: int, rng) -> str:
 
 
 KINDS = {f.__name__: f for f in (kill_step, kill_ckpt_write, kill_rebuild, hang, node_removal, drain,
-                                  straggler, store_kill, truncate_ckpt)}
+                                  straggler, store_kill, truncate_ckpt, slow_storage, partition)}
+FOLLOW_UP_AFTER = {"slow_storage": SLOW_STORAGE_STEPS}  # kind -> steps to its follow-up (a hook step too)

@@ -34,7 +34,6 @@ KNOWN_LONG_FUNCTIONS = {
     "orchestrator/cli.py::_dispatch": 70,
     "meshmodels/hf.py::check_weights": 78,
     "workers/runtime.py::RankRuntime.train_step": 75,
-    "bench/chaos.py::run_campaign": 67,
 }
 SKIP_DIRS = {".venv", ".git", "build", "dist", "__pycache__", ".pytest_cache", "runs"}
 DESIGN_MARKER = re.compile(r"^[ \t]*lazy imports of workers/ from orchestrator/: (.*)$", re.MULTILINE)

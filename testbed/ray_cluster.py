@@ -1,11 +1,13 @@
 """Ray set-ups the Ray tests and the benchmarks share: a worker group of real RankActors, and a local
-multi-node Ray (``ray.cluster_utils.Cluster``)."""
+multi-node Ray (``ray.cluster_utils.Cluster``).
+
+pytest is imported only where a test needs it (``multinode_ray``'s skip): the benchmarks import this
+module on a plain install, which has no pytest."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-import pytest
 import ray
 
 
@@ -26,6 +28,8 @@ def multinode_ray(worker_nodes: int, cpus: int = 2):
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
+        import pytest  # only the tests come here
+
         pytest.skip("another Ray is connected in this process")
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "_system_config": {"enable_metrics_collection": False}})
