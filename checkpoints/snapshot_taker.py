@@ -10,7 +10,8 @@ whose keys or tensor shapes differ from the planned ones goes through ``dcp.save
 
 A planned take is two halves. ``SnapshotTaker.plan`` runs on the training thread at the step
 boundary: it finds each local piece, picks the host buffer it goes into — one buffer per piece in
-each of ``slots`` buffer sets, allocated once and reused (pinned when the pieces are on CUDA, so the
+each buffer set (``slot``: the caller's, one per snapshot it keeps, ``checkpoint.memory_keep``),
+allocated at the set's first use and reused (pinned when the pieces are on CUDA, so the
 device-to-host copies run at full speed) — and deep-copies the few non-tensor items (their bytes are
 made later, ``MemorySnapshot.serialize``). ``PlannedSnapshot.copy`` then copies every piece, on any
 thread; on CUDA on a stream of its own after an event recorded at the boundary, so the copies see the
@@ -66,12 +67,13 @@ class PlannedSnapshot:
 class SnapshotTaker:
     """Takes one rank's snapshots of one generation (see the module docstring)."""
 
-    def __init__(self, slots: int = 3) -> None:
+    def __init__(self) -> None:
         self._metadata: Metadata | None = None
         self._items: list[tuple[MetadataIndex, bool, tuple]] = []  # (index, is bytes, path in state)
         self._signature: frozenset = frozenset()
         self._shapes: dict[MetadataIndex, tuple] = {}
-        self._buffers: list[dict[MetadataIndex, torch.Tensor]] = [{} for _ in range(slots)]
+        # slot -> that buffer set's tensors; a set is made at its slot's first planned take
+        self._buffers: dict[int, dict[MetadataIndex, torch.Tensor]] = {}
         self._stream = None
 
     def take(self, state: dict[str, Any], *, step: int, rank: int, slot: int = 0) -> MemorySnapshot:
@@ -95,13 +97,12 @@ class SnapshotTaker:
             self._metadata, self._signature = snap.metadata, signature
             self._items = [(i, isinstance(b, Deferred), tuple(paths[i.fqn])) for i, b in snap.blobs.items()]
             self._shapes = {i: tuple(b.shape) for i, b in snap.blobs.items() if isinstance(b, torch.Tensor)}
-            for buffers in self._buffers:
-                buffers.clear()
+            self._buffers.clear()
         return snap
 
     def _direct(self, plain: dict[str, Any], step: int, rank: int, slot: int) -> PlannedSnapshot | None:
         planned = PlannedSnapshot(step=step, rank=rank, metadata=self._metadata, slot=slot)
-        buffers = self._buffers[slot]
+        buffers = self._buffers.setdefault(slot, {})
         for index, is_bytes, path in self._items:
             obj = plain
             for part in path:

@@ -183,6 +183,11 @@ class CheckpointConfig:
     init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")
     memory_every: int = key(1, "with dir set: every N steps each rank also snapshots its shard into a peer's "
                                "memory, and a failure resumes from there (at most N steps lost); 0 = off", ge=0)
+    memory_keep: int = key(3, "in-memory snapshots each rank keeps of its own shard and of the peer's it holds: "
+                              "the newest complete set and the memory_keep - 1 newest after it (host memory per rank: "
+                              "`elastimesh plan`; launch refuses a mesh whose copies exceed a node's memory); "
+                              "fewer copies may re-run a few more steps after a failure",
+                           ge=2)
     lease_s: float = key(60.0, "with dir set: the driver holds a run lease on dir (LEASE.json, renewed every "
                                "lease_s / 6): a second driver on dir exits 2; a dead driver's lease is taken "
                                "over lease_s after its last renewal", gt=0)

@@ -108,6 +108,21 @@ def resolve_gpu(cfg: JobConfig) -> bool:
     return bool(setting)
 
 
+def check_host_memory(cfg: JobConfig) -> None:
+    """Before any rank is placed: refuse a mesh whose in-memory snapshot and staging copies would not
+    fit a node's memory with as many ranks there as its CPU/GPU slots hold (Ray places by slots, not
+    memory); orchestrator/plan/host_memory.py counts the copies."""
+    from orchestrator.plan.host_memory import check_node_memory, node_rooms
+    from orchestrator.plan.mesh_plan import make_plan, rank_memory
+
+    use_gpu = resolve_gpu(cfg)
+    plan = make_plan(cfg)
+    memory = {p: rank_memory(cfg, plan, p) for p in range(plan.shape.pp)}
+    bundle = {"CPU": cfg.resources.cpus_per_worker, **({"GPU": 1.0} if use_gpu else {})}
+    nodes = [(n["NodeID"], n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    check_node_memory(cfg, plan.shape.world, memory, node_rooms(nodes, bundle), on_cpu=not use_gpu)
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -197,6 +212,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
                 check_metadata_file(info.dcp_path)
     started_local = connect(cfg)
     try:
+        check_host_memory(cfg)  # snapshot and staging copies against each node's memory: exit 2 now
         stop = StopRequest()
         with stop_on_signals(stop):
             return _run(cfg, data, progress, started_local, reserved, list(step_listeners), stop, launched_at)
@@ -222,7 +238,7 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
-            actor_kwargs={"profile": profile_spec(cfg.metrics, cfg.train.steps)},
+            actor_kwargs={"profile": profile_spec(cfg.metrics, cfg.train.steps), "snapshot_keep": cfg.checkpoint.memory_keep},
         )
         # An embedded Ray has no autoscaler to ask; a reserved group's owner asked for it (Tune's
         # pending placement group is the demand), and one request per cluster would clobber the others.

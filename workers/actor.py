@@ -54,19 +54,19 @@ from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
 from workers.snapshot_push import SnapshotWorker, serve_pieces
-from workers.snapshots import SnapshotStore
+from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 
 logger = logging.getLogger(__name__)
 
 
 class RankActor:
-    def __init__(self, actor_id: int, profile=None) -> None:
+    def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP) -> None:
         try:
-            self._start(actor_id, profile)
+            self._start(actor_id, profile, snapshot_keep)
         except Exception as exc:  # as every call's error: text only (``workers.rank_methods.plain``)
             raise RankError.of(exc) from exc
 
-    def _start(self, actor_id: int, profile) -> None:
+    def _start(self, actor_id: int, profile, snapshot_keep: int) -> None:
         import torch  # here, not at the top: the driver imports this module to create the actors
 
         # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
@@ -97,7 +97,8 @@ class RankActor:
         # a rendezvous blocked on a peer that died mid-join (see ``kick``).
         self._joining: tuple[JoinSpec, frozenset[int]] | None = None
         self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
-        self.snapshots = SnapshotStore()  # outlives generations: a rebuild restores from it
+        # Outlives generations: a rebuild restores from it. Keeps checkpoint.memory_keep per owner.
+        self.snapshots = SnapshotStore(snapshot_keep)
         self.snapshot_worker = SnapshotWorker(self.snapshots)
         self.warm()
 

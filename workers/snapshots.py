@@ -7,15 +7,16 @@ life, step), ``life`` counting the loads done in that generation, so a step re-t
 in-place rollback is never mistaken for the one before it. Keys order by recency.
 
 Retention: the driver names, with every step, the newest *complete* set it knows (``keep``: every
-rank's copy acknowledged by its holder). Kept are that set and the two newest after it — of this
-rank's own, and of each peer it holds — everything older is dropped. So the newest complete set is
-never dropped before a newer one completed, and the two newest sets survive even though ``keep``
+rank's copy acknowledged by its holder). Kept are that set and the ``checkpoint.memory_keep`` - 1
+newest after it (``SnapshotStore(keep=...)``; default 3: the two newest) — of this rank's own, and
+of each peer it holds — everything older is dropped. So the newest complete set is never dropped
+before a newer one completed, and with the default the two newest sets survive even though ``keep``
 lags the steps by the window (a rank that dies before its newest push landed is restored from the
-set before, one step older, not from ``keep``). An actor holds at most three own snapshots and three
-per peer it backs up (6 x its shard of host memory with the ring's one peer each:
-``orchestrator.saves.snapshots.host_bytes_per_rank``). Own snapshots live in the taker's three reused
-buffer sets (``checkpoints/snapshot_taker.py``): ``slot_for`` picks the set the next take may
-overwrite; a held copy is written over the one it replaces.
+set before, one step older, not from ``keep``). An actor holds at most ``keep`` own snapshots and
+``keep`` per peer it backs up (the ring gives it one peer); every copy of host memory snapshots and
+staging take is counted in ``orchestrator.plan.host_memory.host_copies``. Own snapshots live in the
+taker's ``keep`` reused buffer sets (``checkpoints/snapshot_taker.py``): ``slot_for`` picks the set
+the next take may overwrite; a held copy is written over the one it replaces.
 
 Threads: takes are planned on the training thread and copied and pushed on the snapshot worker's
 (workers/snapshot_push.py); ``keep`` (a peer's push), ``inventory``, ``meta`` and ``pieces`` (a
@@ -32,11 +33,15 @@ from meshspeak.messages import SnapKey, SnapshotInventory
 if TYPE_CHECKING:  # torch-free at import: the driver imports workers.actor (tests/unit/test_driver_torch_free.py)
     from checkpoints.memory import MemorySnapshot
 
-NEWEST = 2  # snapshots kept per owner besides the kept set (see the module docstring)
+DEFAULT_KEEP = 3  # checkpoint.memory_keep's default: the kept set and the two newest after it
 
 
 class SnapshotStore:
-    def __init__(self) -> None:
+    def __init__(self, keep: int = DEFAULT_KEEP) -> None:
+        if keep < 2:  # the complete set, and a buffer set the next take may overwrite
+            raise ValueError(f"checkpoint.memory_keep must be >= 2, got {keep}")
+        self.slots = keep  # own snapshots (the taker's buffer sets) and held copies per peer
+        self.newest = keep - 1  # kept per owner besides the kept set
         self._lock = threading.Lock()
         self.own: dict[SnapKey, tuple[MemorySnapshot, int | None]] = {}  # key -> (snapshot, buffer set)
         self.held: dict[tuple[SnapKey, int], MemorySnapshot] = {}  # (key, owner's world rank) -> copy
@@ -47,15 +52,15 @@ class SnapshotStore:
         """The driver's newest complete set is ``keep`` (None or () when there is none yet)."""
         with self._lock:
             self.keep_key = tuple(keep) if keep else None
-            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=NEWEST)
-            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=NEWEST)
+            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=self.newest)
+            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=self.newest)
 
-    def slot_for(self, slots: int = NEWEST + 1) -> int:
+    def slot_for(self) -> int:
         """The buffer set the next take may overwrite: not the kept set's, else the oldest own."""
         with self._lock:
             used = {slot: key for key, (_, slot) in self.own.items() if slot is not None}
         pinned = next((slot for slot, key in used.items() if key == self.keep_key), None)
-        free = [s for s in range(slots) if s != pinned]
+        free = [s for s in range(self.slots) if s != pinned]
         return min(free, key=lambda s: used.get(s, (-1, -1, -1)))
 
     def put_own(self, key: SnapKey, snap: MemorySnapshot, slot: int | None) -> None:
@@ -64,7 +69,7 @@ class SnapshotStore:
             if slot is not None:
                 self.own = {k: v for k, v in self.own.items() if v[1] != slot}
             self.own[key] = (snap, slot)
-            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=NEWEST)
+            self.own = _kept(self.own, self.keep_key, lambda k: 0, newest=self.newest)
 
     def drop_own_slot(self, slot: int) -> None:
         """Buffer set ``slot`` is about to be written: its snapshot stops being one."""
@@ -77,11 +82,11 @@ class SnapshotStore:
         another process owns: a Ray object dies with its owner), written over the copy it replaces."""
         with self._lock:
             mine = sorted(k for k in self.held if k[1] == owner and k[0] != self.keep_key)
-            reuse = self.held.pop(mine[0]) if len(mine) >= NEWEST else None  # the one it displaces
+            reuse = self.held.pop(mine[0]) if len(mine) >= self.newest else None  # the one it displaces
         copy = snap.copy(reuse)
         with self._lock:
             self.held[(key, owner)] = copy
-            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=NEWEST)
+            self.held = _kept(self.held, self.keep_key, lambda k: k[1], key_of=lambda k: k[0], newest=self.newest)
         return copy.nbytes
 
     # -- restoring --------------------------------------------------------------------------------

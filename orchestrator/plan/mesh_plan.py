@@ -25,6 +25,7 @@ from meshspeak.schedule import (
 )
 from meshspeak.schedule_sim import simulate
 from meshspeak.sections import JobConfig, microbatches_per_replica
+from orchestrator.plan.host_memory import host_bytes_per_rank, host_copies
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -205,27 +206,23 @@ def describe(cfg: JobConfig, plan: MeshPlan) -> dict:
             {"rank": r, **vars_of(shape.coords(r))} for r in range(shape.world)
         ],
         "memory_per_rank": {p: rank_memory(cfg, plan, p) for p in range(shape.pp)},
-        "snapshot_host_per_rank": snapshot_host_memory(cfg, plan),
+        "snapshot_host_memory": snapshot_host_memory(cfg, plan),
         "total_params": param_counts(cfg.model)["total"],
         "model_family": resolve_model(cfg.model).ref,
         "model_source": cfg.model.from_hf,
     }
 
 
-def snapshot_host_memory(cfg: JobConfig, plan: MeshPlan) -> dict[int, int] | None:
-    """Host bytes in-memory snapshots take per rank at each pipeline position, or None when they are
-    off (``checkpoint.memory_every``; orchestrator/saves/snapshots.py): the fp32 parameter shard plus its
-    two Adam moments, held four times (the rank's own newest and in-flight snapshots and the same two
-    of the peer it backs up)."""
-    from orchestrator.saves.snapshots import host_bytes_per_rank
-
-    if not (cfg.checkpoint.dir and cfg.checkpoint.memory_every > 0):
+def snapshot_host_memory(cfg: JobConfig, plan: MeshPlan) -> dict | None:
+    """The host memory in-memory snapshots and the background checkpoint write take per rank, or None
+    when neither is on (``checkpoint.dir`` unset): the copies of a rank's state by source and the
+    bytes per rank at each pipeline position (orchestrator/plan/host_memory.py counts them)."""
+    copies = host_copies(cfg)
+    if not copies:
         return None
-    out = {}
-    for p in range(plan.shape.pp):
-        mem = rank_memory(cfg, plan, p)
-        out[p] = host_bytes_per_rank(mem["grads"] + mem["optimizer"])  # grads: the fp32 shard's size
-    return out
+    memory = {p: rank_memory(cfg, plan, p) for p in range(plan.shape.pp)}
+    return {"copies": copies, "memory_keep": cfg.checkpoint.memory_keep,
+            "per_rank": host_bytes_per_rank(cfg, memory)}
 
 
 def vars_of(coords) -> dict[str, int]:

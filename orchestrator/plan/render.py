@@ -56,16 +56,23 @@ def render(info: dict) -> str:
             f"{_mib(mem['params']):>10}  {_mib(mem['grads']):>10}  {_mib(mem['optimizer']):>10}  "
             f"{_mib(mem['activations']):>11}  {_mib(total)}"
         )
-    snap = info.get("snapshot_host_per_rank")
-    if snap:
-        lines += ["", "in-memory snapshots (checkpoint.memory_every): host memory per rank, its own newest and "
-                  "in-flight snapshots and a peer's"]
-        lines += [f"  pp_rank {p:<3} {_mib(n):>10}" for p, n in snap.items()]
-    else:
-        lines += ["", "in-memory snapshots: off (checkpoint.memory_every = 0 or checkpoint.dir unset)"]
+    lines += ["", *_host_memory(info.get("snapshot_host_memory"))]
     if "strategy" in info:
         lines += ["", *_strategy(info["strategy"])]
     return "\n".join(lines) + "\n"
+
+
+def _host_memory(host: dict | None) -> list[str]:
+    """Snapshot and staging copies of a rank's state in host memory (orchestrator/plan/host_memory.py)."""
+    if not host:
+        return ["in-memory snapshots and checkpoint staging: off (checkpoint.dir unset)"]
+    copies = host["copies"]
+    listed = " + ".join(f"{name} {n}" for name, n in copies.items())
+    snapshots = ("in-memory snapshots: off (checkpoint.memory_every = 0); " if "own" not in copies else
+                 f"checkpoint.memory_keep={host['memory_keep']}: ")
+    lines = [f"host memory per rank: {snapshots}{sum(copies.values())} copies of the rank's state ({listed})"]
+    lines += [f"  pp_rank {p:<3} {_mib(n):>10}" for p, n in host["per_rank"].items()]
+    return lines
 
 
 def _strategy(rec: dict) -> list[str]:

@@ -91,13 +91,6 @@ def choose_source(snapshot_step: int | None, storage_step: int) -> str:
     return "snapshot" if snapshot_step is not None and snapshot_step >= storage_step else "storage"
 
 
-def host_bytes_per_rank(shard_bytes: int) -> int:
-    """Host memory snapshots take on one rank: its own newest complete set's snapshot and the two
-    newest, and the same three of the peer it holds (model + optimizer shard each;
-    workers/snapshots.py says why three)."""
-    return 6 * shard_bytes
-
-
 @dataclass
 class SnapshotSet:
     """The snapshots of one step of one generation: who took them, who holds a copy, what arrived."""

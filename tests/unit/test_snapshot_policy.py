@@ -6,7 +6,6 @@ from orchestrator.saves.snapshots import (
     backup_ring,
     choose_source,
     covered,
-    host_bytes_per_rank,
     newest_covered,
 )
 
@@ -58,7 +57,6 @@ def test_choose_source():
     assert choose_source(4, 4) == "snapshot"  # as new, and no storage read
     assert choose_source(3, 4) == "storage"
     assert choose_source(None, 0) == "storage"
-    assert host_bytes_per_rank(100) == 600
 
 
 def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
@@ -72,7 +70,10 @@ def test_plan_shows_the_host_memory_snapshots_take_per_rank(tmp_path):
 
     on = info(f"checkpoint.dir={tmp_path}")
     mem = on["memory_per_rank"][0]
-    assert on["snapshot_host_per_rank"] == {0: 6 * (mem["grads"] + mem["optimizer"])}
-    assert "in-memory snapshots (checkpoint.memory_every)" in render(on)
-    assert info(f"checkpoint.dir={tmp_path}", "checkpoint.memory_every=0")["snapshot_host_per_rank"] is None
-    assert info()["snapshot_host_per_rank"] is None and "in-memory snapshots: off" in render(info())
+    # 3 own buffer sets + the first take + 3 held + 2 in the object store + the staging copy
+    assert on["snapshot_host_memory"]["per_rank"] == {0: 10 * (mem["grads"] + mem["optimizer"])}
+    assert "checkpoint.memory_keep=3: 10 copies of the rank's state" in render(on)
+    staging_only = info(f"checkpoint.dir={tmp_path}", "checkpoint.memory_every=0")
+    assert staging_only["snapshot_host_memory"]["copies"] == {"staging": 1}
+    assert "in-memory snapshots: off" in render(staging_only)
+    assert info()["snapshot_host_memory"] is None and "checkpoint staging: off" in render(info())
