@@ -154,55 +154,29 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
     import warnings
 
     import torch
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     # DCP says once per load that it assumes one process: that is the point here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-    from checkpoints.reader import SafeLoadPlanner, dcp_reader, read_metadata
-
-    if dtype not in DTYPES:
-        raise ConfigError("--dtype", f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError("--out", f"--out {out} exists and is not empty: choose a new directory (nothing was "
-                                   "overwritten)")
-    family, shape, _, record = _recorded(step_dir, manifest, family)
-    saved = {k[len("model."):]: md for k, md in read_metadata(step_dir).state_dict_metadata.items()
-             if k.startswith("model.")}
-    expected = family.hf_tensors(shape)
-    ours = {family.from_hf(hf): hf for hf in expected}
-    if set(saved) != set(ours):
-        missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
-        raise CheckpointError(f"the checkpoint's tensors do not match its recorded model (missing {missing[:3]}, "
-                              f"unexpected {extra[:3]})", step_dir)
+    _check_output_arguments(out, dtype)
+    family_obj, shape, _, record = _recorded(step_dir, manifest, family)
+    saved, expected = _matched_tensors(step_dir, family_obj, shape)
     target = torch.float32 if dtype == "float32" else torch.bfloat16
     sizes = {hf: _numel(expected[hf]) * target.itemsize for hf in expected}
     groups = plan_files(sizes, max_shard_bytes)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    recorded_data = str(record.get("data_path", ""))
     tmp = f"{out.rstrip('/')}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    weight_map: dict[str, str] = {}
     try:
-        for file, group in zip(names, groups, strict=True):
-            template = {"model": {ours_name: torch.empty(tuple(saved[ours_name].size),
-                                                         dtype=saved[ours_name].properties.dtype)
-                                  for ours_name in (family.from_hf(hf) for hf in group)}}
-            dcp.load(template, storage_reader=dcp_reader(step_dir), planner=SafeLoadPlanner(), no_dist=True)
-            tensors = {hf: template["model"][family.from_hf(hf)].to(target).contiguous() for hf in group}
-            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(group, file))
-            del template, tensors
+        weight_map = _write_weight_files(tmp, step_dir, family_obj, saved, dict(zip(names, groups, strict=True)),
+                                         target)
         if len(groups) > 1:
             _write_json(os.path.join(tmp, "model.safetensors.index.json"),
                         {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
-        config = family.hf_config(shape)
-        config["dtype"] = dtype
-        _write_json(os.path.join(tmp, "config.json"), config)
-        _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
-        recorded_data = str(record.get("data_path", ""))
+        _write_model_configs(tmp, family_obj.hf_config(shape), dtype)
         tokenizer = copy_tokenizer_files(tokenizer_source(recorded_data, tokenizer_from), tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # empty (checked above)
@@ -213,6 +187,65 @@ def export_checkpoint(path: str, out: str, dtype: str = "float32",
     return {"step": manifest.step, "checkpoint": step_dir, "out": out, "files": names, "tensors": len(weight_map),
             "bytes": sum(sizes.values()), "dtype": dtype, "tokenizer_files": tokenizer,
             "tokenizer_skipped": recorded_data if not tokenizer_from and not tokenizer_source(recorded_data) else ""}
+
+
+def _check_output_arguments(out: str, dtype: str) -> None:
+    """Refuse a ``--dtype`` export cannot write and an ``--out`` that holds anything (never overwritten)."""
+    if dtype not in DTYPES:
+        raise ConfigError("--dtype", f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError("--out", f"--out {out} exists and is not empty: choose a new directory (nothing was "
+                                   "overwritten)")
+
+
+def _matched_tensors(step_dir: str, family: Any, shape: Any) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """(the checkpoint's model tensors by our name -> DCP metadata, the family's HF tensors by HF name ->
+    shape), after checking that the two name the same tensors.
+
+    Raises:
+        CheckpointError: the checkpoint lacks a tensor the recorded model has, or holds one it has not.
+    """
+    from checkpoints.reader import read_metadata
+
+    saved = {k[len("model."):]: md for k, md in read_metadata(step_dir).state_dict_metadata.items()
+             if k.startswith("model.")}
+    expected = family.hf_tensors(shape)
+    ours = {family.from_hf(hf) for hf in expected}
+    if set(saved) != ours:
+        missing, extra = sorted(ours - set(saved)), sorted(set(saved) - ours)
+        raise CheckpointError(f"the checkpoint's tensors do not match its recorded model (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})", step_dir)
+    return saved, expected
+
+
+def _write_weight_files(tmp: str, step_dir: str, family: Any, saved: dict[str, Any],
+                        files: dict[str, list[str]], target: Any) -> dict[str, str]:
+    """Write each output file (name -> its HF tensor names) into ``tmp``, loading from DCP only that file's
+    tensors so that memory holds one file, not the model; returns the weight map (HF name -> file)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from checkpoints.reader import SafeLoadPlanner, dcp_reader
+
+    weight_map: dict[str, str] = {}
+    for file, group in files.items():
+        template = {"model": {ours_name: torch.empty(tuple(saved[ours_name].size),
+                                                     dtype=saved[ours_name].properties.dtype)
+                              for ours_name in (family.from_hf(hf) for hf in group)}}
+        dcp.load(template, storage_reader=dcp_reader(step_dir), planner=SafeLoadPlanner(), no_dist=True)
+        tensors = {hf: template["model"][family.from_hf(hf)].to(target).contiguous() for hf in group}
+        save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+        del template, tensors
+    return weight_map
+
+
+def _write_model_configs(tmp: str, config: dict[str, Any], dtype: str) -> None:
+    """``config.json`` (the family's, with the exported dtype) and ``generation_config.json``."""
+    config["dtype"] = dtype
+    _write_json(os.path.join(tmp, "config.json"), config)
+    _write_json(os.path.join(tmp, "generation_config.json"), generation_config(config))
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -92,6 +92,17 @@ def check_weights(
         raise ConfigError(key, f"{key}: {directory} is not a directory: point it at a Hugging Face model "
                                "directory holding *.safetensors")
     present = sorted(f for f in os.listdir(directory) if f.endswith(SUFFIX))
+    assigned = _tensors_by_file(directory, present, key)
+    info = WeightsInfo(files=present)
+    for file in present:
+        _read_file_tensors(info, directory, file, None if assigned is None else assigned[file], key)
+    _check_against_model(info, directory, expected, ignorable, key)
+    return info
+
+
+def _tensors_by_file(directory: str, present: list[str], key: str) -> dict[str, set[str]] | None:
+    """The tensor names the index maps to each file (None: a single file and no index), after checking
+    that the index and the ``*.safetensors`` files in ``directory`` name the same files."""
     index_path = os.path.join(directory, INDEX)
     weight_map = _read_weight_map(index_path, key) if os.path.exists(index_path) else None
     if weight_map is None:
@@ -101,40 +112,48 @@ def check_weights(
         if len(present) > 1:
             raise ConfigError(key, f"{key}: {len(present)} *.safetensors files in {directory} but no {INDEX}: "
                                    f"remove the extra files or add the index (files: {', '.join(present)})")
-        assigned = None
-    else:
-        assigned = {}
-        for name, file in weight_map.items():
-            assigned.setdefault(file, set()).add(name)
-        for file in sorted(assigned):
-            if file not in present:
-                raise ConfigError(key, f"{key}: {INDEX} maps tensors to {file}, which is not in {directory}: "
-                                       "copy the missing file or fix the index")
-        for file in present:
-            if file not in assigned:
-                raise ConfigError(key, f"{key}: stray file {os.path.join(directory, file)}: {INDEX} does not "
-                                       "name it, and the loader would read it too; move it out of the directory")
-    info = WeightsInfo(files=present)
+        return None
+    assigned: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        assigned.setdefault(file, set()).add(name)
+    for file in sorted(assigned):
+        if file not in present:
+            raise ConfigError(key, f"{key}: {INDEX} maps tensors to {file}, which is not in {directory}: "
+                                   "copy the missing file or fix the index")
     for file in present:
-        path = os.path.join(directory, file)
-        try:
-            header = read_header(path)
-        except (OSError, ValueError, struct.error) as exc:
-            raise ConfigError(key, f"{key}: {path} is not a readable safetensors file ({exc}): replace it") from None
-        for name, meta in header.items():
-            if assigned is not None and name not in assigned[file]:
-                raise ConfigError(key, f"{key}: tensor {name!r} is in {path} but {INDEX} does not map it there; "
-                                       "the loader would read it anyway: fix the index or the file")
-            if name in info.tensors:
-                raise ConfigError(key, f"{key}: tensor {name!r} is in both {info.tensors[name][0]} and {file}: "
-                                       "keep one copy")
-            info.tensors[name] = (file, meta.get("dtype", "?"), tuple(meta.get("shape", ())))
-            info.total_bytes += int(meta.get("data_offsets", [0, 0])[1]) - int(meta.get("data_offsets", [0, 0])[0])
-        if assigned is not None:
-            absent = sorted(assigned[file] - set(header))
-            if absent:
-                raise ConfigError(key, f"{key}: {INDEX} maps tensor {absent[0]!r} to {path}, which does not "
-                                       "hold it: fix the index or re-export the model")
+        if file not in assigned:
+            raise ConfigError(key, f"{key}: stray file {os.path.join(directory, file)}: {INDEX} does not "
+                                   "name it, and the loader would read it too; move it out of the directory")
+    return assigned
+
+
+def _read_file_tensors(info: WeightsInfo, directory: str, file: str, indexed: set[str] | None, key: str) -> None:
+    """Add the tensors of ``file``'s header to ``info``; ``indexed``: the names the index maps to this
+    file (None: no index), which must be exactly the header's names."""
+    path = os.path.join(directory, file)
+    try:
+        header = read_header(path)
+    except (OSError, ValueError, struct.error) as exc:
+        raise ConfigError(key, f"{key}: {path} is not a readable safetensors file ({exc}): replace it") from None
+    for name, meta in header.items():
+        if indexed is not None and name not in indexed:
+            raise ConfigError(key, f"{key}: tensor {name!r} is in {path} but {INDEX} does not map it there; "
+                                   "the loader would read it anyway: fix the index or the file")
+        if name in info.tensors:
+            raise ConfigError(key, f"{key}: tensor {name!r} is in both {info.tensors[name][0]} and {file}: "
+                                   "keep one copy")
+        info.tensors[name] = (file, meta.get("dtype", "?"), tuple(meta.get("shape", ())))
+        info.total_bytes += int(meta.get("data_offsets", [0, 0])[1]) - int(meta.get("data_offsets", [0, 0])[0])
+    if indexed is not None:
+        absent = sorted(indexed - set(header))
+        if absent:
+            raise ConfigError(key, f"{key}: {INDEX} maps tensor {absent[0]!r} to {path}, which does not "
+                                   "hold it: fix the index or re-export the model")
+
+
+def _check_against_model(info: WeightsInfo, directory: str, expected: dict[str, tuple[int, ...]],
+                         ignorable: frozenset[str] | set[str], key: str) -> None:
+    """Every expected tensor present with its shape and a floating dtype; nothing else but ``ignorable``."""
     for name, shape in expected.items():
         if name not in info.tensors:
             raise ConfigError(key, f"{key}: tensor {name!r} is missing from {directory}: the model "
@@ -150,7 +169,6 @@ def check_weights(
         if name not in expected and name not in ignorable:
             raise ConfigError(key, f"{key}: unexpected tensor {name!r} in {info.tensors[name][0]}: the model "
                                    "has no such parameter; use weights of the architecture config.json describes")
-    return info
 
 
 def _read_weight_map(path: str, key: str) -> dict[str, str]:

@@ -138,75 +138,98 @@ def _fail(message: str, code: int) -> int:
 
 
 def _dispatch(args) -> int:
-    if args.command == "plan":
-        from orchestrator.plan.mesh_plan import describe, make_plan
-        from orchestrator.plan.render import render
+    """Run the subcommand ``args`` names; its exit code."""
+    commands = {"plan": _plan, "config": _config, "train": _train, "tune": _tune, "report": _report,
+                "ckpt": _ckpt, "export": _export, "data": _data_prepare}
+    if args.command not in commands:
+        raise AssertionError(args.command)
+    return commands[args.command](args)
 
-        cfg = _load(args)
-        info = describe(cfg, make_plan(cfg))
-        if args.memory_gib is not None:
-            from orchestrator.plan.strategy import recommend
 
-            if args.memory_gib <= 0:
-                raise ConfigError("--memory-gib", f"--memory-gib must be > 0, got {args.memory_gib}")
-            info["strategy"] = recommend(cfg, int(args.memory_gib * 2**30))
-        sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
+def _plan(args) -> int:
+    """`elastimesh plan`: the mesh, stage split, ranks and memory estimate (``--json``: as JSON)."""
+    from orchestrator.plan.mesh_plan import describe, make_plan
+    from orchestrator.plan.render import render
+
+    cfg = _load(args)
+    info = describe(cfg, make_plan(cfg))
+    if args.memory_gib is not None:
+        from orchestrator.plan.strategy import recommend
+
+        if args.memory_gib <= 0:
+            raise ConfigError("--memory-gib", f"--memory-gib must be > 0, got {args.memory_gib}")
+        info["strategy"] = recommend(cfg, int(args.memory_gib * 2**30))
+    sys.stdout.write(json.dumps(info, indent=2) + "\n" if args.json else render(info))
+    return 0
+
+
+def _config(args) -> int:
+    """`elastimesh config`: the resolved job as TOML (``--doc``: every key's documentation)."""
+    from meshspeak.sections import config_doc
+    from orchestrator.config.load import config_toml
+
+    if args.doc:
+        sys.stdout.write(config_doc())
+    else:
+        sys.stdout.write(config_toml(_load(args)))
+    return 0
+
+
+def _train(args) -> int:
+    """`elastimesh train`: run the job; stopped by a signal, one line saying where it resumes."""
+    from orchestrator.launch import run_job
+
+    cfg = _load(args)
+    summary = run_job(cfg, progress=not args.no_progress and sys.stderr.isatty())
+    if summary.resume_step is not None:
+        where = (f"committed in checkpoint.dir={cfg.checkpoint.dir}; running it again resumes from step "
+                 f"{summary.resume_step}" if cfg.checkpoint.dir else
+                 "not saved (checkpoint.dir is unset): running it again starts from step 1")
+        sys.stderr.write(f"elastimesh: stopped after step {summary.final_step}: {where}\n")
         return 0
-    if args.command == "config":
-        from meshspeak.sections import config_doc
-        from orchestrator.config.load import config_toml
+    logger.info("done: step %d, %d generation(s), %d restart(s)", summary.final_step,
+                summary.generations, summary.restarts)
+    return 0
 
-        if args.doc:
-            sys.stdout.write(config_doc())
-        else:
-            sys.stdout.write(config_toml(_load(args)))
-        return 0
-    if args.command == "train":
-        from orchestrator.launch import run_job
 
-        cfg = _load(args)
-        summary = run_job(cfg, progress=not args.no_progress and sys.stderr.isatty())
-        if summary.resume_step is not None:  # stopped by a signal: one line saying where it resumes
-            where = (f"committed in checkpoint.dir={cfg.checkpoint.dir}; running it again resumes from step "
-                     f"{summary.resume_step}" if cfg.checkpoint.dir else
-                     "not saved (checkpoint.dir is unset): running it again starts from step 1")
-            sys.stderr.write(f"elastimesh: stopped after step {summary.final_step}: {where}\n")
-            return 0
-        logger.info("done: step %d, %d generation(s), %d restart(s)", summary.final_step,
-                    summary.generations, summary.restarts)
-        return 0
-    if args.command == "tune":
-        from orchestrator.sweep.tuner import tune_command
+def _tune(args) -> int:
+    from orchestrator.sweep.tuner import tune_command
 
-        return tune_command(args)
-    if args.command == "report":
-        from orchestrator.report.command import report_command
+    return tune_command(args)
 
-        return report_command(args)
-    if args.command == "ckpt":
-        from checkpoints.catalog import list_checkpoints
-        from checkpoints.inspect_view import describe, format_table, require_root
 
-        if args.ckpt_command == "list":
-            require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
-            sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
-        else:
-            sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
-        return 0
-    if args.command == "export":
-        from meshmodels.export import export_checkpoint
+def _report(args) -> int:
+    from orchestrator.report.command import report_command
 
-        info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30),
-                                 family=args.family, tokenizer_from=args.tokenizer_from)
-        sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
-                         f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
-        if info["tokenizer_skipped"]:
-            sys.stdout.write(f"tokenizer files not copied: the checkpoint records data at {info['tokenizer_skipped']}, "
-                             "which export does not contact on its own: pass --tokenizer-from to copy them\n")
-        return 0
-    if args.command == "data":
-        return _data_prepare(args)
-    raise AssertionError(args.command)
+    return report_command(args)
+
+
+def _ckpt(args) -> int:
+    """`elastimesh ckpt list DIR` (a table) or `ckpt inspect PATH` (JSON)."""
+    from checkpoints.catalog import list_checkpoints
+    from checkpoints.inspect_view import describe, format_table, require_root
+
+    if args.ckpt_command == "list":
+        require_root(args.dir)  # an absent DIR is a mistake here, not "no checkpoints yet"
+        sys.stdout.write(format_table(list_checkpoints(args.dir, read_dcp_metadata=False)) + "\n")
+    else:
+        sys.stdout.write(json.dumps(describe(args.path), indent=2, default=str) + "\n")
+    return 0
+
+
+def _export(args) -> int:
+    """`elastimesh export CKPT --out DIR`: one line saying what was written, one more when the tokenizer
+    files were left behind."""
+    from meshmodels.export import export_checkpoint
+
+    info = export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 2**30),
+                             family=args.family, tokenizer_from=args.tokenizer_from)
+    sys.stdout.write(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes'] / 2**20:,.1f} MiB "
+                     f"{info['dtype']}, {len(info['files'])} file(s)) to {info['out']}\n")
+    if info["tokenizer_skipped"]:
+        sys.stdout.write(f"tokenizer files not copied: the checkpoint records data at {info['tokenizer_skipped']}, "
+                         "which export does not contact on its own: pass --tokenizer-from to copy them\n")
+    return 0
 
 
 def _data_prepare(args) -> int:
