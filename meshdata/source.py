@@ -102,6 +102,25 @@ class TokenSource:
             return parts[0]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
+    def windows_at(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """int32 ``[len(starts), width]``: the tokens ``[start, start + width)`` for each start (in
+        range), gathered with one numpy index per row group instead of a ``read`` per window (a
+        Python loop on the training thread, #36 item 13); a window across a row-group boundary is
+        read as ``read`` reads it."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        offsets = np.arange(width, dtype=np.int64)
+        if self._memory is not None:
+            return self._memory[starts[:, None] + offsets]
+        out = np.empty((starts.size, width), np.int32)
+        groups = np.searchsorted(self._bounds, starts, side="right") - 1
+        inside = starts + width <= self._bounds[groups + 1]
+        for k in np.unique(groups[inside]):
+            rows = np.flatnonzero(inside & (groups == k))
+            out[rows] = self._row_group(int(k))[(starts[rows] - self._bounds[k])[:, None] + offsets]
+        for row in np.flatnonzero(~inside):
+            out[row] = self.read(int(starts[row]), int(starts[row]) + width)
+        return out
+
     def read_all(self) -> np.ndarray:
         """The whole stream in memory: for tests and small corpora only."""
         return self.read(0, self.num_tokens)
@@ -238,7 +257,4 @@ def sample_windows(source: TokenSource, ids: np.ndarray, seq_len: int) -> np.nda
     n = source.num_samples(seq_len)
     if ids.size and (ids.min() < 0 or ids.max() >= n):
         raise IndexError(f"sample ids must lie in [0, {n}), got [{ids.min()}, {ids.max()}]")
-    out = np.empty((ids.size, seq_len + 1), np.int32)
-    for row, i in enumerate(ids):
-        out[row] = source.read(int(i) * seq_len, int(i) * seq_len + seq_len + 1)
-    return out
+    return source.windows_at(ids * seq_len, seq_len + 1)
