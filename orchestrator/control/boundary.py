@@ -1,15 +1,17 @@
 """The step boundary's checks: an ordered list of deciders, each returning a decision or None (driver
 side; no Ray, no torch).
 
-Before each step the controller runs the test/fault hooks, takes in actors that answered since the
-last boundary, then asks ``DECIDERS`` in order; the first decision ends the step's boundary and the
-controller carries it out (``Controller._carry_out``): a stop finishes the run, every other decision
-is a planned re-form, which leaves RUNNING for ``Forming(decision, save_first=True)`` — the new
-generation never forms inside a RUNNING step. In order:
+Before each step the Running handler (handlers/running.py) runs the test/fault hooks, takes in actors
+that answered since the last boundary, then asks ``DECIDERS`` in order (``decide``); the first
+decision ends the step's boundary and ``carry_out_decision`` turns it into the next state: a stop
+finishes the run, every other decision is a planned re-form, which leaves RUNNING for
+``Forming(decision, save_first=True)`` — the new generation never forms inside a RUNNING step. A
+decision taken with steps still in flight waits for them in ``Draining`` (handlers/draining.py),
+and is taken again (``refresh``) when a failure or rollback ended them. In order:
 
 1. ``decide_stop``: a signal asked to stop (`ray job stop`, Ctrl-C; launch.StopRequest): the step
    just trained is committed, the run ends and a rerun re-runs no step.
-2. ``decide_requested_resize``: ``controller.resize_requests`` names this step (tests, operators).
+2. ``decide_requested_resize``: ``controller.resize_requests`` (the context's ``inputs``) names this step (tests, operators).
 3. ``decide_preemption``: a node holding ranks is draining with time for a save (evacuate: commit,
    drop its actors, re-form without them; no failure counted). A drain too short for a save only
    logs (the node's loss later takes the failure path), and a drain of spares only drops them.
@@ -25,151 +27,104 @@ only, the background starts of the grow check); what it decides is data.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from orchestrator.control.controller_view import BoundaryView
+from orchestrator.control.context import DriverContext
+from orchestrator.control.decisions import Boundary, Decision, Evacuate, Evict, Grow, ResizeTo, Stop
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp
-from orchestrator.control.states import ControllerState, Finished, Forming
+from orchestrator.control.states import Finished, Forming
 from orchestrator.errors import WorkerGroupStartupError
-from orchestrator.recovery.preemption import Preemption
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Boundary:
-    """The boundary before ``step`` (the next step to train)."""
-
-    step: int
-    adopted: bool = False  # actors started in the background answered at this boundary
+def decide_stop(ctx: DriverContext, at: Boundary) -> Stop | None:
+    return Stop() if ctx.inputs.stop_requested() else None
 
 
-@dataclass(frozen=True)
-class Stop:
-    """Commit the step just trained and finish (a stop signal)."""
-
-
-@dataclass(frozen=True)
-class ResizeTo:
-    """A requested resize to ``dp`` (started actors are added first if the live ones are too few)."""
-
-    dp: int
-
-
-@dataclass(frozen=True)
-class Evacuate:
-    """A draining node with time for a save: commit, drop its actors, re-form without them."""
-
-    notice: Preemption
-    decision: ResizeDecision | TooFewWorkers
-
-
-@dataclass(frozen=True)
-class Evict:
-    """Drop stragglers: commit, kill them, re-form from the others."""
-
-    actors: frozenset[int]
-    decision: ResizeDecision
-
-
-@dataclass(frozen=True)
-class Grow:
-    """The live actors hold more whole replicas than the mesh: commit, form the larger mesh."""
-
-    decision: ResizeDecision
-
-
-Decision = Stop | ResizeTo | Evacuate | Evict | Grow
-
-
-def decide_stop(c: BoundaryView, at: Boundary) -> Stop | None:
-    return Stop() if c.stop_requested() else None
-
-
-def decide_requested_resize(c: BoundaryView, at: Boundary) -> ResizeTo | None:
-    dp = c.resize_requests.pop(at.step, None)
+def decide_requested_resize(ctx: DriverContext, at: Boundary) -> ResizeTo | None:
+    dp = ctx.inputs.resize_requests.pop(at.step, None)
     return None if dp is None else ResizeTo(dp)
 
 
-def decide_preemption(c: BoundaryView, at: Boundary) -> Evacuate | None:
+def decide_preemption(ctx: DriverContext, at: Boundary) -> Evacuate | None:
     """Act on drain notices (polled every ``elastic.drain_poll_s``; each node decided once)."""
-    if not c.preemptions.due(c.clock()):
+    if not ctx.preemptions.due(ctx.clock()):
         return None
-    gen = c.generation
-    notice = c.preemptions.check(c.group.draining_nodes(), actor_nodes=c.group.node_ids, members=gen.members,
-                                 step=at.step, save_measured_s=c.ckpt.save_measured_s)
+    gen = ctx.generation
+    notice = ctx.preemptions.check(ctx.group.draining_nodes(), actor_nodes=ctx.group.node_ids, members=gen.members,
+                                 step=at.step, save_measured_s=ctx.checkpoints.save_measured_s)
     if notice is None:
         return None
-    c.preempted |= notice.actors
-    c.metrics.event("preemption", **notice.event())
+    ctx.metrics.event("preemption", **notice.event())
     if notice.action != "evacuate":
         return None  # too short for a save: the node's loss takes the failure path
     if not notice.ranks:
-        c.group.kill(sorted(notice.actors))  # only spares were there: dropped before the node goes
+        ctx.group.kill(sorted(notice.actors))  # only spares were there: dropped before the node goes
         return None
-    left = len(set(c.group.live_ids) - notice.actors)
-    return Evacuate(notice, c.scaling.after_preemption(left))
+    left = len(set(ctx.group.live_ids) - notice.actors)
+    return Evacuate(notice, ctx.scaling.after_preemption(left))
 
 
-def decide_eviction(c: BoundaryView, at: Boundary) -> Evict | None:
-    actors = c.health.take_evictions(set(c.generation.members.values()))
+def decide_eviction(ctx: DriverContext, at: Boundary) -> Evict | None:
+    actors = ctx.health.take_evictions(set(ctx.generation.members.values()))
     if not actors:
         return None
-    decision = choose_dp(c.cfg, len(c.group.live_ids) - len(actors), "straggler")
+    decision = choose_dp(ctx.cfg, len(ctx.group.live_ids) - len(actors), "straggler")
     if isinstance(decision, TooFewWorkers):  # a slow rank beats no rank: keep it
         logger.warning("straggler(s) %s kept: without them %s", sorted(actors), decision.message)
         return None
     return Evict(frozenset(actors), decision)
 
 
-def decide_grow(c: BoundaryView, at: Boundary) -> Grow | None:
-    if not (c.grow_due() or at.adopted):
+def decide_grow(ctx: DriverContext, at: Boundary) -> Grow | None:
+    if not (ctx.grow_check.due() or at.adopted):
         return None
-    c.spares.refill(c.generation.shape.world)  # spares first: a grow never takes them (control/scaling.py)
-    c.spares.adopt_new_capacity(c.scaling)
-    decision = c.scaling.grow(c.generation.shape.dp, len(c.group.live_ids))
+    ctx.spares.refill(ctx.generation.shape.world)  # spares first: a grow never takes them (control/scaling.py)
+    ctx.spares.adopt_new_capacity(ctx.scaling)
+    decision = ctx.scaling.grow(ctx.generation.shape.dp, len(ctx.group.live_ids))
     return Grow(decision) if isinstance(decision, ResizeDecision) else None
 
 
-def refresh(c: BoundaryView, decision: Decision) -> Decision | None:
+def refresh(ctx: DriverContext, decision: Decision) -> Decision | None:
     """A decision held while steps drained, taken again after a failure or rollback may have changed
     the actors: what it drops is narrowed to the actors still live, the mesh it forms is chosen again
     from them, and it lapses when nothing is left to do (the draining node already went; the stragglers
     died). A grow lapses too: the grow check decides again from the capacity there is now."""
-    live = set(c.group.live_ids)
+    live = set(ctx.group.live_ids)
     if isinstance(decision, Evacuate):
         actors = decision.notice.actors & live
-        if not actors & set(c.generation.members.values()):  # gone, or only spares now: drop, no re-form
+        if not actors & set(ctx.generation.members.values()):  # gone, or only spares now: drop, no re-form
             if actors:
-                c.group.kill(sorted(actors))
+                ctx.group.kill(sorted(actors))
             return None
         notice = replace(decision.notice, actors=frozenset(actors))
-        return Evacuate(notice, c.scaling.after_preemption(len(live - actors)))
+        return Evacuate(notice, ctx.scaling.after_preemption(len(live - actors)))
     if isinstance(decision, Evict):
-        actors = decision.actors & set(c.generation.members.values())
+        actors = decision.actors & set(ctx.generation.members.values())
         if not actors:
             return None
-        resized = choose_dp(c.cfg, len(live) - len(actors), "straggler")
+        resized = choose_dp(ctx.cfg, len(live) - len(actors), "straggler")
         return Evict(frozenset(actors), resized) if isinstance(resized, ResizeDecision) else None
     if isinstance(decision, Grow):
         return None
     return decision  # a stop or a requested resize holds whatever happened
 
 
-def carry_out_decision(c: BoundaryView, decision: Decision, step: int) -> ControllerState:
+def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Finished | Forming:
     """A boundary decision: a stop finishes; every other one is a planned re-form, begun here
     (its recovery clock starts) and formed in the FORMING state."""
     if isinstance(decision, Stop):
-        return _stop(c, step - 1)
-    c.recovery.begins()
+        return _stop(ctx, step - 1)
+    ctx.recovery_clock.begins()
     if isinstance(decision, ResizeTo):
-        missing = c.scaling.missing_for(decision.dp, len(c.group.live_ids))
+        missing = ctx.scaling.missing_for(decision.dp, len(ctx.group.live_ids))
         if missing > 0:  # started as a replacement would be; if they cannot be placed, the live ones
             try:
-                c.group.add(missing, wait_s=c.cfg.resources.placement_timeout_s)
+                ctx.group.add(missing, wait_s=ctx.cfg.resources.placement_timeout_s)
             except WorkerGroupStartupError as exc:
                 logger.warning("resize to dp=%d: %s", decision.dp, exc)
-        return Forming(c.scaling.requested(decision.dp, len(c.group.live_ids)), save_first=True,
+        return Forming(ctx.scaling.requested(decision.dp, len(ctx.group.live_ids)), save_first=True,
                        snapshot_may_replace_save=True)
     if isinstance(decision, Evacuate):
         return Forming(decision.decision, save_first=True, drop=decision.notice.actors)
@@ -181,13 +136,23 @@ def carry_out_decision(c: BoundaryView, decision: Decision, step: int) -> Contro
     raise TypeError(f"unknown boundary decision {decision!r}")
 
 
-def _stop(c: BoundaryView, step: int) -> Finished:
+def _stop(ctx: DriverContext, step: int) -> Finished:
     """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
-    saved = bool(c.ckpt.user_dir)  # without it nothing outlives the run: a rerun starts over
-    (c.ckpt.save_now if saved else c.ckpt.finish)(c.group, c.generation, step)
-    c.progress.resume_step = (c.ckpt.last_committed if saved else 0) + 1
-    c.metrics.event("stopped", step=step, resume_step=c.progress.resume_step)
+    saved = bool(ctx.checkpoints.user_dir)  # without it nothing outlives the run: a rerun starts over
+    (ctx.checkpoints.save_now if saved else ctx.checkpoints.finish)(ctx.group, ctx.generation, step)
+    ctx.progress.resume_step = (ctx.checkpoints.last_committed if saved else 0) + 1
+    ctx.metrics.event("stopped", step=step, resume_step=ctx.progress.resume_step)
     return Finished(step)
 
 
 DECIDERS = (decide_stop, decide_requested_resize, decide_preemption, decide_eviction, decide_grow)
+
+
+def decide(ctx: DriverContext, step: int) -> Decision | None:
+    """The first decision ``DECIDERS`` take at the boundary before ``step``, or None."""
+    at = Boundary(step, adopted=ctx.spares.adopt_started())
+    for decider in DECIDERS:
+        decision = decider(ctx, at)
+        if decision is not None:
+            return decision
+    return None

@@ -1,6 +1,6 @@
 """The run's progress and the recovery under way: the data the controller's states act on (pure).
 
-``Progress``: the next step to train, the losses logged, where a rerun resumes. ``Recovery``: when
+``Progress``: the next step to train, the losses logged, where a rerun resumes. ``RecoveryClock``: when
 the current recovery (or planned resize) began, and the rebuild / grow event that goes out with the
 new generation's first trained step, so that ``recovery_s`` covers the failure (or resize) to
 training again; a recovery that begins before that step tells the event first.
@@ -19,7 +19,7 @@ class Progress:
     resume_step: int | None = None  # set when stopped by a signal: the step a rerun starts with
 
 
-class Recovery:
+class RecoveryClock:
     def __init__(self, metrics, clock: Callable[[], float]) -> None:
         self.metrics, self.clock = metrics, clock
         self.began_at: float | None = None

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from meshspeak.schema import ConfigError
 from meshspeak.sections import JobConfig, dp_bounds
 from orchestrator.config.validate import check_mesh
-from orchestrator.errors import TrainingFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +129,3 @@ class ScalingPolicy:
         """Grow to a larger dp when the live actors allow one, else keep the mesh."""
         target = grow_target(self.cfg, current_dp, live_actors - self.spares)
         return NoResize() if target is None else ResizeDecision(dp=target, reason="grow")
-
-
-def carry_out(decision: ResizeDecision | TooFewWorkers) -> ResizeDecision:
-    """A scaling decision that must form a mesh: ``TooFewWorkers`` stops the run."""
-    if isinstance(decision, TooFewWorkers):
-        raise TrainingFailed(decision.message)
-    return decision

@@ -8,10 +8,11 @@ call. The controller keeps ``size`` steps queued that way and reads them oldest 
 step's answers in one batch (``WorkerGroup.collect``). What must happen *between* two steps on every
 rank in a given order is either done by the rank itself (in-memory snapshots) or known in advance, so
 the window stops short of it and drains first (a checkpoint save, an eval, a requested resize, a step
-hook, a step replayed as a recorded skip: ``Controller._barrier``): an ordinary step never waits.
-Decisions that come up at a boundary unannounced (a stop, a drain notice, a straggler, a grow) stop
-the window from growing; the steps in flight finish and are recorded, then the decision is carried
-out at the boundary after the last one.
+hook, a step replayed as a recorded skip: ``handlers/running.py``, ``needs_empty_window``): an
+ordinary step never waits. Decisions that come up at a boundary unannounced (a stop, a drain notice, a
+straggler, a grow) stop the window from growing: the controller is then ``Draining``
+(handlers/draining.py), the steps in flight finish and are recorded, and the decision is carried out
+at the boundary after the last one.
 
 A broken step breaks every step queued behind it (the ranks refuse them once an error is latched,
 and the kick frees the ones blocked in a collective): ``broken`` hands all of them to the failure
@@ -53,8 +54,6 @@ class StepWindow:
         self.size = size
         self.flights: deque[InFlight] = deque()
         self.after = 0  # the step the next one sent follows (the ranks check it)
-        self.held = None  # a boundary decision waiting for the steps in flight to finish
-        self.held_across_reset = False  # ... and a failure or rollback ended those steps meanwhile
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -65,19 +64,11 @@ class StepWindow:
         return self.flights[-1].step if self.flights else self.after
 
     def reset(self, after: int) -> None:
-        """A generation formed (or reloaded in place) at step ``after``: nothing in flight. A decision
-        held for the steps in flight is kept: a failure or a rollback that ends those steps must not
-        drop it (a draining node already seen would never be evacuated); the next boundary carries
-        it out, refreshed against the actors that live then (``boundary.refresh``)."""
+        """A generation formed (or reloaded in place) at step ``after``: nothing in flight. (A decision
+        waiting for the steps in flight is the ``Draining`` state's, not the window's: a failure or
+        rollback that ends those steps hands it on, control/states.py.)"""
         self.flights.clear()
         self.after = after
-        self.held_across_reset = self.held is not None
-
-    def take_held(self):
-        """The held decision, if any, and whether a reset came between (cleared both ways)."""
-        held, stale = self.held, self.held_across_reset
-        self.held, self.held_across_reset = None, False
-        return held, stale
 
     def send(self, group, members: list[int], step: int, keep: tuple, split: dict | None = None) -> InFlight:
         """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch

@@ -54,11 +54,13 @@ class Preemption:
 
 class PreemptionWatcher:
     """Says when to look (every ``poll_s``; 0 = never) and remembers the drains already decided, so
-    each node's notice is acted on once."""
+    each node's notice is acted on once, and the actors they take (``doomed``: a loss of only those
+    is no fault, ``failure_policy.diagnose``)."""
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
         self.seen: set[str] = set()
+        self.doomed: set[int] = set()  # actors on nodes announced as draining
         self._last: float | None = None
 
     def due(self, now: float) -> bool:
@@ -92,6 +94,7 @@ class PreemptionWatcher:
             return None
         self.seen |= set(new)
         actors = frozenset(a for a, node in actor_nodes.items() if node in new)
+        self.doomed |= actors
         rank_of = {actor: rank for rank, actor in members.items()}
         ranks = tuple(sorted(rank_of[a] for a in actors if a in rank_of))
         lefts = [left for left in new.values() if left is not None]

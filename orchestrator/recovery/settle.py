@@ -9,7 +9,8 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    wedged process fails to answer — those count as hung (the ones a liveness probe already found,
    ``CallOutcome.hung``, are not asked again: recovery/hang_watch.py);
 2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
-   takes ~5 s: docs/design.md, F3);
+   takes ~5 s: docs/design.md, Facts the code relies on, "A hung (stopped) peer is freed only by
+   killing it");
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
    ``RankActor.kick``) and wait for their calls to return, kicking again every ``REKICK_S`` those
    still inside: a survivor still leaving the last generation when the kick came reaches the
@@ -76,7 +77,7 @@ class Casualties:
     unreachable: str = ""  # with every member alive, the network kept ranks apart: the line naming it
 
 
-def settle(
+def free_broken_call(
     group: WorkerGroup,
     outcome: CallOutcome,
     members: list[int],

@@ -32,6 +32,13 @@ Every transition, and the test that covers it (``Controller.step()`` answers the
   ``test_rebuild_that_breaks_with_nobody_lost_stops``; but a join that broke because the rendezvous
   store was lost is retried with a re-hosted store: ``test_join_broken_by_a_lost_store_rehosts_it``
 
+* RUNNING -> DRAINING (a decision with steps in flight): tests/unit/test_controller_window.py and
+  ``test_a_drain_held_across_a_failure_still_evacuates_the_node`` (test_controller_preemption.py)
+
+The shape (#38): a rank failure visits each state's handler module once, in order:
+``test_a_rank_failure_visits_each_state_module_once_in_order``; the controller holds the context,
+the handlers and the state, nothing else: ``test_the_controller_holds_the_context_and_the_state``.
+
 Preemption notices and stop requests: tests/unit/test_controller_preemption.py.
 
 (That importing the controller loads neither Ray nor torch is checked in a fresh interpreter:
@@ -59,7 +66,7 @@ def test_start_forms_generation_one(make):
     assert gen.number == 1 and gen.shape.dp == 4 and gen.members == {0: 0, 1: 1, 2: 2, 3: 3}
     specs = [args[0] for _, args in r.group.calls(RankCalls.join_generation)]
     assert [s.world_rank for s in specs] == [0, 1, 2, 3]
-    assert {s.store_prefix for s in specs} == {f"{r.c.run_id}-gen1"} and {s.generation for s in specs} == {1}
+    assert {s.store_prefix for s in specs} == {f"{r.c.context.identity.run_id}-gen1"} and {s.generation for s in specs} == {1}
     assert set(gen.infos) == {0, 1, 2, 3}
     start, = r.events("start")
     assert (start["generation"], start["dp"], start["resumed_from_step"], start["spares"]) == (1, 4, 0, 0)
@@ -107,13 +114,39 @@ def test_any_exit_closes_the_checkpoints(make, monkeypatch):
     assert os.path.isdir(tmp_root) and not r.c.ckpt.user_dir
     r.steps(2)
 
-    def broken(state):
+    def broken(state, context):
         raise KeyError("a bug")
 
-    monkeypatch.setitem(r.c._handlers, type(r.c.state), broken)
+    monkeypatch.setitem(r.c.handlers, type(r.c.state), broken)
     with pytest.raises(KeyError):
         r.c.run()
     assert not os.path.exists(tmp_root) and not r.c.ckpt.purger._thread.is_alive()
+
+
+def test_a_rank_failure_visits_each_state_module_once_in_order(make):
+    """#38: following a rank that dies in a step through the driver: running -> recovering -> forming
+    -> running, each state's handler module once (recovering within the advance() that read the step)."""
+    r = make()
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.steps(3)  # start + steps 1-2
+    visited = []
+    for state_type, handler in list(r.c.handlers.items()):
+        def recording(state, context, handler=handler):
+            visited.append(handler.__module__.rsplit(".", 1)[-1])
+            return handler(state, context)
+        r.c.handlers[state_type] = recording
+    assert r.c.step() == State.REBUILDING
+    assert r.c.step() == State.RUNNING
+    assert r.c.step() == State.RUNNING
+    assert visited == ["running", "recovering", "forming", "running"]
+
+
+def test_the_controller_holds_the_context_and_the_state(make):
+    """#38: everything else the controller used to hold (32 attributes) is the context's."""
+    r = make()
+    assert set(vars(r.c)) == {"context", "handlers", "state"}
+    r.steps(2)
+    assert set(vars(r.c)) == {"context", "handlers", "state"}
 
 
 def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
@@ -269,7 +302,7 @@ class LostStore:
 
 def test_join_broken_by_a_lost_store_rehosts_it(make):
     r = make()
-    store = r.c.store = LostStore()
+    store = r.c.context.store = LostStore()
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
     assert r.c.step() == State.REBUILDING  # rank 1 lost in step 3

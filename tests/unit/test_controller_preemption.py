@@ -110,10 +110,11 @@ def test_a_drain_held_across_a_failure_still_evacuates_the_node(make):
     on_node_b(r, 3)
     r.group.draining = {"node-b": 60.0}
     r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING  # step 3 read; the boundary before 5 decides the drain: held (4 in flight)
-    assert r.c.window.held is not None and r.c.window.held.notice.actors == {3}
+    assert r.c.step() == State.DRAINING  # step 3 read; the boundary before 5 decides the drain: held (4 in flight)
+    assert r.c.state.decision.notice.actors == {3}
     assert r.c.step() == State.REBUILDING  # step 4: actor 1 died
-    assert r.c.step() == State.RUNNING  # generation 2 from actors 0, 2, 3 (node-b's 3 still in it)
+    assert r.c.step() == State.DRAINING  # generation 2 from actors 0, 2, 3 (node-b's 3 still in it)
+    assert r.c.state.stale  # the held evacuation is taken again at the next boundary
     assert 3 in r.c.generation.members.values()
     assert r.c.step() == State.FORMING  # the held evacuation, refreshed: drop actor 3
     assert r.c.step() == State.RUNNING

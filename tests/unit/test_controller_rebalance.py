@@ -55,7 +55,7 @@ def test_a_slow_replica_gets_fewer_microbatches_and_each_rank_its_replicas_sched
     event, = r.events("rebalance")
     # Step 1 (the generation's first, paying its set-ups) is not measured; steps 2..5 are.
     first = MIN_SAMPLES + 2
-    expected = split_by_speed(24, [0.4 / 12, 0.8 / 12], r.c.rebalance.policy.rules)
+    expected = split_by_speed(24, [0.4 / 12, 0.8 / 12], r.c.context.rebalance.policy.rules)
     # (count + 1 microbatch of pipeline fill) x seconds: 18 x 1 vs 8 x 2 beats the proportional (16, 8).
     assert event["step"] == first and tuple(event["microbatches"]) == expected == (17, 7)
     assert event["speeds"] == [30.0, 15.0]  # microbatches per second: 12 / 0.4 and 12 / 0.8

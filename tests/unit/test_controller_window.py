@@ -62,7 +62,7 @@ def test_a_checkpoint_save_goes_between_its_step_read_good_and_the_next(make):
 
 def test_an_eval_drains_the_window_and_runs_between_its_step_and_the_next(make):
     r = make("eval.every=3", "checkpoint.every=0", window=3)
-    r.c.evaluator = Evaluator(r.cfg, "builtin", None)
+    r.c.context.evaluator = Evaluator(r.cfg, "builtin", None)
     assert r.c.run().final_step == 6
     assert _order(r, 0) == [("train", 1), ("train", 2), ("train", 3)] + [("eval", b) for b in range(4)] + [
         ("train", 4), ("train", 5), ("train", 6)] + [("eval", b) for b in range(4)] + [("save", 6)]  # the last step

@@ -57,7 +57,7 @@ def test_a_rank_that_answers_no_probe_is_hung_at_once(make):
     r = make("train.steps=10")
     r.group.fail(RankCalls.train_step, 2, "hang", at=6)
     r.steps(6)  # start, steps 1-5: a pace is known
-    assert r.c.hang_watch.probe_after_s() == PROBE_FLOOR_S
+    assert r.c.context.hang_watch.probe_after_s() == PROBE_FLOOR_S
     assert r.c.step() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["step"] == 6

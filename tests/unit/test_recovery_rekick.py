@@ -72,7 +72,7 @@ def broken_join(members: list[int], dead: int) -> CallOutcome:
 
 def test_a_survivor_that_reached_the_rendezvous_after_the_kick_is_kicked_again():
     group = LateJoiners([0, 1, 2, 3], dead=3, late={2: 1})
-    found = recovery.settle(group, broken_join([0, 1, 2, 3], 3), [0, 1, 2, 3], listeners={}, wait_s=20,
+    found = recovery.free_broken_call(group, broken_join([0, 1, 2, 3], 3), [0, 1, 2, 3], listeners={}, wait_s=20,
                             hang_reason="hung")
     assert found.lost == {3}  # before: actor 2 was waited for until the store timeout (here: killed)
     assert group.kicks == [[0, 1, 2], [2]]
@@ -82,7 +82,7 @@ def test_a_survivor_that_reached_the_rendezvous_after_the_kick_is_kicked_again()
 
 def test_a_survivor_that_never_returns_is_killed_at_the_deadline():
     group = LateJoiners([0, 1, 2], dead=2, late={1: 10**6})
-    found = recovery.settle(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={}, wait_s=3,
+    found = recovery.free_broken_call(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={}, wait_s=3,
                             hang_reason="hung")
     assert found.lost == {1, 2}
     assert found.reasons[1] == "did not return after the kick"
@@ -97,6 +97,6 @@ def test_a_wedged_survivor_of_a_step_is_waited_for_a_few_steps_not_the_group_tim
     assert recovery.kicked_wait_s(20.0, 4.0) == 12.0
     assert recovery.kicked_wait_s(20.0, 30.0) == 20.0
     group = LateJoiners([0, 1, 2], dead=2, late={1: 10**6})
-    found = recovery.settle(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={},
+    found = recovery.free_broken_call(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={},
                             wait_s=recovery.kicked_wait_s(20.0, 1.2), hang_reason="hung")
     assert found.lost == {1, 2} and found.reasons[1] == "did not return after the kick"

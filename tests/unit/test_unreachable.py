@@ -77,7 +77,7 @@ def decide(found, members) -> object:
 
 def test_a_peer_nobody_can_connect_to_stops_the_run_with_its_line_and_kills_nobody():
     group = StuckJoiners([0, 1, 2, 3], stuck={1, 2, 3})
-    found = recovery.settle(group, join_outcome({0: PEER_LINE}, [1, 2, 3]), [0, 1, 2, 3], listeners={},
+    found = recovery.free_broken_call(group, join_outcome({0: PEER_LINE}, [1, 2, 3]), [0, 1, 2, 3], listeners={},
                             wait_s=65, hang_reason="hung")
     assert found.lost == set() and group.killed == []  # before: 1, 2, 3 killed as "did not return"
     assert found.unreachable == PEER_LINE.removeprefix("PeerUnreachable: ")
@@ -91,7 +91,7 @@ def test_a_peer_nobody_can_connect_to_stops_the_run_with_its_line_and_kills_nobo
 def test_a_join_that_says_so_only_after_the_kick_is_no_shrink_either():
     store_line = f"{STORE_UNREACHABLE}: a rank on 198.18.0.4 cannot reach the rendezvous store at 198.18.0.1:41234"
     group = StuckJoiners([0, 1, 2, 3], stuck={2, 3}, late={1: store_line})
-    found = recovery.settle(group, join_outcome({0: "RuntimeError: Connection reset by peer"}, [1, 2, 3]),
+    found = recovery.free_broken_call(group, join_outcome({0: "RuntimeError: Connection reset by peer"}, [1, 2, 3]),
                             [0, 1, 2, 3], listeners={}, wait_s=3, hang_reason="hung")
     assert group.killed == [] and found.unreachable == store_line.removeprefix(f"{STORE_UNREACHABLE}: ")
     _, decision = decide(found, {r: r for r in range(4)})
@@ -103,7 +103,7 @@ def test_with_a_member_dead_connect_errors_are_the_usual_failure():
     group = StuckJoiners([0, 1, 2, 3], stuck=set())
     outcome = join_outcome({0: PEER_LINE}, [])
     outcome.dead = {3: "ActorDiedError"}
-    found = recovery.settle(group, outcome, [0, 1, 2, 3], listeners={}, wait_s=3, hang_reason="hung")
+    found = recovery.free_broken_call(group, outcome, [0, 1, 2, 3], listeners={}, wait_s=3, hang_reason="hung")
     assert found.lost == {3} and found.unreachable == ""
     _, decision = decide(found, {r: r for r in range(4)})
     assert not isinstance(decision, Raise)

@@ -1,0 +1,148 @@
+"""The driver context: everything the controller's state handlers act on, built once per run (driver
+side; no Ray, no torch).
+
+Each state's handler (orchestrator/control/handlers/) takes its state and this context and returns
+the next state; none of them knows the controller, which holds only the context and the current state
+(orchestrator/control/controller.py). ``build_context`` makes each collaborator from its part of the
+job's configuration: the worker group, the metrics log, the checkpoint and snapshot coordinators, the
+spares, the steps in flight, the recovery clock, the progress and the policies that decide.
+
+What changes as the run goes on is in a few named places: ``generation`` (the mesh formed now),
+``last_restore``, ``progress``, the recovery clock, and the collaborators' own state.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshspeak.sections import JobConfig
+from orchestrator.cluster.group_protocol import WorkerGroupLike
+from orchestrator.cluster.store_provider import FixedStore, StoreSource
+from orchestrator.control.evaluation import Evaluator
+from orchestrator.control.generation import GenerationRecord
+from orchestrator.control.health import StepHealth
+from orchestrator.control.progress import Progress, RecoveryClock
+from orchestrator.control.rebalance import Rebalancer
+from orchestrator.control.scaling import ScalingPolicy
+from orchestrator.control.spares import SparePool
+from orchestrator.control.window import DEFAULT_SIZE, StepWindow
+from orchestrator.metrics import MetricsLog
+from orchestrator.recovery.failure_policy import FailurePolicy
+from orchestrator.recovery.hang_watch import HangWatch
+from orchestrator.recovery.preemption import PreemptionWatcher
+from orchestrator.saves.checkpointing import CheckpointCoordinator
+from orchestrator.saves.snapshots import Restored, SnapshotCoordinator
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every generation's join carries besides the mesh: the run's id (the store prefixes), the
+    store secret (handed to the ranks only inside Ray calls, messages.JoinSpec), the data path
+    (resolved by the caller: absolute, actors may run elsewhere), the device and the EOS id that
+    ``data.mask_document_boundaries`` masks at (None: no masking)."""
+
+    run_id: str
+    store_secret: str
+    data_path: str
+    use_gpu: bool
+    mask_eos_id: int | None
+
+
+@dataclass
+class BoundaryInputs:
+    """Inputs from outside the loop, read at step boundaries."""
+
+    resize_requests: dict[int, int] = field(default_factory=dict)  # step -> dp (tests, operators)
+    # callables(subject, step) run at the boundary before a step, every step before it done (fault
+    # injection); one with a ``steps`` attribute runs (and drains the window) only at those steps.
+    step_hooks: list = field(default_factory=list)
+    hook_subject: object = None  # what a hook is called with: the controller (set by it)
+    stop_requested: Callable[[], bool] = lambda: False  # a signal asked to stop (launch.py)
+
+    def hook_due(self, step: int) -> bool:
+        return any(_due(hook, step) for hook in self.step_hooks)
+
+    def run_hooks(self, step: int) -> None:
+        for hook in self.step_hooks:
+            if _due(hook, step):
+                hook(self.hook_subject, step)
+
+
+class GrowCheck:
+    """Every ``elastic.grow_check_s``: time for the boundary's grow check."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float]) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._last = clock()
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
+
+
+@dataclass
+class DriverContext:
+    cfg: JobConfig
+    group: WorkerGroupLike
+    metrics: MetricsLog
+    clock: Callable[[], float]
+    store: StoreSource  # asked at every formation: the provider re-hosts a store that died
+    identity: RunIdentity
+    checkpoints: CheckpointCoordinator
+    snapshots: SnapshotCoordinator  # checkpoint.memory_every (saves/snapshots.py)
+    health: StepHealth  # bad steps, stragglers
+    spares: SparePool  # elastic.spares (control/spares.py)
+    scaling: ScalingPolicy
+    rebalance: Rebalancer  # elastic.rebalance: each step's microbatch split
+    evaluator: Evaluator  # [eval]: held-out loss between steps
+    failures: FailurePolicy  # elastic.max_restarts
+    preemptions: PreemptionWatcher  # elastic.drain_poll_s
+    grow_check: GrowCheck  # elastic.grow_check_s
+    window: StepWindow  # steps sent and not yet read (control/window.py)
+    hang_watch: HangWatch  # probes a step that runs long
+    recovery_clock: RecoveryClock
+    progress: Progress = field(default_factory=Progress)
+    inputs: BoundaryInputs = field(default_factory=BoundaryInputs)
+    generation: GenerationRecord | None = None  # the mesh formed now
+    last_restore: Restored | None = None  # what the newest formation or rollback resumed from
+
+
+def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog,
+                  store_address: tuple[str, int] | StoreSource, use_gpu: bool, data_path: str,
+                  clock: Callable[[], float] = time.monotonic, eval_path: str = "",
+                  eval_mask_eos_id: int | None = None, steps_in_flight: int = DEFAULT_SIZE) -> DriverContext:
+    """The context of one run on ``group``."""
+    from meshdata.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
+
+    store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
+    identity = RunIdentity(run_id=uuid.uuid4().hex[:8], store_secret=secrets.token_hex(16),
+                           data_path=data_path, use_gpu=use_gpu, mask_eos_id=mask_eos_for(cfg.data))
+    coordinator = CheckpointCoordinator(cfg, metrics)
+    return DriverContext(
+        cfg=cfg, group=group, metrics=metrics, clock=clock, store=store, identity=identity,
+        checkpoints=coordinator,
+        snapshots=SnapshotCoordinator(cfg, metrics),
+        health=StepHealth(cfg, metrics, coordinator.skipped_steps),  # one set: saved and restored
+        spares=SparePool(cfg, group, metrics),
+        scaling=ScalingPolicy(cfg),
+        rebalance=Rebalancer(cfg, metrics),
+        evaluator=Evaluator(cfg, eval_path, eval_mask_eos_id),
+        failures=FailurePolicy(cfg.elastic.max_restarts),
+        preemptions=PreemptionWatcher(cfg.elastic.drain_poll_s),
+        grow_check=GrowCheck(cfg.elastic.grow_check_s, clock),
+        window=StepWindow(steps_in_flight),
+        hang_watch=HangWatch(cfg.elastic.hang_probe_factor, clock),
+        recovery_clock=RecoveryClock(metrics, clock),
+    )
+
+
+def _due(hook, step: int) -> bool:
+    steps = getattr(hook, "steps", None)
+    return steps is None or step in steps

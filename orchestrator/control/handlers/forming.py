@@ -1,0 +1,52 @@
+"""The Forming and Rebuilding states' handler: form the next generation (driver side; no Ray, no
+torch; the formation itself: orchestrator/control/formation.py).
+
+``Forming`` is a planned re-form decided at a step boundary (or the run's start): the boundary's step
+is committed first, the actors it drops are killed, then the mesh it decided is formed. ``Rebuilding``
+follows a failure (``Rebuilding.failure``, decided in handlers/recovering.py): the mesh is re-planned
+from the live actors. Either way the answer is Running (or the decision a failure interrupted, as a
+stale Draining), ``Recovering`` when forming broke, or ``Errored`` when too few actors are left.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orchestrator.control.context import DriverContext
+from orchestrator.control.formation import form_generation, save_before_reform
+from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
+from orchestrator.control.states import ControllerState, Draining, Errored, Forming, Rebuilding
+from orchestrator.errors import TrainingFailed
+
+logger = logging.getLogger(__name__)
+
+
+def handle(state: Forming, ctx: DriverContext) -> ControllerState:
+    step = ctx.progress.next_step - 1
+    if state.save_first:
+        # A covered snapshot of ``step`` replaces its save (a save in flight still commits).
+        only_pending = state.snapshot_may_replace_save and ctx.snapshots.covers(
+            ctx.group, ctx.generation, step, without=state.drop)
+        broke = save_before_reform(ctx, step, only_pending=only_pending)
+        if broke is not None:
+            return broke
+    if state.drop:
+        if state.drop_event:
+            ctx.metrics.event(state.drop_event, step=step, actors=sorted(state.drop))
+        ctx.group.kill(sorted(state.drop))  # before the node goes / the straggler trains on
+    return _form(ctx, state.decision)
+
+
+def handle_rebuilding(state: Rebuilding, ctx: DriverContext) -> ControllerState:
+    failure = state.failure
+    live = len(ctx.group.live_ids)
+    logger.info("generation %d broke at step %d (%s): re-forming from %d live actors", failure.generation,
+                failure.step, failure.reason, live)
+    return _form(ctx, ctx.scaling.after_failure(live), held=state.held)
+
+
+def _form(ctx: DriverContext, decision: ResizeDecision | TooFewWorkers,
+          held: Draining | None = None) -> ControllerState:
+    if isinstance(decision, TooFewWorkers):
+        return Errored(TrainingFailed(decision.message))
+    return form_generation(ctx, decision, held)

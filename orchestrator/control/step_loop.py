@@ -1,0 +1,159 @@
+"""The training steps, as the Running and Draining handlers drive them (driver side; no Ray, no
+torch): cross a step boundary, keep the window of steps in flight full, read the oldest step and
+record it (docs/design.md, The step loop).
+
+Every function takes the driver context (control/context.py) and answers the next state, never
+raising for a failure: a call that broke is ``Recovering`` (handlers/recovering.py). ``held`` is the
+``Draining`` state whose decision waits for the steps in flight; it is handed on to the state each
+function returns, so that a failure or rollback ending those steps does not drop it.
+"""
+
+from __future__ import annotations
+
+from meshspeak.messages import CallOutcome, StepResult
+from orchestrator.control.boundary import carry_out_decision, decide, refresh
+from orchestrator.control.context import DriverContext
+from orchestrator.control.health import Verdict
+from orchestrator.control.states import (
+    ControllerState,
+    Draining,
+    Finished,
+    Forming,
+    Recovering,
+    Running,
+    after_reset,
+)
+from orchestrator.metrics import step_record
+from orchestrator.recovery.failure_policy import Phase
+from orchestrator.saves.checkpointing import RestoreFailed
+
+
+def cross_boundary(ctx: DriverContext, held: Draining | None) -> Finished | Forming | Running | None:
+    """The boundary before the next step, nothing in flight: the end of the run, the decision held
+    while the window drained (taken again when a failure or rollback came between: the actors may
+    have changed), else the hooks due, the actors that answered and the deciders; a step replayed as
+    a recorded skip. None: no decision, the step was sent."""
+    step = ctx.progress.next_step
+    if step > ctx.cfg.train.steps:
+        ctx.checkpoints.finish_run(ctx.group, ctx.generation, step - 1)
+        ctx.metrics.event("done", step=step - 1)
+        return Finished(step - 1)
+    decision = None if held is None else held.decision
+    if decision is not None and held.stale:
+        decision = refresh(ctx, decision)
+    if decision is None:
+        ctx.inputs.run_hooks(step)
+        decision = decide(ctx, step)
+    if decision is not None:
+        return carry_out_decision(ctx, decision, step)
+    if ctx.health.bad_steps.is_skipped(step):  # skipped before a rollback or resume: the same choice
+        ctx.metrics.event("bad_step", step=step, reason="recorded")
+        ctx.progress.next_step = step + 1
+        ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
+        return Running()
+    send(ctx, step)
+    return None
+
+
+def top_up(ctx: DriverContext) -> Draining | None:
+    """Send further steps while the window has room and nothing stands between them; a decision
+    taken at such a boundary is held (``Draining``) until the steps in flight are read."""
+    window = ctx.window
+    while len(window) < window.size:
+        step = window.last + 1
+        if needs_empty_window(ctx, step):
+            return None
+        decision = decide(ctx, step)
+        if decision is not None:
+            return Draining(decision)
+        send(ctx, step)
+    return None
+
+
+def needs_empty_window(ctx: DriverContext, step: int) -> bool:
+    """Whether ``step`` must wait until every step before it was read: the end, a requested resize,
+    a hook due, a replayed skip, an eval or a checkpoint save after the step before. A save goes
+    out only once its step was read good (never one of a step that broke or turns out bad), and
+    before the next step changes the state."""
+    return (step > ctx.cfg.train.steps or step in ctx.inputs.resize_requests or ctx.inputs.hook_due(step)
+            or ctx.health.bad_steps.is_skipped(step) or ctx.evaluator.due(step - 1)
+            or ctx.checkpoints.due(step - 1))
+
+
+def send(ctx: DriverContext, step: int) -> None:
+    """Send ``step`` to every member."""
+    split = ctx.rebalance.orders_for(step)  # elastic.rebalance: a new split starts here (or None)
+    ctx.window.send(ctx.group, list(ctx.generation.members.values()), step, ctx.snapshots.keep, split)
+
+
+def read_oldest(ctx: DriverContext, held: Draining | None) -> ControllerState:
+    """Read the oldest step in flight: recorded when every rank trained it, else ``Recovering``."""
+    window = ctx.window
+    flight, outcome = window.read_oldest(ctx.group, ctx.cfg.elastic.step_timeout_s, step_broken, ctx.hang_watch)
+    results = list(outcome.results.values())
+    if not (outcome.ok and all(r.ok for r in results)):
+        return Recovering(Phase.STEP, window.broken(outcome), tuple(results), held=held)
+    window.done()
+    ctx.hang_watch.step_read()
+    return _trained(ctx, flight.step, results, held)
+
+
+def _trained(ctx: DriverContext, step: int, results: list[StepResult], held: Draining | None) -> ControllerState:
+    """Step ``step`` trained on every rank: record it (or its skip), then the boundary's saves."""
+    ctx.progress.next_step = step + 1
+    ctx.snapshots.after_results(results)
+    verdict = ctx.health.verdict(step, results, restorable=lambda: _restorable(ctx))
+    if verdict is Verdict.ROLL_BACK:
+        return _roll_back(ctx, step, held)
+    if verdict is Verdict.GOOD:
+        _record(ctx, step, results)
+    ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
+    if verdict is not Verdict.SKIPPED and ctx.evaluator.due(step):  # the next step waits for it
+        failed = ctx.evaluator.run(ctx.group, ctx.generation, ctx.metrics, step)
+        if failed is not None:
+            return Recovering(Phase.STEP, failed, held=held)
+    return held or Running()
+
+
+def _restorable(ctx: DriverContext) -> bool:
+    """Something to roll back to: a committed checkpoint, or a snapshot set with a live copy of
+    every shard."""
+    return (ctx.checkpoints.resume_point() is not None
+            or ctx.snapshots.usable(set(ctx.group.live_ids)) is not None)
+
+
+def _roll_back(ctx: DriverContext, step: int, held: Draining | None) -> ControllerState:
+    """``train.max_bad_steps`` bad steps in a row: reload the newest snapshot (else checkpoint) in
+    place; its replay skips the recorded steps. The steps in flight are read and dropped first."""
+    broken = ctx.window.drain(ctx.group, ctx.cfg.elastic.step_timeout_s, step_broken)
+    if broken is not None:
+        return Recovering(Phase.STEP, broken, held=held)
+    ctx.checkpoints.finish(ctx.group, ctx.generation, step)  # no save in flight while loading
+    try:
+        restored = ctx.snapshots.restore_best(ctx.group, ctx.generation, ctx.checkpoints, at_most=step)
+    except RestoreFailed as exc:
+        return Recovering(Phase.LOADING, exc.outcome, held=held)
+    ctx.metrics.event("rollback", step=step, resumed_from_step=restored.step, restored_from=restored.source,
+                      skipped=sorted(ctx.health.bad_steps.skipped))
+    ctx.window.reset(restored.step)
+    ctx.progress.next_step = restored.step + 1
+    return after_reset(held)
+
+
+def _record(ctx: DriverContext, step: int, results: list[StepResult]) -> None:
+    gen = ctx.generation
+    record = step_record(step, results, train=ctx.cfg.train, seq_len=ctx.cfg.model.seq_len,
+                         shape=gen.shape, generation=gen.number)
+    ctx.progress.losses[step] = record["loss"]
+    ctx.metrics.step(record)
+    ctx.metrics.timeline(step, results)
+    ctx.health.score(results, gen.members, lambda rank: gen.shape.coords(rank).pp, ctx.group.node_ips)
+    ctx.rebalance.observe(step, results)
+    ctx.recovery_clock.trained()
+
+
+def step_broken(o: CallOutcome) -> bool:
+    # Stop waiting as soon as an actor died or a rank latched an error: survivors are then
+    # blocked in a collective and must be freed now, not after the timeout.
+    # An ``early`` answer is no failure: the window sends that step again (control/window.py).
+    return bool(o.dead or o.failed) or any(not r.ok and not r.early for r in o.results.values())
