@@ -27,7 +27,8 @@ from checkpoints.errors import CheckpointError, ManifestError
 from checkpoints.layout import DCP_METADATA, MANIFEST, OWNER, expected_file_sizes, parse_step, step_dir_name
 from checkpoints.manifest import CheckpointManifest
 from checkpoints.safe_pickle import UnsafeCheckpointError, check_metadata_file
-from checkpoints.storage import CheckpointStorage, local_path, storage_for
+from checkpoints.storage import CheckpointStorage, storage_for
+from meshspeak.locations import local_path
 
 logger = logging.getLogger(__name__)
 

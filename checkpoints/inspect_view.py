@@ -14,7 +14,8 @@ from typing import Any
 from checkpoints.catalog import CheckpointInfo, dir_basename, check_checkpoint
 from checkpoints.errors import CheckpointError
 from checkpoints.layout import parse_step
-from checkpoints.storage import CheckpointStorage, local_path, storage_for
+from checkpoints.storage import CheckpointStorage, storage_for
+from meshspeak.locations import local_path
 
 
 def require_root(root: str, storage: CheckpointStorage | None = None) -> None:

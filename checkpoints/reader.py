@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from checkpoints.errors import CheckpointError, CheckpointMismatchError, summarize_failure
 from checkpoints.safe_pickle import UnsafeCheckpointError, restricted_loads
 from checkpoints.state import ModelState, OptimizerState, ResumePoint, restore_extras
-from checkpoints.storage import local_path
+from meshspeak.locations import local_path
 
 EXTRA = "extra"
 

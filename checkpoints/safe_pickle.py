@@ -144,7 +144,7 @@ def check_metadata_file(step_dir: str) -> None:
         UnsafeCheckpointError: see ``check_metadata_bytes``.
     """
     from checkpoints.layout import DCP_METADATA
-    from checkpoints.storage import local_path
+    from meshspeak.locations import local_path
 
     local = local_path(step_dir)
     try:

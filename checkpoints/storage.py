@@ -18,6 +18,8 @@ import shutil
 import uuid
 from typing import Any, Protocol, runtime_checkable
 
+from meshspeak.locations import local_path
+
 
 @runtime_checkable
 class CheckpointStorage(Protocol):
@@ -51,16 +53,6 @@ class CheckpointStorage(Protocol):
     def makedirs(self, path: str) -> None: ...
 
     def size_of_tree(self, path: str) -> int: ...
-
-
-def local_path(uri_or_path: str | os.PathLike[str]) -> str | None:
-    """The OS path for a plain path or ``file://`` URI; None for any other URI scheme."""
-    text = os.fspath(uri_or_path)
-    if text.startswith("file://"):
-        return text[len("file://") :] or "/"
-    if "://" in text:
-        return None
-    return text
 
 
 class LocalStorage:

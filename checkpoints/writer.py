@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from checkpoints.errors import CheckpointError, summarize_failure
 from checkpoints.layout import DCP_METADATA, expected_file_sizes
 from checkpoints.staging import Stager
-from checkpoints.storage import local_path, storage_for
+from checkpoints.storage import storage_for
+from meshspeak.locations import local_path
 
 logger = logging.getLogger(__name__)
 

@@ -20,22 +20,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from meshdata.errors import DataError, one_line
+from meshspeak.locations import local_path
 
 T = TypeVar("T")
 
 REMOTE_TIMEOUT_S = 25.0  # opening a remote directory: list + sidecar + footers, under the 30 s promise
 _FIX_REMOTE = ("check the bucket/path name, the endpoint (AWS_ENDPOINT_URL for S3-compatible stores) "
                "and the credentials")
-
-
-def local_path(uri_or_path: str) -> str | None:
-    """The OS path of a plain path or ``file://`` URI; None for any other URI."""
-    text = os.fspath(uri_or_path)
-    if text.startswith("file://"):
-        return text[len("file://"):] or "/"
-    if "://" in text:
-        return None
-    return text
 
 
 def bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:

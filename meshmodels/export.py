@@ -90,7 +90,7 @@ def _recorded(step_dir: str, manifest: Any, family: str = "") -> tuple[Any, Any,
 def tokenizer_source(recorded: str, tokenizer_from: str = "") -> str:
     """Where to copy tokenizer files from: ``--tokenizer-from`` when given, else the data path the
     checkpoint records if it is a local path; a recorded URI is not contacted ("")."""
-    from checkpoints.storage import local_path
+    from meshspeak.locations import local_path
 
     if tokenizer_from:
         return tokenizer_from

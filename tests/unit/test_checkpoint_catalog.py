@@ -26,7 +26,8 @@ from checkpoints.errors import CheckpointError, CheckpointMismatchError, Manifes
 from checkpoints.inspect_view import describe, format_table, require_root
 from checkpoints.layout import DCP_METADATA, MANIFEST, expected_file_sizes, parse_step, step_dir_name
 from checkpoints.manifest import FORMAT_VERSION, CheckpointManifest
-from checkpoints.storage import FsspecStorage, LocalStorage, local_path, storage_for
+from checkpoints.storage import FsspecStorage, LocalStorage, storage_for
+from meshspeak.locations import local_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
 SHARD = "__0_0.distcp"
