@@ -3,7 +3,7 @@ metrics file and checkpoint root in tmp, a settable clock) and the ``make`` fixt
 and closes them after the test (``testbed/fake_group.py`` scripts the ranks and their faults).
 
 ``window`` is the number of steps in flight (orchestrator/control/window.py): 1 by default, so each
-``step()`` call makes one step's calls and a test can follow them call by call; the window's own
+``advance()`` call makes one step's calls and a test can follow them call by call; the window's own
 tests ask for more."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Run:
 
     def steps(self, n: int, state: State = State.RUNNING) -> None:
         for _ in range(n):
-            assert self.c.step() == state, self.c.error
+            assert self.c.advance() == state, self.c.error
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in open(self.metrics_path)]

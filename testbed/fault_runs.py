@@ -38,7 +38,7 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
     group = make_group(cfg.mesh.world)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # FORMING -> RUNNING (generation 1 formed)
+        controller.advance()  # FORMING -> RUNNING (generation 1 formed)
         members = controller.generation.members
         faults = [(victim_rank, at_step, kind, delay_s, where), *more]
         victims = {members[f[0]] for f in faults}

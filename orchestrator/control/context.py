@@ -129,11 +129,13 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
         cfg=cfg, group=group, metrics=metrics, clock=clock, store=store, identity=identity,
         checkpoints=coordinator,
         snapshots=SnapshotCoordinator(cfg, metrics),
-        health=StepHealth(cfg, metrics, coordinator.skipped_steps),  # one set: saved and restored
-        spares=SparePool(cfg, group, metrics),
-        scaling=ScalingPolicy(cfg),
-        rebalance=Rebalancer(cfg, metrics),
-        evaluator=Evaluator(cfg, eval_path, eval_mask_eos_id),
+        # the skipped steps are one set: saved with the checkpoints and restored from them
+        health=StepHealth(cfg.elastic, cfg.train.max_bad_steps, metrics, coordinator.skipped_steps),
+        spares=SparePool(cfg.elastic.spares, group, metrics),
+        scaling=ScalingPolicy(cfg),  # the mesh rules span sections (validate.check_mesh)
+        rebalance=Rebalancer(cfg.elastic.rebalance, cfg.train, metrics),
+        evaluator=Evaluator(cfg.eval, last_step=cfg.train.steps, step_timeout_s=cfg.elastic.step_timeout_s,
+                            eval_path=eval_path, mask_eos_id=eval_mask_eos_id),
         failures=FailurePolicy(cfg.elastic.max_restarts),
         preemptions=PreemptionWatcher(cfg.elastic.drain_poll_s),
         grow_check=GrowCheck(cfg.elastic.grow_check_s, clock),

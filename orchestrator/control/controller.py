@@ -202,7 +202,9 @@ class Controller:
         self._set_state(state)
         return state.kind
 
-    step = advance  # the old name, for callers not yet moved (bench/scale.py): "step" is a training step
+    # The old name, for callers not moved yet (bench/: scale, gpu_mesh, rebalance, recovery; an e2e
+    # driver script): everywhere else "step" is a training step.
+    step = advance
 
     def _set_state(self, state: ControllerState) -> None:
         self.state = state

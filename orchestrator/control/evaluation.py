@@ -15,26 +15,30 @@ import math
 
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
+from meshspeak.sections import EvalConfig
 
 
 class Evaluator:
-    def __init__(self, cfg, eval_path: str, mask_eos_id: int | None) -> None:
-        self.cfg = cfg
+    def __init__(self, section: EvalConfig, *, last_step: int, step_timeout_s: float, eval_path: str,
+                 mask_eos_id: int | None) -> None:
+        self.every, self.batches = section.every, section.batches
+        self.last_step = last_step  # train.steps: evaluated after it too
+        self.step_timeout_s = step_timeout_s  # elastic.step_timeout_s: each eval batch's bound
         self.path = eval_path  # resolved by the driver (absolute path or URI)
         self.mask_eos_id = mask_eos_id
 
     def due(self, step: int) -> bool:
-        every = self.cfg.eval.every
-        return bool(self.path) and (step == self.cfg.train.steps or (every > 0 and step % every == 0))
+        every = self.every
+        return bool(self.path) and (step == self.last_step or (every > 0 and step % every == 0))
 
     def run(self, group, gen, metrics, step: int) -> CallOutcome | None:
         """Evaluate generation ``gen``; None when done, the failed outcome otherwise."""
         loss_sum = 0.0
         count = 0
-        for batch in range(self.cfg.eval.batches):
+        for batch in range(self.batches):
             # Each rank runs the forward-only part of the action list it got once per generation.
             refs = group.submit(list(gen.members.values()), RankCalls.eval_step, (self.path, batch, self.mask_eos_id))
-            outcome = group.collect(refs, self.cfg.elastic.step_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
+            outcome = group.collect(refs, self.step_timeout_s, stop_early=lambda o: bool(o.dead or o.failed))
             if not outcome.ok:
                 return outcome
             results = list(outcome.results.values())
@@ -44,5 +48,5 @@ class Evaluator:
             count += batch_count
         loss = loss_sum / max(1, count)
         metrics.eval(step=step, loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=count,
-                     batches=self.cfg.eval.batches)
+                     batches=self.batches)
         return None

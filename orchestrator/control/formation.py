@@ -30,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def form_generation(ctx: DriverContext, decision: ResizeDecision,
-                    held: Draining | None = None) -> Running | Draining | Recovering:
+                    draining: Draining | None = None) -> Running | Draining | Recovering:
     """Form the next generation at ``decision.dp`` from the live actors and resume it from the newest
-    snapshot or checkpoint: Running when it worked (or the decision ``held`` across the failure,
-    taken again), else ``Recovering`` from what broke."""
+    snapshot or checkpoint: Running when it worked (or, stale, the ``draining`` state a failure
+    interrupted: its decision is taken again), else ``Recovering`` from what broke."""
     previous = ctx.generation
     number = (previous.number + 1) if previous else 1
     plan = make_plan(ctx.cfg, decision.dp)
@@ -45,16 +45,16 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     holders = ctx.snapshots.holders_for(gen, {a: ctx.group.node_ids.get(a, "") for a in members.values()})
     outcome = _join(ctx, gen, spares, _join_args(ctx, gen, spec, holders))
     if not outcome.ok:
-        return Recovering(Phase.JOINING, outcome, held=held)
+        return Recovering(Phase.JOINING, outcome, draining=draining)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
         restored = ctx.snapshots.restore_best(ctx.group, ctx.generation, ctx.checkpoints,
                                               at_most=ctx.progress.next_step - 1)
     except RestoreFailed as exc:
-        return Recovering(Phase.LOADING, exc.outcome, held=held)
+        return Recovering(Phase.LOADING, exc.outcome, draining=draining)
     _resume_from(ctx, restored, holders)
     _announce(ctx, decision, spec, restored, spares)
     ctx.spares.refill(plan.shape.world)
-    return after_reset(held)
+    return after_reset(draining)
 
 
 def _shared_spec(ctx: DriverContext, plan: MeshPlan) -> RuntimeSpec:

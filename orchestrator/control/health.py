@@ -16,6 +16,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from meshspeak.messages import StepResult
+from meshspeak.sections import ElasticConfig
 from orchestrator.recovery.bad_steps import BadSteps, bad_reason
 from orchestrator.recovery.stragglers import StragglerWatch
 
@@ -29,10 +30,11 @@ class Verdict(Enum):
 
 
 class StepHealth:
-    def __init__(self, cfg, metrics, skipped_steps: set[int]) -> None:
-        self.cfg, self.metrics = cfg, metrics
-        self.bad_steps = BadSteps(cfg.train.max_bad_steps, skipped_steps)  # one set: saved, restored
-        self.stragglers = StragglerWatch(cfg.elastic.straggler_factor, cfg.elastic.straggler_steps)
+    def __init__(self, elastic: ElasticConfig, max_bad_steps: int, metrics, skipped_steps: set[int]) -> None:
+        self.metrics = metrics
+        self.evict_stragglers = elastic.evict_stragglers
+        self.bad_steps = BadSteps(max_bad_steps, skipped_steps)  # one set: saved, restored
+        self.stragglers = StragglerWatch(elastic.straggler_factor, elastic.straggler_steps)
         self.evict: set[int] = set()  # stragglers to drop at the next step boundary
 
     def verdict(self, step: int, results: list[StepResult], *, restorable: Callable[[], bool]) -> Verdict:
@@ -61,7 +63,7 @@ class StepHealth:
         for straggler in found:
             self.metrics.event("straggler", rank=rank_of[straggler.actor], node=node_ips.get(straggler.actor, ""),
                                factor=round(straggler.factor, 3), actor=straggler.actor, step=results[0].step)
-            if self.cfg.elastic.evict_stragglers:
+            if self.evict_stragglers:
                 self.evict.add(straggler.actor)
 
     def take_evictions(self, members: set[int]) -> set[int]:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from meshspeak.messages import SplitOrders, StepResult
 from meshspeak.rebalance import Split, SplitPolicy, split_rules
-from meshspeak.sections import JobConfig
+from meshspeak.sections import TrainConfig
 from orchestrator.control.generation import GenerationRecord
 
 
 class Rebalancer:
-    def __init__(self, cfg: JobConfig, metrics) -> None:
-        self.enabled = cfg.elastic.rebalance
-        self.total = cfg.train.global_batch_size // cfg.train.micro_batch_size  # microbatches per step
+    def __init__(self, enabled: bool, train: TrainConfig, metrics) -> None:
+        self.enabled = enabled  # elastic.rebalance
+        self.total = train.global_batch_size // train.micro_batch_size  # microbatches per step
         self.metrics = metrics
         self.policy = SplitPolicy()
         self.generation: GenerationRecord | None = None

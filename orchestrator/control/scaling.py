@@ -47,11 +47,11 @@ def feasible_dp(cfg: JobConfig, dp: int) -> bool:
 
 
 def choose_dp(cfg: JobConfig, live_actors: int, reason: str) -> ResizeDecision | TooFewWorkers:
+    """The mesh after a failure, preemption or eviction: the largest feasible dp up to
+    ``elastic.max_dp`` (``fit_dp``), unless that is below ``elastic.min_dp``."""
     min_dp, max_dp = dp_bounds(cfg)
     replica = cfg.mesh.pp * cfg.mesh.tp
-    best = min(live_actors // replica, max_dp)
-    while best >= 1 and not feasible_dp(cfg, best):
-        best -= 1
+    best = fit_dp(cfg, max_dp, live_actors)
     if best < min_dp:
         return TooFewWorkers(
             best_dp=best,
@@ -72,9 +72,9 @@ def grow_target(cfg: JobConfig, current_dp: int, live_actors: int) -> int | None
 
 
 def fit_dp(cfg: JobConfig, wanted: int, live_actors: int) -> int:
-    """The largest feasible dp <= ``wanted`` that ``live_actors`` can hold (a requested resize);
-    0 when not even one replica fits. Unlike ``choose_dp`` it ignores ``elastic.max_dp``: an explicit
-    request is the operator's call."""
+    """The largest feasible dp <= ``wanted`` that ``live_actors`` can hold; 0 when not even one
+    replica fits. A requested resize asks it with the dp requested (beyond ``elastic.max_dp``: an
+    explicit request is the operator's call), ``choose_dp`` with ``elastic.max_dp``."""
     best = min(wanted, live_actors // (cfg.mesh.pp * cfg.mesh.tp))
     while best >= 1 and not feasible_dp(cfg, best):
         best -= 1

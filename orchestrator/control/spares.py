@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 class SparePool:
-    def __init__(self, cfg, group, metrics) -> None:
-        self.cfg, self.group, self.metrics = cfg, group, metrics
+    def __init__(self, wanted: int, group, metrics) -> None:
+        self.wanted = wanted  # elastic.spares
+        self.group, self.metrics = group, metrics
         self.ids: list[int] = []  # live actors outside the current mesh
 
     def formed(self, number: int, members: dict[int, int], spares: list[int]) -> None:
@@ -36,7 +37,7 @@ class SparePool:
     def refill(self, world: int) -> None:
         """Ask for the spares missing beyond a mesh of ``world`` ranks, without waiting: they are
         started in the background and taken in by ``adopt_started`` once they answer."""
-        wanted = self.cfg.elastic.spares
+        wanted = self.wanted
         if not wanted:
             return
         missing = wanted - (len(self.group.live_ids) - world) - self.group.starting
@@ -81,5 +82,5 @@ class SparePool:
 
     def warm(self, actors: list[int]) -> None:
         """Have new spares import the training code now (``RankActor.warm``); not waited for."""
-        if actors and self.cfg.elastic.spares:
+        if actors and self.wanted:
             self.group.submit(actors, RankCalls.warm)

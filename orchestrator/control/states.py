@@ -24,7 +24,7 @@ controller assigns it (orchestrator/control/controller.py). ``State`` names the 
     Errored(error)                       the run stops with ``error`` (exit 1, or the error's own code)
 
 A decision that waits in ``Draining`` outlives a failure: ``Recovering`` and ``Rebuilding`` carry it
-(``held``) to the formation, which returns it as a stale ``Draining``.
+(``draining``) to the formation, which returns it as a stale ``Draining``.
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ class Recovering(_Kind):
     phase: Phase
     outcome: CallOutcome  # the broken call's outcome (``pending_refs``: calls still running)
     results: tuple[StepResult, ...] = ()  # a step's answers, for the errors they latched
-    held: Draining | None = None  # a decision waiting for the steps the failure ended
+    draining: Draining | None = None  # a decision waiting for the steps the failure ended
 
 
 @dataclass(frozen=True)
 class Rebuilding(_Kind):
     kind: ClassVar[State] = State.REBUILDING
     failure: Failure  # what broke; the new generation's formation logs what it recovers from
-    held: Draining | None = None
+    draining: Draining | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Errored(_Kind):
 ControllerState = Forming | Running | Draining | Recovering | Rebuilding | Finished | Errored
 
 
-def after_reset(held: Draining | None) -> Running | Draining:
+def after_reset(draining: Draining | None) -> Running | Draining:
     """The state once the steps in flight ended by a failure or a rollback: the decision waiting for
     them, if any, is taken again at the next boundary."""
-    return Running() if held is None else Draining(held.decision, stale=True)
+    return Running() if draining is None else Draining(draining.decision, stale=True)

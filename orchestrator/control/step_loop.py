@@ -3,9 +3,10 @@ torch): cross a step boundary, keep the window of steps in flight full, read the
 record it (docs/design.md, The step loop).
 
 Every function takes the driver context (control/context.py) and answers the next state, never
-raising for a failure: a call that broke is ``Recovering`` (handlers/recovering.py). ``held`` is the
-``Draining`` state whose decision waits for the steps in flight; it is handed on to the state each
-function returns, so that a failure or rollback ending those steps does not drop it.
+raising for a failure: a call that broke is ``Recovering`` (handlers/recovering.py). ``draining`` is
+the ``Draining`` state whose decision waits for the steps in flight (None while Running); it is
+handed on to the state each function returns, so that a failure or rollback ending those steps does
+not drop it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from orchestrator.recovery.failure_policy import Phase
 from orchestrator.saves.checkpointing import RestoreFailed
 
 
-def cross_boundary(ctx: DriverContext, held: Draining | None) -> Finished | Forming | Running | None:
-    """The boundary before the next step, nothing in flight: the end of the run, the decision held
-    while the window drained (taken again when a failure or rollback came between: the actors may
+def cross_boundary(ctx: DriverContext, draining: Draining | None) -> Finished | Forming | Running | None:
+    """The boundary before the next step, nothing in flight: the end of the run, the decision that
+    waited while the window drained (taken again when a failure or rollback came between: the actors may
     have changed), else the hooks due, the actors that answered and the deciders; a step replayed as
     a recorded skip. None: no decision, the step was sent."""
     step = ctx.progress.next_step
@@ -38,8 +39,8 @@ def cross_boundary(ctx: DriverContext, held: Draining | None) -> Finished | Form
         ctx.checkpoints.finish_run(ctx.group, ctx.generation, step - 1)
         ctx.metrics.event("done", step=step - 1)
         return Finished(step - 1)
-    decision = None if held is None else held.decision
-    if decision is not None and held.stale:
+    decision = None if draining is None else draining.decision
+    if decision is not None and draining.stale:
         decision = refresh(ctx, decision)
     if decision is None:
         ctx.inputs.run_hooks(step)
@@ -57,7 +58,7 @@ def cross_boundary(ctx: DriverContext, held: Draining | None) -> Finished | Form
 
 def top_up(ctx: DriverContext) -> Draining | None:
     """Send further steps while the window has room and nothing stands between them; a decision
-    taken at such a boundary is held (``Draining``) until the steps in flight are read."""
+    taken at such a boundary waits (``Draining``) until the steps in flight are read."""
     window = ctx.window
     while len(window) < window.size:
         step = window.last + 1
@@ -86,33 +87,34 @@ def send(ctx: DriverContext, step: int) -> None:
     ctx.window.send(ctx.group, list(ctx.generation.members.values()), step, ctx.snapshots.keep, split)
 
 
-def read_oldest(ctx: DriverContext, held: Draining | None) -> ControllerState:
+def read_oldest(ctx: DriverContext, draining: Draining | None) -> ControllerState:
     """Read the oldest step in flight: recorded when every rank trained it, else ``Recovering``."""
     window = ctx.window
     flight, outcome = window.read_oldest(ctx.group, ctx.cfg.elastic.step_timeout_s, step_broken, ctx.hang_watch)
     results = list(outcome.results.values())
     if not (outcome.ok and all(r.ok for r in results)):
-        return Recovering(Phase.STEP, window.broken(outcome), tuple(results), held=held)
+        return Recovering(Phase.STEP, window.broken(outcome), tuple(results), draining=draining)
     window.done()
     ctx.hang_watch.step_read()
-    return _trained(ctx, flight.step, results, held)
+    return _trained(ctx, flight.step, results, draining)
 
 
-def _trained(ctx: DriverContext, step: int, results: list[StepResult], held: Draining | None) -> ControllerState:
+def _trained(ctx: DriverContext, step: int, results: list[StepResult],
+             draining: Draining | None) -> ControllerState:
     """Step ``step`` trained on every rank: record it (or its skip), then the boundary's saves."""
     ctx.progress.next_step = step + 1
     ctx.snapshots.after_results(results)
     verdict = ctx.health.verdict(step, results, restorable=lambda: _restorable(ctx))
     if verdict is Verdict.ROLL_BACK:
-        return _roll_back(ctx, step, held)
+        return _roll_back(ctx, step, draining)
     if verdict is Verdict.GOOD:
         _record(ctx, step, results)
     ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
     if verdict is not Verdict.SKIPPED and ctx.evaluator.due(step):  # the next step waits for it
         failed = ctx.evaluator.run(ctx.group, ctx.generation, ctx.metrics, step)
         if failed is not None:
-            return Recovering(Phase.STEP, failed, held=held)
-    return held or Running()
+            return Recovering(Phase.STEP, failed, draining=draining)
+    return draining or Running()
 
 
 def _restorable(ctx: DriverContext) -> bool:
@@ -122,22 +124,22 @@ def _restorable(ctx: DriverContext) -> bool:
             or ctx.snapshots.usable(set(ctx.group.live_ids)) is not None)
 
 
-def _roll_back(ctx: DriverContext, step: int, held: Draining | None) -> ControllerState:
+def _roll_back(ctx: DriverContext, step: int, draining: Draining | None) -> ControllerState:
     """``train.max_bad_steps`` bad steps in a row: reload the newest snapshot (else checkpoint) in
     place; its replay skips the recorded steps. The steps in flight are read and dropped first."""
     broken = ctx.window.drain(ctx.group, ctx.cfg.elastic.step_timeout_s, step_broken)
     if broken is not None:
-        return Recovering(Phase.STEP, broken, held=held)
+        return Recovering(Phase.STEP, broken, draining=draining)
     ctx.checkpoints.finish(ctx.group, ctx.generation, step)  # no save in flight while loading
     try:
         restored = ctx.snapshots.restore_best(ctx.group, ctx.generation, ctx.checkpoints, at_most=step)
     except RestoreFailed as exc:
-        return Recovering(Phase.LOADING, exc.outcome, held=held)
+        return Recovering(Phase.LOADING, exc.outcome, draining=draining)
     ctx.metrics.event("rollback", step=step, resumed_from_step=restored.step, restored_from=restored.source,
                       skipped=sorted(ctx.health.bad_steps.skipped))
     ctx.window.reset(restored.step)
     ctx.progress.next_step = restored.step + 1
-    return after_reset(held)
+    return after_reset(draining)
 
 
 def _record(ctx: DriverContext, step: int, results: list[StepResult]) -> None:

@@ -53,7 +53,7 @@ class StepWindow:
             raise ValueError(f"steps in flight must be >= 1, not {size}")
         self.size = size
         self.flights: deque[InFlight] = deque()
-        self.after = 0  # the step the next one sent follows (the ranks check it)
+        self.prev_step = 0  # the step the next one sent follows (the ranks check it)
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -61,28 +61,28 @@ class StepWindow:
     @property
     def last(self) -> int:
         """The newest step sent (or the one the generation resumed after)."""
-        return self.flights[-1].step if self.flights else self.after
+        return self.flights[-1].step if self.flights else self.prev_step
 
-    def reset(self, after: int) -> None:
-        """A generation formed (or reloaded in place) at step ``after``: nothing in flight. (A decision
+    def reset(self, prev_step: int) -> None:
+        """A generation formed (or reloaded in place) at step ``prev_step``: nothing in flight. (A decision
         waiting for the steps in flight is the ``Draining`` state's, not the window's: a failure or
         rollback that ends those steps hands it on, control/states.py.)"""
         self.flights.clear()
-        self.after = after
+        self.prev_step = prev_step
 
     def send(self, group, members: list[int], step: int, keep: tuple, split: dict | None = None) -> InFlight:
         """Send ``step`` to ``members``; ``split``: actor -> ``SplitOrders`` when a new microbatch
         split starts at this step (control/rebalance.py)."""
         if split is None:
-            shared = (step, keep, self.after)
+            shared = (step, keep, self.prev_step)
             refs = group.submit(members, RankCalls.train_step, shared)
             args = dict.fromkeys(members, shared)
         else:
-            args = {a: (step, keep, self.after, split[a]) for a in members}
+            args = {a: (step, keep, self.prev_step, split[a]) for a in members}
             refs = group.submit(members, RankCalls.train_step, args)
         flight = InFlight(step, refs, args)
         self.flights.append(flight)
-        self.after = step
+        self.prev_step = step
         return flight
 
     def read_oldest(self, group, timeout_s: float, stop_early: Callable[[CallOutcome], bool],

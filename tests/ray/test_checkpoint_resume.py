@@ -102,7 +102,7 @@ def _train_and_stop(run_dir: Path, shape, pool, store_address) -> Path:
     cfg = load_config(None, _overrides(run_dir, shape))
     controller = make_controller(cfg, pool, store_address)
     while controller.next_step <= STOP_AFTER:  # the first call forms generation 1
-        assert controller.step() == State.RUNNING, controller.error
+        assert controller.advance() == State.RUNNING, controller.error
     # Let the step-4 write land so that two checkpoints exist (a real stop could lose it; the
     # fallback test needs a previous one), then drop the controller as a stopped job would.
     controller.ckpt.finish(pool, controller.generation, STOP_AFTER)

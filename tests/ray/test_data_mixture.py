@@ -72,7 +72,7 @@ def _run_shrink_and_grow(tmp_path, store_address, steps: int, dp: int, kill_at: 
     group = make_group(dp)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # generation 1
+        controller.advance()  # generation 1
         group.call([controller.generation.members[1]], RankCalls.arm_fault, (kill_at, "kill", 0.0), timeout_s=10)
         controller.resize_requests = {grow_at: dp}  # a replacement actor is started
         summary = controller.run()

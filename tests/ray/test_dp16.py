@@ -45,7 +45,7 @@ def test_dp16_with_a_rank_killed_mid_run_equals_one_process(ray16, tmp_path):
     group = make_group(DP)
     try:
         controller = make_controller(load_config(None, overrides), group, provider)
-        controller.step()  # FORMING -> RUNNING: generation 1, dp=16
+        controller.advance()  # FORMING -> RUNNING: generation 1, dp=16
         victim = controller.generation.members[5]
 
         armed = []

@@ -128,7 +128,7 @@ def test_node_lost_then_node_added_shrinks_and_grows_back(cluster, head_store, t
     group = make_group(4)
     try:
         controller = make_controller(cfg, group, head_store)
-        controller.step()  # generation 1: dp=2 x tp=2 over both worker nodes
+        controller.advance()  # generation 1: dp=2 x tp=2 over both worker nodes
         placed = _actors_by_node(group)
         assert sorted(map(len, placed.values())) == [2, 2]  # one replica's worth per node
         victim_node = next(n for n in workers if n.node_id in placed)

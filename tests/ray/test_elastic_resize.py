@@ -33,7 +33,7 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
     group = make_group(4)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # generation 1: dp=4, actors 0..3 are ranks 0..3
+        controller.advance()  # generation 1: dp=4, actors 0..3 are ranks 0..3
         first = dict(group.pids)
         # Shrink: actor 1 dies at the start of step 3 -> dp=2 (actors 0, 2; actor 3 a spare).
         group.call([controller.generation.members[1]], RankCalls.arm_fault, (3, "kill", 0.0), timeout_s=10)

@@ -33,7 +33,7 @@ def _start(tmp_path, store_address, extra: list[str], actors: int):
     cfg = load_config(None, overrides)
     group = make_group(actors)
     controller = make_controller(cfg, group, store_address)
-    controller.step()  # INITIALIZING -> RUNNING
+    controller.advance()  # INITIALIZING -> RUNNING
     return overrides, group, controller
 
 

@@ -33,7 +33,7 @@ def test_slow_replica_rebalanced_across_a_resize_equals_one_process(ray_local, s
     group = make_group(3)
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step()  # generation 1 formed
+        controller.advance()  # generation 1 formed
         slow = controller.generation.members[0]
         group.call([slow], RankCalls.arm_fault, (1, "sleep", 0.05, "microbatch", STEPS + 1), timeout_s=10)
         controller.resize_requests = {8: 2}

@@ -35,7 +35,7 @@ def test_saves_slower_than_every_timeout_all_commit_and_the_run_equals_one_proce
     group = make_group(2)
     try:
         controller = make_controller(load_config(None, overrides), group, store_address)
-        controller.step()  # generation 1 formed
+        controller.advance()  # generation 1 formed
         slow = controller.generation.members[1]
         group.call([slow], RankCalls.arm_fault, (10, "sleep", STALL_S, "ckpt_write"), timeout_s=30)
         summary = controller.run()

@@ -54,7 +54,7 @@ def _run(tmp_path, head_store, victims_of, at: int):
     group = make_group(4)
     try:
         controller = make_controller(load_config(None, overrides), group, head_store)
-        controller.step()
+        controller.advance()
         armed = []
 
         def kill(c, step):

@@ -32,7 +32,7 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
     group = make_group(2)
     try:
         controller = make_controller(cfg, group, provider)
-        controller.step()  # generation 1 formed through the first store
+        controller.advance()  # generation 1 formed through the first store
         first = provider.address()
         assert provider.hosted == 1 and first[0] == "127.0.0.1"  # one machine: loopback only
         killed = []

@@ -1,7 +1,7 @@
 """The controller's state machine driven by a fake worker group: no processes, no Ray, real metrics file
 and real checkpoint catalog in tmp (``testbed/fake_group.py`` scripts the ranks and their faults).
 
-Every transition, and the test that covers it (``Controller.step()`` answers the new state's kind):
+Every transition, and the test that covers it (``Controller.advance()`` answers the new state's kind):
 
 * FORMING -> RUNNING (generation 1): ``test_start_forms_generation_one``
 * FORMING -> REBUILDING (a member dies while generation 1 forms):
@@ -61,7 +61,7 @@ from testbed.controller_run import make  # noqa: F401  (the fixture)
 
 def test_start_forms_generation_one(make):
     r = make()
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     gen = r.c.generation
     assert gen.number == 1 and gen.shape.dp == 4 and gen.members == {0: 0, 1: 1, 2: 2, 3: 3}
     specs = [args[0] for _, args in r.group.calls(RankCalls.join_generation)]
@@ -135,9 +135,9 @@ def test_a_rank_failure_visits_each_state_module_once_in_order(make):
             visited.append(handler.__module__.rsplit(".", 1)[-1])
             return handler(state, context)
         r.c.handlers[state_type] = recording
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     assert visited == ["running", "recovering", "forming", "running"]
 
 
@@ -154,7 +154,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.steps(5)  # start + steps 1-4
     r.clock.t = 100.0
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert (failure["step"], failure["ranks"]) == (5, [1]) and "ActorDiedError" in failure["reason"]
     assert r.group.killed == [1] and r.c.restarts == 1
@@ -164,7 +164,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     assert kicks[0][1][1] == [("10.0.0.1", 40_001)]  # the dead rank's: matched against recorded connections only
 
     r.clock.t = 103.0
-    assert r.c.step() == State.RUNNING  # REBUILDING -> RUNNING: 3 live actors, dp=3 does not split 8
+    assert r.c.advance() == State.RUNNING  # REBUILDING -> RUNNING: 3 live actors, dp=3 does not split 8
     gen = r.c.generation
     assert (gen.number, gen.shape.dp, gen.members) == (2, 2, {0: 0, 1: 2})
     assert [a for a, _ in r.group.calls(RankCalls.leave_generation)] == [3]  # the spare
@@ -191,7 +191,7 @@ def test_hung_rank_is_killed_and_blamed(make):
     r = make()
     r.group.fail(RankCalls.train_step, 2, "hang", at=3)
     r.steps(3)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["reason"] == "no progress within elastic.step_timeout_s"
     assert r.group.killed == [2]
@@ -201,7 +201,7 @@ def test_latched_error_rebuilds_with_everyone(make):
     r = make()
     r.group.fail(RankCalls.train_step, 2, "raise", at=4, message="RuntimeError: CUDA out of memory")
     r.steps(4)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["reason"] == "RuntimeError: CUDA out of memory"
     assert r.group.killed == [] and r.c.restarts == 1
@@ -214,7 +214,7 @@ def test_timeout_with_every_rank_alive(make):
     for actor in range(4):
         r.group.fail(RankCalls.train_step, actor, "slow", at=4)
     r.steps(4)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [] and failure["reason"] == (
         "step 4 exceeded elastic.step_timeout_s=120 with every rank alive: raise it if steps are "
@@ -233,16 +233,16 @@ def test_member_dies_while_rebuilding(make, method, stage):
     r.group.fail(method, 2, "die", at=2)  # actor 2 holds rank 1 of generation 2
     r.steps(5)
     r.clock.t = 100.0
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     r.clock.t = 101.0
-    assert r.c.step() == State.REBUILDING  # REBUILDING -> REBUILDING
+    assert r.c.advance() == State.REBUILDING  # REBUILDING -> REBUILDING
     first, second = r.events("failure")
     assert second["reason"].startswith(f"rebuild of generation 2 failed while {stage}: ActorDiedError")
     assert (second["step"], second["ranks"]) == (5, [1])
     assert r.group.killed == [1, 2] and r.c.restarts == 2
     assert [a for a, _ in r.group.calls(RankCalls.kick)].count(0) == 2  # actor 0 was freed each time, not killed
     r.clock.t = 104.0
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     assert (r.c.generation.number, r.c.generation.members) == (3, {0: 0, 1: 3})
     r.steps(1)
     rebuild, = r.events("rebuild")  # generation 2 never trained
@@ -252,17 +252,17 @@ def test_member_dies_while_rebuilding(make, method, stage):
 def test_member_lost_while_generation_one_forms_rebuilds(make):
     r = make()
     r.group.fail(RankCalls.join_generation, 3, "die", at=1)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["reason"].startswith("rebuild of generation 1 failed while joining") and failure["ranks"] == [3]
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     assert (r.c.generation.number, r.c.generation.members, r.c.restarts) == (2, {0: 0, 1: 1}, 1)
 
 
 def test_start_that_breaks_with_nobody_lost_stops(make):
     r = make()
     r.group.fail(RankCalls.join_generation, 2, "raise", at=1, message="ValueError: bad layer split")
-    assert r.c.step() == State.ERRORED
+    assert r.c.advance() == State.ERRORED
     assert type(r.c.error) is TrainingFailed and r.c.restarts == 0 and r.group.killed == []
     assert str(r.c.error) == "rebuild of generation 1 failed while joining: ValueError: bad layer split"
     with pytest.raises(TrainingFailed):
@@ -274,8 +274,8 @@ def test_rebuild_that_breaks_with_nobody_lost_stops(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=4)
     r.group.fail(RankCalls.load_checkpoint, 0, "raise", at=2, message="RuntimeError: shape mismatch")
     r.steps(4)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.ERRORED
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.ERRORED
     assert type(r.c.error) is TrainingFailed and r.c.restarts == 1
     assert str(r.c.error).startswith("rebuild of generation 2 failed while loading the checkpoint")
     assert r.events("failure")[-1]["ranks"] == []
@@ -305,14 +305,14 @@ def test_join_broken_by_a_lost_store_rehosts_it(make):
     store = r.c.context.store = LostStore()
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
-    assert r.c.step() == State.REBUILDING  # rank 1 lost in step 3
+    assert r.c.advance() == State.REBUILDING  # rank 1 lost in step 3
     # The store's host dies while generation 2 forms: the join breaks with nobody lost.
     store.dies = True
     r.group.fail(RankCalls.join_generation, 0, "raise", at=2, message="DistNetworkError: connect timed out")
-    assert r.c.step() == State.REBUILDING  # not ERRORED: the store, not a bug
+    assert r.c.advance() == State.REBUILDING  # not ERRORED: the store, not a bug
     failure = r.events("failure")[-1]
     assert failure["ranks"] == [] and "rendezvous store was lost" in failure["reason"]
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     ports = {(args[0].generation, args[0].store_port) for _, args in r.group.calls(RankCalls.join_generation)}
     assert ports == {(1, 29500), (2, 29500), (3, 29501)}  # generation 3 joined the re-hosted store
     assert r.c.restarts == 2
@@ -322,7 +322,7 @@ def test_step_failure_beyond_the_budget_stops(make):
     r = make("elastic.max_restarts=0")
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
-    assert r.c.step() == State.ERRORED  # RUNNING -> ERRORED
+    assert r.c.advance() == State.ERRORED  # RUNNING -> ERRORED
     assert type(r.c.error) is TrainingFailed
     assert str(r.c.error).startswith("giving up after 0 restarts (elastic.max_restarts=0); last failure at step 3")
 
@@ -332,8 +332,8 @@ def test_rebuild_failure_beyond_the_budget_stops(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.group.fail(RankCalls.join_generation, 2, "die", at=2)
     r.steps(3)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.ERRORED
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.ERRORED
     assert isinstance(r.c.error, RebuildTimeoutError)
     assert str(r.c.error).startswith("could not form generation 2 within elastic.max_restarts=1 tries "
                                      "(rebuild of generation 2 failed while joining")
@@ -345,8 +345,8 @@ def test_below_min_dp_stops(make):
     r = make("elastic.min_dp=4")
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.ERRORED
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.ERRORED
     assert type(r.c.error) is TrainingFailed and "below elastic.min_dp=4" in str(r.c.error)
 
 
@@ -354,7 +354,7 @@ def test_storage_failure_stops(make):
     r = make()
     r.group.fail(RankCalls.wait_checkpoint, 0, "raise", at=2, message="OSError: [Errno 28] No space left on device")
     r.steps(3)  # start, steps 1-2; the step-2 save starts
-    assert r.c.step() == State.ERRORED  # step 3 trains, then its commit finds the failed write
+    assert r.c.advance() == State.ERRORED  # step 3 trains, then its commit finds the failed write
     assert str(r.c.error).startswith("checkpoint.dir: saving step 2 failed (OSError: [Errno 28] No space")
     failed, = r.events("checkpoint_failed")
     assert failed["step"] == 2 and r.committed() == []
@@ -375,7 +375,7 @@ def test_a_writer_that_answers_no_probe_is_not_waited_for(make):
     r.group.collects_pending[RankCalls.wait_checkpoint] = 1_000_000  # never done
     r.group.fail(RankCalls.status, 2, "hang")  # the probe after the first wait finds actor 2 silent
     r.steps(3)  # start, steps 1-2; the step-2 save starts
-    r.c.step()  # step 3, then the commit: waits once, probes, gives up on the save
+    r.c.advance()  # step 3, then the commit: waits once, probes, gives up on the save
     failed, = r.events("checkpoint_failed")
     assert failed["step"] == 2 and r.committed() == []
 
@@ -388,9 +388,9 @@ def test_a_join_or_load_slower_than_rebuild_timeout_completes_while_everyone_liv
     r = make()
     r.steps(4)  # start, steps 1-3 (step 2 committed)
     r.group.fail(RankCalls.train_step, 3, "die", at=4)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     r.group.collects_pending[method] = 2
-    assert r.c.step() == State.RUNNING  # generation 2 formed from the 3 that live
+    assert r.c.advance() == State.RUNNING  # generation 2 formed from the 3 that live
     assert r.group.collects_pending[method] == 0 and r.group.killed == [3] and r.c.next_step == 3
     assert r.c.run().restarts == 1 and not r.events("checkpoint_failed")
 
@@ -401,9 +401,9 @@ def test_failure_abandons_the_save_in_flight(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)  # the step-2 save is staged and still writing
     waits = [c for c in r.group._calls if c.method is RankCalls.wait_checkpoint]
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     assert r.committed() == [] and not r.events("checkpoint")  # never committed
-    assert r.c.step() == State.RUNNING and r.c.next_step == 1  # nothing to resume from
+    assert r.c.advance() == State.RUNNING and r.c.next_step == 1  # nothing to resume from
     assert not r.group.calls(RankCalls.load_checkpoint)
     r.group.finish_writes()
     r.steps(1)
@@ -420,8 +420,8 @@ def test_a_late_write_of_an_abandoned_save_cannot_reach_a_later_attempt(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)  # the step-2 save of generation 1 is staged and still writing
     abandoned = {args[0] for _, args in r.group.calls(RankCalls.save_checkpoint)}
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING and r.c.next_step == 1  # nothing committed to resume from
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING and r.c.next_step == 1  # nothing committed to resume from
     r.group.finish_writes()
     r.group.slow_writes = False
     r.steps(3)  # generation 2 trains steps 1-3; its save of step 2 commits after step 3
@@ -441,8 +441,8 @@ def test_requested_resize_commits_the_save_in_flight_first(make):
     r.c.resize_requests = {4: 2}
     r.steps(4)  # start, steps 1-3: the step-2 save is still writing
     assert r.committed() == []
-    assert r.c.step() == State.FORMING  # the step-4 boundary decides the resize
-    assert r.c.step() == State.RUNNING  # it forms: the save in flight, then step 3, committed first
+    assert r.c.advance() == State.FORMING  # the step-4 boundary decides the resize
+    assert r.c.advance() == State.RUNNING  # it forms: the save in flight, then step 3, committed first
     assert [e["step"] for e in r.events("checkpoint")] == [2, 3] and r.committed() == [2, 3]
     methods = [(m, args) for m, _, args in r.group.log]
     last_save = max(i for i, (m, args) in enumerate(methods) if m is RankCalls.save_checkpoint and args[1] == 3)
@@ -460,8 +460,8 @@ def test_requested_resize_starts_missing_actors_or_fits(make, capacity, dp):
     r = make("mesh.dp=2", capacity=capacity)
     r.c.resize_requests = {3: 4}
     r.steps(3)
-    assert r.c.step() == State.FORMING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.FORMING
+    assert r.c.advance() == State.RUNNING
     assert (r.c.generation.number, r.c.generation.shape.dp) == (2, dp)
     assert len(r.group.live_ids) == 2 + capacity
 
@@ -472,10 +472,10 @@ def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
     r.steps(4)  # start, steps 1-3 (no grow check yet: the clock stands still)
     assert r.c.generation.shape.dp == 2 and r.committed() == []
     r.clock.t = 10.0
-    assert r.c.step() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
+    assert r.c.advance() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
     assert r.group.live_ids == [0, 1] and r.group.starting == 2 and r.c.next_step == 5
-    assert r.c.step() == State.FORMING  # the step-5 boundary: they answered, so grow now
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.FORMING  # the step-5 boundary: they answered, so grow now
+    assert r.c.advance() == State.RUNNING
     assert r.group.live_ids == [0, 1, 2, 3] and r.committed()[-1] == 4  # the save in flight, then 4
     assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 5)
     ready, = r.events("actors_ready")
@@ -495,7 +495,7 @@ def test_a_rank_whose_process_is_gone_is_dead_without_a_status_poll(make):
     r.group.fail(RankCalls.train_step, 2, "hang", at=3)  # its call never answers, as a dead one's
     r.group.exited_ids.add(2)
     r.steps(3)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["reason"] == "ActorDiedError (its process is gone)"
     assert [a for a, _ in r.group.calls(RankCalls.status)].count(2) == 0

@@ -38,8 +38,8 @@ def test_drain_with_time_for_a_save_evacuates_at_the_step_boundary(make):
     pids = {a: r.group.pids[a] for a in (0, 1, 2)}
     r.group.draining = {"node-b": 20.0, "node-x": 5.0}  # node-x holds nothing of ours
     r.clock.t += 1.0
-    assert r.c.step() == State.FORMING  # the boundary before step 4 decides to evacuate
-    assert r.c.step() == State.RUNNING  # save 3, re-form without rank 3
+    assert r.c.advance() == State.FORMING  # the boundary before step 4 decides to evacuate
+    assert r.c.advance() == State.RUNNING  # save 3, re-form without rank 3
     preemption, = r.events("preemption")
     assert {k: preemption[k] for k in ("nodes", "ranks", "deadline_s", "step", "action")} == \
         {"nodes": ["node-b"], "ranks": [3], "deadline_s": 20.0, "step": 4, "action": "evacuate"}
@@ -61,10 +61,10 @@ def test_drain_too_short_for_a_save_falls_back_to_the_failure_path(make):
     r.group.draining = {"node-b": 1.0}  # the fake's saves measure 0.12 s: a save needs 1.18 s
     r.group.fail(RankCalls.train_step, 3, "die", at=5)  # the node goes during step 5
     r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING  # step 4 trained as usual
+    assert r.c.advance() == State.RUNNING  # step 4 trained as usual
     preemption, = r.events("preemption")
     assert preemption["action"] == "fallback" and "shorter than" in preemption["reason"]
-    assert r.c.step() == State.REBUILDING  # step 5: the node's loss takes the failure path
+    assert r.c.advance() == State.REBUILDING  # step 5: the node's loss takes the failure path
     failure, = r.events("failure")
     assert failure["ranks"] == [3]
     r.c.run()  # max_restarts=0, yet not ERRORED: a preempted node's loss is not a fault
@@ -79,7 +79,7 @@ def test_drain_of_spares_only_keeps_the_mesh(make):
     on_node_b(r, spare)
     r.group.draining = {"node-b": 0.5}
     r.clock.t += 1.0
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     preemption, = r.events("preemption")
     assert preemption["ranks"] == [] and preemption["action"] == "evacuate"
     assert r.group.killed == [spare] and r.c.generation.number == 1 and r.c.next_step == 3
@@ -91,7 +91,7 @@ def test_stop_request_saves_the_step_and_finishes(make):
     stop = []
     r.c.stop_requested = lambda: bool(stop)
     stop.append(15)
-    assert r.c.step() == State.FINISHED  # at the boundary before step 4
+    assert r.c.advance() == State.FINISHED  # at the boundary before step 4
     assert r.committed()[-1] == 3 and r.c.summary().resume_step == 4 and r.c.summary().final_step == 3
     stopped, = r.events("stopped")
     assert (stopped["step"], stopped["resume_step"]) == (3, 4)
@@ -110,14 +110,14 @@ def test_a_drain_held_across_a_failure_still_evacuates_the_node(make):
     on_node_b(r, 3)
     r.group.draining = {"node-b": 60.0}
     r.clock.t += 1.0
-    assert r.c.step() == State.DRAINING  # step 3 read; the boundary before 5 decides the drain: held (4 in flight)
+    assert r.c.advance() == State.DRAINING  # step 3 read; the boundary before 5 decides the drain: held (4 in flight)
     assert r.c.state.decision.notice.actors == {3}
-    assert r.c.step() == State.REBUILDING  # step 4: actor 1 died
-    assert r.c.step() == State.DRAINING  # generation 2 from actors 0, 2, 3 (node-b's 3 still in it)
+    assert r.c.advance() == State.REBUILDING  # step 4: actor 1 died
+    assert r.c.advance() == State.DRAINING  # generation 2 from actors 0, 2, 3 (node-b's 3 still in it)
     assert r.c.state.stale  # the held evacuation is taken again at the next boundary
     assert 3 in r.c.generation.members.values()
-    assert r.c.step() == State.FORMING  # the held evacuation, refreshed: drop actor 3
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.FORMING  # the held evacuation, refreshed: drop actor 3
+    assert r.c.advance() == State.RUNNING
     assert 3 not in r.c.generation.members.values() and 3 in r.group.killed
     r.c.run()
     assert r.c.state.kind == State.FINISHED

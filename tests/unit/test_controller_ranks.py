@@ -47,7 +47,7 @@ def test_bad_step_is_skipped_logged_and_recorded_in_the_checkpoint(make):
     r.steps(1)  # formed
     r.group.bad_step(3)
     r.steps(6)
-    assert r.c.step() == State.FINISHED
+    assert r.c.advance() == State.FINISHED
     bad, = r.events("bad_step")
     assert (bad["step"], bad["reason"]) == (3, "grad_norm")
     assert 3 not in r.c.losses and sorted(r.c.losses) == [1, 2, 4, 5, 6]
@@ -74,7 +74,7 @@ def test_max_bad_steps_in_a_row_roll_back_and_replay_them_as_skips(make):
     assert [a[0] for _, a in r.group.calls(RankCalls.train_step)].count(5) == 4  # trained once (4 ranks), not again
     recorded = [e["step"] for e in r.events("bad_step") if e["reason"] == "recorded"]
     assert recorded == [5, 6]
-    assert r.c.step() == State.FINISHED and sorted(r.c.losses) == [1, 2, 3, 4, 7, 8]
+    assert r.c.advance() == State.FINISHED and sorted(r.c.losses) == [1, 2, 3, 4, 7, 8]
 
 
 def test_a_resume_skips_the_recorded_steps_again(make, tmp_path):
@@ -82,7 +82,7 @@ def test_a_resume_skips_the_recorded_steps_again(make, tmp_path):
     first.steps(1)
     first.group.bad_step(3)
     first.steps(4)
-    assert first.c.step() == State.FINISHED
+    assert first.c.advance() == State.FINISHED
     again = make("train.steps=6", "checkpoint.every=2")  # same checkpoint.dir: resumes from step 4
     again.steps(1)
     assert again.c.next_step == 5 and again.c.bad_steps.skipped == {3}
@@ -98,7 +98,7 @@ def test_straggler_reported_after_straggler_steps_and_kept_without_eviction(make
     event, = r.events("straggler")
     assert (event["rank"], event["actor"], event["factor"]) == (2, slow, 2.5) and event["node"] == "10.0.0.1"
     r.steps(5)
-    assert r.c.step() == State.FINISHED and len(r.events("straggler")) == 1  # once per streak
+    assert r.c.advance() == State.FINISHED and len(r.events("straggler")) == 1  # once per streak
     assert r.c.generation.number == 1 and not r.group.killed
 
 
@@ -127,7 +127,7 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
     ready, = r.events("actors_ready")
     assert len(r.c.group.live_ids) == 5 and r.c.spare_ids == ready["actors"]
     r.steps(5)
-    assert r.c.step() == State.FINISHED and sorted(r.c.losses) == list(range(1, 9))
+    assert r.c.advance() == State.FINISHED and sorted(r.c.losses) == list(range(1, 9))
 
 
 # -- hot spares -----------------------------------------------------------------------------------
@@ -140,20 +140,20 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     victim = gen1.members[3]
     r.group.fail(RankCalls.train_step, victim, "die", at=3)
     r.steps(2)  # steps 1, 2
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
     gen2 = r.c.generation
     assert gen2.shape.dp == 4 and spare in gen2.members.values() and victim not in gen2.members.values()
     promoted, = r.events("spare_promoted")
     assert promoted["actors"] == [spare] and promoted["generation"] == 2
     requested, = r.events("spare_requested")
     assert requested["count"] == 1 and r.group.starting == 1
-    assert r.c.step() == State.RUNNING  # the next boundary takes the new spare in (step 3 trains)
+    assert r.c.advance() == State.RUNNING  # the next boundary takes the new spare in (step 3 trains)
     assert [a for a, _ in r.group.calls(RankCalls.warm)] == [spare, r.c.spare_ids[0]]  # both spares warmed
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5
     for _ in range(10):  # resumed from step 0 or 2 (step 2's save may have been in flight)
-        if r.c.step() == State.FINISHED:
+        if r.c.advance() == State.FINISHED:
             break
     assert r.c.state.kind == State.FINISHED and r.c.generation.shape.dp == 4
 
@@ -165,7 +165,7 @@ def test_spare_that_cannot_be_placed_yet_is_asked_for_once_the_cluster_has_room(
     r.steps(1)
     r.group.fail(RankCalls.train_step, r.c.generation.members[0], "die", at=2)
     r.steps(1)
-    assert r.c.step() == State.REBUILDING and r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING and r.c.advance() == State.RUNNING
     assert r.c.generation.shape.dp == 4
     assert not r.events("spare_requested") and r.group.starting == 0
     r.clock.t += 5
@@ -211,7 +211,7 @@ def test_straggler_not_evicted_when_the_mesh_would_fall_below_min_dp(make):
     r.group.ranks[slow].forward_s = 3.0
     r.steps(4)
     assert r.events("straggler") and not r.events("evict") and not r.group.killed
-    assert r.c.step() == State.FINISHED
+    assert r.c.advance() == State.FINISHED
 
 
 def test_manifest_skipped_steps_must_be_steps_up_to_its_own():

@@ -51,7 +51,7 @@ def test_a_slow_replica_gets_fewer_microbatches_and_each_rank_its_replicas_sched
         if shape.coords(rank).dp == slow_replica:
             r.group.ranks[actor].forward_s = 0.8  # 2x the others' 0.4 at the even share
     r.steps(10)
-    assert r.c.step() == State.FINISHED and sorted(r.c.losses) == list(range(1, 11))
+    assert r.c.advance() == State.FINISHED and sorted(r.c.losses) == list(range(1, 11))
     event, = r.events("rebalance")
     # Step 1 (the generation's first, paying its set-ups) is not measured; steps 2..5 are.
     first = MIN_SAMPLES + 2
@@ -81,12 +81,12 @@ def test_a_resize_starts_even_and_rebalances_from_the_actors_history(make):
     r.steps(7)  # steps 1..7 at dp=4, rebalanced once
     event, = r.events("rebalance")
     assert tuple(event["microbatches"]) == (3, 7, 7, 7) and _trained(r)[7][slow][0] == (3, 7, 7, 7)
-    assert r.c.step() == State.FORMING  # the step-8 boundary decides the resize
+    assert r.c.advance() == State.FORMING  # the step-8 boundary decides the resize
     r.steps(1)  # generation 2 forms at dp=2, keeping world ranks 0 and 1 (the slow actor among them)
     gen = r.c.generation
     assert gen.number == 2 and gen.shape.dp == 2 and gen.members[0] == slow and healthy not in gen.members.values()
     r.steps(5)
-    assert r.c.step() == State.FINISHED and sorted(r.c.losses) == list(range(1, 13))
+    assert r.c.advance() == State.FINISHED and sorted(r.c.losses) == list(range(1, 13))
     # Even at the formation; the slow actor's history came along, so step 8 is already rebalanced.
     second, = r.events("rebalance")[1:]
     assert second["step"] == 8 and tuple(second["microbatches"]) == (8, 16)
@@ -112,7 +112,7 @@ def test_with_steps_in_flight_every_member_trains_each_step_with_the_same_split(
     r.steps(1)
     members = r.c.generation.members
     r.group.ranks[members[1]].forward_s = 0.8
-    while r.c.step() != State.FINISHED:
+    while r.c.advance() != State.FINISHED:
         pass
     assert sorted(r.c.losses) == list(range(1, 13))
     event, = r.events("rebalance")

@@ -63,8 +63,8 @@ def test_a_lost_rank_is_restored_from_snapshots(make):
     r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.steps(5)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
     assert not r.group.calls(RankCalls.load_checkpoint)  # storage has step 4, snapshots too: the faster one
     # Rank 1's shard comes from its holder (rank 3 = actor 3), the survivors' from themselves.
     source = r.group.ranks[0].snapshots_loaded[-1]
@@ -86,11 +86,11 @@ def test_a_save_lost_to_a_failure_is_made_good_from_the_restored_state(make):
     r.group.slow_writes = True
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.steps(5)  # start, steps 1-4; step 3's save still writing
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     assert r.c.ckpt.owed_step == 3 and r.committed() == []
     r.group.finish_writes()
     r.group.slow_writes = False
-    assert r.c.step() == State.RUNNING and r.c.next_step == 5  # restored step 4 from snapshots
+    assert r.c.advance() == State.RUNNING and r.c.next_step == 5  # restored step 4 from snapshots
     r.c.run()
     assert [e["step"] for e in r.events("checkpoint")] == [5, 6, 8]  # 5: the save owed for 3
     assert r.c.ckpt.owed_step is None
@@ -102,8 +102,8 @@ def test_a_rank_and_its_holder_lost_fall_back_to_storage(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.group.fail(RankCalls.train_step, 3, "die", at=5)
     r.steps(5)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
     assert not r.group.calls(RankCalls.load_snapshot)
     assert r.group.calls(RankCalls.load_checkpoint)[0][1] == (str(r.ckpt / step_dir_name(2) / "g1"),)  # its attempt dir
     r.steps(1)
@@ -118,9 +118,9 @@ def test_a_push_cut_by_the_failure_falls_back_to_the_set_before(make):
     # kept (rank 3's copy lives on rank 0, the driver's ``keep``).
     r.group.fail(RankCalls.keep_snapshot, 3, "hang", at=4)
     r.steps(5)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     assert 3 in r.group.killed
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     assert r.group.ranks[0].snapshots_loaded[-1].key == (1, 0, 3) and r.c.next_step == 4  # 4 and 5 re-run
 
 
@@ -129,9 +129,9 @@ def test_rebuild_restores_twice_from_the_same_set_when_forming_fails(make):
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.group.fail(RankCalls.load_snapshot, 0, "die")  # the next rebuild loses another member while loading
     r.steps(5)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.REBUILDING  # actor 0 died loading: rank 0's copy lives on rank 2
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING  # actor 0 died loading: rank 0's copy lives on rank 2
+    assert r.c.advance() == State.RUNNING
     assert r.c.next_step == 5 and not r.group.calls(RankCalls.load_checkpoint)
 
 
@@ -181,8 +181,8 @@ def test_with_steps_in_flight_a_lost_rank_restores_from_the_newest_complete_set(
     r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"}, window=2)
     r.group.fail(RankCalls.train_step, 1, "die", at=5)
     r.steps(5)  # start + steps 1-4 read (5 already sent with 4)
-    assert r.c.step() == State.REBUILDING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
     assert r.group.ranks[0].snapshots_loaded[-1].key == (1, 0, 4) and r.c.next_step == 5
     summary = r.c.run()
     assert summary.final_step == 6 and sorted(summary.losses) == [1, 2, 3, 4, 5, 6]
@@ -197,9 +197,9 @@ def test_a_grow_resumes_from_the_snapshot_of_the_last_step_without_saving_it(mak
     r = make("mesh.dp=2", "elastic.max_dp=4", "checkpoint.every=3", capacity=2, nodes={0: "A", 1: "B"})
     r.steps(4)  # start, steps 1-3 (step 3 committed)
     r.clock.t = 10.0
-    assert r.c.step() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
-    assert r.c.step() == State.FORMING  # the step-5 boundary: grow now
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
+    assert r.c.advance() == State.FORMING  # the step-5 boundary: grow now
+    assert r.c.advance() == State.RUNNING
     assert r.committed() == [3] and not r.group.calls(RankCalls.load_checkpoint)
     assert {args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)} == {3}
     source = r.group.ranks[0].snapshots_loaded[-1]
@@ -218,7 +218,7 @@ def test_an_eviction_whose_straggler_holds_a_shard_alone_saves_first(make):
     # leaves no copy of rank 1's shard, so step 3 is saved before they go.
     r.c.state = Forming(ResizeDecision(dp=2, reason="evict"), save_first=True, drop=frozenset({1, 3}),
                         drop_event="evict", snapshot_may_replace_save=True)
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.RUNNING
     assert 3 in r.committed() and r.group.calls(RankCalls.load_checkpoint)
 
 
@@ -230,10 +230,10 @@ def test_a_grow_without_a_save_still_commits_the_save_in_flight(make):
     r.group.slow_writes = True
     r.steps(4)  # start, steps 1-3
     r.clock.t = 10.0
-    assert r.c.step() == State.RUNNING  # the grow check begins 2 actors; step 4 trains, its save starts
+    assert r.c.advance() == State.RUNNING  # the grow check begins 2 actors; step 4 trains, its save starts
     assert r.committed() == []
-    assert r.c.step() == State.FORMING
-    assert r.c.step() == State.RUNNING
+    assert r.c.advance() == State.FORMING
+    assert r.c.advance() == State.RUNNING
     assert r.committed() == [4] and r.c.generation.shape.dp == 4
     assert [args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)] == [4, 4]  # one save, 2 ranks
     assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 4

@@ -40,7 +40,7 @@ def test_the_next_step_is_sent_before_the_last_is_read(make):
 def test_action_lists_go_once_per_generation_and_steps_carry_their_number(make):
     r = make(window=2)
     r.steps(7)
-    assert r.c.step() == State.FINISHED
+    assert r.c.advance() == State.FINISHED
     joins = r.group.calls(RankCalls.join_generation)
     assert len(joins) == 4 and all(args[2].actions for _, args in joins)  # GenerationOrders
     steps = r.group.calls(RankCalls.train_step)
@@ -62,7 +62,9 @@ def test_a_checkpoint_save_goes_between_its_step_read_good_and_the_next(make):
 
 def test_an_eval_drains_the_window_and_runs_between_its_step_and_the_next(make):
     r = make("eval.every=3", "checkpoint.every=0", window=3)
-    r.c.context.evaluator = Evaluator(r.cfg, "builtin", None)
+    r.c.context.evaluator = Evaluator(r.cfg.eval, last_step=r.cfg.train.steps,
+                                      step_timeout_s=r.cfg.elastic.step_timeout_s, eval_path="builtin",
+                                      mask_eos_id=None)
     assert r.c.run().final_step == 6
     assert _order(r, 0) == [("train", 1), ("train", 2), ("train", 3)] + [("eval", b) for b in range(4)] + [
         ("train", 4), ("train", 5), ("train", 6)] + [("eval", b) for b in range(4)] + [("save", 6)]  # the last step
@@ -122,7 +124,7 @@ def test_a_step_that_reached_a_rank_early_is_sent_again_not_failed(make):
     # window sends that step again to it once the step before was read; no failure, no restart.
     r = make("train.steps=6", window=2)
     r.group.fail(RankCalls.train_step, 1, "early", at=3)
-    while r.c.step() != State.FINISHED:
+    while r.c.advance() != State.FINISHED:
         pass
     assert not r.events("failure") and r.c.restarts == 0 and sorted(r.c.losses) == list(range(1, 7))
     sent = [args[0] for actor, args in r.group.calls(RankCalls.train_step) if actor == 1]
@@ -142,7 +144,7 @@ def test_a_rank_that_keeps_answering_early_fails_the_step(make):
         return original(call, rank)
 
     r.group._take_fault = always_early
-    while (state := r.c.step()) not in (State.REBUILDING, State.FINISHED):
+    while (state := r.c.advance()) not in (State.REBUILDING, State.FINISHED):
         pass
     assert state == State.REBUILDING and len(calls) == 4  # sent, then sent again RESENDS = 3 times
     failure, = r.events("failure")

@@ -58,7 +58,7 @@ def test_a_rank_that_answers_no_probe_is_hung_at_once(make):
     r.group.fail(RankCalls.train_step, 2, "hang", at=6)
     r.steps(6)  # start, steps 1-5: a pace is known
     assert r.c.context.hang_watch.probe_after_s() == PROBE_FLOOR_S
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["step"] == 6
     assert failure["reason"].startswith("no answer within 1.0 s to a liveness probe while step 6 ran")
@@ -75,7 +75,7 @@ def test_a_slow_step_with_every_rank_answering_runs_to_the_step_timeout(make):
     for actor in range(4):
         r.group.fail(RankCalls.train_step, actor, "slow", at=6)
     r.steps(6)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [] and failure["reason"].startswith("step 6 exceeded elastic.step_timeout_s=120")
     assert r.group.killed == []
@@ -87,7 +87,7 @@ def test_no_probes_when_off_or_before_the_pace_is_known(make, factor, at):
     r = make("train.steps=10", f"elastic.hang_probe_factor={factor}")
     r.group.fail(RankCalls.train_step, 2, "hang", at=at)
     r.steps(at)
-    assert r.c.step() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING
     failure, = r.events("failure")
     assert failure["ranks"] == [2] and failure["reason"] == "no progress within elastic.step_timeout_s"
     assert _statuses(r).count(2) == 1  # settle's poll only

@@ -86,8 +86,8 @@ def test_after_a_failure_a_run_resumes_its_own_not_a_newer_foreign_one(tmp_path)
     (foreign / MANIFEST).write_text(json.dumps(data))
 
     run.group.fail(RankCalls.train_step, 1, "die", at=5)
-    assert run.c.step() == State.REBUILDING
-    assert run.c.step() == State.RUNNING
+    assert run.c.advance() == State.REBUILDING
+    assert run.c.advance() == State.RUNNING
     loaded = {args[0] for _, args in run.group.calls(RankCalls.load_checkpoint)}
     assert loaded == {str(run.ckpt / "step-00000004" / "g1")}  # its own newest, not other-run's step 7
     assert _committed(run.ckpt)[7] == "other-run"

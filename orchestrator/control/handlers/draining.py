@@ -16,8 +16,8 @@ from orchestrator.control.step_loop import cross_boundary, read_oldest, top_up
 
 def handle(state: Draining, ctx: DriverContext) -> ControllerState:
     if ctx.window.flights:
-        return read_oldest(ctx, held=state)
-    decided = cross_boundary(ctx, held=state)
+        return read_oldest(ctx, draining=state)
+    decided = cross_boundary(ctx, draining=state)
     if decided is not None:
         return decided
-    return read_oldest(ctx, held=top_up(ctx))  # the decision lapsed and the step was sent: running again
+    return read_oldest(ctx, draining=top_up(ctx))  # the decision lapsed and the step was sent: running again

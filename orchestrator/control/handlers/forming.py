@@ -42,11 +42,11 @@ def handle_rebuilding(state: Rebuilding, ctx: DriverContext) -> ControllerState:
     live = len(ctx.group.live_ids)
     logger.info("generation %d broke at step %d (%s): re-forming from %d live actors", failure.generation,
                 failure.step, failure.reason, live)
-    return _form(ctx, ctx.scaling.after_failure(live), held=state.held)
+    return _form(ctx, ctx.scaling.after_failure(live), draining=state.draining)
 
 
 def _form(ctx: DriverContext, decision: ResizeDecision | TooFewWorkers,
-          held: Draining | None = None) -> ControllerState:
+          draining: Draining | None = None) -> ControllerState:
     if isinstance(decision, TooFewWorkers):
         return Errored(TrainingFailed(decision.message))
-    return form_generation(ctx, decision, held)
+    return form_generation(ctx, decision, draining)

@@ -28,7 +28,7 @@ def handle(state: Recovering, ctx: DriverContext) -> Rebuilding | Errored:
                        store_lost=store_lost, preempted=frozenset(ctx.preemptions.doomed))
     ctx.metrics.event("failure", step=failure.step, ranks=list(failure.ranks), reason=failure.reason)
     _end_generation_work(ctx)
-    return decide(ctx.failures, failure, state.held)
+    return decide(ctx.failures, failure, state.draining)
 
 
 def free_survivors(ctx: DriverContext, state: Recovering) -> Casualties:
@@ -51,15 +51,15 @@ def _end_generation_work(ctx: DriverContext) -> None:
     """What the broken generation had under way ends with it: a save in flight (none while forming),
     the steps in flight (settled with the outcome), the snapshot pushes (those under way may land)."""
     ctx.checkpoints.abandon_pending()
-    ctx.window.reset(ctx.window.after)
+    ctx.window.reset(ctx.window.prev_step)
     ctx.snapshots.settle(ctx.group, ctx.generation, timeout_s=SETTLE_SNAPSHOTS_S)
     ctx.recovery_clock.mark("snapshots_settled")
 
 
-def decide(policy: FailurePolicy, failure: Failure, held: Draining | None) -> Rebuilding | Errored:
-    """The failure policy's decision as the next state (``held``: a decision waiting for the steps the
-    failure ended, handed on to the next generation)."""
+def decide(policy: FailurePolicy, failure: Failure, draining: Draining | None) -> Rebuilding | Errored:
+    """The failure policy's decision as the next state (``draining``: the state whose decision waited
+    for the steps the failure ended, handed on to the next generation)."""
     decision = policy.decide(failure)
     if isinstance(decision, Raise):
         return Errored(decision.error)
-    return Rebuilding(failure, held)
+    return Rebuilding(failure, draining)

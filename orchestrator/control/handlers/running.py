@@ -16,7 +16,7 @@ def handle(state: Running, ctx: DriverContext) -> ControllerState:
     """Read the oldest step in flight (sending the next ones first, as far as the window and the
     boundaries allow); with nothing in flight, the full step boundary comes first."""
     if not ctx.window.flights:
-        decided = cross_boundary(ctx, held=None)
+        decided = cross_boundary(ctx, draining=None)
         if decided is not None:
             return decided
-    return read_oldest(ctx, held=top_up(ctx))
+    return read_oldest(ctx, draining=top_up(ctx))
