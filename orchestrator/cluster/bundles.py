@@ -26,6 +26,10 @@ per node in turn, nodes holding fewer of our actors first.
 
 A placement group reserved for the job by its owner (a Tune trial's) is not ours to remove: its
 bundles are used first and a bundle whose actor is gone is used again while its node lives.
+
+The GCS's views of the nodes that placement reads live here too, one reader each: ``alive_nodes``,
+``free_by_node`` and ``draining_nodes`` (which the preemption watch and the rendezvous store's
+placement read as well).
 """
 
 from __future__ import annotations
@@ -110,6 +114,22 @@ def free_by_node() -> dict[str, dict[str, float]]:
     except Exception as exc:
         logger.debug("available_resources_per_node: %s", exc)
         return {}
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Nodes Ray is draining now (a preemption notice, the autoscaler, ``ray drain-node``): node id ->
+    seconds until the drain deadline, None when it has none. Ray Train's PreemptionWatcher reads the
+    same GCS list; the accessor is private (a Ray upgrade may move it), so a failure here reads as
+    "none": nothing is then placed away from, or evicted off, a draining node ahead of time."""
+    try:
+        from ray._private.state import state
+
+        raw = state.get_draining_nodes()
+    except Exception as exc:
+        logger.debug("get_draining_nodes: %s", exc)
+        return {}
+    now_ms = time.time() * 1000.0
+    return {node: (deadline - now_ms) / 1000.0 if deadline else None for node, deadline in raw.items()}
 
 
 class Placements:

@@ -229,10 +229,6 @@ def _ip_of(nodes: Iterable[Mapping], node_id: str) -> str:
 
 def _draining() -> set[str]:
     """Node ids Ray is draining now (a new actor is not placed there)."""
-    try:
-        from ray._private.state import state
+    from orchestrator.cluster.bundles import draining_nodes  # lazily, as Ray: this module imports without it
 
-        return set(state.get_draining_nodes())
-    except Exception as exc:  # private API: a Ray upgrade may move it; hosting still works without
-        logger.debug("get_draining_nodes: %s", exc)
-        return set()
+    return set(draining_nodes())

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCall, RankCalls, call_name
 from meshspeak.rank_errors import kind_of
-from orchestrator.cluster.bundles import Placements, Slot
+from orchestrator.cluster.bundles import Placements, Slot, draining_nodes
 from orchestrator.cluster.ray_calls import error_line, shared_arg
 from orchestrator.errors import WorkerGroupStartupError
 
@@ -227,18 +227,8 @@ class WorkerGroup:
         return gone
 
     def draining_nodes(self) -> dict[str, float | None]:
-        """Nodes Ray is draining now (a preemption notice, the autoscaler, ``ray drain-node``): node id
-        -> seconds until the drain deadline, None when it has none. Ray Train's PreemptionWatcher
-        reads the same GCS list; the accessor is private, so a failure here reads as "none"."""
-        try:
-            from ray._private.state import state
-
-            raw = state.get_draining_nodes()
-        except Exception as exc:
-            logger.debug("get_draining_nodes: %s", exc)
-            return {}
-        now_ms = time.time() * 1000.0
-        return {node: (deadline - now_ms) / 1000.0 if deadline else None for node, deadline in raw.items()}
+        """Nodes Ray is draining now: node id -> seconds until the drain deadline (``bundles.draining_nodes``)."""
+        return draining_nodes()
 
     def free_slots(self) -> int:
         """How many more actors could start right now without waiting for placement: bundles that fit
