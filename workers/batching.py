@@ -17,6 +17,8 @@ from every rank's forward-only list: ``meshspeak.p2p_rounds.rank_batches``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -39,27 +41,48 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def step_data(runtime, source, microbatch_ids: list[np.ndarray], eos: int | None) -> tuple[StepData, int]:
+@dataclass(frozen=True)
+class ReplicaBatching:
+    """What ``step_data`` needs of the generation: the window length, the global batch, where the
+    tensors go, and the dp replicas whose counts one normalisation adds up."""
+
+    seq_len: int
+    global_batch_size: int
+    device: torch.device
+    dp: int
+    dp_group: object  # torch.distributed.ProcessGroup of this rank's dp replicas (None: dp = 1)
+    timeout_s: float  # elastic.collective_timeout_s: the count's all-reduce is checked
+
+    @classmethod
+    def of(cls, spec, groups) -> ReplicaBatching:
+        """For one rank of a generation (``RuntimeSpec``, ``RankGroups``)."""
+        return cls(seq_len=spec.model.seq_len, global_batch_size=spec.train.global_batch_size,
+                   device=groups.device, dp=groups.shape.dp,
+                   dp_group=groups.dp_group if groups.shape.dp > 1 else None,
+                   timeout_s=spec.collective_timeout_s)
+
+
+def step_data(batching: ReplicaBatching, source, microbatch_ids: list[np.ndarray],
+              eos: int | None) -> tuple[StepData, int]:
     """(StepData, global count of counted targets) for this replica's microbatches."""
-    groups, seq_len = runtime.groups, runtime.spec.model.seq_len
-    dp = groups.shape.dp
+    dp, device = batching.dp, batching.device
     inputs, targets = [], []
     local = 0
     for ids in microbatch_ids:
-        x, y = data_lib.microbatch_tokens(source, ids, seq_len)
+        x, y = data_lib.microbatch_tokens(source, ids, batching.seq_len)
         y = mask_targets(x, y, eos)
         local += counted(y)
-        inputs.append(to_device(x, groups.device))
-        targets.append(to_device(y, groups.device))
+        inputs.append(to_device(x, device))
+        targets.append(to_device(y, device))
     # Unmasked, every target counts: the global batch's G * seq_len, however the replicas split it
     # (elastic.rebalance gives them different numbers of microbatches: meshspeak/rebalance.py).
     # Masked (document boundaries, or chat shards' loss mask), one all-reduce adds the replicas' counts.
     every = counts_every_target(source, eos)
-    total = runtime.spec.train.global_batch_size * seq_len if every else local
+    total = batching.global_batch_size * batching.seq_len if every else local
     if not every and dp > 1:
-        count = torch.tensor([local], dtype=torch.float64, device=groups.device)
+        count = torch.tensor([local], dtype=torch.float64, device=device)
         # Checked: the count scales every gradient (workers.optim.checked_all_reduce).
-        checked_all_reduce(count, groups.dp_group, runtime.spec.collective_timeout_s)
+        checked_all_reduce(count, batching.dp_group, batching.timeout_s)
         total = int(count.item())
     total = max(1, total)
     return StepData(inputs=inputs, targets=targets, grad_scale=dp / total, report_scale=1.0 / total), total
@@ -74,9 +97,9 @@ def eval_forward(runtime, path, batch: int, actions: list[Action], eos: int | No
     g, dp, mbs = train.global_batch_size, groups.shape.dp, train.micro_batch_size
     per = g // dp
     ids = held_out.eval_ids(batch, g)[groups.coords.dp * per : (groups.coords.dp + 1) * per]
-    data, total = step_data(runtime, held_out.reader, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
+    data, total = step_data(runtime.batching, held_out.reader, [ids[i : i + mbs] for i in range(0, per, mbs)], eos)
     forward = forward_only(actions)
     with torch.no_grad():
         loss, _, _ = runtime.executor.run(forward, data)
-    reports = runtime.num_stages - 1 in runtime.stages and groups.coords.tp == 0
+    reports = runtime.holds_last_stage and groups.coords.tp == 0
     return {"loss": loss if reports else None, "count": total}

@@ -107,19 +107,6 @@ def configure_cuda() -> None:
     torch.backends.cuda.matmul.fp32_precision = "tf32"
 
 
-def freeze_startup_heap() -> None:
-    """Move every object alive now (the imported torch, Ray and model code: ~330k objects) out of the
-    cyclic GC's reach, once per process, before its first generation. ``release_memory`` runs a full
-    collection on a rebuild's critical path; while it scanned those objects too it took 0.7-1.2 s
-    per survivor in the chaos bench (a rank's join 0.55-0.6 s -> 0.2 s without). Only objects made
-    before the first join are frozen, so every generation's own cycles are still collected."""
-    import gc
-
-    if gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
-
-
 def release_memory(device: torch.device) -> None:
     """Free what a generation that was just dropped still holds, before the next one is built.
 

@@ -11,6 +11,12 @@ inside the first block's forward of the step (a straggler: workers/compute_clock
 ``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py);
 "sleep" at ``where="ckpt_write"`` stalls every checkpoint write from step ``at`` on by ``delay_s`` (slow
 storage: the save's collectives wait for this rank).
+
+Two seams, and nothing else knows a fault by name: the actor tells ``Faults.reached`` where it is
+(joining, loading, a step, a snapshot, an eval, a checkpoint write), and the runtime calls the
+``StepHooks`` points inside a step (workers/step_hooks.py), which ``Faults`` implements: the step's
+straggler sleep and CPU burn go to the compute clock, a "forward" signal hooks the first stage's
+forward, and a "nan" poisons the gradient once the backward is done.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import logging
 import os
 import signal
 import threading
+import time
 
+from workers.step_hooks import StepHooks
 from workers.write_faults import dcp_write_function, die_inside_next_dcp_write, stall_inside_next_dcp_write
 
 logger = logging.getLogger(__name__)
@@ -34,7 +42,7 @@ FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 SLEEP_POINTS = ("snapshot", "eval")
 
 
-class Faults:
+class Faults(StepHooks):
     def __init__(self) -> None:
         self._armed: dict[str, tuple[int, str, float]] = {}  # point -> (at, kind, delay_s)
         self._step: dict[str, tuple[int, int, float]] = {}  # STEP_FAULTS kind -> (at, steps, delay_s)
@@ -60,7 +68,21 @@ class Faults:
             dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._armed[where] = (at, kind, delay_s)
 
-    def take_sleep(self, where: str, at: int) -> float:
+    # -- the actor's seam -------------------------------------------------------------------------
+    def reached(self, where: str, at: int, runtime=None) -> None:
+        """The actor reached ``where`` ("join", "load", "step", "snapshot", "eval", "ckpt_write") at
+        ``at``: whatever is armed there happens now. "eval" needs the ``runtime`` (its first block's
+        forward sleeps)."""
+        if where == "snapshot":
+            time.sleep(self._take_sleep("snapshot", at))
+        elif where == "eval":
+            runtime.compute_clock.sleep_s = self._take_sleep("eval", at)  # slept in the first block's forward
+        elif where == "ckpt_write":
+            self._before_checkpoint_write(at)
+        else:
+            self._signal(where, at)
+
+    def _take_sleep(self, where: str, at: int) -> float:
         """The armed ``SLEEP_POINTS`` delay at ``where`` for ``at`` (once), else 0."""
         armed = self._sleeps.get(where)
         if armed is None or armed[0] != at:
@@ -69,16 +91,16 @@ class Faults:
         logger.warning("fault injection: sleep %.2fs at %s %d", armed[1], where, at)
         return armed[1]
 
-    def take(self, where: str, at: int) -> tuple[int, str, float] | None:
+    def _take(self, where: str, at: int) -> tuple[int, str, float] | None:
         fault = self._armed.get(where)
         if fault is None or fault[0] != at:
             return None
         del self._armed[where]
         return fault
 
-    def fire(self, where: str, at: int) -> None:
+    def _signal(self, where: str, at: int) -> None:
         """Signal this process now (or ``delay_s`` later) if a fault is armed at ``where``/``at``."""
-        fault = self.take(where, at)
+        fault = self._take(where, at)
         if fault is None:
             return
         _, kind, delay = fault
@@ -88,24 +110,33 @@ class Faults:
         else:
             threading.Timer(delay, os.kill, (os.getpid(), FAULT_SIGNALS[kind])).start()
 
-    def arm_step(self, runtime, step: int) -> None:
-        """Hand the runtime this step's share of the armed "nan" / "slow" / "sleep" faults, and hook a
-        "forward" fault (a one-shot forward hook on the rank's first stage signals the process when
-        that forward returns: unlike a timer it cannot miss a fast step)."""
-        def armed(kind: str) -> tuple[int, int, float] | None:
-            fault = self._step.get(kind)
-            return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
+    def _before_checkpoint_write(self, step: int) -> None:
+        fault = self._take("ckpt_write", step)
+        if fault is not None:
+            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
+        elif self._slow_writes is not None and step >= self._slow_writes[0]:
+            stall_inside_next_dcp_write(self._slow_writes[1])
 
-        runtime.inject_nan_grad = armed("nan") is not None
-        slow, sleep, each = armed("slow"), armed("sleep"), armed("sleep_each")
-        runtime.inject_busy_s = slow[2] if slow is not None else 0.0
-        runtime.inject_sleep_s = sleep[2] if sleep is not None else 0.0
-        runtime.inject_sleep_each_s = each[2] if each is not None else 0.0
-        if runtime.inject_nan_grad or runtime.inject_busy_s or runtime.inject_sleep_s or each:
+    # -- the runtime's seam (StepHooks) -----------------------------------------------------------
+    def _step_fault(self, kind: str, step: int) -> tuple[int, int, float] | None:
+        fault = self._step.get(kind)
+        return fault if fault is not None and fault[0] <= step < fault[0] + fault[1] else None
+
+    def step_begins(self, runtime, step: int) -> None:
+        """Give the compute clock this step's straggler faults ("slow" / "sleep": workers/compute_clock.py),
+        and hook a "forward" fault (a one-shot forward hook on the rank's first stage signals the process
+        when that forward returns: unlike a timer it cannot miss a fast step)."""
+        slow, sleep = self._step_fault("slow", step), self._step_fault("sleep", step)
+        each = self._step_fault("sleep_each", step)
+        clock = runtime.compute_clock
+        clock.busy_s = slow[2] if slow is not None else 0.0
+        clock.sleep_s = sleep[2] if sleep is not None else 0.0
+        clock.sleep_each_s = each[2] if each is not None else 0.0
+        nan = self._step_fault("nan", step) is not None
+        if nan or clock.busy_s or clock.sleep_s or each:
             logger.warning("fault injection at step %d: nan=%s busy=%.2fs sleep=%.2fs sleep/microbatch=%.3fs", step,
-                           runtime.inject_nan_grad, runtime.inject_busy_s, runtime.inject_sleep_s,
-                           runtime.inject_sleep_each_s)
-        fault = self.take("forward", step)
+                           nan, clock.busy_s, clock.sleep_s, clock.sleep_each_s)
+        fault = self._take("forward", step)
         if fault is None:
             return
         sig = FAULT_SIGNALS[fault[1]]
@@ -118,10 +149,9 @@ class Faults:
 
         handle = module.register_forward_hook(signal_after_forward)
 
-    def before_checkpoint_write(self, step: int) -> None:
-        fault = self.take("ckpt_write", step)
-        if fault is not None:
-            die_inside_next_dcp_write(FAULT_SIGNALS[fault[1]])
-        elif self._slow_writes is not None and step >= self._slow_writes[0]:
-            stall_inside_next_dcp_write(self._slow_writes[1])
+    def gradients_ready(self, runtime, step: int) -> None:
+        """"nan": a NaN in this rank's gradient, as a non-finite loss would leave (a bad step everywhere)."""
+        if self._step_fault("nan", step) is not None:
+            from workers.update_check import poison_grads
 
+            poison_grads(runtime.params, runtime.tied.not_in_norm)

@@ -242,24 +242,57 @@ def build_process_groups(
     name's address). A store or a peer this rank cannot connect to ends the join with one line
     (``workers.reach``).
     """
+    prefix = store_prefix or f"gen{generation}"
+    backend = _prepare_process(device, bind_ip)
+    where = f"a rank on {bind_ip}" if bind_ip else f"rank {world_rank}"
+    check_store(store_addr, store_port, where)
+    made, ports = _rendezvous(store_addr, store_port, prefix, store_secret, shape, world_rank,
+                              timedelta(seconds=timeout_s), backend, replicate, bind_ip, where, generation)
+    _check_bound(ports, bind_ip, backend)
+    names = _axis_names(prefix)
+    return RankGroups(
+        generation=generation,
+        shape=shape,
+        world_rank=world_rank,
+        coords=shape.coords(world_rank),
+        device=device,
+        mesh=_device_mesh(made.mesh_groups, shape, replicate, names, device),
+        ckpt_group=made.ckpt_group,
+        axis_names=names,
+        gloo_ports=ports,
+        backend=backend,
+        replicate=replicate,
+        flat_dp_group=made.flat_dp,
+        bind_ip=bind_ip,
+    )
+
+
+def _prepare_process(device: torch.device, bind_ip: str | None) -> str:
+    """What this process needs before a generation's rendezvous: no earlier generation's DTensor
+    caches or group names, NCCL's interface and environment on a GPU, gloo's pairs eager (see the
+    module docstring). The training groups' backend."""
     clear_dtensor_caches()
     _restart_group_names()
-    timeout = timedelta(seconds=timeout_s)
     backend = backend_for(device)
-    nccl = backend == "nccl"
-    if nccl:
+    if backend == "nccl":
         nccl_interface(bind_ip)
         apply_nccl_env()
     os.environ.pop(GLOO_LAZY_INIT, None)  # eager pairs (see the module docstring); read per group
-    where = f"a rank on {bind_ip}" if bind_ip else f"rank {world_rank}"
-    check_store(store_addr, store_port, where)
+    return backend
+
+
+def _rendezvous(store_addr: str, store_port: int, prefix: str, store_secret: str, shape: MeshShape,
+                world_rank: int, timeout: timedelta, backend: str, replicate: int, bind_ip: str | None,
+                where: str, generation: int) -> tuple[_MadeGroups, list[int]]:
+    """Meet the generation's peers and make this rank's groups (``_make_groups``), bound to
+    ``bind_ip``; with the listening ports they opened, which the kick shuts down. On failure nothing
+    is left behind, and a peer this rank cannot reach is said in one line (``workers.reach``)."""
     listeners_before = sockets.listening_ports()
     try:
         with bound_groups(bind_ip):
-            groups, flat_dp, ckpt_group, listeners_before = _make_groups(
-                store_addr, store_port, store_prefix or f"gen{generation}", store_secret, shape, world_rank,
-                timeout, backend, replicate, listeners_before)
-        ports = sorted(sockets.listening_ports() - listeners_before)
+            made = _make_groups(store_addr, store_port, prefix, store_secret, shape, world_rank, timeout,
+                                backend, replicate, listeners_before)
+        return made, sorted(sockets.listening_ports() - made.listeners_before)
     except BaseException as exc:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
         # the next generation's init_process_group would fail with "initialize twice".
@@ -272,37 +305,37 @@ def build_process_groups(
         if unreachable is not None:
             raise unreachable from exc
         raise
-    _check_bound(ports, bind_ip, backend)
-    names = _axis_names(store_prefix or f"gen{generation}")
-    names = _axis_names(store_prefix or f"gen{generation}")
+
+
+def _device_mesh(mesh_groups: list[dist.ProcessGroup], shape: MeshShape, replicate: int, names: dict[str, str],
+                 device: torch.device) -> DeviceMesh:
+    """The generation's DeviceMesh over the groups already made (``DeviceMesh.from_group``: no group of
+    its own, so every group keeps the explicit timeout): (dp, pp, tp), or under HSDP (replicate,
+    dp shard, pp, tp), its axes named uniquely for this generation (``_axis_names``)."""
     if replicate > 1:
         layout = torch.arange(shape.world).view(replicate, shape.dp // replicate, shape.pp, shape.tp)
         dims = (DP_REPLICATE, *AXES)
     else:
         layout = torch.arange(shape.world).view(shape.dp, shape.pp, shape.tp)
         dims = AXES
-    mesh = DeviceMesh.from_group(groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in dims))
-    return RankGroups(
-        generation=generation,
-        shape=shape,
-        world_rank=world_rank,
-        coords=shape.coords(world_rank),
-        device=device,
-        mesh=mesh,
-        ckpt_group=ckpt_group,
-        axis_names=names,
-        gloo_ports=ports,
-        backend=backend,
-        replicate=replicate,
-        flat_dp_group=flat_dp,
-        bind_ip=bind_ip,
-    )
+    return DeviceMesh.from_group(mesh_groups, device.type, mesh=layout, mesh_dim_names=tuple(names[a] for a in dims))
+
+
+@dataclass
+class _MadeGroups:
+    """What ``_make_groups`` made for one rank of a generation."""
+
+    mesh_groups: list[dist.ProcessGroup]  # one per mesh axis, in the mesh's order
+    flat_dp: dist.ProcessGroup | None  # all dp ranks, made only when replicate > 1
+    ckpt_group: dist.ProcessGroup
+    listeners_before: set[int]  # the listening ports before the ones to record for the kick
 
 
 def _make_groups(store_addr: str, store_port: int, prefix: str, store_secret: str, shape: MeshShape,
-                 world_rank: int, timeout: timedelta, backend: str, replicate: int, listeners_before: set[int]):
-    """The generation's groups (``build_process_groups``): (the mesh's groups, the flat dp group or
-    None, the checkpoint group, the listening ports before the ones to record for the kick)."""
+                 world_rank: int, timeout: timedelta, backend: str, replicate: int,
+                 listeners_before: set[int]) -> _MadeGroups:
+    """This rank's groups of the generation (``build_process_groups``): the default group, its own
+    axis groups (and under HSDP the flat dp group), the checkpoint group."""
     nccl = backend == "nccl"
     base = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timeout)
     # A fresh prefix per generation: group names restart at 0 after destroy_process_group, so a
@@ -333,7 +366,7 @@ def _make_groups(store_addr: str, store_port: int, prefix: str, store_secret: st
         listeners_before = sockets.listening_ports()
     ckpt_group = dist.new_group(list(range(shape.world)), timeout=timeout, backend="gloo",
                                 use_local_synchronization=True)
-    return groups, flat_dp, ckpt_group, listeners_before
+    return _MadeGroups(groups, flat_dp, ckpt_group, listeners_before)
 
 
 def _check_bound(ports: list[int], bind_ip: str | None, backend: str) -> None:

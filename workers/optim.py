@@ -141,17 +141,3 @@ def clip_grad_norm(
                                                  foreach=True)
     return float(total)
 
-
-def poison_grads(params, not_in_norm: set[int]) -> None:
-    """Put a NaN into this rank's share of one counted gradient: the global norm becomes NaN on
-    every rank (how a non-finite loss on the last stage reaches the one skip decision).
-    ``not_in_norm``: ids of parameters the norm leaves out (a pipeline's tied copy)."""
-    from torch.distributed.tensor import DTensor
-
-    for p in params:
-        if p.grad is None or id(p) in not_in_norm:
-            continue
-        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        if local.numel():
-            local.view(-1)[0] = float("nan")
-            return

@@ -1,9 +1,16 @@
 """RankRuntime: everything one rank trains with during one generation.
 
 It owns the generation's ``RankGroups``, this rank's pipeline stages (built, TP'd and FSDP'd),
-their optimizers and the data source. A rebuild throws the whole object away and makes a new one
-from the next generation's groups; state crosses generations only through a checkpoint (or the
-in-memory snapshot used by tests), never through cached groups or meshes.
+their optimizers and the data source, built in order by the steps of workers/runtime_build.py. A
+rebuild throws the whole object away and makes a new one from the next generation's groups; state
+crosses generations only through a checkpoint or an in-memory snapshot (taken every
+``elastic.snapshot_every`` steps by default, pushed to another rank: docs/design.md, In-memory
+snapshots), never through cached groups or meshes.
+
+A training step reads as TorchTitan's ``train_step``: zero the gradients, run the microbatches
+(the driver's pipeline actions: forward and backward), decide the update (clip, the finite check,
+float16's loss scale: workers/update_check.py), step the optimizers. Something outside may act at
+the step's hook points (``StepHooks``: fault injection on purpose), which the runtime never names.
 
 Usable without Ray (the single-rank benchmark and the spawned-process tests build it directly).
 """
@@ -12,141 +19,152 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 import meshdata as data_lib
-from meshmodels.build import build_local_stage
+from meshdata.prefetch import ReadAhead
 from meshmodels.family import runtime_family
-from meshmodels.hf_io import load_hf
-from meshspeak.mesh import layer_ranges
 from meshspeak.messages import RuntimeSpec, StepResult, WriteAck
-from meshspeak.schedule import Action, placement_of, stages_of_rank
+from meshspeak.schedule import Action
 from workers import compile_stats
-from workers.batching import eval_forward, step_data
-from workers.compression import setup_dp_reduction, wrap_ddp
-from workers.compute_clock import ComputeClock
+from workers.batching import ReplicaBatching, eval_forward, step_data
 from workers.groups import RankGroups
-from workers.loss_scale import DynamicLossScale
-from workers.optim import build_optimizer, clip_grad_norm, lr_at, poison_grads, set_lr
-from workers.parallelize import parallelize_stage
-from workers.pipeline import Executor, Stage, StepData
-from workers.tied import TiedGrads
+from workers.optim import lr_at, set_lr
+from workers.pipeline import StepData
+from workers.runtime_build import (
+    apply_checkpoint_group_bound,
+    apply_dp_reduction,
+    apply_initial_weights,
+    apply_tied_parameters,
+    build_compute_clock,
+    build_executor,
+    build_loss_scale,
+    build_stages,
+)
+from workers.step_hooks import StepHooks
+from workers.update_check import UpdateCheck, bad_reason
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
 
 class RankRuntime:
-    def __init__(self, spec: RuntimeSpec, groups: RankGroups) -> None:
-        self.spec = spec
-        self.groups = groups
-        model_cfg, train = spec.model, spec.train
-        shape, coords = groups.shape, groups.coords
-        self.num_stages = shape.pp * spec.virtual_stages
-        self.param_dtype = DTYPES[train.dtype]
-        ranges = layer_ranges(list(spec.layers_per_stage))
-        self.stages: dict[int, Stage] = {}
-        self.optimizers: list[torch.optim.Optimizer] = []
+    def __init__(self, spec: RuntimeSpec, groups: RankGroups, *, hooks: StepHooks | None = None,
+                 before_update: Callable[[], None] | None = None) -> None:
+        """Build this rank's share of the generation, step by step (workers/runtime_build.py).
+
+        ``hooks``: the step's hook points (none by default). ``before_update``: called before the
+        optimizers write the state (the actor's snapshot worker waits there for a copy still reading it:
+        workers/snapshot_push.py)."""
+        self.spec, self.groups = spec, groups
         self.family, self.shape = runtime_family(spec)
-        # The data-parallel strategy comes decided in the spec (meshspeak/dp_plan.py): DDP, FSDP2 or none.
-        dp_plan = spec.dp
-        use_ddp = dp_plan.wrapper == "ddp"
-        placement = placement_of(spec.schedule)  # zbv: the V (meshspeak/actions.py)
-        for index in stages_of_rank(coords.pp, shape.pp, spec.virtual_stages, placement):
-            first, end = ranges[index]
-            # Built on the meta device; only this rank's shards are ever allocated (meshmodels/build.py).
-            module = build_local_stage(
-                self.family, self.shape, range(first, end), device=groups.device, seed=train.seed,
-                activation_checkpointing=train.activation_checkpointing,
-                init=not spec.init_from and not spec.load_follows,  # a load overwrites it anyway
-                dtype=torch.float64 if train.dtype == "float64" else None,  # fp64 master weights too
-                cpu_offload=dp_plan.cpu_offload,
-                parallelize=lambda m: parallelize_stage(
-                    m, self.family, dp_plan, tp_mesh=groups.tp_mesh,
-                    dp_mesh=groups.shard_mesh if dp_plan.fsdp_over == "shard" else groups.dp_mesh,
-                    param_dtype=self.param_dtype, fsdp_unit_bytes=int(spec.fsdp_unit_mb * 2**20),
-                    compile=train.compile,
-                ),
-            )
-            self.stages[index] = Stage(
-                index=index, module=module, is_first=index == 0, is_last=index == self.num_stages - 1,
-                ddp=wrap_ddp(module, groups.dp_group) if use_ddp else None,
-            )
-            self.optimizers.append(build_optimizer(module, train, dp_group=groups.dp_group))
-        # The dp bytes of each step, and the reduction the plan chose (workers/compression.py).
-        self.dp_bytes = setup_dp_reduction([st.module for st in self.stages.values()], dp_plan, train, groups,
-                                           [st.ddp for st in self.stages.values() if st.ddp is not None],
-                                           self.optimizers)
-        # Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py).
-        self.compute_clock = ComputeClock((b for st in self.stages.values() for b in self.family.blocks(st.module)),
-                                          device=groups.device)
-        self.params: list[nn.Parameter] = [
-            p for stage in self.stages.values() for p in stage.module.parameters()
-        ]
-        self._bound_checkpoint_group()
-        self._apply_family_specifics()
-        seq_local = model_cfg.seq_len // shape.tp if shape.tp > 1 else model_cfg.seq_len
-        self.executor = Executor(
-            self.stages,
-            num_stages=self.num_stages,
-            pp=shape.pp,
-            peer_of_pp_index=groups.pp_peer,
-            boundary_shape=(train.micro_batch_size, seq_local, self.shape.d_model),
-            boundary_dtype=self.param_dtype,
-            device=groups.device,
-            pp_group=groups.pp_group if shape.pp > 1 else None,
-            # gloo only (see workers.p2p). 4 ahead: interleaved 1F1B's late receives went from
-            # 3.7 ms (p90) with 0 ahead to 0.25 ms, and its pp=2 m=8 bubble from 0.11-0.13 to 0.086.
-            recv_lookahead=4 if groups.backend == "gloo" else 0,
-            nccl_plan=self._nccl_plan if groups.backend == "nccl" else None,
-            loss_fn=self.family.loss_sum,
-            placement=placement,
-        )
-        # fp16: dynamic loss scaling, one decision for all ranks (workers/loss_scale.py).
-        self.loss_scale = DynamicLossScale(scale=train.loss_scale_initial, growth_interval=train.loss_scale_window,
-                                           min_scale=train.loss_scale_min) if train.dtype == "float16" else None
-        self._writer = None
-        self._save_future = None
-        self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save
-        self._snapshots = None  # checkpoints.memory.SnapshotTaker, made at the first snapshot
-        self._save_call_s = 0.0
-        self.data = data_lib.open_mixture(spec.data_mix or spec.data_path, model_cfg.seq_len)
-        self.source = self.data.reader
-        # Test hooks (RankActor.arm_fault): a NaN in this rank's gradient; CPU seconds burnt / seconds
-        # slept inside the step's first block forward, as a straggler would (workers/compute_clock.py).
-        self.inject_nan_grad = False
+        self.stages, self.optimizers = build_stages(spec, groups, self.family, self.shape)
+        self.params: list[nn.Parameter] = [p for st in self.stages.values() for p in st.module.parameters()]
+        self.dp_bytes = apply_dp_reduction(self.stages, self.optimizers, spec, groups)
+        self.compute_clock = build_compute_clock(self.stages, self.family, groups.device)
+        apply_checkpoint_group_bound(self.params, groups, spec.collective_timeout_s)
+        self.tied = apply_tied_parameters(self.stages, self.family, self.shape, spec, groups)
+        apply_initial_weights(self.stages, self.family, spec, groups)
+        self.executor = build_executor(self.stages, self.family, self.shape, spec, groups)
+        self.loss_scale = build_loss_scale(spec.train)
+        self.update_check = UpdateCheck(self.params, self.tied.not_in_norm, groups, spec.train.grad_clip,
+                                        spec.collective_timeout_s, self.loss_scale)
+        self.data = data_lib.open_mixture(spec.data_mix or spec.data_path, spec.model.seq_len)
+        self.read_ahead = ReadAhead(self.data.reader)  # the next step's windows, read on a thread of its own
+        self.batching = ReplicaBatching.of(spec, groups)
+        self.hooks = hooks or StepHooks()
+        self.before_update = before_update or (lambda: None)
         # Built uninitialised because the driver announced a load (RuntimeSpec.load_follows): nothing
         # may train, evaluate or save before it came (e.g. the snapshot's holder died in between).
         self._awaiting_load = spec.load_follows
-        self.inject_busy_s = 0.0
-        self.inject_sleep_s = 0.0
-        # Called before the optimizer writes the state: a snapshot still copying it finishes first
-        # (the actor's snapshot worker sets it; workers/snapshot_push.py).
-        self.before_update = lambda: None
-        self.inject_sleep_each_s = 0.0  # test hook: seconds slept in every microbatch (a slow device)
+        self._ckpt_state = None  # checkpoints.state.TrainingState, made at the first save or snapshot
+        self._writer = None  # checkpoints.writer.AsyncCheckpointWriter, made at the first save
+        self._save_future = None
+        self._save_call_s = 0.0
+        self._snapshots = None  # checkpoints.snapshot_taker.SnapshotTaker, made at the first snapshot
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (the one that computes the loss)."""
+        return self.executor.num_stages - 1 in self.stages
+
+    def model_parts(self) -> list[nn.Module]:
+        return [stage.module for stage in self.stages.values()]
 
     # -- training ---------------------------------------------------------------------------------
-    def _nccl_plan(self, actions: list[Action]) -> list:
-        """This rank's lockstep P2P batches on NCCL (meshspeak.p2p_rounds; cached per list)."""
-        from meshspeak.p2p_rounds import rank_batches
+    def train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
+        """Zero the gradients, run the microbatches (forward/backward over the schedule), decide the
+        update (clip, the finite check) and step. Collective errors propagate.
 
-        return rank_batches(self.spec.schedule, self.groups.shape.pp, self.spec.virtual_stages,
-                            self.groups.coords.pp, tuple(actions))
+        ``split``: the step's microbatches per dp replica as the driver decided them
+        (``elastic.rebalance``: meshspeak/rebalance.py); ``actions`` is then the schedule for this
+        replica's count. None: the even split.
+
+        A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
+        optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
+        """
+        self._check_loaded()
+        t0, own0 = time.perf_counter(), time.thread_time()
+        compiled = self.spec.train.compile
+        if compiled:
+            compile_stats.PROCESS.start()
+        self.compute_clock.take()  # drop what an eval forward counted since the last step
+        self.hooks.step_begins(self, step)
+        data = self._step_data(step, split)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        scale_used = self.loss_scale.scale if self.loss_scale is not None else None
+        if scale_used is not None:  # float16: the last stage's loss is multiplied by it before backward
+            self.executor.loss_scale = scale_used
+        loss, timings, compute = self.executor.run(actions, data)
+        self.tied.sync()
+        self.hooks.gradients_ready(self, step)
+        verdict = self.update_check.verdict(step, loss if self.holds_last_stage else None)
+        if not verdict:
+            self._optimizer_step(step)
+        return StepResult(
+            step=step,
+            world_rank=self.groups.world_rank,
+            ok=True,
+            loss=loss if self.holds_last_stage and self.groups.coords.tp == 0 else None,
+            step_time_s=time.perf_counter() - t0,
+            compute_s=compute,
+            timings=tuple(timings),
+            loss_scale=scale_used,
+            skipped=bool(verdict),
+            bad=bad_reason(verdict),
+            own_s=time.thread_time() - own0,
+            forward_s=self.compute_clock.take(),
+            dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
+            recompiles=compile_stats.PROCESS.stop() if compiled else None,
+        )
+
+    def _optimizer_step(self, step: int) -> None:
+        """The update: the learning rate of ``step`` (a pure function of it: meshspeak/lr_schedule.py),
+        then every optimizer's step, once nothing still copies the state they write."""
+        self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
+        set_lr(self.optimizers, lr_at(step, self.spec.train))
+        self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
+        for opt in self.optimizers:
+            opt.step()
 
     def _step_data(self, step: int, split: tuple[int, ...] | None) -> StepData:
         train, shape = self.spec.train, self.groups.shape
-        ids = data_lib.replica_slice(
-            self.data.step_ids(step, train.global_batch_size, train.seed), train.micro_batch_size,
-            self.groups.coords.dp, shape.dp, counts=split,
-        )
+
+        def replica_ids(at: int) -> list[np.ndarray]:  # this replica's microbatches of step ``at``
+            return data_lib.replica_slice(self.data.step_ids(at, train.global_batch_size, train.seed),
+                                          train.micro_batch_size, self.groups.coords.dp, shape.dp, counts=split)
+
         # Loss normalisation (global count of counted targets, document masks): workers/batching.py.
-        return step_data(self, self.source, ids, self.spec.mask_eos_id)[0]
+        data = step_data(self.batching, self.read_ahead, replica_ids(step), self.spec.mask_eos_id)[0]
+        # Step + 1's windows are read while this step trains, and served only if asked for exactly
+        # (a rollback, a re-plan or another split reads anew: meshdata/prefetch.py).
+        self.read_ahead.prefetch(replica_ids(step + 1), self.spec.model.seq_len)
+        return data
 
     def eval_step(self, path: str, batch: int, actions: list[Action], mask_eos_id: int | None) -> dict:
         """Held-out loss of eval batch ``batch`` (forward only; see workers/batching.py)."""
@@ -157,89 +175,6 @@ class RankRuntime:
         if self._awaiting_load:
             raise RuntimeError("the parameters were left uninitialised for a checkpoint or snapshot load "
                                "that never came: this generation cannot train")
-
-    def train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
-        """Forward/backward over the schedule, clip, optimizer step. Collective errors propagate.
-
-        ``split``: the step's microbatches per dp replica as the driver decided them
-        (``elastic.rebalance``: meshspeak/rebalance.py); ``actions`` is then the schedule for this
-        replica's count. None: the even split.
-
-        A step whose loss or global grad norm is not finite is skipped on every rank: parameters and
-        optimizer state untouched, reported as ``StepResult.bad`` (docs/design.md, Bad steps).
-        """
-        self._check_loaded()
-        t0 = time.perf_counter()
-        compiled = self.spec.train.compile
-        if compiled:
-            compile_stats.PROCESS.start()
-        own0 = time.thread_time()
-        self.compute_clock.take()  # drop what an eval forward counted since the last step
-        self.compute_clock.busy_s, self.compute_clock.sleep_s = self.inject_busy_s, self.inject_sleep_s
-        self.compute_clock.sleep_each_s = self.inject_sleep_each_s
-        data = self._step_data(step, split)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-        scaler = self.loss_scale
-        if scaler is not None:
-            self.executor.loss_scale = scale_used = scaler.scale
-        loss, timings, compute = self.executor.run(actions, data)
-        self.tied.sync()
-        holds_loss = self.num_stages - 1 in self.stages
-        loss_bad = holds_loss and not math.isfinite(loss)
-        if loss_bad or self.inject_nan_grad:
-            self.inject_nan_grad = False
-            poison_grads(self.params, self.tied.not_in_norm)
-        verdict = self._fp16_verdict(loss_bad) if scaler is not None else ""
-        bad = "" if verdict == "overflow" else verdict
-        if not verdict:
-            # The global grad norm (reduced over dp, tp and pp) is the one decision for every rank:
-            # a NaN/inf gradient anywhere, or a rank's non-finite loss (poisoned into its gradient
-            # above), makes it non-finite everywhere. So it is computed even when clipping is off.
-            world = self.groups.world_axes if self.groups.shape.world > 1 else None
-            norm = clip_grad_norm(self.params, self.spec.train.grad_clip, world, self.tied.not_in_norm,
-                                  holders=self.groups.shape.dp * self.groups.shape.tp, device=self.groups.device,
-                                  timeout_s=self.spec.collective_timeout_s)
-            if math.isfinite(norm):
-                self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
-                set_lr(self.optimizers, lr_at(step, self.spec.train))
-                self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-                for opt in self.optimizers:
-                    opt.step()
-            else:
-                bad = "loss" if loss_bad else "grad_norm"
-                logger.warning("step %d: %s not finite; update skipped on every rank", step, bad)
-        elif verdict == "overflow":
-            logger.warning("step %d: fp16 gradients overflowed; update skipped on every rank, loss "
-                           "scale now %g", step, scaler.scale)
-        else:
-            logger.warning("step %d: %s not finite at loss scale %g; update skipped on every rank", step, bad,
-                           scaler.scale)
-        coords = self.groups.coords
-        reports_loss = self.num_stages - 1 in self.stages and coords.tp == 0
-        return StepResult(
-            step=step,
-            world_rank=self.groups.world_rank,
-            ok=True,
-            loss=loss if reports_loss else None,
-            step_time_s=time.perf_counter() - t0,
-            compute_s=compute,
-            timings=tuple(timings),
-            loss_scale=scale_used if scaler is not None else None,
-            skipped=bool(verdict) or bool(bad),
-            bad=bad,
-            own_s=time.thread_time() - own0,
-            forward_s=self.compute_clock.take(),
-            dp_bytes=self.dp_bytes.take() if self.dp_bytes is not None else None,
-            recompiles=compile_stats.PROCESS.stop() if compiled else None,
-        )
-
-    def _fp16_verdict(self, loss_bad: bool) -> str:
-        """float16: unscale the gradients and judge the step, one decision for every rank (an
-        all-reduce over the world): "", "overflow", or a bad step's reason (workers/loss_scale.py)."""
-        checked = self.loss_scale.unscale_and_check(self.params, self.groups.device, self.groups.world_axes,
-                                                    self.spec.collective_timeout_s, loss_bad=loss_bad)
-        return self.loss_scale.judge(*checked)
 
     # -- inspection -------------------------------------------------------------------------------
     def full_state(self) -> dict[str, np.ndarray]:
@@ -260,40 +195,35 @@ class RankRuntime:
                     out[name] = (full if full.dtype == torch.float64 else full.float()).cpu().numpy().copy()
         return out
 
-    def _bound_checkpoint_group(self) -> None:
-        """Give the checkpoint group's collectives (DCP save and load, init_from) a bound derived from
-        the work instead of ``elastic.collective_timeout_s``: in them every rank waits for the slowest
-        one's storage, and a rank a minute behind used to fail a save with every rank alive, which read
-        as storage failing and stopped the run. A rank that dies is found by liveness and its peers
-        freed by the driver's kick, so this bound is only the backstop for a live rank that never
-        returns (#36: time alone never fails a live run)."""
-        from datetime import timedelta
+    def local_state_bytes(self) -> int:
+        """This rank's own training state: its parameters' and optimizer states' local (shard) bytes."""
+        from torch.distributed.tensor import DTensor
 
-        from checkpoints.writer import checkpoint_group_timeout_s
+        def local(t) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
 
-        planned = 3 * sum(p.numel() * p.element_size() for p in self.params)  # parameters + Adam's 2 moments
-        bound_s = checkpoint_group_timeout_s(planned, self.spec.collective_timeout_s)
-        if bound_s > self.spec.collective_timeout_s:
-            self.groups.ckpt_group.set_timeout(timedelta(seconds=bound_s))
-            logger.info("checkpoint group timeout %.0f s (elastic.collective_timeout_s %.0f s): %d bytes of state "
-                        "at the slowest storage waited for", bound_s, self.spec.collective_timeout_s, planned)
-
-    def _apply_family_specifics(self) -> None:
-        """The model family's specifics (meshmodels/): tied copies across stages, initial HF weights."""
-        modules = {i: st.module for i, st in self.stages.items()}
-        self.tied = TiedGrads(self.family.tied_parameters(self.shape), modules, self.num_stages, self.groups,
-                              self.spec.collective_timeout_s)
-        if self.spec.init_from:
-            # Straight into the local shards, collectively; the driver validated the directory.
-            load_hf(self.model_parts(), self.family, self.spec.init_from, process_group=self.groups.ckpt_group)
-
-    def model_parts(self) -> list[nn.Module]:
-        return [stage.module for stage in self.stages.values()]
+        total = sum(local(p) for p in self.params)
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return total
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def _training_state(self, step: int) -> dict:
+        """Step ``step``'s state as checkpoints and snapshots save it (``TrainingState.snapshot``): the
+        model's and optimizers' state dicts, kept for the generation so that later saves take the
+        verified fast path, and the extras (the data cursor, float16's loss scale; no RNG state)."""
+        from checkpoints.state import TrainingState
+
+        if self._ckpt_state is None:
+            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
+        loss_scale = None if self.loss_scale is None else self.loss_scale.state_dict()
+        cursor = step * self.spec.train.global_batch_size
+        return self._ckpt_state.snapshot(step=step, data_cursor=cursor, rng=False, loss_scale=loss_scale)
+
     def save_checkpoint(self, path: str, step: int) -> float:
         """Stage this rank's shard of step ``step`` and start writing it; returns the stall seconds."""
-        from checkpoints.state import TrainingState
         from checkpoints.writer import AsyncCheckpointWriter
 
         t0 = time.perf_counter()
@@ -303,10 +233,7 @@ class RankRuntime:
             # read the parameters; train_step waits for it before the optimizer writes them.
             self._writer = AsyncCheckpointWriter(self.groups.ckpt_group, use_async=self.spec.async_checkpoint,
                                                  stage_in_background=True)
-        if self._ckpt_state is None:  # kept for the generation: later saves take the fast path
-            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
-        state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
-                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
+        state = self._training_state(step)
         state["extra"]["model"] = self._model_record()
         self._save_future = self._writer.save(state, path)
         self._save_call_s = time.perf_counter() - t0
@@ -350,19 +277,23 @@ class RankRuntime:
         if self._save_future is not None:
             wait([self._save_future])  # not .result(): a failure is reported where it is read
 
-    def load_checkpoint(self, path: str) -> int:
-        """Load (resharding into this generation's mesh) and return the checkpoint's step."""
+    def _load(self, what: str, reader=None) -> int:
+        """Load a training state (resharding it into this generation's mesh), collectively, and return
+        its step: the checkpoint directory ``what``, or through ``reader`` (``what`` then names it for
+        errors). Checkpoints and snapshots differ only in where the bytes come from."""
         from checkpoints.reader import load_training_state
 
         self._finish_checkpoint_write()
-        point = load_training_state(
-            path, self.model_parts(), self.optimizers, restore_rng=False,
-            process_group=self.groups.ckpt_group,
-        )
+        point = load_training_state(what, self.model_parts(), self.optimizers, restore_rng=False,
+                                    process_group=self.groups.ckpt_group, reader=reader)
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
         self._awaiting_load = False
         return point.step
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load (resharding into this generation's mesh) and return the checkpoint's step."""
+        return self._load(path)
 
     # -- in-memory snapshots (checkpoints/snapshot_taker.py; docs/design.md, In-memory snapshots) ---
     def plan_snapshot(self, step: int, slot: int):
@@ -370,15 +301,10 @@ class RankRuntime:
         caller's to run off this thread (``PlannedSnapshot.copy``) before the next update; or, at the
         first take of the generation, a complete snapshot taken now."""
         from checkpoints.snapshot_taker import SnapshotTaker
-        from checkpoints.state import TrainingState
 
-        if self._ckpt_state is None:  # shared with checkpoints: the same verified fast state dicts
-            self._ckpt_state = TrainingState(self.model_parts(), self.optimizers)
         if self._snapshots is None:  # plans once per generation
             self._snapshots = SnapshotTaker()
-        state = self._ckpt_state.snapshot(step=step, data_cursor=step * self.spec.train.global_batch_size,
-                                          rng=False, loss_scale=None if self.loss_scale is None else self.loss_scale.state_dict())
-        return self._snapshots.plan(state, step=step, rank=self.groups.world_rank, slot=slot)
+        return self._snapshots.plan(self._training_state(step), step=step, rank=self.groups.world_rank, slot=slot)
 
     def load_snapshot(self, source, store, actor_id: int):
         """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
@@ -389,13 +315,11 @@ class RankRuntime:
         import torch.distributed as dist
 
         from checkpoints.memory import RemoteReader
-        from checkpoints.reader import load_training_state
-        from checkpoints.state import local_state_bytes
         from meshspeak.messages import RestoreAck
         from workers.snapshot_push import fetch_metadata, fetch_pieces
 
         t0 = time.perf_counter()
-        self._finish_checkpoint_write()
+        self._finish_checkpoint_write()  # before the metadata's broadcast on the checkpoint group
         key = tuple(source.key)
         providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
         metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
@@ -403,17 +327,10 @@ class RankRuntime:
             dist.broadcast_object_list(metas, src=0, group=self.groups.ckpt_group)
         t_meta = time.perf_counter()
         reader = RemoteReader(metas[0], key[2], lambda wanted: fetch_pieces(store, key, providers, actor_id, wanted))
-        point = load_training_state(
-            f"in-memory snapshot of step {key[2]}", self.model_parts(), self.optimizers,
-            restore_rng=False, process_group=self.groups.ckpt_group, reader=reader,
-        )
+        step = self._load(f"in-memory snapshot of step {key[2]}", reader)
         logger.info("loaded snapshot of step %d in %.3f s: metadata %.3f, load %.3f (%d bytes)", key[2],
                     time.perf_counter() - t0, t_meta - t0, time.perf_counter() - t_meta, reader.fetched_bytes)
-        if self.loss_scale is not None and point.loss_scale:
-            self.loss_scale.load_state_dict(point.loss_scale)
-        self._awaiting_load = False
-        return RestoreAck(step=point.step, fetched_bytes=reader.fetched_bytes,
-                          shard_bytes=local_state_bytes(self.params, self.optimizers))
+        return RestoreAck(step=step, fetched_bytes=reader.fetched_bytes, shard_bytes=self.local_state_bytes())
 
     def destroy(self) -> None:
         if self._writer is not None:

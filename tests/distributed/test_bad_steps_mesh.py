@@ -25,15 +25,14 @@ def _worker_pool():
 
 
 def nan_on_rank_3_at_step_3(runtime):
-    """run_mesh instrument: arm the NaN the way RankActor.arm_fault("nan") does."""
+    """run_mesh instrument: arm the NaN the way RankActor.arm_fault("nan") does (its fault seam,
+    workers/faults.py, as the runtime's step hooks)."""
+    from workers.faults import Faults
+
     if runtime.groups.world_rank == VICTIM:
-        original = runtime.train_step
-
-        def train_step(step, actions):
-            runtime.inject_nan_grad = step == BAD_STEP
-            return original(step, actions)
-
-        runtime.train_step = train_step
+        faults = Faults()
+        faults.arm(BAD_STEP, "nan", 0.0, "step", 1)
+        runtime.hooks = faults
     return None
 
 
