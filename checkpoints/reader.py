@@ -10,8 +10,8 @@ checkpoint from another model fails with :class:`CheckpointMismatchError` listin
 of a DCP error from deep inside a collective.
 
 Elastic rebuilds: clear DTensor's sharding caches before rebuilding the model on a re-formed world
-(docs/design.md, Generations; F5); otherwise a same-size, permuted world silently loads shards at
-the wrong offsets. That is the caller's rebuild step, not this module's.
+(docs/design.md, Generations, and "DTensor caches outlive a re-form"); otherwise a same-size, permuted
+world silently loads shards at the wrong offsets. That is the caller's rebuild step, not this module's.
 
 Nothing in a checkpoint directory runs code (README, Trust boundary): DCP's readers unpickle
 ``.metadata`` with ``pickle.load`` and its default planner loads byte items (ints, lists, the

@@ -8,8 +8,8 @@ DCP saves as global-tensor pieces and reshards into whatever mesh loads them.
 
 ``flatten_optimizer_state_dict=True`` is required, not cosmetic: without it every pipeline stage
 saves its ``param_groups`` under the same keys and a PP-layout load fails with ``KeyError: 'betas'``
-(docs/design.md, F11). Flattened, every optimizer entry is keyed by parameter
-FQN (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so any regrouping of parts loads.
+(docs/design.md, "Pipeline layouts need flatten_optimizer_state_dict=True"). Flattened, every optimizer
+entry is keyed by parameter FQN (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so any regrouping of parts loads.
 
 The small ``"extra"`` state (step, data cursor, LR scheduler, RNG) must be identical on every rank:
 DCP deduplicates equal keys across ranks and stores one copy. Ints, floats and lists are saved by
@@ -259,3 +259,17 @@ def _same_tensor(a: Any, b: Any) -> bool:
         a, b = a.to_local(), b.to_local()
     return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
+
+def local_state_bytes(params, optimizers) -> int:
+    """One rank's own training state: its parameters' and optimizer states' local (shard) bytes."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = sum(local(p) for p in params)
+    for opt in optimizers:
+        for state in opt.state.values():
+            total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total

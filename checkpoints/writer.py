@@ -22,10 +22,10 @@ Submitting to an idle thread that already exists costs microseconds. Rules this 
   as :class:`CheckpointError`. ``last_error`` keeps the latest failure either way;
 * the asynchronous collectives (DCP's plan exchange) run on a process group of their own. On the
   training group they interleave with training collectives and gloo aborts the process
-  (docs/design.md, F9), so that case is refused.
+  (docs/design.md, "Async saves need their own group, in thread mode"), so that case is refused.
 
 A thread, not a process: DCP's process mode keeps a daemon bound to the world it started with, which
-breaks after an elastic resize (F9). The staging copies and their buffers are
+breaks after an elastic resize (the same fact). The staging copies and their buffers are
 ``checkpoints.staging``'s (on GPU: a copy stream of their own; abandoned saves' buffers released).
 """
 

@@ -56,7 +56,8 @@ class JoinSpec:
     at addr:port (``RankActor.join_generation``; the rank answers with a ``RankInfo``).
 
     ``store_prefix`` is unique per (run, generation): store keys of an earlier generation — or an
-    earlier run sharing the store — must never be seen again (docs/design.md, Generations; F4).
+    earlier run sharing the store — must never be seen again (docs/design.md, Generations, and "Store
+    keys collide across generations").
     ``store_secret`` (128 random bits per run, kept out of ``repr`` and logs) is put in front of
     every key: the store has no authentication, and the secret travels only inside Ray's
     (token-authenticated) calls (README, Trust boundary).

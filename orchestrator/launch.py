@@ -157,7 +157,8 @@ def stop_on_signals(stop: StopRequest):
     """Install the stop handlers for SIGTERM and SIGINT (see ``StopRequest``).
 
     Enter it *after* ray.init: Ray's core worker installs a C-level SIGTERM handler that aborts the
-    driver (exit 134, no cleanup), replacing any Python handler set before (docs/design.md, F16)."""
+    driver (exit 134, no cleanup), replacing any Python handler set before (docs/design.md, "Ray 2.60 and
+    signals/auth")."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

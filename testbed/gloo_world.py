@@ -50,7 +50,8 @@ class _WorldJob:
         clear_dtensor_caches()
         base = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=STORE_TIMEOUT)
         # A fresh prefix per run: the pool's store outlives every run, and group names restart at 0
-        # after destroy_process_group, so a reused prefix would meet the last run's keys (docs/design.md, F4).
+        # after destroy_process_group, so a reused prefix would meet the last run's keys
+        # (docs/design.md, "Store keys collide across generations").
         store = dist.PrefixStore(f"run_world-gen{generation}", base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=self.world, timeout=STORE_TIMEOUT)
         try:

@@ -1,9 +1,11 @@
 """A pool of local rank processes that run one job per generation (``testbed.world``, ``testbed.gloo_world``).
 
 Ranks are plain ``multiprocessing.Process`` es (never ``torch.multiprocessing.start_processes``, whose
-``join`` kills the world when one rank exits: docs/design.md, F14), forked from a ``forkserver``
-that has imported torch and the runtime once, so a new rank is a cheap fork instead of a fresh
-interpreter (8 fresh interpreters take 10-15 s on 2 cores: docs/design.md, F13). The pool is kept and re-used:
+``join`` kills the world when one rank exits: docs/design.md, "torch.multiprocessing.start_processes(...)
+.join() kills every rank when one exits"), forked from a ``forkserver`` that has imported torch and the
+runtime once, so a new rank is a cheap fork instead of a fresh interpreter (8 fresh interpreters take
+10-15 s on 2 cores: docs/design.md, "Process start-up dominates on small machines"). The pool is kept
+and re-used:
 every job is a new generation (fresh store prefix) in the same processes, which is also how the elastic
 actors re-form. A job is a picklable callable ``job(rank, store_port, generation) -> picklable``.
 
@@ -36,7 +38,7 @@ FAILURE_GRACE_S = 2.0  # after the first failure, wait this long for the other r
 # Where every native crash that ``testbed.world.run_mesh`` re-ran is recorded (one JSON line
 # each); tests/conftest.py points it at a fresh file per session and prints it at the end.
 NATIVE_CRASH_LOG_ENV = "ELASTIMESH_NATIVE_CRASH_LOG"
-_QUIET_LOGGERS = (  # known noise (docs/design.md, F15)
+_QUIET_LOGGERS = (  # known noise (docs/design.md, "Warnings")
     "torch.distributed.tensor._redistribute",
     "torch.distributed.fsdp._fully_shard._fsdp_param",
 )
@@ -72,7 +74,8 @@ def _worker_main(worker_id: int, inbox: Any, outbox: Any) -> None:
     faulthandler.enable(all_threads=True)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    # FSDP2 + SP + our stage outputs: harmless here, nothing modifies a stage output in place (docs/design.md, F15).
+    # FSDP2 + SP + our stage outputs: harmless here, nothing modifies a stage output in place
+    # (docs/design.md, "Warnings").
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     outbox.put(("ready", worker_id, 0, True, b""))
     while True:
@@ -102,7 +105,8 @@ class _Pool:
         if START_METHOD == "forkserver":
             self.ctx.set_forkserver_preload(PRELOAD)
         # Driver-hosted store on a free port: it outlives every rank, and each run gets a fresh
-        # "gen<N>" prefix inside build_process_groups (docs/design.md, F4).
+        # "gen<N>" prefix inside build_process_groups (docs/design.md,
+        # "Store keys collide across generations").
         self.store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=60),
@@ -211,8 +215,9 @@ def native_crash_log() -> Path:
 
 
 def record_native_crash(error: MeshRunError, what: str) -> Path:
-    """Append one JSON line for a run that ended in a native crash (docs/design.md, F20): when, which
-    test (pytest's ``PYTEST_CURRENT_TEST``), ``what`` ran, and the run's outcome as data."""
+    """Append one JSON line for a run that ended in a native crash (docs/design.md, "A rare native crash in
+    the test pool"): when, which test (pytest's ``PYTEST_CURRENT_TEST``), ``what`` ran, and the run's
+    outcome as data."""
     path = native_crash_log()
     row = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "run": what, "died": error.died,
@@ -267,7 +272,8 @@ def native_crash_report(path: Path) -> list[str]:
     records = read_native_crashes(path)
     if not records:
         return []
-    lines = [f"{len(records)} mesh run(s) re-ran after a native crash (docs/design.md, F20); records in {path}:"]
+    lines = [f"{len(records)} mesh run(s) re-ran after a native crash (docs/design.md, 'A rare native crash in "
+             f"the test pool'); records in {path}:"]
     for r in records:
         lines.append(f"  {r['time']} {r['test'] or '(outside a test)'} {r['run']}: died {r['died']}, "
                      f"raised {r['raised']}, ended by {r['ended_by']}: {r['first_line']}")

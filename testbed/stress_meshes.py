@@ -3,13 +3,13 @@
     python -m testbed.stress_meshes --log DIR [--only hf-dp1-pp1-tp2 ...] [--hours H] [--runs N]
         [--steps N] [--pool-per-pass] [--malloc-check] [--perturb BYTE] [--asan] [--valgrind DIR]
 
-docs/design.md, F20: CI once saw a pooled rank die of SIGABRT ("malloc(): unaligned tcache chunk
-detected") in ``tests/distributed/test_model_families.py``. This runs that module's meshes (in its
-order, or only the named cases) through ``testbed.world.run_mesh`` exactly as the tests do, with
-the harness's re-run switched off so a crash surfaces, checks every run against the one-process
-reference, and appends one JSON line per run to ``DIR/runs.jsonl`` (case, pass, outcome, died codes,
-ended_by, wall seconds, load average). The ranks' stderr (faulthandler stacks, glibc's message) goes to
-this process's stderr: redirect it to a file.
+docs/design.md, "A rare native crash in the test pool": CI once saw a pooled rank die of SIGABRT
+("malloc(): unaligned tcache chunk detected") in ``tests/distributed/test_model_families.py``. This
+runs that module's meshes (in its order, or only the named cases) through ``testbed.world.run_mesh``
+exactly as the tests do, with the harness's re-run switched off so a crash surfaces, checks every
+run against the one-process reference, and appends one JSON line per run to ``DIR/runs.jsonl``
+(case, pass, outcome, died codes, ended_by, wall seconds, load average). The ranks' stderr
+(faulthandler stacks, glibc's message) goes to this process's stderr: redirect it to a file.
 
 Heap checks in the rank processes (the environment is set before the pool's fork server starts, so
 every rank inherits it): ``--malloc-check`` preloads glibc's ``libc_malloc_debug.so`` with

@@ -12,7 +12,8 @@ Processes
     actors re-form. A failed or timed-out run raises :class:`MeshRunError` with each failed rank's
     traceback and kills the pool (the next run starts a new one): failures never hang. A run whose rank
     died of a native crash (SIGABRT/SIGSEGV/SIGBUS) is re-run once, with a warning, and recorded in a
-    file that tests/conftest.py prints at the end of the session (docs/design.md, F20).
+    file that tests/conftest.py prints at the end of the session (docs/design.md, "A rare native crash in the
+    test pool").
 
 Stage split
     ``pipeline.layers`` when set, else ``balanced_split`` over per-layer parameter counts with the
@@ -285,7 +286,8 @@ def _run_in_pool(job: _Job, world: int, timeout: float, *, fresh: bool, what: st
                 # Recorded, never silent: tests/conftest.py prints every record at the session's end.
                 path = record_native_crash(error, what)
                 warnings.warn(f"run_mesh: a rank crashed in native code; re-running once in fresh processes "
-                              f"(docs/design.md, F20; recorded in {path}): {str(error).splitlines()[0]}",
+                              f"(docs/design.md, 'A rare native crash in the test pool'; recorded in {path}): "
+                              f"{str(error).splitlines()[0]}",
                               stacklevel=3)
                 continue
             raise
@@ -324,7 +326,8 @@ _NATIVE_CRASH_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS)
 
 
 def _native_crash(error: BaseException) -> bool:
-    """A run ended because a rank died of a native crash (docs/design.md, F20: seen once in CI, not
-    reproduced in hundreds of stressed runs; each rank's faulthandler stack is in the test's stderr)."""
+    """A run ended because a rank died of a native crash (docs/design.md, "A rare native crash in the
+    test pool": seen once in CI, not reproduced in hundreds of stressed runs; each rank's faulthandler
+    stack is in the test's stderr)."""
     return (isinstance(error, MeshRunError) and error.ended_by == "died"
             and any(code in _NATIVE_CRASH_SIGNALS for code in error.died.values()))

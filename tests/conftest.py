@@ -1,8 +1,8 @@
 """Session-wide: the record of native crashes the mesh harness re-ran, printed at the end of the run.
 
 ``testbed.world.run_mesh`` re-runs a mesh once when a rank died of SIGABRT/SIGSEGV/SIGBUS
-(docs/design.md, F20: a heap-check abort seen once in CI and not reproduced since). A re-run must not
-hide it: each one is appended to the file ``$ELASTIMESH_NATIVE_CRASH_LOG`` names
+(docs/design.md, "A rare native crash in the test pool": a heap-check abort seen once in CI and not
+reproduced since). A re-run must not hide it: each one is appended to the file ``$ELASTIMESH_NATIVE_CRASH_LOG`` names
 (``testbed.rank_pool.record_native_crash``). This points that variable at a fresh file for the
 session (unless it is set already, e.g. by CI to keep a history across runs) and, at the end, prints
 every record in it in the terminal summary.

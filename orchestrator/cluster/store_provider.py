@@ -8,7 +8,8 @@ Placement: the store must live as long as the driver, so it is pinned to the dri
 *hard* node affinity. A soft one is not enough: Ray places an actor that needs no resources
 (``num_cpus=0``) on a random node unless its node affinity is hard (the special case at the top of
 ``ClusterResourceScheduler::GetBestSchedulableNode``). With soft affinity the store landed on a worker
-node about half the time, and losing that node ended the run (issue 17; docs/design.md, F17).
+node about half the time, and losing that node ended the run (issue 17; docs/design.md, "A resource-less
+actor ignores a soft node affinity").
 If the driver's node cannot host it (it is draining), the head node and then any other live,
 non-draining node are tried.
 

@@ -100,7 +100,8 @@ def _save_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     for training_group in (None, dist.group.WORLD):  # async on the training group would abort gloo
         with pytest.raises(ValueError, match="dedicated process group"):
             AsyncCheckpointWriter(training_group)
-    ckpt_group = dist.new_group(backend="gloo")  # never the training group (docs/design.md, F9)
+    # Never the training group (docs/design.md, "Async saves need their own group, in thread mode").
+    ckpt_group = dist.new_group(backend="gloo")
     writer = AsyncCheckpointWriter(ckpt_group)
     out: dict[str, Any] = {}
     for name, (dp, tp) in SOURCES.items():

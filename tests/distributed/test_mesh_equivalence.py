@@ -212,9 +212,10 @@ def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: fl
 
 @pytest.mark.timeout(120)
 def test_harness_re_runs_once_after_a_native_crash_then_fails(tmp_path, monkeypatch) -> None:
-    """A rank killed by SIGABRT (docs/design.md, F20) gets one re-run in fresh processes, with a
-    warning and a record in the session's native-crash file (printed at the end by tests/conftest.py);
-    crashing again fails the run (an exit code, as in the test above, is never re-run)."""
+    """A rank killed by SIGABRT (docs/design.md, "A rare native crash in the test pool") gets one
+    re-run in fresh processes, with a warning and a record in the session's native-crash file (printed
+    at the end by tests/conftest.py); crashing again fails the run (an exit code, as in the test above,
+    is never re-run)."""
     from testbed.rank_pool import NATIVE_CRASH_LOG_ENV, native_crash_report, read_native_crashes
 
     log = tmp_path / "native_crashes.jsonl"

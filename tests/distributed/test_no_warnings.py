@@ -1,5 +1,5 @@
 """A default job's steps warn about nothing: no two-step grad-norm reductions over dp x tp (DTensor's
-"sequential all_reduce" notice), no FSDP2 "returned a view tensor" (docs/design.md, F15).
+"sequential all_reduce" notice), no FSDP2 "returned a view tensor" (docs/design.md, "Warnings").
 
 The shared rank pool silences exactly those two (testbed/rank_pool.py); the ``instrument``
 here lifts that for one run and records every warning and every WARNING log record of the steps.
@@ -63,6 +63,6 @@ def record_warnings(runtime):
                          ids=["dp2-tp2", "dp2-pp2-tp2", "pp2-tp2-bf16", "dp2-zero0-ddp"])
 def test_default_steps_print_no_warnings(shape, extra):
     """FSDP2 + SP + PP ((2, 2, 2); (1, 2, 2) in bf16, which always goes through FSDP2) is where
-    docs/design.md F15 saw FSDP2's "returned a view tensor": no stage output is a view now."""
+    docs/design.md ("Warnings") saw FSDP2's "returned a view tensor": no stage output is a view now."""
     run = run_mesh(*shape, (*SMALL, *extra), 2, collect_params=False, instrument=record_warnings)
     assert all(seen == [] for seen in run.extras.values()), run.extras

@@ -5,7 +5,8 @@ the worker node's `ray start` gets SIGTERM mid-run.
 * The node stops at once (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0, as raycluster sets it): a node
   loss. The run must shrink and finish, losses equal to one process's. Before the fix the
   rendezvous store's actor was placed with a *soft* affinity to the driver's node, which Ray ignores
-  for an actor that needs no resources (docs/design.md, F17): in about half the runs the store sat
+  for an actor that needs no resources (docs/design.md, "A resource-less actor ignores a soft node
+  affinity"): in about half the runs the store sat
   on the worker node, died with it, and the rebuild failed ("rebuild of generation 2 failed while
   joining: DistNetworkError", exit 1). So the test also asserts where the store is.
 * The node drains first (Ray's default on SIGTERM: `ray start` marks its node as draining with a
@@ -114,7 +115,8 @@ def test_worker_node_sigterm_drains_and_the_run_evacuates_it(cluster, tmp_path):
         _, actors = placement(cluster)
         # The survivors kept their processes: every rank alive now ran on the head before.
         assert {pid for _, pid in actors["RankActor"]} <= on_head, (actors, on_head)
-        worker.wait(timeout=60)  # `ray start` stopped its node by itself, at its drain timeout (F19)
+        # `ray start` stopped its node by itself, at its drain timeout (docs/design.md, "Drains in Ray 2.60").
+        worker.wait(timeout=60)
         stopped_in = time.monotonic() - signalled
         rc = driver.wait(timeout=900)
     finally:

@@ -4,8 +4,9 @@ The grow re-forms a world of the same size as generation 1 with the ranks *permu
 so actor 2 is rank 1 instead of 2, actor 3 rank 2 instead of 3, and a replacement is rank 3). That is
 the case where DTensor's process-wide caches, keyed by a DeviceMesh whose equality ignores the
 process group and this rank's coordinate, hand a rank the plans it made for its *old* coordinate
-(docs/design.md, Generations and F5). What prevents it is the generation-unique mesh axis names
-(workers/groups.py ``_axis_names``); clearing the caches alone does not reach every thread's caches.
+(docs/design.md, Generations, and "DTensor caches outlive a re-form"). What prevents it is the
+generation-unique mesh axis names (workers/groups.py ``_axis_names``); clearing the caches alone does
+not reach every thread's caches.
 """
 
 from __future__ import annotations
