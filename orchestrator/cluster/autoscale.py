@@ -4,7 +4,8 @@ An elastic job wants ``elastic.max_dp`` whole replicas (pp*tp ranks each, one pl
 rank) but may start on a cluster with room for fewer: a cold autoscaling cluster has no GPU node at
 all. ``ray.autoscaler.sdk.request_resources(bundles=...)`` tells Ray's autoscaler the shape of
 everything the job wants so it launches nodes; the controller's periodic grow check then starts
-actors on the free resources and grows the mesh (``Controller._adopt_new_actors``).
+actors on the free resources (``control/spares.py``, ``adopt_new_capacity``) and grows the mesh once
+they answer (``control/boundary.py``, ``decide_grow``).
 
 Ray's request is a *floor for the whole cluster*, not an increment: only the latest call counts, and
 the autoscaler bin-packs its bundles against every node's total resources (not what is free). So we
