@@ -70,7 +70,7 @@ def test_all_keys_and_aliases() -> None:
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
     assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)
     checkpoint_keys = list(config_to_dict(JobConfig())["checkpoint"])
-    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume", "init_from", "memory_every", "lease_s"]
+    assert checkpoint_keys == ["dir", "every", "async", "keep", "resume", "init_from", "memory_every", "memory_keep", "lease_s"]
 
 
 def test_every_section_is_frozen_and_pickles() -> None:
