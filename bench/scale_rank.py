@@ -1,4 +1,5 @@
-"""A rank actor without torch, for ``bench/scale.py``: it implements ``meshspeak.rank_calls.RankCalls``
+"""A rank actor without torch, for ``bench/scale.py``, of testbed/fake_rank.py's fake rank family (the
+step order, snapshot retention, save files and checkpoint step are the family's): it implements ``meshspeak.rank_calls.RankCalls``
 with the real messages and the real call pattern, and only the training is pretend.
 
 * ``train_step`` sleeps the configured step time on the training thread and answers a ``StepResult``
@@ -15,12 +16,14 @@ with the real messages and the real call pattern, and only the training is prete
 * Checkpoint saves write one small file per rank so the driver's two-phase commit runs for real.
 
 Concurrency groups as the real actor's: WorkerGroup declares them (meshspeak.rank_calls).
+
+Ray's workers import this module from bench/ (the driver script's directory) and ``testbed`` from the
+driver's working directory: run the bench from the repository root, as ``bench/README.md`` does.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 
@@ -42,9 +45,9 @@ from meshspeak.messages import (
     StepResult,
     WorkerStatus,
     WriteAck,
-    early_answer,
 )
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCalls, call_name
+from testbed.fake_rank import checkpoint_step, refused, retained, write_fake_shards
 
 
 class FakeRankActor:
@@ -110,11 +113,11 @@ class FakeRankActor:
     @ray.method(concurrency_group=TRAIN_GROUP)
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
-        follows = step - 1 if after is None else after
-        if self.error is None and self.step < follows:  # as RankActor.train_step: answered early
-            return early_answer(step, self.world_rank, follows, self.step)
-        if self.error is None and self.step != follows:
-            self.error = f"RuntimeError: step {step} arrived after step {self.step}: calls out of order"
+        if self.error is None:  # an out-of-order call latches its error, as a real rank's does
+            refusal = refused(step, after, self.step, self.world_rank)
+            if refusal is not None and refusal.early:
+                return refusal
+            self.error = None if refusal is None else refusal.error
         if self.error is not None:
             return StepResult(step=step, world_rank=self.world_rank, ok=False, error=self.error)
         t0 = time.perf_counter()
@@ -160,15 +163,8 @@ class FakeRankActor:
             self._pushing.clear()
 
     def _retain(self, keep: tuple | None) -> None:
-        newest = sorted(k for k in self.own if keep is None or k > keep)[-2:]
-        self.own = {k: v for k, v in self.own.items() if k == keep or k in newest}
-        with self._lock:
-            after: dict[int, list] = {}
-            for k, owner in self.held:
-                if keep is None or k > keep:
-                    after.setdefault(owner, []).append(k)
-            last = {(k, o) for o, ks in after.items() for k in sorted(ks)[-2:]}
-            self.held = {(k, o): v for (k, o), v in self.held.items() if k == keep or (k, o) in last}
+        with self._lock:  # the holder's keep_snapshot adds to ``held`` on another thread
+            self.own, self.held = retained(self.own, self.held, keep)
 
     @ray.method(concurrency_group=TRAIN_GROUP)
     def eval_step(self, path: str, batch: int, mask_eos_id: int | None) -> dict:
@@ -181,14 +177,7 @@ class FakeRankActor:
     # -- checkpoints ------------------------------------------------------------------------------
     @ray.method(concurrency_group=TRAIN_GROUP)
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
-        os.makedirs(path, exist_ok=True)
-        contents = {f"__{self.world_rank}_0.distcp": b"x" * 16}
-        if self.world_rank == 0:  # a pickle that imports nothing: the driver checks .metadata before a restore
-            contents[".metadata"] = pickle.dumps({"fake": "metadata"})
-        self.files = {name: len(data) for name, data in contents.items()}
-        for name, data in contents.items():
-            with open(os.path.join(path, name), "wb") as f:
-                f.write(data)
+        self.files = write_fake_shards(path, self.world_rank)
         return SaveAck(stall_s=0.0)
 
     def wait_checkpoint(self) -> WriteAck:
@@ -196,7 +185,7 @@ class FakeRankActor:
 
     @ray.method(concurrency_group=TRAIN_GROUP)
     def load_checkpoint(self, path: str) -> int:
-        self.step = int(os.path.basename(path).split("-")[-1])
+        self.step = checkpoint_step(path)
         self.life += 1
         return self.step
 

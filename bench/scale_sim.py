@@ -1,5 +1,6 @@
 """An in-process worker group for ``bench/scale.py``'s simulated part: the real ``Controller`` drives
-thousands of ranks that answer after simulated latencies, with no processes and no Ray.
+thousands of ranks that answer after simulated latencies, with no processes and no Ray (of
+testbed/fake_rank.py's fake rank family: a save leaves the family's files).
 
 ``SimGroup`` implements ``orchestrator.cluster.group_protocol.WorkerGroupLike``. A call's answers come
 ``latency_s[call]`` after it was submitted (the figures part one measured on real Ray); the waiting
@@ -12,8 +13,6 @@ methods), the rest is the controller's. ``kill_at(step, actor)`` makes an actor 
 from __future__ import annotations
 
 import itertools
-import os
-import pickle
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from meshspeak.messages import (
     WriteAck,
 )
 from meshspeak.rank_calls import RankCalls, call_name
+from testbed.fake_rank import write_fake_shards
 
 
 class SimGroup:
@@ -167,17 +167,8 @@ class SimGroup:
         self._taken = (self._taken + [(self._generation, 0, step)])[-3:]
 
     def _save_shard(self, actor: int, path: str) -> SaveAck:
-        """What a save leaves on disk for the commit to check (the run ends with a save of its last
-        step): a pickle that imports nothing as ``.metadata`` (the driver's check reads it statically)."""
-        rank = self._world[actor]
-        contents = {f"__{rank}_0.distcp": b"x"}
-        if rank == 0:
-            contents[".metadata"] = pickle.dumps({"fake": "metadata"})
-        os.makedirs(path, exist_ok=True)
-        for name, data in contents.items():
-            with open(os.path.join(path, name), "wb") as fh:
-                fh.write(data)
-        self._files[actor] = {name: len(data) for name, data in contents.items()}
+        """What a save leaves on disk for the commit to check (the run ends with a save of its last step)."""
+        self._files[actor] = write_fake_shards(path, self._world[actor])
         return SaveAck(stall_s=0.0)
 
     def _answer(self, name: str, args):
@@ -204,7 +195,7 @@ class SimGroup:
         if name == "status":
             return lambda actor: WorkerStatus(world_rank=0, pid=self.pids[actor], generation=self._generation,
                                               busy=False, step=0, error=None)
-        if name == "save_checkpoint":  # (path, step): each rank a one-byte shard, rank 0 the .metadata too
+        if name == "save_checkpoint":  # (path, step): each rank a small shard, rank 0 the .metadata too
             return lambda actor: self._save_shard(actor, args[0])
         if name == "wait_checkpoint":
             return lambda actor: WriteAck(write_s=0.0, files=self._files.pop(actor, {}), stall_s=0.0, staging_s=0.0)

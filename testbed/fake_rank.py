@@ -1,8 +1,21 @@
-"""FakeRank: one rank actor's behaviour for ``testbed/fake_group.py``'s scripted worker group — it
-implements ``meshspeak.rank_calls.RankCalls`` (tests/unit/test_rank_calls.py checks it) and answers
-with the real messages; its in-memory snapshots follow workers/snapshots.py and snapshot_push.py
-(taken after a step, pushed to the holder one at a time, acknowledged with the next step's result,
-the driver's ``keep`` and the newest after it kept). No Ray, no processes."""
+"""The fake rank family: what a rank answers, without torch, for the driver's tests and benchmarks.
+
+Three members drive the same rank behaviour at three speeds:
+
+* ``FakeRank`` (here), for ``testbed/fake_group.py``'s scripted worker group: time never passes and
+  faults are armed per call (no Ray, no processes). It implements ``meshspeak.rank_calls.RankCalls``
+  (tests/unit/test_rank_calls.py checks it) and answers with the real messages; its in-memory
+  snapshots follow workers/snapshots.py and snapshot_push.py (taken after a step, pushed to the holder
+  one at a time, acknowledged with the next step's result, the driver's ``keep`` and the newest after
+  it kept).
+* ``bench/scale_rank.py``'s ``FakeRankActor``: a Ray actor whose step sleeps, with real snapshot bytes.
+* ``bench/scale_sim.py``'s ``SimGroup``: thousands of in-process ranks answering after simulated
+  latencies.
+
+What the three share is here, once: the order a step must come in (``refused``), the snapshots a rank
+keeps (``retained``), what a save leaves on disk (``write_fake_shards``) and the step a checkpoint
+directory holds (``checkpoint_step``).
+"""
 
 from __future__ import annotations
 
@@ -28,6 +41,58 @@ from meshspeak.messages import (
     early_answer,
 )
 from testbed.fake_call import FakeCall
+
+
+NEWEST_KEPT = 2  # kept after the driver's ``keep``, own and per owner held (workers/snapshots.py's default)
+
+
+def refused(step: int, after: int | None, done: int, world_rank: int) -> StepResult | None:
+    """As ``RankActor.train_step``: the answer to a step call that does not follow the last step run
+    (``done``) — the early answer when it came before the step it follows (nothing trained), a failed
+    result when it came after a later one; None when it follows."""
+    follows = step - 1 if after is None else after
+    if done < follows:
+        return early_answer(step, world_rank, follows, done)
+    if done != follows:
+        return StepResult(step=step, world_rank=world_rank, ok=False,
+                          error=f"RuntimeError: step {step} arrived after step {done}: calls out of order")
+    return None
+
+
+def retained(own: dict[tuple, Any], held: dict[tuple, Any], keep: tuple | None) -> tuple[dict, dict]:
+    """workers/snapshots.py's rule: of a rank's own snapshots (key -> record) and those it holds for
+    others ((key, owner) -> record), the driver's ``keep`` and the newest after it, per owner."""
+    newest_own = sorted(k for k in own if keep is None or k > keep)[-NEWEST_KEPT:]
+    own = {k: v for k, v in own.items() if k == keep or k in newest_own}
+    after: dict[int, list] = {}
+    for key, owner in held:
+        if keep is None or key > keep:
+            after.setdefault(owner, []).append(key)
+    newest = {(k, o) for o, keys in after.items() for k in sorted(keys)[-NEWEST_KEPT:]}
+    held = {(k, o): v for (k, o), v in held.items() if k == keep or (k, o) in newest}
+    return own, held
+
+
+def write_fake_shards(path: str, world_rank: int) -> dict[str, int]:
+    """What a rank's save leaves for the driver's two-phase commit to check: one small shard file and,
+    on rank 0, a ``.metadata`` that is a pickle importing nothing (the driver checks a checkpoint's
+    ``.metadata`` before a restore, checkpoints/safe_pickle.py, as it would a real DCP one). Returns
+    name -> size (``WriteAck.files``)."""
+    os.makedirs(path, exist_ok=True)
+    contents = {f"__{world_rank}_0.distcp": b"x" * 16}
+    if world_rank == 0:
+        contents[DCP_METADATA] = pickle.dumps({"fake": "metadata"})
+    for name, data in contents.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    return {name: len(data) for name, data in contents.items()}
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of the DCP directory ``path``: a step directory, or an attempt subdirectory of one
+    (manifest ``dcp_dir``)."""
+    step = parse_step(os.path.basename(path))
+    return step if step is not None else parse_step(os.path.basename(os.path.dirname(path)))
 
 
 class RankHost(Protocol):
@@ -103,12 +168,9 @@ class FakeRank:
 
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
-        follows = step - 1 if after is None else after
-        if self.step < follows:  # as RankActor.train_step: an early call is answered, not trained
-            return early_answer(step, self.world_rank, follows, self.step)
-        if self.step != follows:
-            return StepResult(step=step, world_rank=self.world_rank, ok=False,
-                              error=f"RuntimeError: step {step} arrived after step {self.step}: calls out of order")
+        refusal = refused(step, after, self.step, self.world_rank)
+        if refusal is not None:
+            return refusal
         self._retain(tuple(keep) or None)
         self._push_answered()
         self.step = step
@@ -163,16 +225,9 @@ class FakeRank:
                 self.acks.append(SnapshotAck(key=key, stall_s=0.001, nbytes=64))
 
     def _retain(self, keep: tuple | None) -> None:
-        """workers/snapshots.py's rule: the kept set and the newest after it, per owner."""
+        """Keep what the driver's ``keep`` and workers/snapshots.py's rule keep (``retained``)."""
         self.group.keep_of[self.actor_id] = keep
-        newest_own = sorted(k for k in self.own if keep is None or k > keep)[-2:]  # workers.snapshots.NEWEST
-        self.own = {k: v for k, v in self.own.items() if k == keep or k in newest_own}
-        after: dict[int, list] = {}
-        for key, owner in self.held:
-            if keep is None or key > keep:
-                after.setdefault(owner, []).append(key)
-        newest = {(k, o) for o, keys in after.items() for k in sorted(keys)[-2:]}  # HELD_NEWEST
-        self.held = {(k, o): v for (k, o), v in self.held.items() if k == keep or (k, o) in newest}
+        self.own, self.held = retained(self.own, self.held, keep)
 
     def eval_step(self, path: str, batch: int, mask_eos_id: int | None) -> dict:
         return {"loss": 1.0 / max(1, self.world), "count": 100}
@@ -181,16 +236,7 @@ class FakeRank:
         return {}
 
     def save_checkpoint(self, path: str, step: int) -> SaveAck:
-        os.makedirs(path, exist_ok=True)
-        contents = {f"__{self.world_rank}_0.distcp": b"x" * 16}
-        if self.world_rank == 0:
-            # A pickle that imports nothing: the driver checks a checkpoint's .metadata before a
-            # restore (checkpoints/safe_pickle.py), as it would a real DCP one.
-            contents[DCP_METADATA] = pickle.dumps({"fake": "metadata"})
-        self.files = {name: len(data) for name, data in contents.items()}
-        for name, data in contents.items():
-            with open(os.path.join(path, name), "wb") as f:
-                f.write(data)
+        self.files = write_fake_shards(path, self.world_rank)
         self.saving_step = step
         return SaveAck(stall_s=0.01)
 
@@ -199,10 +245,7 @@ class FakeRank:
 
     def load_checkpoint(self, path: str) -> int:
         self.loaded.append(path)
-        # The DCP directory: a step directory, or an attempt subdirectory of one (manifest dcp_dir).
-        step = parse_step(os.path.basename(path))
-        step = step if step is not None else parse_step(os.path.basename(os.path.dirname(path)))
-        self.step, self.life = step, self.life + 1
+        self.step, self.life = checkpoint_step(path), self.life + 1
         return self.step
 
     def keep_snapshot(self, key: tuple, owner: int, snap: Any) -> int:
