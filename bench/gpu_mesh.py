@@ -60,6 +60,7 @@ def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bo
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
+    from testbed.driver_steps import form_first_generation
     from testbed.reference import reference
 
     dp, pp, tp = shape
@@ -78,9 +79,9 @@ def _train(shape: tuple[int, int, int], dry: bool, store, workdir: str, kill: bo
     try:
         controller = Controller(cfg, group, metrics=MetricsLog(cfg.metrics, progress_total=None, ray_metrics=False),
                                 store_address=store, use_gpu=not dry, data_path=open_source(cfg.data.path).name)
-        controller.step()  # generation 1 formed
+        formed = form_first_generation(controller)
         if kill:
-            victim = controller.generation.members[VICTIM]
+            victim = formed[VICTIM]
             group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", 0.2), timeout_s=30)
         summary = controller.run()
         controller.metrics.close()

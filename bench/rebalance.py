@@ -123,6 +123,7 @@ def _train_with_a_slow_rank(cfg, actors: int, steps: int, slow_s: float, device_
 
     from meshspeak.rank_calls import RankCalls
     from testbed.ray_cluster import make_group
+    from testbed.driver_steps import form_first_generation
     from testbed.ray_harness import make_controller
     from workers.store import StoreHost
 
@@ -132,8 +133,7 @@ def _train_with_a_slow_rank(cfg, actors: int, steps: int, slow_s: float, device_
         group = make_group(actors)
         try:
             controller = make_controller(cfg, group, store_address)
-            controller.step()  # generation 1 formed
-            victim = controller.generation.members[SLOW_RANK]
+            victim = form_first_generation(controller)[SLOW_RANK]
             for actor in group.live_ids:  # spares included: a promoted spare is a healthy device
                 sleep = slow_s if actor == victim else device_s
                 if sleep > 0:

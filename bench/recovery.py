@@ -106,6 +106,7 @@ def _train_killing_the_victim(cfg) -> tuple:
 
     from meshspeak.rank_calls import RankCalls
     from testbed.ray_cluster import make_group
+    from testbed.driver_steps import form_first_generation
     from testbed.ray_harness import make_controller
     from workers.store import StoreHost
 
@@ -115,8 +116,7 @@ def _train_killing_the_victim(cfg) -> tuple:
         group = make_group(cfg.mesh.world)
         try:
             controller = make_controller(cfg, group, store_address)
-            controller.step()  # FORMING -> RUNNING (generation 1 formed)
-            victim = controller.generation.members[VICTIM]
+            victim = form_first_generation(controller)[VICTIM]
             death, stop = _watch_death(group.pids[victim])
             group.call([victim], RankCalls.arm_fault, (FAIL_STEP, "kill", DELAY_S), timeout_s=10)
             t_loop = time.time()

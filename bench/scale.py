@@ -100,6 +100,7 @@ def real(n: int, args) -> dict:
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
+    from testbed.driver_steps import last_restore
 
     tmp = Path(tempfile.mkdtemp(prefix=f"scale{n}-"))
     cluster = _start_cluster(n, args.snapshot_mb)
@@ -121,12 +122,9 @@ def real(n: int, args) -> dict:
                                                                                    kill_after)
         out.update(_figures(records, transitions, killed, created, kill_after))
         out.update(_rank_idle(ray, group, before_kill, records, kill_after))
-        out["restore"] = (None if controller.last_restore is None else
-                          {"source": controller.last_restore.source, "fetched_bytes": controller.last_restore.fetched_bytes,
-                           "shard_bytes": controller.last_restore.shard_bytes})
+        out["restore"] = last_restore(controller)
         out["result_bytes_per_rank"] = _result_bytes()
         metrics.close()
-        controller.ckpt.close()
     finally:
         if group is not None:
             group.shutdown()
@@ -170,7 +168,7 @@ def _run_killing_a_member(controller, group, metrics, kill_after: int) -> tuple:
     idle before each step as read before the kill)."""
     import ray
 
-    from orchestrator.control.controller import State
+    from testbed.driver_steps import members, run_to_end
 
     records: list[tuple[int, float, float, float, int]] = []  # step, wall, cpu, step_time_s, generation
     metrics.step_listeners.append(lambda r: records.append(
@@ -182,10 +180,11 @@ def _run_killing_a_member(controller, group, metrics, kill_after: int) -> tuple:
 
     def maybe_kill(record) -> None:  # after step kill_after was read: SIGKILL a member
         if record["step"] == kill_after and not killed:
-            members = list(controller.generation.members.values())
+            ranks = members(controller)
             # What each rank waited for the driver before each step, read before the kill.
-            before_kill.update(zip(members, ray.get([group.handle(a).idle_before.remote() for a in members])))
-            victim = controller.generation.members[1]
+            actors = list(ranks.values())
+            before_kill.update(zip(actors, ray.get([group.handle(a).idle_before.remote() for a in actors])))
+            victim = ranks[1]
             pid = group.pids[victim]
             if pid > 1:
                 killed.append((time.perf_counter(), record["generation"]))
@@ -193,13 +192,7 @@ def _run_killing_a_member(controller, group, metrics, kill_after: int) -> tuple:
 
     metrics.step_listeners.append(lambda r: created.append((r["step"], head_created_bytes(ray))))
     metrics.step_listeners.append(maybe_kill)
-    transitions = []
-    while controller.state.kind not in (State.FINISHED, State.ERRORED):
-        before, t = controller.state.kind, time.perf_counter()
-        after = controller.step()
-        transitions.append((str(before), str(after), time.perf_counter() - t))
-    if controller.state.kind == State.ERRORED:
-        raise controller.error
+    transitions = [(str(t.before), str(t.after), t.wall_s) for t in run_to_end(controller)]
     return records, transitions, killed, created, before_kill
 
 
@@ -257,13 +250,44 @@ def _result_bytes() -> int:
                                        timings=timings, snapshots=(SnapshotAck((1, 0, 1), 0.0, 1 << 20),))))
 
 
+class _SimTally:
+    """The driver's thread CPU per transition, sorted into steady steps (RUNNING -> RUNNING from step 3
+    on, before any failure) and the recovery (from the transition that reached REBUILDING to the one
+    back in RUNNING), each with the simulated group's share."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.group_cpu = group.cpu_s
+        self.per_step: list[float] = []
+        self.group_share: list[float] = []
+        self.recovery: list[tuple[float, float]] = []
+        self.in_recovery = self.failed = False
+        self.recovery_cpu = self.recovery_group = 0.0
+
+    def add(self, t) -> None:
+        from orchestrator.control.controller import State
+
+        grp, self.group_cpu = self.group.cpu_s - self.group_cpu, self.group.cpu_s
+        if t.after == State.REBUILDING or self.in_recovery:
+            self.failed = True
+            self.in_recovery = t.after != State.RUNNING or t.before != State.RUNNING
+            self.recovery_cpu, self.recovery_group = self.recovery_cpu + t.cpu_s, self.recovery_group + grp
+            if not self.in_recovery:
+                self.recovery.append((self.recovery_cpu, self.recovery_group))
+            return
+        if t.before == t.after == State.RUNNING and not self.failed and t.next_step - 1 >= 3:
+            self.per_step.append(t.cpu_s)
+            self.group_share.append(grp)
+
+
 def simulated(n: int, latency: dict[str, float], steps: int) -> dict:
     """The real controller on ``n`` in-process ranks: CPU per step (steady) and per recovery."""
     from scale_sim import SimGroup
 
     from orchestrator.config.load import load_config
-    from orchestrator.control.controller import Controller, State
+    from orchestrator.control.controller import Controller
     from orchestrator.metrics import MetricsLog
+    from testbed.driver_steps import run_to_end
 
     tmp = Path(tempfile.mkdtemp(prefix=f"sim{n}-"))
     cfg = load_config(None, overrides(2 * n, steps, tmp) + [f"mesh.dp={n}", f"elastic.max_dp={n}",
@@ -274,28 +298,12 @@ def simulated(n: int, latency: dict[str, float], steps: int) -> dict:
                             data_path="builtin")
     kill_step = steps - 4
     group.kill_at(kill_step, 1)
-    per_step, recovery, group_share = [], [], []
-    in_recovery = failed = False
-    recovery_cpu = recovery_group = 0.0
-    while controller.state.kind not in (State.FINISHED, State.ERRORED):
-        kind_before = controller.state.kind
-        cpu0, grp0 = time.thread_time(), group.cpu_s
-        kind = controller.step()
-        cpu, grp = time.thread_time() - cpu0, group.cpu_s - grp0
-        if kind == State.REBUILDING or in_recovery:
-            failed = True
-            in_recovery = kind != State.RUNNING or kind_before != State.RUNNING
-            recovery_cpu, recovery_group = recovery_cpu + cpu, recovery_group + grp
-            if not in_recovery:
-                recovery.append((recovery_cpu, recovery_group))
-            continue
-        if kind_before == kind == State.RUNNING and not failed and controller.next_step - 1 >= 3:
-            per_step.append(cpu)
-            group_share.append(grp)
-    metrics.close()
-    controller.ckpt.close()
-    if controller.state.kind == State.ERRORED:
-        raise controller.error
+    tally = _SimTally(group)
+    try:
+        run_to_end(controller, tally.add)
+    finally:
+        metrics.close()
+    per_step, recovery, group_share = tally.per_step, tally.recovery, tally.group_share
     step_cpu = statistics.median(per_step)
     return {"ranks": n, "steps_measured": len(per_step),
             "driver_cpu_per_step_s": round(step_cpu, 5),
