@@ -13,7 +13,7 @@ the worker node is lost, one of two ways (``--variant``, both by default):
 Figures per variant (step records carry no time, so a thread tails the metrics file every 20 ms and
 stamps each record as it appears):
 
-The node is *gone* when the GCS declares it dead (``bench/gcs_probe.py`` polls the node list from the
+The node is *gone* when the GCS declares it dead (the GCS probe, below, polls the node list from the
 signal on; ``signal_to_dead_s``): only then does Ray re-place (or give up) the bundles it held.
 
 * ``median_step_before_s``: median interval between consecutive step records over the ``--window`` s
@@ -32,6 +32,19 @@ signal on; ``signal_to_dead_s``): only then does Ray re-place (or give up) the b
     python bench/node_loss.py [--variant drain|kill|both] [--window S] [--warmup N] [--out PATH]
 
 Writes ``bench/results/node_loss.json`` unless ``--out`` says otherwise.
+
+The GCS probe is this script again, run as a subprocess with ``--gcs-probe`` and the cluster's
+RAY_ADDRESS and token: it connects once (seconds on a loaded box, so not per question), then answers
+one line ``PROBE <json>`` on stdout per command line on stdin (Ray prints its own cluster messages,
+e.g. a node marked dead, on the same stdout):
+
+* ``dead NODE_ID``: polls the GCS's node list every 0.2 s until NODE_ID is no longer alive, then
+  answers ``{"dead_at": time.time()}`` (``null`` after 300 s). Ray re-places (or not) a lost node's
+  bundles only once the GCS declared it dead, which comes some seconds after a SIGTERM'd ``ray start``
+  stops its processes or after its raylet was killed.
+* ``groups``: every placement group the cluster holds (not removed): ``state`` and bundle ``nodes``.
+
+Between questions it makes no calls, so it adds nothing to the GCS CPU being measured.
 """
 
 from __future__ import annotations
@@ -52,6 +65,8 @@ from ray_nodes import REPO, RayStartCluster
 GOAL_STEP_RATIO = 1.2
 GOAL_GCS_CPU = 0.10
 LOSS_WINDOW_S = 60.0
+DEAD_POLL_S = 0.2  # the GCS probe's node-list poll
+DEAD_TIMEOUT_S = 300.0
 DRAIN_DEADLINE_S = 15
 SETTLE_S = 5.0  # after the node is gone: the failure path's rebuild is done by then
 # checkpoint.every: a save is measured before the drain, so the 15 s notice is long enough to evacuate
@@ -135,12 +150,13 @@ def cpu_by_name(before: dict, after: dict, seconds: float) -> dict[str, float]:
 
 
 class Probe:
-    """``bench/gcs_probe.py`` as a subprocess: one connection to the cluster, questions on stdin."""
+    """The GCS probe (``--gcs-probe``, module docstring) as a subprocess: one connection to the cluster,
+    questions on stdin."""
 
     def __init__(self, cluster: RayStartCluster, log: Path) -> None:
         self.log = log
         with open(log, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gcs_probe.py"))],
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--gcs-probe"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                          env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address})
         self._answer()  # connected
@@ -165,6 +181,41 @@ class Probe:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def serve_gcs_probe() -> None:
+    """The probe's side (``--gcs-probe``): connect once, then answer each command line on stdin."""
+    import ray
+
+    ray.init(log_to_driver=False)
+    print("PROBE", json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "dead":
+            answer = {"dead_at": _dead_at(args[0])}
+        elif command == "groups":
+            answer = {"groups": _placement_groups()}
+        else:
+            answer = {"error": f"unknown command {command!r}"}
+        print("PROBE", json.dumps(answer), flush=True)
+
+
+def _dead_at(node_id: str) -> float | None:
+    import ray
+
+    deadline = time.monotonic() + DEAD_TIMEOUT_S
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(DEAD_POLL_S)
+    return time.time()
+
+
+def _placement_groups() -> list[dict]:
+    from ray.util.placement_group import placement_group_table
+
+    return [{"state": t["state"], "nodes": sorted(set(t["bundles_to_node_id"].values()))}
+            for t in placement_group_table().values() if t["state"] != "REMOVED"]
 
 
 def wait_steps(metrics: Path, driver: subprocess.Popen, count: int, timeout_s: float = 900) -> None:
@@ -311,4 +362,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--gcs-probe"]:
+        serve_gcs_probe()
+    else:
+        main()
