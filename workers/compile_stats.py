@@ -99,3 +99,13 @@ class RecompileCounter:
 
 
 PROCESS = RecompileCounter()  # one per process, as dynamo's caches
+
+# What a rank's training collectives wait in a generation's first compiled step: its peers may compile
+# for minutes before their first collective (a large model; a loaded host). A floor, raised by what this
+# process compiled so far (a later generation recompiles about as much).
+COMPILE_WAIT_FLOOR_S = 1800.0
+
+
+def warm_up_timeout_s(collective_timeout_s: float) -> float:
+    """The training groups' timeout for a generation's first compiled step (``RankGroups.collective_timeout``)."""
+    return max(collective_timeout_s, COMPILE_WAIT_FLOOR_S + 2 * PROCESS.compile_clock.total_s())

@@ -53,12 +53,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+# Private, documented in its docstring for this use ("when users want to use a different timeout"),
+# since torch 2.3; gloo and NCCL both honour it for the collectives issued after it.
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from meshspeak.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
@@ -148,6 +154,8 @@ class RankGroups:
     replicate: int = 1  # HSDP replica groups (RuntimeSpec.dp.replicate); 1 = a 1-D dp axis
     flat_dp_group: dist.ProcessGroup | None = None  # all dp ranks, made only when replicate > 1
     bind_ip: str | None = None  # the address gloo binds to (Ray's node address: workers/bind.py); None: gloo's choice
+    timeout_s: float = 0.0  # the training groups' own timeout (elastic.collective_timeout_s)
+    further: list[tuple[dist.ProcessGroup, float]] = field(default_factory=list)  # new_group's, with their timeouts
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -201,7 +209,29 @@ class RankGroups:
             group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
         if backend == "gloo":
             self.gloo_ports = sorted(set(self.gloo_ports) | (sockets.listening_ports() - before))
+        self.further.append((group, timeout_s))
         return group
+
+    @contextmanager
+    def collective_timeout(self, seconds: float) -> Iterator[None]:
+        """The training groups (the mesh's axes, HSDP's flat dp group, ``new_group``'s) wait up to
+        ``seconds`` in a collective while inside, then their own timeouts again. For a step in which a
+        peer may spend minutes compiling (``train.compile``: workers/compile_stats.py): its peers wait for
+        it in their first collective, and that wait is work, not a failure. A peer that dies meanwhile
+        is still found by the driver's liveness probes, which free the survivors (a kick) long before."""
+        mesh_groups = [self.mesh.get_group(name) for name in self.mesh.mesh_dim_names]
+        own = [(group, self.timeout_s) for group in mesh_groups]
+        if self.flat_dp_group is not None:
+            own.append((self.flat_dp_group, self.timeout_s))
+        own += self.further
+        for group, _ in own:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+        try:
+            yield
+        finally:
+            if not self.destroyed and dist.is_initialized():
+                for group, timeout_s in own:
+                    _set_pg_timeout(timedelta(seconds=timeout_s), group)
 
     def pp_peer(self, pp_index: int) -> int:
         """World rank of the rank with my dp/tp coordinates at pipeline position ``pp_index``."""
@@ -264,6 +294,7 @@ def build_process_groups(
         replicate=replicate,
         flat_dp_group=made.flat_dp,
         bind_ip=bind_ip,
+        timeout_s=timeout_s,
     )
 
 

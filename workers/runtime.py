@@ -86,6 +86,7 @@ class RankRuntime:
         self._save_future = None
         self._save_call_s = 0.0
         self._snapshots = None  # checkpoints.snapshot_taker.SnapshotTaker, made at the first snapshot
+        self._warmed_up = False  # train.compile: the generation's first step ran (its compiles done)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -97,6 +98,17 @@ class RankRuntime:
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
+        """One training step (``_train_step``). The generation's first one under ``train.compile`` runs
+        with the training groups' timeout raised (``compile_stats.warm_up_timeout_s``): a peer compiling
+        its blocks for minutes keeps the others waiting in their first collective, and that is work."""
+        if not self.spec.train.compile or self._warmed_up:
+            return self._train_step(step, actions, split)
+        with self.groups.collective_timeout(compile_stats.warm_up_timeout_s(self.spec.collective_timeout_s)):
+            result = self._train_step(step, actions, split)
+        self._warmed_up = True
+        return result
+
+    def _train_step(self, step: int, actions: list[Action], split: tuple[int, ...] | None = None) -> StepResult:
         """Zero the gradients, run the microbatches (forward/backward over the schedule), decide the
         update (clip, the finite check) and step. Collective errors propagate.
 
