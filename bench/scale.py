@@ -6,7 +6,7 @@
 Part 0, capacity: the memory of one minimal Ray actor on this machine (USS/PSS/RSS of 8 of them), and
 how many the memory available now holds.
 
-Part 1, real Ray with fake ranks (``bench/scale_rank.py``: the real calls and messages, no torch; a
+Part 1, real Ray with fake ranks (``testbed/fake_rank_actor.py``: the real calls and messages, no torch; a
 step sleeps ``--step-s``, each rank snapshots ``--snapshot-mb`` every step and pushes it to its
 holder) on a local multi-node Ray (``ray.cluster_utils.Cluster``: a CPU-less head for the driver,
 four worker nodes of logical CPUs), the real ``Controller`` and ``WorkerGroup``. For each N: the
@@ -17,7 +17,7 @@ included) and the bytes through the driver's node per step (objects created in t
 object store, plus the step results the driver reads); then one rank is SIGKILLed and the time to the
 next step recorded is measured, with the formation (and restore) times of each generation.
 
-Part 2, simulated: the real ``Controller`` on ``bench/scale_sim.py``'s in-process group at --sim
+Part 2, simulated: the real ``Controller`` on ``testbed/sim_group.py``'s in-process group at --sim
 ranks, with part one's latencies: the driver CPU per step and per recovery (one rank killed, its
 spare promoted, restored from snapshots), split into the controller's and the group's share.
 """
@@ -57,7 +57,7 @@ def capacity() -> dict:
 
     ray.init(num_cpus=MINIMAL_ACTOR_SAMPLE, include_dashboard=False, log_to_driver=False)
     try:
-        from scale_rank import FakeRankActor
+        from testbed.fake_rank_actor import FakeRankActor
 
         from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 
@@ -94,7 +94,7 @@ def head_created_bytes(ray) -> int:
 
 def real(n: int, args) -> dict:
     import ray
-    from scale_rank import FakeRankActor
+    from testbed.fake_rank_actor import FakeRankActor
 
     from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
     from orchestrator.config.load import load_config
@@ -282,7 +282,7 @@ class _SimTally:
 
 def simulated(n: int, latency: dict[str, float], steps: int) -> dict:
     """The real controller on ``n`` in-process ranks: CPU per step (steady) and per recovery."""
-    from scale_sim import SimGroup
+    from testbed.sim_group import SimGroup
 
     from orchestrator.config.load import load_config
     from orchestrator.control.controller import Controller

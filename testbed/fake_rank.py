@@ -8,9 +8,10 @@ Three members drive the same rank behaviour at three speeds:
   snapshots follow workers/snapshots.py and snapshot_push.py (taken after a step, pushed to the holder
   one at a time, acknowledged with the next step's result, the driver's ``keep`` and the newest after
   it kept).
-* ``bench/scale_rank.py``'s ``FakeRankActor``: a Ray actor whose step sleeps, with real snapshot bytes.
-* ``bench/scale_sim.py``'s ``SimGroup``: thousands of in-process ranks answering after simulated
-  latencies.
+* ``testbed/fake_rank_actor.py``'s ``FakeRankActor`` (bench/scale.py's real part): a Ray actor whose
+  step sleeps, with real snapshot bytes.
+* ``testbed/sim_group.py``'s ``SimGroup`` (bench/scale.py's simulated part): thousands of in-process
+  ranks answering after simulated latencies.
 
 What the three share is here, once: the order a step must come in (``refused``), the snapshots a rank
 keeps (``retained``), what a save leaves on disk (``write_fake_shards``) and the step a checkpoint

@@ -17,8 +17,8 @@ with the real messages and the real call pattern, and only the training is prete
 
 Concurrency groups as the real actor's: WorkerGroup declares them (meshspeak.rank_calls).
 
-Ray's workers import this module from bench/ (the driver script's directory) and ``testbed`` from the
-driver's working directory: run the bench from the repository root, as ``bench/README.md`` does.
+Ray's workers import this module from the driver's working directory (``testbed`` is not installed):
+run the bench from the repository root, as ``bench/README.md`` does.
 """
 
 from __future__ import annotations
