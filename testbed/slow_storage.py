@@ -11,7 +11,8 @@ moved over the rate, so a test asserts on ``slept_s`` (the seconds asked for), n
 wraps ``meshmodels.hf_io.load_hf`` so that each rank first reads every file of the ``init_from``
 directory through the throttled filesystem (at ``THROTTLE_ENV`` bytes/s), then loads as before — a
 join as slow as a large model's read from slow storage. With ``MARKS_ENV`` set, each read leaves
-``<dir>/read-started-<pid>`` and ``<dir>/read-done-<pid>`` (with ``time.time()`` inside), so a test
+``<dir>/read-started-<pid>-<n>`` and ``<dir>/read-done-<pid>-<n>`` (``n``: the process's nth read;
+``time.time()`` inside), so a test
 can act while a read is under way and order what happened without timing it.
 """
 
@@ -133,6 +134,11 @@ def slow_init_from() -> None:
     hf_io.load_hf = slow_load_hf
 
 
+_reads_begun = [0]  # this process's init_from reads so far (each read's marks carry its number)
+
+
 def _mark(directory: str | None, name: str) -> None:
+    if name == "read-started":
+        _reads_begun[0] += 1
     if directory:
-        Path(directory, f"{name}-{os.getpid()}").write_text(repr(time.time()))
+        Path(directory, f"{name}-{os.getpid()}-{_reads_begun[0]}").write_text(repr(time.time()))
