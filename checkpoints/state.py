@@ -259,17 +259,3 @@ def _same_tensor(a: Any, b: Any) -> bool:
         a, b = a.to_local(), b.to_local()
     return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
-
-def local_state_bytes(params, optimizers) -> int:
-    """One rank's own training state: its parameters' and optimizer states' local (shard) bytes."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    total = sum(local(p) for p in params)
-    for opt in optimizers:
-        for state in opt.state.values():
-            total += sum(local(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return total

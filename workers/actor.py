@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -60,6 +60,39 @@ from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class GenerationLinks:
+    """The current (or joining) generation's connections, as a kick needs them (``RankActor.kick``)."""
+
+    backend: str = "gloo"  # of the generation's training groups (NCCL's own sockets are never shut)
+    listeners: tuple[tuple[str, int], ...] = ()  # its gloo groups' listeners, as peers dial them
+    # The connections its groups made (workers/sockets.py): a kick matches the listeners of peers
+    # that are gone against these only.
+    conns: frozenset = frozenset()
+    # While a join is in progress: (its spec, listening ports before it). A kick then also frees a
+    # rendezvous blocked on a peer that died mid-join.
+    joining: tuple[JoinSpec, frozenset[int]] | None = None
+    store: tuple[str, int] | None = None  # the generation's rendezvous store
+
+    def targets(self, peers) -> tuple[set[int], set[tuple[str, int]]]:
+        """(own listening ports, remote endpoints) whose connections a kick shuts down: the
+        generation's listeners and the live ``peers``'; mid-join also the store and, on gloo, the
+        listeners opened since the join began; on NCCL after the join the store (a communicator is
+        made at its first collective, reading its id from there: workers/groups.py)."""
+        from workers.sockets import endpoint, listening_ports
+
+        local = {port for _, port in self.listeners}
+        remote = set(map(tuple, peers))
+        if self.joining is not None:
+            gen, before = self.joining
+            if self.backend == "gloo":
+                local |= listening_ports() - before
+            remote.add(endpoint(gen.store_addr, gen.store_port))
+        elif self.backend == "nccl" and self.store is not None:
+            remote.add(endpoint(*self.store))
+        return local, remote
+
+
 class RankActor:
     def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP) -> None:
         try:
@@ -86,18 +119,10 @@ class RankActor:
         self.step = 0  # the last step this generation trained (or loaded)
         self.busy = False
         self.error: str | None = None  # latched: later training calls of the generation refuse
-        self.gloo_listeners: tuple[tuple[str, int], ...] = ()
-        # The connections the generation's groups made (workers/sockets.py): a kick matches the
-        # listeners of peers that are gone against these only.
-        self.gloo_conns: frozenset = frozenset()
-        self._backend = "gloo"  # of the current (or joining) generation's training groups
+        self.links = GenerationLinks()  # what a kick shuts down
         self._lock = threading.Lock()
         self._train_threads: set[int] = set()  # threads that ran training work (one, by design)
-        self.faults = Faults()
-        # While a join is in progress: (its spec, listening ports before it). A kick then also frees
-        # a rendezvous blocked on a peer that died mid-join (see ``kick``).
-        self._joining: tuple[JoinSpec, frozenset[int]] | None = None
-        self._store: tuple[str, int] | None = None  # the current generation's rendezvous store
+        self.faults = Faults()  # injected on purpose (``arm_fault``; the runtime's step hooks)
         # Outlives generations: a rebuild restores from it. Keeps checkpoint.memory_keep per owner.
         self.snapshots = SnapshotStore(snapshot_keep)
         self.snapshot_worker = SnapshotWorker(self.snapshots)
@@ -153,7 +178,7 @@ class RankActor:
             self._leave()
             t_left = time.perf_counter()
             device = self._device_for(gen, spec)
-            self._joining = (gen, frozenset(sockets.listening_ports()))
+            self.links.joining = (gen, frozenset(sockets.listening_ports()))
             conns_before = sockets.established()
             try:
                 self.faults.reached("join", gen.generation)
@@ -171,15 +196,15 @@ class RankActor:
                     groups.destroy()
                     raise
             finally:
-                self._joining = None
+                self.links.joining = None
             self.generation, self.world_rank, self.error = gen.generation, gen.world_rank, None
             self.orders, self.split, self.life, self.step = orders, None, 0, 0
-            self._store = (gen.store_addr, gen.store_port)
+            self.links.store = (gen.store_addr, gen.store_port)
             ip = ray.util.get_node_ip_address()
             # Where they listen, as peers dial them (Ray's node address since workers/bind.py; read,
             # not assumed: a kick matches the peers' connections by it). The tied groups' are in.
-            self.gloo_listeners = listeners(groups.gloo_ports)
-            self.gloo_conns = sockets.established() - conns_before  # the tied groups' are in
+            self.links.listeners = listeners(groups.gloo_ports)
+            self.links.conns = sockets.established() - conns_before  # the tied groups' are in
             logger.info("joined generation %d as rank %d in %.3f s: leave %.3f, groups %.3f, runtime %.3f",
                         gen.generation, gen.world_rank, time.perf_counter() - t0, t_left - t0,
                         t_groups - t_left, time.perf_counter() - t_groups)
@@ -187,7 +212,7 @@ class RankActor:
                 world_rank=gen.world_rank,
                 pid=os.getpid(),
                 node_ip=ip,
-                gloo_listeners=self.gloo_listeners,
+                gloo_listeners=self.links.listeners,
                 setup_s=time.perf_counter() - t0,
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
@@ -201,7 +226,7 @@ class RankActor:
 
         device = select_device(spec.use_gpu, gpu_ids=ray.get_gpu_ids(),
                                where=f"rank {gen.world_rank} on {ray.util.get_node_ip_address()}")
-        self._backend = backend_for(device)
+        self.links.backend = backend_for(device)
         if device.type == "cuda":
             # The host's share of a GPU rank (the offloaded optimizer step, data, staging) gets
             # the CPUs Ray reserved for it, not the one thread CPU ranks share cores with.
@@ -375,7 +400,7 @@ class RankActor:
             self.runtime.destroy()
             self.runtime = None
             release_memory(device)  # before the next generation allocates its own
-        self.gloo_listeners, self.gloo_conns = (), frozenset()
+        self.links.listeners, self.links.conns = (), frozenset()
         self.generation, self.world_rank, self.orders = -1, -1, None
 
     @plain
@@ -397,24 +422,15 @@ class RankActor:
         host sends no FIN, and its port may be another process's by now).
         """
         from workers.groups import abort_nccl
-        from workers.sockets import endpoint, listening_ports, shutdown_gloo_sockets
+        from workers.sockets import shutdown_gloo_sockets
 
-        if self._backend == "nccl" and abort_nccl():
+        if self.links.backend == "nccl" and abort_nccl():
             logger.warning("kick: NCCL communicators aborted")
-        local = {port for _, port in self.gloo_listeners}
-        remote = set(map(tuple, peers))
-        joining = self._joining
-        if joining is not None:
-            gen, before = joining
-            if self._backend == "gloo":
-                local |= listening_ports() - before
-            remote.add(endpoint(gen.store_addr, gen.store_port))
-        elif self._backend == "nccl" and self._store is not None:
-            remote.add(endpoint(*self._store))
+        local, remote = self.links.targets(peers)
         # ``gone``: listeners of the generation's members that are dead or cut off; matched against the
         # connections recorded at the join only (workers/sockets.py): after the join, never mid-join.
-        closed = shutdown_gloo_sockets(local, remote, recorded=self.gloo_conns if joining is None else frozenset(),
-                                       gone_endpoints=set(map(tuple, gone)))
+        recorded = self.links.conns if self.links.joining is None else frozenset()
+        closed = shutdown_gloo_sockets(local, remote, recorded=recorded, gone_endpoints=set(map(tuple, gone)))
         # Which connections a kick reached, for a survivor that still does not return (docs/design.md,
         # Failure path): its own listeners and the peers' it was given.
         logger.warning("kick (generation %d, busy=%s): shut %d connections; own listeners %s, peers %s, gone %s",

@@ -101,7 +101,7 @@ def test_after_the_join_the_nccl_kick_also_cuts_the_store(monkeypatch):
         monkeypatch.setattr(groups, "abort_nccl", lambda: True)
         monkeypatch.setattr(sockets, "shutdown_gloo_sockets",
                             lambda local, remote, **_: calls.setdefault("remote", set(remote)) and 0)
-        rank._backend, rank._store = backend, ("127.0.0.1", 29500)
+        rank.links.backend, rank.links.store = backend, ("127.0.0.1", 29500)
         rank.kick([("10.0.0.2", 6000)])
         want = {("10.0.0.2", 6000)} | ({("127.0.0.1", 29500)} if backend == "nccl" else set())
         assert calls["remote"] == want, backend
@@ -123,10 +123,10 @@ def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(m
     monkeypatch.setattr(sockets, "listening_ports", lambda: {1000, 2000, 7777})
     monkeypatch.setattr(sockets, "shutdown_gloo_sockets",
                         lambda local, remote, **_: calls.setdefault("shutdown", (set(local), set(remote))) and 0)
-    rank._backend = backend
-    rank.gloo_listeners = (("10.0.0.1", 5000),)  # the checkpoint group's gloo listener on NCCL
+    rank.links.backend = backend
+    rank.links.listeners = (("10.0.0.1", 5000),)  # the checkpoint group's gloo listener on NCCL
     gen = JoinSpec(2, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen2")
-    rank._joining = (gen, frozenset({1000, 2000}))
+    rank.links.joining = (gen, frozenset({1000, 2000}))
     rank.kick([("10.0.0.2", 6000)])
     local, remote = calls["shutdown"]
     assert remote == {("10.0.0.2", 6000), ("127.0.0.1", 29500)}
