@@ -1,14 +1,15 @@
 """Failure decisions as data: what the controller does after something broke (pure, no Ray).
 
 One failure path serves every phase: a training step, joining a new generation, loading the
-checkpoint into it. The controller first frees the survivors (``orchestrator.recovery.settle``), then
-``diagnose`` turns what it found into a ``Failure`` (who is blamed, one reason line for the
-``failure`` event), and ``FailurePolicy.decide`` returns the decision the controller carries out:
+checkpoint into it. The Recovering state's handler (orchestrator/control/handlers/recovering.py)
+first frees the survivors (``orchestrator.recovery.settle``), then ``diagnose`` turns what it found
+into a ``Failure`` (who is blamed, one reason line for the ``failure`` event), and
+``FailurePolicy.decide`` returns the decision, which the handler answers as the next state:
 
 * ``Rebuild``: form a new generation from the live actors (the controller goes to REBUILDING; the
   scaling policy picks its dp there). A loss of actors that were all on nodes announced as draining
   (``preempted``: a preemption whose deadline was too short for a save) is not counted.
-* ``Raise``: stop the run (ERRORED) with the error it carries:
+* ``Raise``: stop the run (``Errored``) with the error it carries:
   - ``TrainingFailed`` when a step failure would exceed ``elastic.max_restarts``;
   - ``RebuildTimeoutError`` when a generation could not be formed within ``elastic.max_restarts``;
   - ``TrainingFailed`` at once when forming a generation broke although no actor was lost: that is no
