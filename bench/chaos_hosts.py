@@ -56,7 +56,7 @@ class HostNodes:
         self.net = HostNet(hosts, self.root)
         self.cluster = None
         try:
-            self.cluster = RayStartCluster(0, head_ip=self.net.bridge_ip)
+            self.cluster = self._start_head()
         except BaseException:
             self.shutdown()
             raise
@@ -65,6 +65,18 @@ class HostNodes:
         os.environ.update({k: self.cluster.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})
         self.nodes: list[HostNode] = []  # live or cut off; a removed host's node leaves the list
         self._lock = threading.Lock()
+
+    def _start_head(self, attempts: int = 3) -> RayStartCluster:
+        """The head on the bridge address, tried again when `ray start --head` gives up (Ray 2.60 gives
+        the head's node 30 s to register, which a loaded 2-core machine misses)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return RayStartCluster(0, head_ip=self.net.bridge_ip)
+            except RuntimeError:
+                if attempt == attempts:
+                    raise
+                print(f"chaos: ray start --head failed (attempt {attempt}); again", flush=True)
+        raise AssertionError("unreachable")
 
     def add_node(self, off_main: bool = False) -> HostNode:
         """A node on the first host without one (what was left there is killed first)."""
@@ -75,11 +87,20 @@ class HostNodes:
             self.nodes.append(node)
             return node
 
-    def _start(self, host) -> HostNode:
-        self.net.kill_host(host)
-        proc = self.cluster.add_node(NODE_CPUS, on_host=(self.net, host),
-                                     env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
-        return HostNode(host, proc, self.cluster.node_id_of(proc))
+    def _start(self, host, attempts: int = 4) -> HostNode:
+        """A `ray start` on ``host``, tried again after killing what a failed try left there (Ray 2.60
+        gives a raylet 30 s to register: three tries in a row were missed here at a load of ~55)."""
+        for attempt in range(1, attempts + 1):
+            self.net.kill_host(host)
+            try:
+                proc = self.cluster.add_node(NODE_CPUS, on_host=(self.net, host), attempts=1,
+                                             env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+                return HostNode(host, proc, self.cluster.node_id_of(proc))
+            except RuntimeError:
+                if attempt == attempts:
+                    raise
+                print(f"chaos: ray start on {host.hostname} failed (attempt {attempt}); again", flush=True)
+        raise AssertionError("unreachable")
 
     def remove(self, node: HostNode, pids: list[int]) -> None:
         """The host loses every process (``pids``, its rank actors, are among them)."""

@@ -54,10 +54,14 @@ class RayStartCluster:
         })
         self.nodes: list[subprocess.Popen] = []
         self.failed: list[subprocess.Popen] = []  # `ray start`s that gave up (their own sessions: teardown)
-        self._node(["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
-                    "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-                    f"--ray-client-server-port={free_ports(1)[0]}",
-                    *([f"--node-ip-address={head_ip}"] if head_ip != "127.0.0.1" else [])], head_cpus, {})
+        try:
+            self._node(["--head", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
+                        "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+                        f"--ray-client-server-port={free_ports(1)[0]}",
+                        *([f"--node-ip-address={head_ip}"] if head_ip != "127.0.0.1" else [])], head_cpus, {})
+        except BaseException:  # a head that gave up (Ray's 30 s under load): nothing of it is left behind
+            self.shutdown()
+            raise
 
     def add_node(self, cpus: int, env: dict | None = None, attempts: int = 3, on_host=None) -> subprocess.Popen:
         """A worker node. `ray start` gives a raylet 30 s (hard-coded in Ray 2.60's node.py) to register
