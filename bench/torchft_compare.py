@@ -61,6 +61,9 @@ SAMPLES_PER_GROUP = 2  # global batch 8 over 4 groups
 SIDES = ("torchft", "elastimesh_zero0", "elastimesh_zero3")
 HEARTBEAT_TIMEOUT_MS = 1000
 LAST_STEPS = 5
+# Every injected kill is a restart, and on a loaded machine a liveness probe can time out too (a
+# failure of its own): the default 3 would end a run that is only being measured.
+MAX_RESTARTS = 20
 RUN_TIMEOUT_S = 900
 
 
@@ -243,7 +246,7 @@ def _run_elastimesh_once(zero: int, steps: int, every: int, workdir: Path) -> di
     sets = MODEL + ["mesh.dp=4", "mesh.pp=1", "mesh.tp=1", f"mesh.zero={zero}", f"train.steps={steps}",
                     f"metrics.path={metrics}", f"checkpoint.dir={rundir / 'ckpt'}", "checkpoint.memory_every=1",
                     "elastic.grow_check_s=1", "resources.cpus_per_worker=0.25",
-                    "resources.placement_timeout_s=600"]
+                    "resources.placement_timeout_s=600", f"elastic.max_restarts={MAX_RESTARTS}"]
     cmd = [sys.executable, "-m", "orchestrator", "train", "--no-progress"]
     for override in sets:
         cmd += ["--set", override]
@@ -392,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                    "fault_steps": fault_steps(steps, every), "repeats": repeats, "sides": sides,
                    "torchft_lighthouse": {"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
                    "elastimesh_sets": ["checkpoint.memory_every=1", "elastic.grow_check_s=1",
-                                       "resources.cpus_per_worker=0.25"]},
+                                       "resources.cpus_per_worker=0.25", f"elastic.max_restarts={MAX_RESTARTS}"]},
         "summary": summary,
         "goal_met": verdict["met"], "goal_by_side": verdict.get("by_side"),
         "repeats_meeting_goal": repeats_meeting(runs),

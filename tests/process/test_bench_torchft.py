@@ -36,8 +36,9 @@ def test_torchft_compare_quick_writes_json(tmp_path: Path) -> None:
             assert set(summary[key]) == {"median", "min", "max", "n"} and summary[key]["n"] == 1
         assert clean["loadavg_after"] is None or len(clean["loadavg_after"]) == 3
     em = result["runs"]["elastimesh_zero0"][0]["faults"]
-    # elastimesh keeps the math exact: the failed step re-ran on the full global batch.
-    assert em["failures"] == 1 and em["samples_lost"] == 0 and 1 <= em["steps_rerun"] <= 2
+    # elastimesh keeps the math exact: the step in flight re-ran on the full global batch (logged twice
+    # only if its first try had been logged), no sample dropped.
+    assert em["failures"] >= 1 and em["samples_lost"] == 0 and em["steps_rerun"] <= 1
     assert em["losses"][:5] == result["runs"]["elastimesh_zero0"][0]["clean"]["losses"][:5]
     ft = result["runs"]["torchft"][0]["faults"]
     # torchft went on without the dead group: some step committed with fewer than 4 groups.
