@@ -83,15 +83,18 @@ def start_nodes(args):
 
 
 def run_campaign(args, tmp: Path) -> dict:
-    import ray
-
-    from orchestrator.cluster.store_provider import StoreProvider
     from orchestrator.config.load import load_config
-    from testbed.ray_cluster import make_group
 
     overrides = overrides_for(args, tmp)
     cfg = load_config(None, overrides)
     nodes = start_nodes(args)
+    # Ray is imported only now: on hosts, the cluster's token settings are in the environment, which
+    # Ray reads when it is imported (else: "RAY_AUTH_MODE is currently 'disabled'").
+    import ray
+
+    from orchestrator.cluster.store_provider import StoreProvider
+    from testbed.ray_cluster import make_group
+
     campaign = cf.Campaign(nodes, None, tmp / "ckpt")
     group = None
     try:
