@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from meshspeak.messages import CallOutcome
 from meshspeak.rank_calls import RankCalls
 from meshspeak.rank_errors import unreachable
+from orchestrator.recovery.hang_watch import probe
 
 if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fake one
     from orchestrator.cluster.worker_group import WorkerGroup
@@ -55,6 +56,7 @@ REKICK_S = 1.0  # how often survivors that have not returned from the broken cal
 # Failure path, open), which cost more than replacing it.
 KICKED_STEPS = 3
 KICKED_FLOOR_S = 5.0
+MAX_ALIVE_WAITS = 1000  # with while_alive: the rounds' bound, in waits of wait_s (never reached on a clock)
 UNREACHABLE_WAIT_S = 3.0  # kicked members of a join the network broke: how long they may take to return
 
 
@@ -85,6 +87,7 @@ def free_broken_call(
     listeners: dict[int, tuple[tuple[str, int], ...]],
     wait_s: float,
     hang_reason: str,
+    while_alive: bool = False,
 ) -> Casualties:
     """Resolve a fan-out call over ``members`` that did not end cleanly (see the module docstring).
 
@@ -94,6 +97,10 @@ def free_broken_call(
             driver knows: members that finished joining).
         wait_s: how long freed survivors may take to return from the call.
         hang_reason: the reason recorded for actors that answer no status poll.
+        while_alive: survivors still inside after ``wait_s`` that answer a liveness probe are waited
+            for again (a join or load: a rank reading a large checkpoint returns only when its read
+            does; time alone never fails a live run). Without it they are killed (a training step:
+            a kicked survivor returns within a fraction of a step, one still inside is wedged).
 
     Returns:
         The casualties; every lost actor is already killed and removed from ``group``.
@@ -114,12 +121,13 @@ def free_broken_call(
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
     group.kill_now(dead)
-    found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found)
+    found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found, while_alive)
     return found
 
 
 def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int], dead: set[int],
-                    listeners: dict[int, tuple[tuple[str, int], ...]], wait_s: float, found: Casualties) -> set[int]:
+                    listeners: dict[int, tuple[tuple[str, int], ...]], wait_s: float, found: Casualties,
+                    while_alive: bool) -> set[int]:
     """Kick the survivors and wait for their calls to return (step 3 of the module docstring); the
     ones killed because they never did. Sets ``found.unreachable`` instead when the network broke the
     join (the module docstring's exception): then nobody is killed."""
@@ -140,7 +148,8 @@ def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int]
         return set()
     if not still:
         return set()
-    never = _wait_returned(group, still, (alive, gone), wait_s, found.reasons, stop_if_unreachable=not dead)
+    never = _wait_returned(group, still, (alive, gone), wait_s, found.reasons, stop_if_unreachable=not dead,
+                           while_alive=while_alive)
     late_cut_off = {a: r for a, r in found.reasons.items() if unreachable(r)}
     if late_cut_off and not dead:  # one that did return said why the others cannot
         found.unreachable = unreachable_line(late_cut_off)
@@ -153,15 +162,18 @@ def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int]
 
 
 def _wait_returned(group: WorkerGroup, still: dict, kick_args: tuple, wait_s: float, reasons: dict[int, str], *,
-                   stop_if_unreachable: bool = False) -> set[int]:
+                   stop_if_unreachable: bool = False, while_alive: bool = False) -> set[int]:
     """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
     kicking again (``kick_args``) every ``REKICK_S`` the ones still inside (see the module docstring); the actors that
     died meanwhile or never returned. The errors of the calls that failed unreachable are added to
     ``reasons`` (a join that waited out a peer it could not connect to says so only now), and with
-    ``stop_if_unreachable`` the wait ends there. Bounded by rounds as well as by the clock."""
+    ``stop_if_unreachable`` the wait ends there. With ``while_alive``, the ones still inside at the end
+    that answer a liveness probe get ``wait_s`` again (``free_broken_call``). Bounded by rounds as well
+    as by the clock."""
     lost: set[int] = set()
     deadline = time.monotonic() + wait_s
-    for _ in range(max(1, math.ceil(wait_s / REKICK_S))):
+    rounds = max(1, math.ceil(wait_s / REKICK_S))
+    for round_no in range(1, MAX_ALIVE_WAITS * rounds + 1):
         late = group.collect(still, max(0.1, min(REKICK_S, deadline - time.monotonic())))
         lost |= set(late.dead)
         cut_off = {a: r for a, r in late.failed.items() if unreachable(r)}
@@ -169,10 +181,30 @@ def _wait_returned(group: WorkerGroup, still: dict, kick_args: tuple, wait_s: fl
         still = late.pending_refs
         if cut_off and stop_if_unreachable:
             break
-        if not still or time.monotonic() >= deadline:
+        if not still:
             break
+        if time.monotonic() >= deadline or round_no % rounds == 0:  # (rounds: a clock standing still, tests)
+            if not while_alive:
+                break
+            still = _alive_among(group, still, lost, wait_s)
+            if not still:
+                break
+            deadline = time.monotonic() + wait_s
         group.call(sorted(set(still.values())), RankCalls.kick, kick_args, timeout_s=KICK_S)
     return lost | set(still.values())
+
+
+def _alive_among(group: WorkerGroup, still: dict, lost: set[int], wait_s: float) -> dict:
+    """The calls in ``still`` whose actors answer a liveness probe (the silent ones and the dead are
+    added to ``lost``), logged as waited for."""
+    polled, _ = probe(group, sorted(set(still.values())), time.monotonic)
+    silent = set(polled.pending) | set(polled.dead)
+    lost |= silent
+    alive = {ref: a for ref, a in still.items() if a not in silent}
+    if alive:
+        logger.warning("actors %s still inside the broken join or load %.0f s after the kick, and alive: "
+                       "waiting %.0f s more", sorted(set(alive.values())), wait_s, wait_s)
+    return alive
 
 
 def reason_line(reasons: dict[int, str]) -> str:

@@ -100,3 +100,50 @@ def test_a_wedged_survivor_of_a_step_is_waited_for_a_few_steps_not_the_group_tim
     found = recovery.free_broken_call(group, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={},
                             wait_s=recovery.kicked_wait_s(20.0, 1.2), hang_reason="hung")
     assert found.lost == {1, 2} and found.reasons[1] == "did not return after the kick"
+
+
+class ReadingJoiners(LateJoiners):
+    """Survivors of a broken join still reading (a large checkpoint, a slow ``init_from``): a kick
+    cannot stop a read; ``reads[actor]`` liveness probes pass before its read ends and its join
+    returns. ``silent`` actors answer no probe (stopped)."""
+
+    def __init__(self, members: list[int], dead: int, reads: dict[int, int], silent: set[int] = frozenset()) -> None:
+        super().__init__(members, dead, late={a: 10**6 for a in reads})
+        self.reads, self.silent, self.probes = dict(reads), set(silent), 0
+
+    def submit(self, actor_ids, method):
+        assert method is RankCalls.status
+        self.probes += 1
+        for actor in actor_ids:
+            if actor in self.reads and actor not in self.silent:
+                self.reads[actor] -= 1
+                if self.reads[actor] <= 0:
+                    self.returned.add(actor)  # its read is done: the kicked join returns
+        return {("status", a): a for a in actor_ids}
+
+    def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
+        status = {r: a for r, a in refs.items() if isinstance(r, tuple)}
+        out = super().collect({r: a for r, a in refs.items() if r not in status}, timeout_s)
+        for actor in status.values():
+            if actor in self.silent:
+                out.pending.append(actor)
+                out.pending_refs[("status", actor)] = actor
+            else:
+                out.results[actor] = WorkerStatus(world_rank=0, pid=1, generation=1, busy=True, step=0, error=None)
+        return out
+
+
+def test_a_survivor_still_reading_in_a_broken_join_is_waited_for_while_it_answers_probes():
+    """#36 item 1: a kicked survivor of a join or load that is still reading returns only when its read
+    does; it used to be killed as "did not return after the kick" after wait_s. Now each wait_s it is
+    probed: alive, it is waited for again; one that answers no probe is killed as before."""
+    group = ReadingJoiners([0, 1, 2, 3], dead=3, reads={1: 3, 2: 10**6}, silent={2})
+    found = recovery.free_broken_call(group, broken_join([0, 1, 2, 3], 3), [0, 1, 2, 3], listeners={}, wait_s=3,
+                                      hang_reason="hung", while_alive=True)
+    assert found.lost == {2, 3}  # 1 waited for through three waits; 2 silent: killed
+    assert group.killed == [3, 2] and 1 in group.returned
+    assert group.probes == 3
+    stepping = ReadingJoiners([0, 1, 2], dead=2, reads={1: 3})  # a training step's survivor: no such wait
+    found = recovery.free_broken_call(stepping, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={}, wait_s=3,
+                                      hang_reason="hung")
+    assert found.lost == {1, 2} and stepping.probes == 0
