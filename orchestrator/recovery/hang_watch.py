@@ -74,7 +74,7 @@ class HangWatch:
 def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: HangWatch, step: int) -> CallOutcome:
     """``group.collect(refs, timeout_s, stop_early=...)``, probing the ranks still in the call every
     ``watch.probe_after_s()``: the actors that do not answer a probe come back in ``pending`` with the
-    outcome's ``hung`` set (``settle`` then kills them without polling again).
+    outcome's ``hung`` set (``settle.free_broken_call`` then kills them without polling again).
 
     ``timeout_s`` is step time: the seconds a rank's answer to a probe says it compiled inside this step
     (``train.compile``: a first step, recompiles after a rebuild) are added to it (``compile_extended``).
