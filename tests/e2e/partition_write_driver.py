@@ -34,6 +34,7 @@ def main(spec: dict) -> int:
     from meshspeak.rank_calls import RankCalls
     from orchestrator.cluster.store_provider import StoreProvider
     from orchestrator.config.load import load_config
+    from testbed.driver_steps import form_first_generation
     from testbed.ray_cluster import make_group
     from testbed.ray_harness import make_controller, mesh_params
 
@@ -43,7 +44,7 @@ def main(spec: dict) -> int:
     group = make_group(cfg.mesh.world)
     try:
         controller = make_controller(cfg, group, provider)
-        controller.step()  # generation 1 formed, step 1 trained
+        form_first_generation(controller)
         victims = victim_ranks(controller, group, spec["victim_ip"])
         if not victims:
             print(f"no rank was placed on {spec['victim_ip']}", flush=True)
