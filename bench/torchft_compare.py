@@ -353,6 +353,35 @@ def repeats_meeting(runs: dict[str, list[dict]]) -> dict:
     return counts
 
 
+def build_result(runs: dict[str, list[dict]], quick: bool, steps: int, every: int, repeats: int,
+                 sides: list[str]) -> dict:
+    summary = summarize(runs)
+    verdict = goal(summary)
+    done = len(next(iter(runs.values())))
+    return {
+        "benchmark": "torchft_compare", "quick": quick,
+        "goal": "elastimesh's throughput retained (fault-free steps wall / faulty) >= torchft's, median of "
+                "interleaved repeats",
+        "math": "torchft drops a dead group's contribution to a step (its gradient is the mean over the groups "
+                "left: samples_lost); elastimesh re-runs the step on the full global batch (exact: 0 samples "
+                "lost, the fault-free math)",
+        "config": {"overrides": MODEL, "groups_or_dp": GROUPS, "steps": steps, "every": every,
+                   "fault_steps": fault_steps(steps, every), "repeats": repeats, "repeats_done": done,
+                   "sides": sides,
+                   "torchft_lighthouse": {"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
+                   "elastimesh_sets": ["checkpoint.memory_every=1", "elastic.grow_check_s=1",
+                                       "resources.cpus_per_worker=0.25", f"elastic.max_restarts={MAX_RESTARTS}"]},
+        "summary": summary,
+        # A run cut short claims no goal; nor does a full one of fewer than 3 repeats (except the smoke run).
+        "goal_met": verdict["met"] if done == repeats and (repeats >= 3 or quick) else False,
+        "goal_by_side": verdict.get("by_side"),
+        "repeats_meeting_goal": repeats_meeting(runs),
+        "runs": runs,
+        "machine": machine(loadavg_at_end=load_average()),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, "torchft_compare", "12 steps, a fault every 5, one repeat: a smoke run")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40)")
@@ -382,28 +411,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"1..{steps}, load {pair[side][kind]['loadavg_after']}", flush=True)
             for side in sides:
                 runs[side].append(pair[side])
-    summary = summarize(runs)
-    verdict = goal(summary)
-    result = {
-        "benchmark": "torchft_compare", "quick": args.quick,
-        "goal": "elastimesh's throughput retained (fault-free steps wall / faulty) >= torchft's, median of "
-                "interleaved repeats",
-        "math": "torchft drops a dead group's contribution to a step (its gradient is the mean over the groups "
-                "left: samples_lost); elastimesh re-runs the step on the full global batch (exact: 0 samples "
-                "lost, the fault-free math)",
-        "config": {"overrides": MODEL, "groups_or_dp": GROUPS, "steps": steps, "every": every,
-                   "fault_steps": fault_steps(steps, every), "repeats": repeats, "sides": sides,
-                   "torchft_lighthouse": {"min_replicas": 1, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
-                   "elastimesh_sets": ["checkpoint.memory_every=1", "elastic.grow_check_s=1",
-                                       "resources.cpus_per_worker=0.25", f"elastic.max_restarts={MAX_RESTARTS}"]},
-        "summary": summary,
-        "goal_met": verdict["met"], "goal_by_side": verdict.get("by_side"),
-        "repeats_meeting_goal": repeats_meeting(runs),
-        "runs": runs,
-        "machine": machine(loadavg_at_end=load_average()),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    write_result(args.out, result)
+            # Rewritten after every repeat: a run cut short keeps what it measured (repeats_done).
+            result = build_result(runs, args.quick, steps, every, repeats, sides)
+            write_result(args.out, result)
+    summary, verdict = result["summary"], {"met": result["goal_met"]}
     line = ", ".join(f"{s} retained {v['retained']['median']:.3f} [{v['retained']['min']:.3f}, "
                      f"{v['retained']['max']:.3f}] lost {v['samples_lost']['median']:.0f} samples"
                      for s, v in summary.items())
