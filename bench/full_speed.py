@@ -45,7 +45,7 @@ QUICK = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_siz
 def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
     import ray
 
-    import orchestrator.control.controller as controller_mod
+    import orchestrator.control.step_loop as step_loop_mod  # where the controller makes its step records
     from orchestrator.config.load import load_config
     from testbed.ray_cluster import make_group
     from testbed.ray_harness import make_controller
@@ -58,12 +58,12 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
         f"checkpoint.dir={os.path.join(workdir, 'ckpt')}", f"metrics.path={mpath}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     # The step records carry wall times only; add the slowest rank's CPU seconds (bench-side only).
-    plain_record = controller_mod.step_record
+    plain_record = step_loop_mod.step_record
 
     def record_with_cpu(step, results, **kw):
         return {**plain_record(step, results, **kw), "cpu_s": max(r.own_s for r in results)}
 
-    controller_mod.step_record = record_with_cpu
+    step_loop_mod.step_record = record_with_cpu
     t0 = time.time()
     with local_ray():
         host = StoreHost.remote()
@@ -76,7 +76,7 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
             controller.metrics.close()
         finally:
             group.shutdown()
-            controller_mod.step_record = plain_record
+            step_loop_mod.step_record = plain_record
     records = [json.loads(line) for line in open(mpath)]
     by_gen: dict[int, list[tuple[int, float]]] = {}
     for r in records:

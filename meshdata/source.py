@@ -26,7 +26,8 @@ from meshdata.chat_source import ConversationSource
 from meshdata.conversations import CONVERSATIONS
 from meshdata.errors import DataError
 from meshdata.index import DataIndex, build_index, content_identity, read_row_group
-from meshdata.storage import REMOTE_TIMEOUT_S, Location, bounded, local_path
+from meshdata.storage import REMOTE_TIMEOUT_S, Location, bounded
+from meshspeak.locations import local_path
 
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).resolve().parent / "corpus" / "builtin.txt"

@@ -202,10 +202,6 @@ class Controller:
         self._set_state(state)
         return state.kind
 
-    # The old name, for callers not moved yet (bench/: scale, gpu_mesh, rebalance, recovery; an e2e
-    # driver script): everywhere else "step" is a training step.
-    step = advance
-
     def _set_state(self, state: ControllerState) -> None:
         self.state = state
         if state.is_terminal:  # nothing more is saved: give the run lease back now
