@@ -53,6 +53,7 @@ class MotoS3:
         """Point this process (and processes started later) at ``endpoint`` (default: moto itself)."""
         os.environ.update(AWS_ENDPOINT_URL=endpoint or self.url, AWS_ACCESS_KEY_ID="test",
                           AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
+        _forget_s3_clients()
 
     def filesystem(self):
         import s3fs
@@ -73,6 +74,16 @@ class MotoS3:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _forget_s3_clients()
+
+
+def _forget_s3_clients() -> None:
+    """Drop the s3fs filesystems this process made: fsspec caches them by their options, and code
+    opening a plain ``s3://`` URI passes none, so a later test's moto on another port would be reached
+    through a client still pointed at an earlier, closed one ("Could not connect to the endpoint URL")."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 class FaultProxy:

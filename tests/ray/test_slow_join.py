@@ -99,10 +99,11 @@ def test_a_rank_that_dies_during_a_slow_join_is_found_dead_and_the_reading_survi
     runner = threading.Thread(target=lambda: ran.update(summary=controller.run()), daemon=True)
     try:
         runner.start()
-        started = marks / f"read-started-{pids[victim]}-1"
-        while not started.exists() and runner.is_alive():
+        # Both reads under way (the survivor's may begin a little after the victim's): then the kill.
+        started = [marks / f"read-started-{pids[actor]}-1" for actor in (victim, survivor)]
+        while not all(mark.exists() for mark in started) and runner.is_alive():
             time.sleep(0.05)
-        assert started.exists() and pids[victim] > 1
+        assert all(mark.exists() for mark in started) and pids[victim] > 1
         os.kill(pids[victim], signal.SIGKILL)  # our own actor's process, mid-read
         killed_at = time.time()
         runner.join(timeout=400)
