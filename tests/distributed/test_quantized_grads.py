@@ -29,8 +29,12 @@ def _worker_pool():
 
 
 @pytest.mark.timeout(600)  # three runs; minutes on a loaded 2-core machine
-@pytest.mark.parametrize(("shape", "zero"), [((2, 1, 1), 0), ((2, 1, 1), 3), ((2, 1, 2), 0)],
-                         ids=["zero0-ddp", "zero3", "zero0-tp2"])
+@pytest.mark.parametrize(("shape", "zero"), [
+    pytest.param((2, 1, 1), 0, id="zero0-ddp"),
+    pytest.param((2, 1, 1), 3, id="zero3"),
+    # slow: the default run keeps compression under TP in test_powersgd's dp2-tp2 case (suite time)
+    pytest.param((2, 1, 2), 0, id="zero0-tp2", marks=pytest.mark.slow),
+])
 def test_quantized_gradients_train_close_to_uncompressed_with_fewer_bytes(shape, zero) -> None:
     base = (*SMALL, f"mesh.zero={zero}")
     plain = run_mesh(*shape, base, STEPS, collect_params=False)
@@ -47,7 +51,10 @@ def test_quantized_gradients_train_close_to_uncompressed_with_fewer_bytes(shape,
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("shape", [(2, 1, 1), (2, 1, 2)], ids=["ddp", "tp2"])
+@pytest.mark.parametrize("shape", [
+    pytest.param((2, 1, 1), id="ddp"),
+    pytest.param((2, 1, 2), id="tp2", marks=pytest.mark.slow),  # slow: as zero0-tp2 above
+])
 def test_onebit_adam_warm_up_is_exact_then_sends_a_bit_per_value(shape) -> None:
     """The warm-up is AdamW on the all-reduced gradient: one process's losses. After it the momentum
     crosses as signs (one bit per value, plus one scale per tensor and chunk): >= 20x fewer bytes."""

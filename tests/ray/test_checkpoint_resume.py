@@ -246,7 +246,9 @@ def _assert_one_line_exit(proc: subprocess.CompletedProcess, code: int, *needles
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("change,needles", [
     (["model.d_model=32", "model.n_layers=2"], ["model.d_model", "model.n_layers", "checkpoint.dir"]),
-    ([f"train.global_batch_size={BATCH // 2}"], ["train.global_batch_size=8", "checkpoint.dir"]),
+    # slow (~23 s): the same refusal path as other-model, for another key
+    pytest.param([f"train.global_batch_size={BATCH // 2}"], ["train.global_batch_size=8", "checkpoint.dir"],
+                 marks=pytest.mark.slow),
 ], ids=["other-model", "other-global-batch"])
 def test_cli_refuses_a_checkpoint_it_cannot_continue(change, needles, stopped_run, tmp_path):
     run_dir = _copy_run(stopped_run((4, 1, 1)), tmp_path / "run")
