@@ -51,9 +51,10 @@ class RankCalls(Protocol):
     def status(self) -> WorkerStatus:
         """Answered on a second thread while the training thread may be blocked."""
 
-    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = (), generation: int | None = None) -> int:
         """Free a collective blocked on a dead peer (docs/design.md, Failure path): ``peers`` are the
-        live members' gloo listeners, ``gone`` the dead or cut-off members'."""
+        live members' gloo listeners, ``gone`` the dead or cut-off members'. ``generation``: the one
+        the kick is for; a rank already joining or in a later one ignores it (a kick that arrives late)."""
 
     def node_id(self) -> str:
         """The Ray node the actor runs on."""

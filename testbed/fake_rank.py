@@ -155,7 +155,7 @@ class FakeRank:
         return WorkerStatus(world_rank=self.world_rank, pid=self.pid, generation=self.generation,
                             busy=False, step=self.step, error=None)
 
-    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = (), generation: int | None = None) -> int:
         return 1  # FakeWorkerGroup frees this actor's blocked calls itself (``_run``)
 
     def node_id(self) -> str:

@@ -80,7 +80,7 @@ class FakeRankActor:
         return WorkerStatus(world_rank=self.world_rank, pid=os.getpid(), generation=self.generation,
                             busy=False, step=self.step, error=self.error)
 
-    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = (), generation: int | None = None) -> int:
         """As the real kick shuts the generation's sockets: the step under way fails now and every
         later one of the generation refuses (a real rank's next collective would fail)."""
         self._kicked.set()

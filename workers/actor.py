@@ -404,7 +404,7 @@ class RankActor:
         self.generation, self.world_rank, self.orders = -1, -1, None
 
     @plain
-    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = ()) -> int:
+    def kick(self, peers: list[tuple[str, int]], gone: list[tuple[str, int]] = (), generation: int | None = None) -> int:
         """Make a collective blocked on a dead peer fail now (runs on a second actor thread).
 
         gloo: this generation's gloo connections are shut down (``workers.sockets``). NCCL: the
@@ -419,11 +419,19 @@ class RankActor:
         there the store connection is shut down after the join too (workers/groups.py).
         ``peers``: the live members' listeners; ``gone``: the dead or cut-off members', whose
         connections are shut only among those the join recorded (``workers.sockets``: a vanished
-        host sends no FIN, and its port may be another process's by now).
+        host sends no FIN, and its port may be another process's by now). ``generation``: the
+        generation the driver is freeing; a kick for an earlier one than this rank is joining or in is
+        ignored: its call can outlive the driver's wait (``KICK_S``) on a loaded host and arrive while
+        the next generation joins, whose fresh listeners it would shut (peers then read "connection
+        refused" as a network fault, with every member alive).
         """
         from workers.groups import abort_nccl
         from workers.sockets import shutdown_gloo_sockets
 
+        current = self.links.joining[0].generation if self.links.joining is not None else self.generation
+        if generation is not None and current > generation:
+            logger.warning("kick for generation %d ignored: this rank is in generation %d now", generation, current)
+            return 0
         if self.links.backend == "nccl" and abort_nccl():
             logger.warning("kick: NCCL communicators aborted")
         local, remote = self.links.targets(peers)

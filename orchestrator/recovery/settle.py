@@ -88,6 +88,7 @@ def free_broken_call(
     wait_s: float,
     hang_reason: str,
     while_alive: bool = False,
+    generation: int | None = None,
 ) -> Casualties:
     """Resolve a fan-out call over ``members`` that did not end cleanly (see the module docstring).
 
@@ -101,6 +102,8 @@ def free_broken_call(
             for again (a join or load: a rank reading a large checkpoint returns only when its read
             does; time alone never fails a live run). Without it they are killed (a training step:
             a kicked survivor returns within a fraction of a step, one still inside is wedged).
+        generation: the broken generation's number, sent with every kick: a rank the kick reaches only
+            once it joins a later one ignores it (``RankActor.kick``).
 
     Returns:
         The casualties; every lost actor is already killed and removed from ``group``.
@@ -121,13 +124,14 @@ def free_broken_call(
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
     group.kill_now(dead)
-    found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found, while_alive)
+    found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found, while_alive,
+                                        generation)
     return found
 
 
 def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int], dead: set[int],
                     listeners: dict[int, tuple[tuple[str, int], ...]], wait_s: float, found: Casualties,
-                    while_alive: bool) -> set[int]:
+                    while_alive: bool, generation: int | None) -> set[int]:
     """Kick the survivors and wait for their calls to return (step 3 of the module docstring); the
     ones killed because they never did. Sets ``found.unreachable`` instead when the network broke the
     join (the module docstring's exception): then nobody is killed."""
@@ -138,17 +142,17 @@ def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int]
     alive = [ep for a in survivors for ep in listeners.get(a, ())]
     gone = [ep for a in members if a not in survivors for ep in listeners.get(a, ())]
     if survivors:
-        group.call(survivors, RankCalls.kick, (alive, gone), timeout_s=KICK_S)
+        group.call(survivors, RankCalls.kick, (alive, gone, generation), timeout_s=KICK_S)
     # Let the freed survivors finish their (failed) call so their threads are idle again.
     still = {ref: a for ref, a in outcome.pending_refs.items() if a not in dead}
     cut_off = {a: r for a, r in outcome.failed.items() if unreachable(r)}
     if cut_off and not dead:  # the network, not a rank (module docstring): nobody is killed for it
-        _wait_returned(group, still, (alive, gone), UNREACHABLE_WAIT_S, found.reasons)
+        _wait_returned(group, still, (alive, gone, generation), UNREACHABLE_WAIT_S, found.reasons)
         found.unreachable = unreachable_line(cut_off)
         return set()
     if not still:
         return set()
-    never = _wait_returned(group, still, (alive, gone), wait_s, found.reasons, stop_if_unreachable=not dead,
+    never = _wait_returned(group, still, (alive, gone, generation), wait_s, found.reasons, stop_if_unreachable=not dead,
                            while_alive=while_alive)
     late_cut_off = {a: r for a, r in found.reasons.items() if unreachable(r)}
     if late_cut_off and not dead:  # one that did return said why the others cannot

@@ -136,3 +136,25 @@ def test_the_kick_aborts_nccl_and_never_touches_sockets_opened_by_an_nccl_join(m
     else:
         assert "abort" not in calls
         assert local == {5000, 7777}
+
+
+def test_a_kick_for_an_earlier_generation_than_the_rank_joins_is_ignored(monkeypatch):
+    """A kick's call can outlive the driver's wait for it (``KICK_S``) on a loaded host and reach the rank
+    while the next generation joins: it would shut that join's fresh listeners, and the peers dialling
+    them would read "connection refused" as a network fault with every member alive (exit 2, seen in
+    bench/torchft_compare.py at load ~45). Such a kick is ignored; one for the joining generation is not."""
+    from meshspeak.mesh import MeshShape
+    from meshspeak.messages import JoinSpec
+    from workers import actor as actor_mod
+    from workers import sockets
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    rank = actor_mod.RankActor(0)
+    shut: list[set] = []
+    monkeypatch.setattr(sockets, "listening_ports", lambda: {1000, 7777})
+    monkeypatch.setattr(sockets, "shutdown_gloo_sockets", lambda local, remote, **_: shut.append(set(local)) or 1)
+    rank.generation = 2
+    rank.links.joining = (JoinSpec(3, MeshShape(1, 1, 1), 0, "127.0.0.1", 29500, "run-gen3"), frozenset({1000}))
+    assert rank.kick([("10.0.0.2", 6000)], [], 2) == 0 and shut == []  # late: for the generation it left
+    assert rank.kick([("10.0.0.2", 6000)], [], 3) == 1 and shut == [{7777}]  # the join it is in
+    assert rank.kick([("10.0.0.2", 6000)]) == 1  # no generation named: as before
