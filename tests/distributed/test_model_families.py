@@ -49,8 +49,10 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape", [(3, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 2, 2)],
-                         ids=mesh_id)
+# (1, 1, 2) is in the slow run only: tensor parallelism over weights from Hugging Face stays in the
+# default run at (2, 2, 2) and (1, 2, 2).
+@pytest.mark.parametrize("shape", [(3, 1, 1), (1, 2, 1), pytest.param((1, 1, 2), marks=pytest.mark.slow),
+                                   (2, 2, 2), (1, 2, 2)], ids=mesh_id)
 def test_llama_from_hf_matches_one_process(hf_dir, shape) -> None:
     import numpy as np
 

@@ -112,7 +112,10 @@ def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, 
     from checkpoints.catalog import latest_valid
     from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
-    steps = 200
+    # Enough steps that the stop (after step 13, then up to a minute for the metrics' export to show
+    # in Prometheus: Ray pushes them every ~10 s) lands well before the end; each one more is trained
+    # again by the resubmission and by the reference.
+    steps = 120
     metrics = tmp_path / "metrics.jsonl"
     ckpt = f"file://{tmp_path / 'ckpt'}"  # a URI, as on cloud storage (s3://...)
     overrides = [TEST_LR, f"metrics.path={metrics}", f"checkpoint.dir={ckpt}", "checkpoint.every=10",

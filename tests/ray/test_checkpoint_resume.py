@@ -134,14 +134,19 @@ def _resume(run_dir: Path, shape, pool, store_address):
 
 
 RESHARD_CASES = [
-    ((4, 1, 1), (2, 1, 1)), ((4, 1, 1), (1, 1, 1)), ((4, 1, 1), (2, 1, 2)), ((4, 1, 1), (4, 1, 1)),
+    ((4, 1, 1), (1, 1, 1)), ((4, 1, 1), (2, 1, 2)), ((4, 1, 1), (4, 1, 1)),
     ((2, 2, 2), (1, 2, 2)), ((2, 2, 2), (4, 1, 1)), ((2, 2, 2), (1, 1, 1)), ((2, 2, 2), (2, 2, 2)),
 ]
+# In the slow run only: dp 4 -> 2 alone is covered in the default run by 4 -> 1 (dp shrinks) and
+# 4 -> (2, 1, 2) (dp halves while tp appears).
+SLOW_RESHARD_CASES = [((4, 1, 1), (2, 1, 1))]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("source,target", RESHARD_CASES,
-                         ids=[f"{_mesh_id(s)}-to-{_mesh_id(t)}" for s, t in RESHARD_CASES])
+@pytest.mark.parametrize("source,target", [
+    *[pytest.param(s, t, id=f"{_mesh_id(s)}-to-{_mesh_id(t)}") for s, t in RESHARD_CASES],
+    *[pytest.param(s, t, id=f"{_mesh_id(s)}-to-{_mesh_id(t)}", marks=pytest.mark.slow)
+      for s, t in SLOW_RESHARD_CASES]])
 def test_resume_at_another_mesh_equals_one_process(source, target, stopped_run, pool8, store_address, tmp_path):
     run_dir = _copy_run(stopped_run(source), tmp_path / "run")
     pids = dict(pool8.pids)
