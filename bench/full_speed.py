@@ -11,10 +11,10 @@ Per generation the script reads every step's ``step_time_s`` from the metrics JS
   <= 1.3: the first step pays one-time costs (FSDP lazy init, allocator warm-up, DTensor caches);
   from the second on a generation should run at full speed);
 * ``step1_ratio`` for information;
-* ``cpu_step2_ratio``: the same ratio of the slowest rank's *CPU* seconds of the step (its step
-  thread's ``thread_time``, ``StepResult.own_s``), which other processes on a loaded machine do not
-  inflate: a wall ratio above it means the step waited (for a peer, or for a core), not that it
-  did more work.
+* ``cpu_step2_ratio``: the same ratio of the step records' ``cpu_s`` (README, Metrics: the most CPU
+  seconds one rank's training thread spent in the step), which other processes on a loaded machine
+  do not inflate: a wall ratio above it means the step waited (for a peer, or for a core), not that
+  it did more work.
 
     python bench/full_speed.py [--zero {0,1,2,3}] [--steps-per-gen N] [--quick] [--out PATH]
 
@@ -45,7 +45,6 @@ QUICK = ["model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_siz
 def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
     import ray
 
-    import orchestrator.control.step_loop as step_loop_mod  # where the controller makes its step records
     from orchestrator.config.load import load_config
     from testbed.ray_cluster import make_group
     from testbed.ray_harness import make_controller
@@ -57,13 +56,6 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
         f"mesh.dp={DP}", "mesh.tp=1", f"mesh.zero={zero}", f"train.steps={steps}", f"checkpoint.every={10 * steps}",
         f"checkpoint.dir={os.path.join(workdir, 'ckpt')}", f"metrics.path={mpath}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
-    # The step records carry wall times only; add the slowest rank's CPU seconds (bench-side only).
-    plain_record = step_loop_mod.step_record
-
-    def record_with_cpu(step, results, **kw):
-        return {**plain_record(step, results, **kw), "cpu_s": max(r.own_s for r in results)}
-
-    step_loop_mod.step_record = record_with_cpu
     t0 = time.time()
     with local_ray():
         host = StoreHost.remote()
@@ -76,12 +68,11 @@ def run(zero: int, per_gen: int, model: list[str], workdir: str) -> dict:
             controller.metrics.close()
         finally:
             group.shutdown()
-            step_loop_mod.step_record = plain_record
     records = [json.loads(line) for line in open(mpath)]
     by_gen: dict[int, list[tuple[int, float]]] = {}
     for r in records:
         if "step_time_s" in r:
-            by_gen.setdefault(r["generation"], []).append((r["step"], r["step_time_s"], r.get("cpu_s")))
+            by_gen.setdefault(r["generation"], []).append((r["step"], r["step_time_s"], r["cpu_s"]))
     gens = []
     for g, steps_of in sorted(by_gen.items()):
         times = [t for _, t, _ in sorted(steps_of)]

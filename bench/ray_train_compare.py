@@ -68,7 +68,6 @@ def _median_from(per_step: dict[int, float], first: int = 3) -> float:
 def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     import ray
 
-    import orchestrator.control.step_loop as step_loop_mod
     from orchestrator.config.load import load_config
     from orchestrator.launch import run_job
 
@@ -78,16 +77,9 @@ def run_elastimesh(overrides: list[str], steps: int, workdir: str) -> dict:
     cfg = load_config(None, overrides + [f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}",
                                          f"metrics.path={mpath}"])
     assert not ray.is_initialized()
-    # Step records carry wall times only; add the slowest rank's CPU seconds of the step (its step
-    # thread's thread_time, StepResult.own_s), bench-side only (the driver's step loop runs in this process).
-    plain_record = step_loop_mod.step_record
-    step_loop_mod.step_record = lambda step, results, **kw: {
-        **plain_record(step, results, **kw), "cpu_s": max(r.own_s for r in results)}
+    # Each step record's cpu_s: the most CPU seconds one rank's training thread spent in it (README, Metrics).
     t0 = time.time()
-    try:
-        summary = run_job(cfg, progress=False)
-    finally:
-        step_loop_mod.step_record = plain_record
+    summary = run_job(cfg, progress=False)
     t_end = time.time()
     records = [json.loads(line) for line in open(mpath)]
     tps = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}

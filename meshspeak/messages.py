@@ -107,7 +107,7 @@ class StepResult:
     skipped: bool = False  # every rank skipped the update: fp16 overflow, or a bad step (``bad``)
     bad: str = ""  # a bad step: "loss" (this rank's loss was not finite) or "grad_norm"; "" = fine
     # This rank's own CPU time in the step (the training thread's): waiting for peers in a
-    # collective burns none; the benches' per-step CPU figure (bench/full_speed.py, ray_train_compare.py).
+    # collective burns none; the step record's ``cpu_s`` is the most of it over the ranks (metrics.step_record).
     own_s: float = 0.0
     # Wall time inside this rank's blocks' forwards, FSDP's all-gather waits left out: what the
     # straggler score compares (workers/compute_clock.py, orchestrator/recovery/stragglers.py).

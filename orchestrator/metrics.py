@@ -92,7 +92,9 @@ def bubble_fraction(results: list[StepResult]) -> float:
 def step_record(step: int, results: list[StepResult], *, train, seq_len: int, shape: MeshShape,
                 generation: int) -> dict[str, Any]:
     """The JSONL record of one completed step: the global-batch loss (each replica reports its share),
-    the slowest rank's wall time, throughput, the learning rate, the mesh and the bubble."""
+    the slowest rank's wall time, throughput, the learning rate, the mesh, the bubble, and the most CPU
+    seconds one rank's training thread spent in the step (``StepResult.own_s``: other processes on a
+    loaded machine do not inflate it, so a wall time far above it means the step waited)."""
     loss = sum(r.loss for r in results if r.loss is not None)
     wall = max(r.step_time_s for r in results)
     tokens = train.global_batch_size * seq_len
@@ -100,7 +102,7 @@ def step_record(step: int, results: list[StepResult], *, train, seq_len: int, sh
         "step": step, "loss": loss, "lr": lr_at(step, train), "tokens": tokens,
         "step_time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "dp": shape.dp, "pp": shape.pp, "tp": shape.tp, "generation": generation,
-        "bubble": bubble_fraction(results),
+        "bubble": bubble_fraction(results), "cpu_s": max(r.own_s for r in results),
         **_loss_scale_fields(results),
         **_dp_bytes_field(results),
         **_recompiles_field(results),

@@ -75,7 +75,9 @@ def test_start_forms_generation_one(make):
 
 def test_a_step_trains_and_is_recorded(make):
     r = make()
-    r.steps(2)
+    r.steps(1)
+    r.group.ranks[2].forward_s = 0.7  # the fake's step CPU seconds (StepResult.own_s)
+    r.steps(1)
     assert r.c.next_step == 2 and r.c.losses == {1: pytest.approx(1.0)}
     assert sorted((a, args[0]) for a, args in r.group.calls(RankCalls.train_step)) == [(0, 1), (1, 1), (2, 1), (3, 1)]
     rec, = [x for x in r.records() if "loss" in x]
@@ -83,6 +85,7 @@ def test_a_step_trains_and_is_recorded(make):
     assert (rec["step"], rec["dp"], rec["pp"], rec["tp"], rec["generation"]) == (1, 4, 1, 1, 1)
     assert rec["tokens"] == tokens and rec["tokens_per_s"] == pytest.approx(tokens / 0.5)
     assert rec["bubble"] == pytest.approx(0.2)  # compute 0.4 s of a 0.5 s step on every rank
+    assert rec["cpu_s"] == pytest.approx(0.7)  # the most CPU seconds one rank spent in the step
 
 
 def test_runs_to_the_end(make):
