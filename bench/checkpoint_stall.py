@@ -61,6 +61,7 @@ class _Rank:
         self.groups = self.runtime.groups
         self.rank = rank
         self.step = 0
+        self.writer = None  # the writer use_writer gave the runtime
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -73,15 +74,16 @@ class _Rank:
         self.runtime.train_step(self.step, self.actions)
         return time.perf_counter() - t0
 
-    def use_writer(self, mode: str) -> None:
-        """Give the runtime a fresh writer: "sync", "async_staged" (copy before save returns) or
-        "async_background" (copy on the staging thread; what RankRuntime uses by default)."""
+    def use_writer(self, mode: str):
+        """Give the runtime a fresh writer (``RankRuntime.use_checkpoint_writer``) and return it: "sync",
+        "async_staged" (copy before save returns) or "async_background" (copy on the staging thread;
+        what RankRuntime uses by default)."""
         from checkpoints.writer import AsyncCheckpointWriter
 
-        if self.runtime._writer is not None:
-            self.runtime._writer.close()
-        self.runtime._writer = AsyncCheckpointWriter(
+        self.writer = AsyncCheckpointWriter(
             self.groups.ckpt_group, use_async=mode != "sync", stage_in_background=mode == "async_background")
+        self.runtime.use_checkpoint_writer(self.writer)
+        return self.writer
 
     def state_bytes(self) -> int:
         """Local bytes of parameters + AdamW moments on this rank."""
@@ -105,9 +107,8 @@ class _Rank:
         return float(sum((v.astype("float64") ** 2).sum() for v in full.values())) if full else None
 
     def stager_cache(self) -> list[tuple[int, int]]:
-        """(address, bytes) of the staging buffers the async writer's stager keeps (private API)."""
-        writer = self.runtime._writer
-        stager = getattr(getattr(getattr(writer, "_stager", None), "inner", None), "_state_dict_stager", None)
+        """(address, bytes) of the staging buffers the async writer's stager keeps (torch's private API)."""
+        stager = getattr(getattr(getattr(self.writer, "_stager", None), "inner", None), "_state_dict_stager", None)
         cache = getattr(stager, "_cached_storage_mapping", None)
         if cache is None:
             return []
@@ -179,8 +180,7 @@ def _child(rank: int, port: int, model: dict[str, int], repeats: int, workdir: s
 def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
     """Stall of each save (the call, plus the wait for staging before the next optimizer step),
     the step trained while the write runs, and an idle step before it for comparison."""
-    r.use_writer(mode)
-    writer = r.runtime._writer
+    writer = r.use_writer(mode)
     out: dict = {k: [] for k in ("call_s", "fence_s", "stall_s", "write_s", "staging_s", "waited_s",
                                  "step_idle_s", "step_during_write_s", "stager_cache", "in_flight_at_save")}
     for i in range(repeats + 1):  # save 0 allocates the staging buffers
@@ -191,7 +191,7 @@ def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
         call = r.runtime.save_checkpoint(path, r.step)
         out["step_during_write_s"].append(r.train())  # waits for staging before its optimizer step
         ack = r.runtime.wait_checkpoint()
-        timing = r.runtime._save_future.result()
+        timing = r.runtime.last_save_timing()
         out["call_s"].append(call)
         out["fence_s"].append(writer.fence_wait_s)
         out["stall_s"].append(ack.stall_s)  # = the call + the wait for staging in the next step
@@ -199,8 +199,8 @@ def _async_saves(r: _Rank, mode: str, repeats: int, workdir: str) -> dict:
         out["staging_s"].append(timing.staging_s)
         out["waited_s"].append(timing.waited_s)
         out["stager_cache"].append(r.stager_cache())
-        kept = r.runtime._ckpt_state  # did this save take the verified state-dict shortcut?
-        out.setdefault("state_dict_shortcut", []).append([kept.model.shortcut, kept.optim.shortcut])
+        # Did this save take the verified state-dict shortcut?
+        out.setdefault("state_dict_shortcut", []).append(list(r.runtime.state_dict_shortcuts()))
         r.barrier()
         if r.rank == 0:
             _rm(path)

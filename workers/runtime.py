@@ -273,6 +273,26 @@ class RankRuntime:
         return WriteAck(write_s=timing.write_s, files=dict(timing.files), stall_s=stall,
                         staging_s=timing.staging_s)
 
+    # -- what a benchmark of staging modes sets and reads (bench/checkpoint_stall.py) -----------------
+    def use_checkpoint_writer(self, writer) -> None:
+        """Save through ``writer`` from now on: a ``checkpoints.writer.AsyncCheckpointWriter`` on
+        ``groups.ckpt_group`` (e.g. one that stages before ``save`` returns). The writer before it is
+        closed first, its write waited for. Without this call the first save makes the default one."""
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = writer
+
+    def last_save_timing(self):
+        """How the latest save went (``checkpoints.writer.SaveTiming``: its staging, its wait for the save
+        before it), once its write ended."""
+        return self._save_future.result()
+
+    def state_dict_shortcuts(self) -> tuple[bool | None, bool | None]:
+        """Whether the model's and the optimizers' state dicts took the verified shortcut
+        (checkpoints/state.py) at the latest save or snapshot; (None, None) before the first."""
+        kept = self._ckpt_state
+        return (None, None) if kept is None else (kept.model.shortcut, kept.optim.shortcut)
+
     def _wait_checkpoint_staging(self) -> None:
         if self._writer is not None:
             self._writer.wait_staged()
