@@ -33,7 +33,7 @@ def memory_probe(runtime):
     counter = _ActivationCounter(runtime)
     counter.hook_stage_forwards(runtime)
     counter.hook_loss(runtime.executor)
-    counter.hook_backward_input(runtime.executor)
+    runtime.executor.after_action = counter.after_action  # the executor's hook (workers/pipeline.py)
     counter.hook_step(runtime.executor)
     return lambda: counter.per_step
 
@@ -69,6 +69,7 @@ class _ActivationCounter:
         self.refs: dict[int, tuple[int, int]] = {}  # storage -> (saved tensors on it, its bytes)
         self.first_f: int | None = None
         self.first_start = self.forwards = self.kept = self.peak_total = 0
+        self.kept_by_pass: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> bytes its W will free
         self.per_step: list[dict] = []
 
     def pack(self, tensor):
@@ -125,25 +126,19 @@ class _ActivationCounter:
 
         executor.loss_fn = hooked_loss
 
-    def hook_backward_input(self, executor) -> None:
+    def after_action(self, stage, action) -> None:
         """Zero-bubble: from its I to its W a microbatch also holds the gradients the W starts from
-        (WeightPass.kept_bytes, workers/split_backward.py), which 1F1B's backward frees at once."""
-        backward_input = executor._backward_input
+        (WeightPass.kept_bytes, workers/split_backward.py), which 1F1B's backward frees at once: counted
+        after each I (its pending W's), dropped after that W."""
+        from meshspeak.schedule import Op
 
-        def counted_backward_input(stage, mb):
-            backward_input(stage, mb)
-            weights = stage.weight_passes[mb]
-            kept, run_weights = weights.kept_bytes, weights.run
-            self.kept += kept
+        key = (stage.index, action.microbatch)
+        if action.op == Op.BACKWARD_INPUT:
+            self.kept_by_pass[key] = stage.weight_passes[action.microbatch].kept_bytes
+            self.kept += self.kept_by_pass[key]
             self.peak_total = max(self.peak_total, self.live + self.kept)
-
-            def run():
-                run_weights()
-                self.kept -= kept
-
-            weights.run = run
-
-        executor._backward_input = counted_backward_input
+        elif action.op == Op.BACKWARD_WEIGHT:
+            self.kept -= self.kept_by_pass.pop(key)
 
     def hook_step(self, executor) -> None:
         """Each step starts its peaks from what is live and records one row when it ends."""

@@ -137,6 +137,9 @@ class Executor:
         self.placement = placement  # how stages sit on pp ranks (meshspeak.schedule.placement_of)
         # What the last stage multiplies its loss by before backward (dynamic loss scaling, fp16).
         self.loss_scale = 1.0
+        # Called with (stage, action) after each action, outside its timing, when set: what a benchmark
+        # counts there (bench/pipeline_probes.py: the gradients a zero-bubble I keeps until its W).
+        self.after_action: Callable[[Stage, Action], None] | None = None
 
     def _peer(self, stage: int) -> int:
         return self.peer_of_pp_index(stage_to_rank(stage, self.pp, self.placement))
@@ -168,6 +171,8 @@ class Executor:
             if share is not None:
                 loss_share += share
             spans.append((t0, clock.mark()))
+            if self.after_action is not None:
+                self.after_action(self.stages[action.stage], action)
         posting.finish()
         for stage in self.stages.values():
             stage.clear()
