@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, load_average, machine, parser, write_result
+from stats import spread
 
 GROUPS, SEQ_LEN = 4, 32
 MODEL = [f"model.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch_size=2"]
@@ -306,10 +307,6 @@ def run_side(side: str, steps: int, every: int, workdir: Path) -> dict:
     else:
         figures = run_elastimesh(int(side[-1]), steps, every, workdir)
     return {**figures, "loadavg_before": load_before, "loadavg_after": load_average()}
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
