@@ -33,8 +33,10 @@ Figures per mode: tokens/s over the whole run (``steps`` x 48 x seq_len over the
 ``controller.run()``, a re-formation included) and in the steady state (the median step time of the
 last half), each over its round's capacity bound; the rebalance events (split, measured speeds);
 the eviction's step, recovery time and the dp after it; the load average before and after. With
-``--repeats R`` every mode runs in each of R rounds (healthy first), and the medians over the rounds
-are the scenario's ``of_capacity_bound`` / ``of_capacity_bound_steady``.
+``--repeats R`` (default 3) every mode runs in each of R rounds (healthy first), and the medians over
+the rounds are the scenario's ``of_capacity_bound`` / ``of_capacity_bound_steady``, with their spread
+(``*_spread``); ``goal_met`` holds only when rebalancing met the goal in every round
+(``rounds_meeting_goal``; ``goal_met_median``: whether the median did).
 
     nice -n 10 python bench/rebalance.py [--steps N] [--repeats R] [--scenarios device,cpu] [--modes ...]
                                           [--quick] [--out PATH]
@@ -52,6 +54,7 @@ import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import load_average, local_ray, machine, parser, write_result
+from stats import repeats_meeting, spread
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -193,10 +196,26 @@ def run_scenario(scenario: str, steps: int, modes: list[str], repeats: int, work
                 save(out)  # what is measured so far survives a later failure
         round_.update(_ratios(round_["modes"]))
         save(out)
+    out.update(over_rounds(out["rounds"]))
+    return out
+
+
+def over_rounds(rounds: list[dict]) -> dict:
+    """The scenario's figures from its rounds: per mode the median over the rounds (``of_capacity_bound``,
+    ``of_capacity_bound_steady``) and its spread (``*_spread``); the goal holds only when rebalancing
+    met it in every round (``rounds_meeting_goal`` says in how many; ``goal_met_median`` whether the
+    median did)."""
+    out: dict = {}
     for key in ("of_capacity_bound", "of_capacity_bound_steady"):
-        out[key] = {m: round(statistics.median(r[key][m] for r in out["rounds"]), 3) for m in out["rounds"][0][key]}
+        per_mode = {m: [r[key][m] for r in rounds] for m in rounds[0][key]}
+        out[key] = {m: round(statistics.median(v), 3) for m, v in per_mode.items()}
+        out[f"{key}_spread"] = {m: spread(v, 3) for m, v in per_mode.items()}
     if "rebalance" in out["of_capacity_bound"]:
-        out["goal_met"] = out["of_capacity_bound"]["rebalance"] >= GOAL
+        meeting, every_round = repeats_meeting([r["of_capacity_bound"]["rebalance"] for r in rounds],
+                                               lambda x: x >= GOAL)
+        out["rounds_meeting_goal"] = meeting
+        out["goal_met_median"] = out["of_capacity_bound"]["rebalance"] >= GOAL
+        out["goal_met"] = every_round
     return out
 
 
@@ -205,9 +224,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of device,cpu")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of every mode (medians reported)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="rounds of every mode (default 3, quick 1; medians with their spread reported)")
     args = p.parse_args()
     steps = args.steps or (20 if args.quick else 100)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     modes = [m for m in args.modes.split(",") if m]
     result: dict = {"benchmark": "rebalance", "quick": args.quick, "steps": steps, "repeats": args.repeats,
                     "goal": GOAL,

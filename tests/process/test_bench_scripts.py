@@ -275,7 +275,7 @@ def test_rebalance_quick_writes_json(tmp_path: Path) -> None:
     # No throughput threshold (10 steps on a shared machine); what is checked: each mode ran its steps
     # from scratch, the slow replica got fewer microbatches, the ratios are computed against the bound.
     result = run_bench_script("rebalance.py", tmp_path / "rebalance.json", "--scenarios", "device",
-                              "--modes", "healthy,rebalance", "--steps", "10", timeout=380)
+                              "--modes", "healthy,rebalance", "--steps", "10", "--repeats", "1", timeout=380)
     assert result["benchmark"] == "rebalance" and result["steps"] == 10
     device = result["scenarios"]["device"]
     (round_,) = device["rounds"]
