@@ -12,9 +12,10 @@ MB) and a byte-level BPE trained offline on it (``--vocab`` tokens) are made fir
   sidecar — on a local Ray that is already started (its start is reported separately:
   ``ray_start_s``; ``end_to_end_ratio`` charges it to one prepare).
 
-Figure: ``ratio`` = prepare tokens/s / tokenizers tokens/s (medians); goal >= 0.8.
+Figure: ``ratio`` = the median over the rounds of each round's prepare tokens/s / tokenizers tokens/s
+(``ratio_spread``: min, max, each round's); goal >= 0.8 in every round (``rounds_meeting_goal``).
 
-    python bench/data_prepare.py [--quick] [--mb 64] [--vocab 32000] [--rounds 2] [--out PATH]
+    python bench/data_prepare.py [--quick] [--mb 64] [--vocab 32000] [--rounds 3] [--out PATH]
 
 ``--quick``: 2 MB, vocab 2000, one round (a smoke run for the tests, not a measurement). Writes
 ``bench/results/data_prepare.json`` unless ``--out`` says otherwise.
@@ -33,8 +34,10 @@ import time
 from pathlib import Path
 
 import common  # bench/common.py: also puts the repository root on sys.path
+from stats import paired_ratios, repeats_meeting, spread
 
 BATCH_CHARS = 1 << 20
+GOAL_RATIO = 0.8
 
 
 def make_inputs(folder: Path, mb: float, vocab: int) -> tuple[list[str], Path, Path]:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mb = args.mb or (2.0 if args.quick else 64.0)
     vocab = args.vocab or (2000 if args.quick else 32000)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
 
     import ray
 
@@ -123,32 +126,41 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    rate = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-    ratio = rate["prepare"] / rate["tokenizers"]
-    wall_prepare = statistics.median(r["wall_s"] for r in runs["prepare"])
-    tokens_prepare = runs["prepare"][0]["tokens"]
-    end_to_end = (tokens_prepare / (wall_prepare + ray_start_s)) / rate["tokenizers"]
     result = {
         "benchmark": "data_prepare",
-        "goal": "data prepare tokens/s >= 0.8 x tokenizers' own encode_batch_fast tokens/s, same text and cores",
-        "goal_ratio": 0.8,
+        "goal": "data prepare tokens/s >= 0.8 x tokenizers' own encode_batch_fast tokens/s, same text and cores, "
+                "in every round (the headline: the median of the per-round ratios)",
+        "goal_ratio": GOAL_RATIO,
         "quick": args.quick,
-        "ratio": ratio,
-        "goal_met": ratio >= 0.8,
-        "tokens_per_s": rate,
-        "end_to_end_ratio": end_to_end,
-        "ray_start_s": ray_start_s,
-        "runs": runs,
+        **figures(runs, ray_start_s),
         "config": {"text_mb": mb, "documents": len(docs), "vocab": vocab, "rounds": rounds, "make_s": make_s,
                    "prepare_tasks": "one per CPU, RAYON_NUM_THREADS=1", "baseline_threads": "tokenizers default (all cores)"},
         "machine": common.machine(load_average=common.load_average()),
     }
     out = Path(args.out)
     common.write_result(out, result)
+    rate, spread_ = result["tokens_per_s"], result["ratio_spread"]
     print(f"data_prepare: {rate['prepare']:,.0f} tokens/s vs tokenizers {rate['tokenizers']:,.0f} tokens/s "
-          f"= {ratio:.2f}x (goal >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'}); with Ray's start "
-          f"({ray_start_s:.1f}s) {end_to_end:.2f}x -> {out}")
+          f"= {spread_['median']:.2f}x [{spread_['min']:.2f}, {spread_['max']:.2f}] (goal >= {GOAL_RATIO} in "
+          f"every round: {result['rounds_meeting_goal']}); with Ray's start ({ray_start_s:.1f}s) "
+          f"{result['end_to_end_ratio']:.2f}x -> {out}")
     return 0
+
+
+def figures(runs: dict[str, list[dict]], ray_start_s: float) -> dict:
+    """The headline from the interleaved rounds: each round's prepare tokens/s over the tokenizers run of
+    the same round, their median with its spread, and the goal only when every round meets it; the
+    median tokens/s of each side; ``end_to_end_ratio`` charges Ray's start to one (median) prepare."""
+    ratios = paired_ratios([r["tokens_per_s"] for r in runs["prepare"]],
+                           [r["tokens_per_s"] for r in runs["tokenizers"]])
+    rate = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    wall_prepare = statistics.median(r["wall_s"] for r in runs["prepare"])
+    end_to_end = (runs["prepare"][0]["tokens"] / (wall_prepare + ray_start_s)) / rate["tokenizers"]
+    meeting, every_round = repeats_meeting(ratios, lambda x: x >= GOAL_RATIO)
+    return {"ratio": statistics.median(ratios), "ratio_spread": spread(ratios),
+            "ratio_of_median_rates": rate["prepare"] / rate["tokenizers"],
+            "rounds_meeting_goal": meeting, "goal_met": every_round,
+            "tokens_per_s": rate, "end_to_end_ratio": end_to_end, "ray_start_s": ray_start_s, "runs": runs}
 
 
 if __name__ == "__main__":
