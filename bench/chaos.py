@@ -133,10 +133,14 @@ def fault_hook(plan: dict[int, str], campaign, rng):
         campaign.injected.append({"step": step, "kind": kind, "what": what, "time": time.time()})
         print(f"step {step}: {kind}: {what}", flush=True)
 
-    # Only at the fault and follow-up steps: a hook drains the steps in flight before its step
-    # (orchestrator/control/window.py), so one run at every step would stop the pipelining.
-    inject.steps = frozenset(plan) | {s + cf.FOLLOW_UP_AFTER[k] for s, k in plan.items() if k in cf.FOLLOW_UP_AFTER}
     return inject
+
+
+def hook_steps(plan: dict[int, str]) -> frozenset[int]:
+    """The steps ``fault_hook`` runs before: the faults' and their follow-ups'. Only those: the steps in
+    flight are drained before each step a hook runs at (``Controller.add_step_hook``), so a hook at every
+    step would stop the pipelining."""
+    return frozenset(plan) | {s + cf.FOLLOW_UP_AFTER[k] for s, k in plan.items() if k in cf.FOLLOW_UP_AFTER}
 
 
 def run_with_faults(args, cfg, campaign, group, t0: float) -> dict:
@@ -146,7 +150,7 @@ def run_with_faults(args, cfg, campaign, group, t0: float) -> dict:
 
     plan = fault_plan(args.steps, args.every, args.seed, args.only or kinds_for(campaign.nodes))
     controller = make_controller(cfg, group, campaign.provider)
-    controller.step_hooks.append(fault_hook(plan, campaign, random.Random(args.seed + 1)))
+    controller.add_step_hook(fault_hook(plan, campaign, random.Random(args.seed + 1)), steps=hook_steps(plan))
     # Replacement nodes are started as steps are recorded (Campaign.tick), on a timer thread.
     controller.metrics.step_listeners.append(lambda rec: campaign.tick())
     done_at: list[tuple[int, float]] = []  # (step, when its record was written)

@@ -240,7 +240,7 @@ def store_kill(c: Campaign, controller, step: int, rng) -> str:
 def truncate_ckpt(c: Campaign, controller, step: int, rng) -> str:
     from checkpoints.catalog import latest_valid
 
-    info = latest_valid(str(c.ckpt_dir), run_id=controller.ckpt.run_id)
+    info = latest_valid(str(c.ckpt_dir))  # the campaign's own fresh directory: every checkpoint in it is this run's
     if info is None:
         return "no committed checkpoint yet: skipped"
     shards = sorted(p for p in Path(info.dcp_path).iterdir() if p.suffix == ".distcp" and p.stat().st_size > 0)

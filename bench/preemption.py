@@ -177,7 +177,7 @@ def _train_through_a_drain(cfg, deadline_s: float, marks: dict[str, float]):
                     timers.append(threading.Timer(DELAY_S, notice))
                     timers[0].start()
 
-            controller.step_hooks.append(hook)
+            controller.add_step_hook(hook)
             summary = controller.run()
             controller.metrics.close()
         finally:

@@ -29,7 +29,7 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
     """Run to the end with ``kind`` armed on generation 1's ``victim_rank`` at ``at_step`` (``where``).
 
     ``more`` arms further faults: (generation-1 rank, at, kind, delay_s, where) as ``arm_fault`` takes
-    them; ``hooks`` are added to ``controller.step_hooks``. Asserts that every actor that was not a
+    them; ``hooks`` run at every step boundary (``Controller.add_step_hook``). Asserts that every actor that was not a
     victim kept its process (no restart). Returns (controller, summary, overrides).
     """
     overrides = FAULT_RUN_BASE + mesh + list(extra) + [f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -45,13 +45,14 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
         survivors = {a: group.pids[a] for a in group.live_ids if a not in victims}
         for rank, at, fault_kind, delay, where in faults:
             group.call([members[rank]], RankCalls.arm_fault, (at, fault_kind, delay, where), timeout_s=10)
-        controller.step_hooks.extend(hooks)
+        for hook in hooks:
+            controller.add_step_hook(hook)
         # A rank that dies as its step ``at`` starts may take the answer of step ``at - 1`` with it
         # when that step was still in flight (orchestrator/control/window.py): the window drains
         # before each armed step, so the failure is the armed step's, as the tests name it.
         drain_before = {at for _, at, _, _, point in faults if point in ("step", "forward")}
         if drain_before:
-            controller.step_hooks.append(_drain_at(drain_before))
+            controller.add_step_hook(_drain, steps=drain_before)
         summary = controller.run()
         for actor, pid in survivors.items():  # no survivor was restarted
             assert group.pids[actor] == pid
@@ -61,12 +62,8 @@ def run_with_fault(tmp_path, store_address, mesh: list[str], kind: str, victim_r
         group.shutdown()
 
 
-def _drain_at(steps: set[int]):
-    def drain(controller, step: int) -> None:
-        pass  # a hook due at a step stops the window short of it: that is all it is for
-
-    drain.steps = frozenset(steps)
-    return drain
+def _drain(controller, step: int) -> None:
+    pass  # a hook due at a step stops the window short of it: that is all it is for
 
 
 def resumed_from_newest_committed(metrics_path) -> list[int]:

@@ -38,8 +38,10 @@ STEP_FAULTS = ("nan", "slow", "sleep")
 FAULT_POINTS = ("step", "forward", "join", "load", "ckpt_write")
 # Delays that widen a race on purpose (kind "sleep"; ``at`` is a step): "snapshot" sleeps ``delay_s``
 # before the snapshot of step ``at`` is planned from the state; "eval" sleeps ``delay_s`` inside the
-# first block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then).
-SLEEP_POINTS = ("snapshot", "eval")
+# first block's forward of the first eval batch after step ``at`` (its parameters unsharded by FSDP then);
+# "tied" sleeps ``delay_s`` once step ``at``'s backward is done, before the pipeline's tied copies are
+# summed (its tied partner then waits inside ``TiedGrads.sync``: tests/e2e/test_hosts_kick.py).
+SLEEP_POINTS = ("snapshot", "eval", "tied")
 
 
 class Faults(StepHooks):
@@ -148,6 +150,10 @@ class Faults(StepHooks):
             os.kill(os.getpid(), sig)
 
         handle = module.register_forward_hook(signal_after_forward)
+
+    def backward_done(self, runtime, step: int) -> None:
+        """"sleep" at "tied": sleep here, before the tied copies' sum (``SLEEP_POINTS``)."""
+        time.sleep(self._take_sleep("tied", step))
 
     def gradients_ready(self, runtime, step: int) -> None:
         """"nan": a NaN in this rank's gradient, as a non-finite loss would leave (a bad step everywhere)."""

@@ -133,6 +133,7 @@ class RankRuntime:
         if scale_used is not None:  # float16: the last stage's loss is multiplied by it before backward
             self.executor.loss_scale = scale_used
         loss, timings, compute = self.executor.run(actions, data)
+        self.hooks.backward_done(self, step)
         self.tied.sync()
         self.hooks.gradients_ready(self, step)
         verdict = self.update_check.verdict(step, loss if self.holds_last_stage else None)

@@ -13,5 +13,8 @@ class StepHooks:
     def step_begins(self, runtime, step: int) -> None:
         """Train step ``step`` is about to run its first forward (``runtime``: the ``RankRuntime``)."""
 
+    def backward_done(self, runtime, step: int) -> None:
+        """Step ``step``'s backward is done; the pipeline's tied copies are not summed yet (workers/tied.py)."""
+
     def gradients_ready(self, runtime, step: int) -> None:
         """Step ``step``'s backward is done (tied copies summed); its update is not decided yet."""

@@ -52,24 +52,34 @@ class RunIdentity:
     mask_eos_id: int | None
 
 
+@dataclass(frozen=True)
+class StepHook:
+    """``call(subject, step)`` at the boundary before ``step``, every step before it done (fault
+    injection: ``Controller.add_step_hook``); ``steps``: only before those (None: before every step)."""
+
+    call: Callable[[object, int], None]
+    steps: frozenset[int] | None = None
+
+    def due(self, step: int) -> bool:
+        return self.steps is None or step in self.steps
+
+
 @dataclass
 class BoundaryInputs:
     """Inputs from outside the loop, read at step boundaries."""
 
     resize_requests: dict[int, int] = field(default_factory=dict)  # step -> dp (tests, operators)
-    # callables(subject, step) run at the boundary before a step, every step before it done (fault
-    # injection); one with a ``steps`` attribute runs (and drains the window) only at those steps.
-    step_hooks: list = field(default_factory=list)
+    step_hooks: list[StepHook] = field(default_factory=list)  # a hook due drains the window before its step
     hook_subject: object = None  # what a hook is called with: the controller (set by it)
     stop_requested: Callable[[], bool] = lambda: False  # a signal asked to stop (launch.py)
 
     def hook_due(self, step: int) -> bool:
-        return any(_due(hook, step) for hook in self.step_hooks)
+        return any(hook.due(step) for hook in self.step_hooks)
 
     def run_hooks(self, step: int) -> None:
         for hook in self.step_hooks:
-            if _due(hook, step):
-                hook(self.hook_subject, step)
+            if hook.due(step):
+                hook.call(self.hook_subject, step)
 
 
 class GrowCheck:
@@ -143,8 +153,3 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
         hang_watch=HangWatch(cfg.elastic.hang_probe_factor, clock),
         recovery_clock=RecoveryClock(metrics, clock),
     )
-
-
-def _due(hook, step: int) -> bool:
-    steps = getattr(hook, "steps", None)
-    return steps is None or step in steps

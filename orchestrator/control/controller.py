@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from meshspeak.sections import JobConfig
 from orchestrator.cluster.group_protocol import WorkerGroupLike
 from orchestrator.cluster.store_provider import StoreSource
-from orchestrator.control.context import DriverContext, build_context
+from orchestrator.control.context import DriverContext, StepHook, build_context
 from orchestrator.control.generation import GenerationRecord, RunSummary
 from orchestrator.control.handlers import HANDLERS
 from orchestrator.control.states import ControllerState, Errored, Forming, State
@@ -99,10 +99,14 @@ class Controller:
     def resize_requests(self, requests: dict[int, int]) -> None:
         self.context.inputs.resize_requests = requests
 
-    @property
-    def step_hooks(self) -> list:
-        """callables(controller, step) run at the boundary before a step (control/context.py)."""
-        return self.context.inputs.step_hooks
+    def add_step_hook(self, hook: Callable[[Controller, int], None], steps: Iterable[int] | None = None) -> None:
+        """Run ``hook(controller, step)`` at the boundary before ``step``, once every step before it was
+        read (fault injection: tests, bench/chaos.py; the hook acts through ``controller.group`` and
+        reads what callers read below). ``steps``: only before those steps. The steps in flight are
+        drained before each step a hook runs at (control/window.py): a hook at every step stops the
+        pipelining, so name the steps where you can."""
+        due = None if steps is None else frozenset(steps)
+        self.context.inputs.step_hooks.append(StepHook(hook, due))
 
     @property
     def stop_requested(self) -> Callable[[], bool]:

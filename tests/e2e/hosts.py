@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,14 @@ def require_hosts() -> None:
 
 
 @contextmanager
-def hosts_cluster(prefix: str, workers: int, cpus: int, *, loopback_hostnames: bool = False,
+def hosts_cluster(prefix: str, workers: int, cpus: int | list[int], *, loopback_hostnames: bool = False,
                   node_env: dict | None = None):
     """(cluster, net): a Ray head with 0 CPUs on the bridge address, and ``workers`` worker nodes of
-    ``cpus`` CPUs, one per namespace host, started one after another. Everything is torn down
-    afterwards, whatever happened (and at interpreter exit, should this frame never finish)."""
+    ``cpus`` CPUs (or ``cpus[i]`` on host i), one per namespace host, started one after another.
+    Everything is torn down afterwards, whatever happened (and at interpreter exit, should this frame
+    never finish)."""
+    per_host = list(cpus) if isinstance(cpus, list) else [cpus] * workers
+    assert len(per_host) == workers, (cpus, workers)
     require_hosts()
     root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: Ray's unix socket paths
     net = HostNet(workers, root, loopback_hostnames=loopback_hostnames)
@@ -43,7 +47,7 @@ def hosts_cluster(prefix: str, workers: int, cpus: int, *, loopback_hostnames: b
     try:
         cluster = start_head(root, net)
         for i, host in enumerate(net.hosts):
-            start_node(cluster, net, host, cpus, node_env)
+            start_node(cluster, net, host, per_host[i], node_env)
             cluster.wait_nodes(2 + i)
         yield cluster, net
     finally:
@@ -85,3 +89,17 @@ def start_node(cluster: RayCluster, net: HostNet, host, cpus: int, env: dict | N
                 raise
             print(f"ray start on {host.hostname} failed (attempt {attempt}); again", flush=True)
     raise AssertionError("unreachable")
+
+
+def rank_log(root: Path) -> list[tuple[float, str]]:
+    """(time, line) of every timestamped line the rank actors logged, on every node of the cluster (a
+    node's `ray start` keeps its logs under the cluster's root)."""
+    lines = []
+    for log in sorted(root.glob("ray*/session_2*/logs/worker-*.err")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                when = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+            lines.append((when, line))
+    return sorted(lines)

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
 from testbed.ray_harness import last_losses
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
-from tests.e2e.hosts import hosts_cluster
+from tests.e2e.hosts import hosts_cluster, rank_log
 from tests.e2e.raycluster import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -69,20 +68,6 @@ def wait_for_shards(step_dir: Path, ranks: list[int], driver: subprocess.Popen, 
             return found
         assert driver.poll() is None and time.monotonic() < deadline, f"no shards of ranks {ranks} in {step_dir}"
         time.sleep(0.02)
-
-
-def rank_log(root: Path) -> list[tuple[float, str]]:
-    """(time, line) of every timestamped line the rank actors logged, on every node of the cluster (a
-    node's `ray start` keeps its logs under the cluster's root)."""
-    lines = []
-    for log in sorted(root.glob("ray*/session_2*/logs/worker-*.err")):
-        for line in log.read_text(errors="replace").splitlines():
-            try:
-                when = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            except ValueError:
-                continue
-            lines.append((when, line))
-    return sorted(lines)
 
 
 def write_span(log: list[tuple[float, str]], actor: int, attempt: Path) -> tuple[float | None, float | None]:

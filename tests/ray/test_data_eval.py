@@ -79,7 +79,7 @@ def test_eval_beside_snapshots_every_step_equals_eval_without_them(ray_local, st
 
     try:
         controller = make_controller(cfg, group, store_address)
-        controller.step_hooks.append(widen_the_race)
+        controller.add_step_hook(widen_the_race)
         summary = controller.run()
     finally:
         group.shutdown()

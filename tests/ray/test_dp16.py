@@ -58,8 +58,7 @@ def test_dp16_with_a_rank_killed_mid_run_equals_one_process(ray16, tmp_path):
                 armed.append(victim)
                 c.group.call([victim], RankCalls.arm_fault, (AT, "kill", 0.0, "forward"), timeout_s=30)
 
-        kill.steps = {AT - 1, AT}  # the window drains only there; the other steps stay pipelined
-        controller.step_hooks.append(kill)
+        controller.add_step_hook(kill, steps={AT - 1, AT})  # the window drains only there; the others stay pipelined
         pids = dict(group.pids)
         summary = controller.run()
         assert summary.final_step == STEPS and summary.restarts == 1

@@ -45,7 +45,7 @@ def test_shrink_grow_shrink_same_processes_matches_reference(ray_local, store_ad
         def record(c, step):
             shapes.setdefault(c.generation.number, (c.generation.shape.dp, dict(c.generation.members)))
 
-        controller.step_hooks.append(record)
+        controller.add_step_hook(record)
         summary = controller.run()
 
         assert summary.final_step == STEPS and summary.restarts == 1

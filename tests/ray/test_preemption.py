@@ -92,7 +92,7 @@ def _run_with_drain(nodes, provider, tmp_path, deadline_s: float):
                 removal.append(threading.Timer(deadline_s, remove_victim))
                 removal[0].start()
 
-        controller.step_hooks.append(notice)
+        controller.add_step_hook(notice)
         summary = controller.run()
         return controller, summary, overrides, survivors, on_victim
     finally:

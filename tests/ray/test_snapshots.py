@@ -67,7 +67,7 @@ def _run(tmp_path, head_store, victims_of, at: int):
                 for actor in armed:
                     c.group.call([actor], RankCalls.arm_fault, (at, "kill", 0.0, "forward"), timeout_s=10)
 
-        controller.step_hooks.append(kill)
+        controller.add_step_hook(kill)
         pids = dict(group.pids)
         summary = controller.run()
         assert summary.final_step == STEPS and summary.restarts == 1

@@ -42,7 +42,7 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
                 killed.append(provider.handle)
                 ray.kill(provider.handle, no_restart=True)
 
-        controller.step_hooks.append(kill_store)
+        controller.add_step_hook(kill_store)
         victim = controller.generation.members[1]
         survivor = controller.generation.members[0]
         pid = group.pids[survivor]

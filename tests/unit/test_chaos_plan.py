@@ -41,7 +41,7 @@ def test_the_hook_also_runs_at_each_slow_storage_follow_up_and_injects_a_fault_o
     campaign = cf.Campaign(nodes=None, provider=None, ckpt_dir=Path("."))
     hook = chaos.fault_hook(plan, campaign, random.Random(0))
     after = cf.FOLLOW_UP_AFTER["slow_storage"]
-    assert hook.steps == {5, 10, 15, 5 + after, 15 + after}
+    assert chaos.hook_steps(plan) == {5, 10, 15, 5 + after, 15 + after}
     ran = []
     campaign.follow_ups[11] = lambda controller, step: ran.append(step) or "done"
     hook(None, 11)  # a follow-up step with no fault of its own
