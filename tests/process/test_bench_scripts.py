@@ -33,6 +33,9 @@ def test_step_overhead_quick_writes_json(tmp_path: Path) -> None:
         assert len(result["step_times_s"][side]) == 2
     assert result["ratio"] > 0 and result["cpu_ratio"] > 0
     assert isinstance(result["goal_met"], bool)
+    # Its spread: 2 measured steps in blocks of 2 (the default) are one interleaved block per side.
+    assert result["ratio_per_block"]["n"] == 1 and result["blocks_meeting_goal"] in ("0 of 1", "1 of 1")
+    assert result["cpu_ratio_per_block"]["median"] > 0
     # Same model, same samples, same math: the two loops must produce the same losses.
     assert result["losses_match"] is True
     warmup = result["config"]["warmup_steps_per_side"]

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import data_prepare  # noqa: E402
 import rebalance  # noqa: E402
+import step_overhead  # noqa: E402
 import torchft_compare  # noqa: E402
 
 
@@ -66,3 +67,10 @@ def test_data_prepare_ratio_is_per_round_and_every_round_must_meet_it():
     assert f["ratio"] == 0.9 and (f["ratio_spread"]["min"], f["ratio_spread"]["max"]) == (0.5, 0.95)
     assert f["rounds_meeting_goal"] == "2 of 3" and f["goal_met"] is False
     assert f["end_to_end_ratio"] == pytest.approx(0.9)  # median prepare wall 100 s, no Ray start charged
+
+
+def test_step_overhead_spread_is_over_the_interleaved_blocks():
+    # Blocks of 2 steps (the last one short), in the order they ran; block 2 of elastimesh was slowed.
+    mesh, plain = [1.0, 1.0, 2.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0, 3.0]
+    assert step_overhead.block_ratios(mesh, plain, 2) == [1.0, 2.0, 1.0]
+    assert step_overhead.block_ratios(mesh, plain, 1) == [1.0, 1.0, 2.0, 2.0, 1.0]
