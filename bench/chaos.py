@@ -20,9 +20,12 @@ The JSON says, against the issue's goals:
   ``truncate_ckpt`` faults damaged on purpose, which must be found invalid (goal: 0 corrupt);
 * ``max_param_diff``: final parameters vs a failure-free float64 run in one process (goal <= 1e-9);
 * ``steps_rerun``: step records logged again after a failure (the work lost);
-* ``goodput``: the time of the steps that counted (each step's last record) / the run's wall time
-  (goal >= 0.8). On a 2-core machine, with a tiny model, a recovery costs many steps' time, so this
-  figure depends on the step time: ``--d-model``, ``--layers`` and ``--seq-len`` make steps longer.
+* ``goodput``: the time of the steps that counted (each step's last record) / the campaign's wall time
+  with start-up included (the cluster, the actors, the first generation: issue 37's goal >= 0.9; also
+  ``goodput_with_startup``, the same figure); ``goodput_without_startup`` divides by the run loop's
+  wall time alone (the headline before issue 37). On a 2-core machine, with a tiny model, a recovery
+  costs many steps' time, so this figure depends on the step time: ``--d-model``, ``--layers`` and
+  ``--seq-len`` make steps longer.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from common import load_average, machine, parser, write_result
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-GOAL_PARAM, GOAL_GOODPUT = 1e-9, 0.8
+GOAL_PARAM, GOAL_GOODPUT = 1e-9, 0.9  # goodput with start-up included (issue 37)
 MODEL = ["model.n_heads=4", "train.global_batch_size=8", "train.micro_batch_size=2", "train.lr=1e-3",
          "train.dtype=float64"]
 
@@ -188,6 +191,14 @@ def lost_time(injected: list[dict], done_at: list[tuple[int, float]], t_run: flo
     return out
 
 
+def goodput_figures(useful_s: float, wall: dict) -> dict:
+    """The campaign's goodput: the time of the steps that counted over the wall time *with* start-up
+    (what a user waits for; the headline and the goal's figure), and over the run loop's alone beside it."""
+    with_startup = useful_s / wall["with_startup_s"]
+    return {"goodput": with_startup, "goodput_with_startup": with_startup,
+            "goodput_without_startup": useful_s / wall["run_s"]}
+
+
 def report(args, cfg, overrides, campaign, tmp: Path, trace: dict) -> dict:
     import numpy as np
     from rich.console import Console
@@ -235,11 +246,10 @@ def report(args, cfg, overrides, campaign, tmp: Path, trace: dict) -> dict:
         "failures": [{k: r.get(k) for k in ("step", "ranks", "reason", "time")}
                      for r in records if r.get("event") == "failure"],
         "fault_to_progress_s_by_kind": lost_time(campaign.injected, trace["done_at"], trace["t_run"]),
-        "useful_step_time_s": useful, "wall_s": wall,
-        "goodput": useful / wall["run_s"], "goodput_with_startup": useful / wall["with_startup_s"],
+        "useful_step_time_s": useful, "wall_s": wall, **goodput_figures(useful, wall),
         "goal_goodput": GOAL_GOODPUT, "goodput_accounting": ledger.as_dict(),
         "goal_met": bool(not args.only and survived and not corrupt and diff is not None and diff <= GOAL_PARAM
-                         and useful / wall["run_s"] >= GOAL_GOODPUT),
+                         and goodput_figures(useful, wall)["goodput"] >= GOAL_GOODPUT),
         "machine": machine(load_average=load_average()),
     }
 
@@ -270,7 +280,8 @@ def main() -> None:
         result = run_campaign(args, Path(tmp))
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("faults", "kinds", "survived_faults", "corrupt_committed",
-                                             "max_param_diff", "steps_rerun", "goodput", "goal_met")}))
+                                             "max_param_diff", "steps_rerun", "goodput",
+                                             "goodput_without_startup", "goal_met")}))
 
 
 if __name__ == "__main__":

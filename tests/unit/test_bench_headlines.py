@@ -74,3 +74,12 @@ def test_step_overhead_spread_is_over_the_interleaved_blocks():
     mesh, plain = [1.0, 1.0, 2.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0, 3.0]
     assert step_overhead.block_ratios(mesh, plain, 2) == [1.0, 2.0, 1.0]
     assert step_overhead.block_ratios(mesh, plain, 1) == [1.0, 1.0, 2.0, 2.0, 1.0]
+
+
+def test_chaos_goodput_headline_counts_the_start_up():
+    import chaos
+
+    # bench/results/chaos.json's figures: 247.7 s of useful steps, a 306.8 s run loop, 318.4 s from the start.
+    g = chaos.goodput_figures(247.69, {"run_s": 306.82, "with_startup_s": 318.38})
+    assert g["goodput"] == g["goodput_with_startup"] == pytest.approx(0.778, abs=1e-3)
+    assert g["goodput_without_startup"] == pytest.approx(0.807, abs=1e-3)
