@@ -45,6 +45,9 @@ from testbed.fake_call import FakeCall
 
 
 NEWEST_KEPT = 2  # kept after the driver's ``keep``, own and per owner held (workers/snapshots.py's default)
+# What a rank built for a load that never came answers a step (workers/runtime.py, ``_check_loaded``).
+UNINITIALISED = ("RuntimeError: the parameters were left uninitialised for a checkpoint or snapshot load "
+                 "that never came: this generation cannot train")
 
 
 def refused(step: int, after: int | None, done: int, world_rank: int) -> StepResult | None:
@@ -133,6 +136,7 @@ class FakeRank:
         self.to_push: tuple | None = None  # taken, pushed once every rank of the fan-out ran its step
         self.acks: list[SnapshotAck] = []  # acknowledged pushes, reported with the next step
         self.snapshots_loaded: list[RestoreSource] = []
+        self.awaiting_load = False  # joined with RuntimeSpec.load_follows and no load came yet
 
     def ping(self) -> tuple[int, str, str]:
         return self.pid, self.node_ip, f"node-{self.node_ip}"
@@ -140,6 +144,7 @@ class FakeRank:
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         self.generation, self.world_rank, self.world = gen.generation, gen.world_rank, gen.shape.world
         self.orders, self.split, self.step, self.life = orders, None, 0, 0
+        self.awaiting_load = spec.load_follows  # built uninitialised, as RankRuntime: a load must come
         self.dp_rank = gen.shape.coords(gen.world_rank).dp
         return RankInfo(world_rank=gen.world_rank, pid=self.pid, node_ip=self.node_ip,
                         gloo_listeners=((self.node_ip, 40_000 + self.actor_id),), setup_s=0.01,
@@ -174,6 +179,8 @@ class FakeRank:
             return refusal
         self._retain(tuple(keep) or None)
         self._push_answered()
+        if self.awaiting_load:  # RankRuntime._check_loaded's refusal, latched as the actor does
+            return StepResult(step=step, world_rank=self.world_rank, ok=False, error=UNINITIALISED)
         self.step = step
         self.split = split if split is not None else self.split
         # Each rank reports 1/world of the loss, so the step's loss is the step number.
@@ -246,6 +253,7 @@ class FakeRank:
 
     def load_checkpoint(self, path: str) -> int:
         self.loaded.append(path)
+        self.awaiting_load = False
         self.step, self.life = checkpoint_step(path), self.life + 1
         return self.step
 
@@ -269,5 +277,6 @@ class FakeRank:
 
     def load_snapshot(self, source: RestoreSource) -> RestoreAck:
         self.snapshots_loaded.append(source)
+        self.awaiting_load = False
         self.step, self.life = source.key[2], self.life + 1
         return RestoreAck(step=source.key[2], fetched_bytes=64, shard_bytes=64)

@@ -46,7 +46,6 @@ class SimGroup:
         self._world: dict[int, int] = {}  # actor -> world rank, of the current generation
         self._generation = 0
         self._taken: list[tuple] = []  # snapshot keys taken, newest last
-        self._before: tuple[dict, list] = ({}, [])  # the previous generation's ranks and keys
         self._kill: tuple[int, int] | None = None
         self._dead: set[int] = set()
 
@@ -147,7 +146,6 @@ class SimGroup:
 
     # -- the ranks' answers ------------------------------------------------------------------------
     def _joined(self, args: dict) -> None:
-        self._before = (self._world, self._taken)
         self._generation += 1
         self._world = {actor: a[0].world_rank for actor, a in args.items()}
         self._result = {actor: StepResult(step=0, world_rank=rank, ok=True, loss=1.0 / len(args), step_time_s=1.0,
@@ -178,8 +176,8 @@ class SimGroup:
             return lambda actor: RankInfo(world_rank=self._world[actor], pid=self.pids[actor], node_ip=self.node_ips[actor],
                                           gloo_listeners=((self.node_ips[actor], 40_000),), setup_s=0.01,
                                           num_params_local=1)
-        if name == "snapshot_inventory":  # asked once the next generation joined: the one before's
-            world, taken = self._before
+        if name == "snapshot_inventory":  # asked before the next generation joins: the current one's
+            world, taken = self._world, self._taken
             keys = taken[:-1]  # the newest take's push is still under way
 
             def inventory(actor):

@@ -116,6 +116,25 @@ class Restored:
     shard_bytes: int = 0  # the members' own states after the load, all together
 
 
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a new generation resumes from, decided before its members join: they are told whether a
+    load follows (``RuntimeSpec.load_follows``: built uninitialised, a step before the load refuses),
+    so the join and the load must follow the same decision."""
+
+    found: tuple[SnapKey, dict[int, int]] | None  # the newest covered snapshot set and its givers
+    storage_step: int | None  # the newest committed checkpoint's step (None: none)
+
+    @property
+    def source(self) -> str:
+        return choose_source(self.found[0][2] if self.found else None, self.storage_step or 0)
+
+    @property
+    def loads(self) -> bool:
+        """Whether restoring loads anything (else the generation starts from its random init)."""
+        return self.source == "snapshot" or self.storage_step is not None
+
+
 # -- the coordinator ----------------------------------------------------------------------------------
 class SnapshotCoordinator:
     """Counts complete sets from the step results and restores through the worker group."""
@@ -219,28 +238,35 @@ class SnapshotCoordinator:
             return None
         return snap
 
-    def restore_best(self, group, gen, ckpt, *, at_most: int) -> Restored:
+    def plan_restore(self, group, ckpt, *, at_most: int) -> RestorePlan:
+        """Where a restore would resume from now: the newest snapshot set of which the live actors hold
+        every shard (``at_most``: see ``restore_best``), and the newest committed checkpoint."""
+        found = self._find(group, at_most) if self.active else None
+        info = ckpt.resume_point()
+        return RestorePlan(found, info.step if info is not None else None)
+
+    def restore_best(self, group, gen, ckpt, *, at_most: int, plan: RestorePlan | None = None) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at
         least as new as the newest storage checkpoint, else that checkpoint (``ckpt.restore``).
         ``at_most``: the last step the driver recorded. With steps in flight the ranks may have taken
         (and pushed) snapshots of steps after it that were never recorded: a rollback's bad steps
-        are replayed from before them, and a broken step's successors are not counted.
+        are replayed from before them, and a broken step's successors are not counted. ``plan``: the
+        decision the members joined under (``plan_restore``), else taken now (an in-place rollback).
 
         The one entry point for resuming a generation (a rebuild after a failure, a resize, a
         rollback). Raises ``RestoreFailed`` when a member died or failed while loading.
         """
-        found = self._find(group, at_most) if self.active else None
-        info = ckpt.resume_point()
-        storage_step = info.step if info is not None else 0
-        if choose_source(found[0][2] if found else None, storage_step) == "storage":
+        plan = plan or self.plan_restore(group, ckpt, at_most=at_most)
+        if plan.source == "storage":
             if self.newest is not None:
                 logger.warning("in-memory snapshot of step %d has no live copy of some shard (or is older "
-                               "than checkpoint step %d): restoring from storage", self.newest.step, storage_step)
+                               "than checkpoint step %d): restoring from storage", self.newest.step,
+                               plan.storage_step or 0)
             self.newest = None  # not restorable any more; the new generation's replace it
             t0 = time.perf_counter()
             step = ckpt.restore(group, gen)
             return Restored(step, "storage", time.perf_counter() - t0)
-        key, givers = found
+        key, givers = plan.found
         source = RestoreSource(key=key, world=len(givers),
                                providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
         t0 = time.perf_counter()
@@ -259,5 +285,10 @@ class SnapshotCoordinator:
     def _find(self, group, at_most: int,
               without: frozenset[int] = frozenset()) -> tuple[SnapKey, dict[int, int]] | None:
         live = [a for a in group.live_ids if a not in without]
-        polled = group.call(live, RankCalls.snapshot_inventory, timeout_s=INVENTORY_TIMEOUT_S)
+        # Waited for while they answer liveness probes (time alone never fails a live run): a fixed
+        # 10 s wait, which a loaded host's answer can miss, left a live holder's copies out, so a
+        # covered set read as lost and the run went back to storage (step 0 when none was committed).
+        # An actor silent to a probe is left out (its copies with it); the join or the load finds it.
+        refs = group.submit(live, RankCalls.snapshot_inventory)
+        polled = collect_while_alive(group, refs, INVENTORY_TIMEOUT_S, "asking the live actors for their snapshots")
         return newest_covered(polled.results, self._worlds, at_most)
