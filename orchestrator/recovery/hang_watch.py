@@ -13,6 +13,11 @@ this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for a 
 no progress (e.g. a device kernel that never returns). As NVIDIA's resiliency extension derives its
 hang timeouts from observed iteration times, the interval follows the run's own steps; unlike a
 tighter timeout, a probe only ever adds a status call.
+
+``probe`` is the driver's one definition of "this live rank is hung": besides a running step it
+decides it while a join, a load or a save is waited for (``collect_while_alive``), when a broken
+call's survivors are sorted from the hung (recovery/settle.py), and when a save before a planned
+re-form failed (control/formation.py: storage failing with everyone alive, or a lost member).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ must happen before the next generation can form, and fast (seconds, not ``collec
 
 1. tell dead from hung from merely blocked: actors whose call raised ``RayActorError``, or whose
    process on the driver's node is gone before Ray said so (``WorkerGroup.exited``), are dead;
-   actors still inside the call are polled on a second actor thread, and only a stopped (SIGSTOP) or
-   wedged process fails to answer — those count as hung (the ones a liveness probe already found,
-   ``CallOutcome.hung``, are not asked again: recovery/hang_watch.py);
+   actors still inside the call get a liveness probe (``hang_watch.probe``, the one definition of
+   hung: a live rank answers on its second actor thread within milliseconds, as fast as its peers),
+   and only a stopped (SIGSTOP) or wedged process fails to answer — those count as hung (the ones a
+   probe already found while the call ran, ``CallOutcome.hung``, are not asked again);
 2. SIGKILL dead and hung processes (``WorkerGroup.kill_now``: ``ray.kill`` on a stopped process
    takes ~5 s: docs/design.md, Facts the code relies on, "A hung (stopped) peer is freed only by
    killing it");
@@ -46,7 +47,6 @@ if TYPE_CHECKING:  # the Ray-backed group; tests drive these functions with a fa
 
 logger = logging.getLogger(__name__)
 
-STATUS_POLL_S = 3.0  # a live actor answers status() on its second thread well within this
 KICK_S = 10.0
 REKICK_S = 1.0  # how often survivors that have not returned from the broken call are kicked again
 # A kicked survivor in a training step returns at its next collective, i.e. within a fraction of a
@@ -97,7 +97,7 @@ def free_broken_call(
         listeners: actor id -> its gloo listening endpoints in the broken generation (those the
             driver knows: members that finished joining).
         wait_s: how long freed survivors may take to return from the call.
-        hang_reason: the reason recorded for actors that answer no status poll.
+        hang_reason: the reason recorded for actors that answer no liveness probe.
         while_alive: survivors still inside after ``wait_s`` that answer a liveness probe are waited
             for again (a join or load: a rank reading a large checkpoint returns only when its read
             does; time alone never fails a live run). Without it they are killed (a training step:
@@ -113,14 +113,14 @@ def free_broken_call(
     found.reasons.update(outcome.failed)
     dead = set(outcome.dead) | set(outcome.hung)
     found.reasons.update(outcome.hung)  # found by a liveness probe already (recovery/hang_watch.py)
-    # A process seen gone (on the driver's node) is dead: no status poll to wait out on it.
+    # A process seen gone (on the driver's node) is dead: no probe to wait out on it.
     gone = group.exited([a for a in outcome.pending if a not in dead])
     dead |= gone
     found.reasons.update({a: "ActorDiedError (its process is gone)" for a in gone})
     asked = [a for a in outcome.pending if a not in dead]
     if asked:
-        polled = group.call(asked, RankCalls.status, timeout_s=STATUS_POLL_S)
-        hung = set(asked) - set(polled.results)
+        polled, _ = probe(group, asked, time.monotonic)
+        hung = set(asked) - set(polled.results)  # silent, or died or failed while asked
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
     group.kill_now(dead)

@@ -202,3 +202,90 @@ def test_compile_time_inside_a_step_is_not_step_time(paced, done_at, compile_unt
     assert (set(outcome.results) == {0, 1}) == answered
     assert outcome.pending == ([] if answered else [0, 1]) and not outcome.hung
     assert group.clock.t == pytest.approx(ran, abs=3.1)  # read in probe-sized chunks when paced
+
+
+# -- one definition of "hung": the probe decides it wherever the driver asks (#38) --------------------
+class SilentAfterTheStep:
+    """A broken step's survivors on a scripted group: ``silent`` actors answer no status call (stopped),
+    the others answer every one; a kick frees every live survivor. Records how each was asked."""
+
+    def __init__(self, members: list[int], silent: set[int]) -> None:
+        self.live, self.silent = set(members), set(silent)
+        self.killed: list[int] = []
+        self.status_asked: list[tuple[str, int]] = []  # ("probe" | "call", actor)
+        self.kicked = False
+
+    @property
+    def live_ids(self) -> list[int]:
+        return sorted(self.live)
+
+    def exited(self, actor_ids) -> set[int]:
+        return set()
+
+    def kill_now(self, actor_ids) -> None:
+        self.killed += sorted(actor_ids)
+        self.live -= set(actor_ids)
+
+    def call(self, actor_ids, method, args=(), *, timeout_s: float) -> CallOutcome:
+        self.status_asked += [("call", a) for a in actor_ids if method is RankCalls.status]
+        self.kicked |= method is RankCalls.kick
+        return CallOutcome(results={a: 1 for a in actor_ids if a not in self.silent})
+
+    def submit(self, actor_ids, method):
+        assert method is RankCalls.status
+        self.status_asked += [("probe", a) for a in actor_ids]
+        return {("status", a): a for a in actor_ids}
+
+    def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
+        out = CallOutcome()
+        for ref, actor in refs.items():
+            if isinstance(ref, tuple) and actor not in self.silent:
+                out.results[actor] = WorkerStatus(world_rank=actor, pid=1, generation=1, busy=True, step=6, error=None)
+            elif not isinstance(ref, tuple) and self.kicked:
+                out.results[actor] = "kicked out of the step"
+            else:
+                out.pending.append(actor)
+                out.pending_refs[ref] = actor
+        return out
+
+
+def test_settle_sorts_the_hung_from_the_blocked_with_the_probe():
+    """The survivors still inside a broken call are asked by ``hang_watch.probe`` (no poll of its own):
+    the silent one is hung, blamed with the caller's reason and killed; the others are kicked free."""
+    from orchestrator.recovery import settle
+
+    group = SilentAfterTheStep([0, 1, 2, 3], silent={2})
+    broken = CallOutcome(dead={3: "ActorDiedError"}, pending=[0, 1, 2],
+                         pending_refs={"step0": 0, "step1": 1, "step2": 2})
+    found = settle.free_broken_call(group, broken, [0, 1, 2, 3], listeners={}, wait_s=5.0, hang_reason="hung in step 6")
+    assert found.lost == {2, 3} and found.reasons[2] == "hung in step 6" and group.killed == [2, 3]
+    assert sorted(group.status_asked) == [("probe", 0), ("probe", 1), ("probe", 2)]  # each once, by the probe
+    assert not hasattr(settle, "STATUS_POLL_S")  # the second definition is gone
+
+
+def test_a_save_before_a_resize_that_failed_asks_the_probe_who_is_hung(make):
+    """control/formation.save_before_reform: the pre-resize save failed; a member that answers no probe
+    is hung (a failure to recover from, blamed on it, not asked again by settle); with every member
+    answering, the save failing is storage failing (Errored)."""
+    r = make()
+    r.c.resize_requests = {4: 2}
+    r.group.fail(RankCalls.save_checkpoint, 1, "hang", at=3)  # the step-3 save before the resize
+    r.steps(4)  # start, steps 1-3
+    assert r.c.advance() == State.FORMING  # the step-4 boundary decides the resize
+    assert r.c.advance() == State.REBUILDING  # the save broke: actor 1 answers no probe
+    failure, = r.events("failure")
+    assert failure["ranks"] == [1] and "liveness probe after a save failed" in failure["reason"]
+    assert r.group.killed == [1]
+    # Asked twice: by the save's own wait (collect_while_alive) and after the save failed; never by settle.
+    assert _statuses(r).count(1) == 2
+    assert r.c.advance() == State.RUNNING and r.c.generation.shape.dp == 2
+
+
+def test_a_save_before_a_resize_that_failed_with_every_member_answering_is_storage_failing(make):
+    r = make()
+    r.c.resize_requests = {4: 2}
+    r.group.fail(RankCalls.wait_checkpoint, 0, "raise", at=3, message="OSError: [Errno 28] No space left on device")
+    r.steps(4)
+    assert r.c.advance() == State.FORMING
+    assert r.c.advance() == State.ERRORED and "No space left" in str(r.c.error)
+    assert r.group.killed == [] and not r.events("failure")

@@ -38,24 +38,28 @@ class LateJoiners:
         self.live -= set(actor_ids)
 
     def call(self, actor_ids, method, args=(), *, timeout_s: float) -> CallOutcome:
+        assert method is RankCalls.kick
         out = CallOutcome()
         for actor in actor_ids:
-            if method is RankCalls.kick:
-                if self.late.get(actor, 0) > 0:
-                    self.late[actor] -= 1  # still leaving the last generation: nothing to shut yet
-                else:
-                    self.returned.add(actor)  # its rendezvous fails at once
-            out.results[actor] = WorkerStatus(world_rank=0, pid=1, generation=1, busy=True, step=0, error=None) \
-                if method is RankCalls.status else 1
-        if method is RankCalls.kick:
-            self.kicks.append(sorted(actor_ids))
+            if self.late.get(actor, 0) > 0:
+                self.late[actor] -= 1  # still leaving the last generation: nothing to shut yet
+            else:
+                self.returned.add(actor)  # its rendezvous fails at once
+            out.results[actor] = 1
+        self.kicks.append(sorted(actor_ids))
         return out
+
+    def submit(self, actor_ids, method):  # a liveness probe (hang_watch.probe): every survivor answers
+        assert method is RankCalls.status
+        return {("status", a): a for a in actor_ids}
 
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         self.collect_timeouts.append(timeout_s)
         out = CallOutcome()
         for ref, actor in refs.items():
-            if actor in self.returned:
+            if isinstance(ref, tuple):  # a probe's status call
+                out.results[actor] = WorkerStatus(world_rank=0, pid=1, generation=1, busy=True, step=0, error=None)
+            elif actor in self.returned:
                 out.failed[actor] = "RuntimeError: kicked"
             else:
                 out.pending.append(actor)
@@ -104,8 +108,8 @@ def test_a_wedged_survivor_of_a_step_is_waited_for_a_few_steps_not_the_group_tim
 
 class ReadingJoiners(LateJoiners):
     """Survivors of a broken join still reading (a large checkpoint, a slow ``init_from``): a kick
-    cannot stop a read; ``reads[actor]`` liveness probes pass before its read ends and its join
-    returns. ``silent`` actors answer no probe (stopped)."""
+    cannot stop a read; ``reads[actor]`` liveness probes after the kick pass before its read ends and
+    its join returns (``probes`` counts those). ``silent`` actors answer no probe (stopped)."""
 
     def __init__(self, members: list[int], dead: int, reads: dict[int, int], silent: set[int] = frozenset()) -> None:
         super().__init__(members, dead, late={a: 10**6 for a in reads})
@@ -113,6 +117,8 @@ class ReadingJoiners(LateJoiners):
 
     def submit(self, actor_ids, method):
         assert method is RankCalls.status
+        if not self.kicks:  # the probe sorting the broken call's survivors from the hung
+            return super().submit(actor_ids, method)
         self.probes += 1
         for actor in actor_ids:
             if actor in self.reads and actor not in self.silent:
@@ -141,7 +147,9 @@ def test_a_survivor_still_reading_in_a_broken_join_is_waited_for_while_it_answer
     found = recovery.free_broken_call(group, broken_join([0, 1, 2, 3], 3), [0, 1, 2, 3], listeners={}, wait_s=3,
                                       hang_reason="hung", while_alive=True)
     assert found.lost == {2, 3}  # 1 waited for through three waits; 2 silent: killed
-    assert group.killed == [3, 2] and 1 in group.returned
+    # 2 answered no probe from the start: hung, killed with the dead one (hang_watch.probe decides it,
+    # before the kick as after it)
+    assert group.killed == [2, 3] and found.reasons[2] == "hung" and 1 in group.returned
     assert group.probes == 3
     stepping = ReadingJoiners([0, 1, 2], dead=2, reads={1: 3})  # a training step's survivor: no such wait
     found = recovery.free_broken_call(stepping, broken_join([0, 1, 2], 2), [0, 1, 2], listeners={}, wait_s=3,
