@@ -25,7 +25,7 @@ from orchestrator.plan.mesh_plan import MeshPlan, make_plan
 from orchestrator.recovery.failure_policy import Phase
 from orchestrator.recovery.hang_watch import collect_while_alive, probe
 from orchestrator.saves.checkpointing import RestoreFailed
-from orchestrator.saves.snapshots import Restored
+from orchestrator.saves.snapshots import RestorePlan, Restored
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     members, spares = assign_ranks(ctx.group.live_ids, ctx.group.node_ips, plan.shape)
     ctx.spares.formed(number, members, spares)
     ctx.health.stragglers.forget(set(members.values()))
-    spec = _shared_spec(ctx, plan)
+    # Decided before the join: the members are told whether a load follows (they then skip the init).
+    restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
+    spec = _shared_spec(ctx, plan, restore)
     gen = GenerationRecord(number, plan, members)
     holders = ctx.snapshots.holders_for(gen, {a: ctx.group.node_ids.get(a, "") for a in members.values()})
     outcome = _join(ctx, gen, spares, _join_args(ctx, gen, spec, holders))
@@ -49,7 +51,7 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
         return Recovering(Phase.JOINING, outcome, draining=draining)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
         restored = ctx.snapshots.restore_best(ctx.group, ctx.generation, ctx.checkpoints,
-                                              at_most=ctx.progress.next_step - 1)
+                                              at_most=ctx.progress.next_step - 1, plan=restore)
     except RestoreFailed as exc:
         return Recovering(Phase.LOADING, exc.outcome, draining=draining)
     _resume_from(ctx, restored, holders)
@@ -58,15 +60,19 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     return after_reset(draining)
 
 
-def _shared_spec(ctx: DriverContext, plan: MeshPlan) -> RuntimeSpec:
-    """The ``RuntimeSpec`` every member of the generation shares."""
-    resuming = ctx.checkpoints.resume_point() is not None
-    # The ranks skip the random init a load overwrites (a checkpoint, or a snapshot set with a live copy
-    # of every shard); a load that then never comes fails their first step (workers/runtime.py).
-    snapshot = ctx.snapshots.active and ctx.snapshots.usable(set(ctx.group.live_ids)) is not None
+def _shared_spec(ctx: DriverContext, plan: MeshPlan, restore: RestorePlan) -> RuntimeSpec:
+    """The ``RuntimeSpec`` every member of the generation shares.
+
+    The ranks skip the random init a load overwrites, and refuse to train until it came
+    (workers/runtime.py), so ``load_follows`` is the restore's own decision (``restore``), which
+    ``restore_best`` then carries out: a guess from the driver's newest complete set once said yes
+    while the restore, finding some copy missing, fell back to storage with nothing committed and
+    loaded nothing (the generation's first step failed: 'left uninitialised for a ... load that
+    never came')."""
     identity = ctx.identity
     return runtime_spec(ctx.cfg, plan, data_path=identity.data_path, use_gpu=identity.use_gpu,
-                        mask_eos_id=identity.mask_eos_id, resuming=resuming, load_follows=resuming or snapshot)
+                        mask_eos_id=identity.mask_eos_id, resuming=restore.storage_step is not None,
+                        load_follows=restore.loads)
 
 
 def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec,
