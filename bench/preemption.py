@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -66,6 +65,7 @@ from contextlib import contextmanager
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import ROOT, load_average, machine, parser, remove_node, write_result
+from stats import spread
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -393,11 +393,8 @@ def one_repeat(r: int, steps: int, deadline: float, modes: list[str]) -> dict:
 
 
 def summarize(repeats: list[dict], modes: list[str]) -> dict:
-    def spread(values: list) -> dict | None:
-        values = [v for v in values if v is not None]
-        return {"median": statistics.median(values), "min": min(values), "max": max(values),
-                "per_repeat": values, "n": len(values)} if values else None
-
+    """Per figure, its median over the repeats with its spread (bench/stats.py: a repeat without the
+    figure is None in ``per_repeat`` and left out of the rest)."""
     out = {"ratio_drain_to_next_step": spread([r["ratio_drain_to_next_step"] for r in repeats]),
            "elastimesh_drain_to_next_step_s": spread([r["elastimesh"]["drain_to_next_step_done_s"] for r in repeats]),
            "elastimesh_steps_lost": spread([r["elastimesh"]["steps_lost"] for r in repeats])}

@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import data_prepare  # noqa: E402
+import pipeline_zero_bubble  # noqa: E402
+import ray_train_compare  # noqa: E402
 import rebalance  # noqa: E402
 import step_overhead  # noqa: E402
 import torchft_compare  # noqa: E402
@@ -83,3 +85,35 @@ def test_chaos_goodput_headline_counts_the_start_up():
     g = chaos.goodput_figures(247.69, {"run_s": 306.82, "with_startup_s": 318.38})
     assert g["goodput"] == g["goodput_with_startup"] == pytest.approx(0.778, abs=1e-3)
     assert g["goodput_without_startup"] == pytest.approx(0.807, abs=1e-3)
+
+
+def _rt_run(tokens_per_s: float, loop: float, wall: float) -> dict:
+    return {"tokens_per_s_median": tokens_per_s, "loop_tokens_per_s": loop, "total_wall_s": wall}
+
+
+def test_ray_train_compare_ratios_are_per_repeat_and_the_goal_needs_every_repeat():
+    # The zero-0 runs issue 37 quotes: 0.86, 0.95, 1.08 of Ray Train's tokens/s; the median run is the middle one.
+    rts = [_rt_run(100.0, 50.0, 10.0)] * 3
+    ems = [{"tokens_per_s_median": t, "loop_tokens_per_s_lower_bound": 40.0, "total_wall_s": 5.0,
+            "cpu_s_median": 0.1, "step_time_s_min": 0.2} for t in (86.0, 95.0, 108.0)]
+    out = ray_train_compare.ratios_by_variant({"zero0": ems, "ray_train": rts})["zero0"]
+    assert out["steady"]["per_repeat"] == [0.86, 0.95, 1.08] and out["steady"]["median"] == 0.95
+    assert out["loop"]["median"] == 0.8 and out["total_wall"]["median"] == 0.5
+    assert out["repeats_meeting_goal"] == "1 of 3" and out["all_repeats_meet_goal"] is False
+    assert ray_train_compare._median_run(ems)["tokens_per_s_median"] == 95.0
+    # Of an even count the lower middle run, never the faster one.
+    assert ray_train_compare._median_run(ems[:2] + [ems[2]] + [dict(ems[2])])["tokens_per_s_median"] == 95.0
+
+
+def test_zero_bubble_ratio_per_round_and_the_goal_in_every_round():
+    def runs(*per_round_steps):
+        return [{"bottleneck_idle_over_busy_per_step": steps} for steps in per_round_steps]
+
+    # Round 2's ZB-H1 is slow (0.05 over 0.12): the pooled median could pass, that round does not.
+    samples = {"1f1b": runs([0.12, 0.13, 0.13], [0.12, 0.12], [0.15, 0.15]),
+               "zb-h1": runs([0.04, 0.04, 0.05], [0.05, 0.05], [0.04, 0.05])}
+    per_round, every_round = pipeline_zero_bubble._per_round(samples)
+    ratios = per_round["zb_h1_over_1f1b_bottleneck_per_round"]
+    assert ratios["per_repeat"] == [pytest.approx(0.04 / 0.13), pytest.approx(0.05 / 0.12), pytest.approx(0.3)]
+    assert ratios["median"] == pytest.approx(0.04 / 0.13)
+    assert per_round["rounds_meeting_goal"] == "2 of 3" and every_round is False
