@@ -231,7 +231,7 @@ ZB_STEPS = {False: 10, True: 5}  # steps 3..N are measured: more steps than part
 
 
 def zero_bubble(quick: bool) -> dict[str, list[dict]]:
-    return zero_bubble_shapes(*ZB_SWEEP[quick], ZB_STEPS[quick], 1 if quick else 2)
+    return zero_bubble_shapes(*ZB_SWEEP[quick], ZB_STEPS[quick], 1 if quick else 3)  # rounds: >= 3 for a median
 
 
 def zero_bubble_main(args, torch) -> None:
