@@ -14,6 +14,10 @@ killed at step 5:
   death. Figures: ``recovery_s`` of the ``rebuild`` event (failure detected -> first step done in the new
   generation) and the wall-clock "kill -> next step done" = time of the ``rebuild`` event (written right
   after the new generation's first step record) minus the observed death time.
+* **elastimesh with a hot spare** (``spare``): as the snapshot run, with a fifth actor and
+  ``elastic.spares=1``: the spare is promoted into the victim's mesh slot, so the mesh stays dp=4 and
+  every new rank's shard has the layout of an old one (the restore's ``restore_s`` and the event's
+  ``phases_s``: where the recovery's time went).
 * **Ray Train**: ``TorchTrainer`` with elastic ``ScalingConfig(num_workers=(2, 4))`` and
   ``RunConfig(failure_config=FailureConfig(max_failures=2))``; DDP via ``prepare_model``. Rank 0 reports a
   checkpoint (model + optimizer + step) every 2 steps; the loop resumes from ``ray.train.get_checkpoint()``.
@@ -26,7 +30,11 @@ were re-run). The ratio is elastimesh kill->next-step / Ray Train kill->next-ste
 storage, <= 0.05 from snapshots). The snapshot run also reports the snapshots' per-step stall (the
 slowest rank's copy to host, from the ``snapshot`` events).
 
-    python bench/recovery.py [--steps N] [--quick] [--out PATH]
+Repeats (``--repeats``, default 3) run the sides interleaved, the order reversed every other repeat
+(A B C / C B A); every figure is the median of the repeats with its spread [min, max], and a ratio is
+the median of per-repeat ratios (each elastimesh run over the Ray Train run of the same repeat).
+
+    python bench/recovery.py [--steps N] [--repeats R] [--sides snapshots,spare,storage,ray_train] [--quick] [--out PATH]
 
 Writes ``bench/results/recovery.json`` unless ``--out`` says otherwise.
 """
@@ -61,17 +69,20 @@ def _pid_dead(pid: int) -> bool:
 
 
 # -- elastimesh ------------------------------------------------------------------------------------
-def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
+def run_elastimesh(steps: int, workdir: str, memory_every: int, spares: int = 0) -> dict:
+    """One elastimesh run with rank VICTIM killed at FAIL_STEP: its figures (see the module docstring).
+    ``spares``: hot spares beside the dp=4 mesh (``elastic.spares``)."""
     from orchestrator.config.load import load_config
 
-    mpath = os.path.join(workdir, f"em{memory_every}.jsonl")
+    tag = f"{memory_every}_{spares}_{time.monotonic_ns()}"
+    mpath = os.path.join(workdir, f"em{tag}.jsonl")
     cfg = load_config(None, MODEL + [
         f"mesh.dp={DP}", "mesh.tp=1", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}",
-        f"checkpoint.dir={os.path.join(workdir, f'em_ckpt{memory_every}')}", f"metrics.path={mpath}",
-        f"checkpoint.memory_every={memory_every}",
+        f"checkpoint.dir={os.path.join(workdir, f'em_ckpt{tag}')}", f"metrics.path={mpath}",
+        f"checkpoint.memory_every={memory_every}", f"elastic.spares={spares}",
         "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6"])
     t0 = time.time()
-    summary, death, t_loop, t_done = _train_killing_the_victim(cfg)
+    summary, death, t_loop, t_done = _train_killing_the_victim(cfg, spares)
     records = [json.loads(line) for line in open(mpath)]
     failure = next(r for r in records if r.get("event") == "failure")
     rebuild = next(r for r in records if r.get("event") == "rebuild")
@@ -81,14 +92,17 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     resumed = rebuild["resumed_from_step"]
     kill_t = death[0] if death else None
     stalls = [r["stall_s"] for r in records if r.get("event") == "snapshot"]
+    # Steady: the first generation's steps after its first (its warm-up), before the fault.
+    steady = sorted(r["step_time_s"] for r in records[:fail_idx] if "loss" in r and r.get("step", 0) > 1)
     return {
-        "checkpoint_memory_every": memory_every, "restored_from": rebuild.get("restored_from"),
-        "restore_s": rebuild.get("restore_s"),
+        "checkpoint_memory_every": memory_every, "spares": spares, "restored_from": rebuild.get("restored_from"),
+        "restore_s": rebuild.get("restore_s"), "phases_s": rebuild.get("phases_s"),
         "snapshot_stall_s_max": max(stalls) if stalls else None,
         "snapshot_stall_s_median": sorted(stalls)[len(stalls) // 2] if stalls else None,
         "failure_step": failure["step"], "failed_ranks": failure["ranks"], "reason": failure.get("reason"),
         "resumed_from_step": resumed, "new_dp": rebuild["dp"], "first_step_after": first_new["step"],
         "first_step_after_time_s": first_new["step_time_s"],
+        "steady_step_s_median": steady[len(steady) // 2] if steady else None,
         "recovery_s_event": rebuild["recovery_s"],
         "kill_to_detect_s": failure["time"] - kill_t if kill_t else None,
         "kill_to_next_step_done_s": rebuild["time"] - kill_t if kill_t else None,
@@ -99,7 +113,7 @@ def run_elastimesh(steps: int, workdir: str, memory_every: int) -> dict:
     }
 
 
-def _train_killing_the_victim(cfg) -> tuple:
+def _train_killing_the_victim(cfg, spares: int = 0) -> tuple:
     """Train ``cfg`` on a local Ray with rank VICTIM's actor armed to die at FAIL_STEP, its death
     timed by polling its pid: (the run's summary, [the death's time] or [], the loop's start and end)."""
     import ray
@@ -113,7 +127,7 @@ def _train_killing_the_victim(cfg) -> tuple:
     with local_ray():
         host = StoreHost.remote()
         store_address = ray.get(host.address.remote(), timeout=60)
-        group = make_group(cfg.mesh.world)
+        group = make_group(cfg.mesh.world + spares)
         try:
             controller = make_controller(cfg, group, store_address)
             victim = form_first_generation(controller)[VICTIM]
@@ -232,50 +246,103 @@ def run_ray_train(steps: int, workdir: str) -> dict:
     }
 
 
+SIDES = ("snapshots", "spare", "storage", "ray_train")
+
+
+def run_side(side: str, steps: int, workdir: str) -> dict:
+    """One run of ``side`` (see the module docstring)."""
+    if side == "ray_train":
+        return run_ray_train(steps, os.path.join(workdir, f"rt{time.monotonic_ns()}"))
+    memory_every, spares = {"snapshots": (1, 0), "spare": (1, 1), "storage": (0, 0)}[side]
+    return run_elastimesh(steps, workdir, memory_every, spares)
+
+
+def spread(values: list) -> dict:
+    """The median of ``values`` (None left out) with [min, max] and how many there were."""
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    mid = len(got) // 2
+    median = got[mid] if len(got) % 2 else (got[mid - 1] + got[mid]) / 2
+    return {"median": median, "min": got[0], "max": got[-1], "n": len(got)}
+
+
+FIGURES = ("kill_to_next_step_done_s", "recovery_s_event", "restore_s", "first_step_after_time_s",
+           "steady_step_s_median", "work_lost_steps")
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per side: each figure's median [min, max]; per elastimesh side: its ratio to the Ray Train run
+    of the same repeat, as a median of the per-repeat ratios."""
+    out: dict = {}
+    for side, side_runs in runs.items():
+        keys = ("kill_to_next_step_done_s", "work_lost_steps") if side == "ray_train" else FIGURES
+        out[side] = {k: spread([r.get(k) for r in side_runs]) for k in keys}
+        if side != "ray_train" and runs.get("ray_train"):
+            ratios = [em["kill_to_next_step_done_s"] / rt["kill_to_next_step_done_s"]
+                      for em, rt in zip(side_runs, runs["ray_train"], strict=False)
+                      if em.get("kill_to_next_step_done_s") and rt.get("kill_to_next_step_done_s")]
+            out[side]["ratio_kill_to_next_step_vs_ray_train"] = spread(ratios)
+            out[side]["ratios"] = ratios
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, "recovery", "same as --steps 6 (the fault is always at step 5)")
+    ap = parser(__doc__, "recovery", "same as --steps 6 --repeats 1 (the fault is always at step 5)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 8; >= 6)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats of every side (default 3)")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 8)
+    repeats = args.repeats or (1 if args.quick else 3)
+    sides = [s for s in args.sides.split(",") if s]
     if steps <= FAIL_STEP:
         ap.error(f"--steps must exceed the fault step {FAIL_STEP}")
+    if not sides or any(s not in SIDES for s in sides):
+        ap.error(f"--sides: a comma-separated list of {', '.join(SIDES)}")
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    loads = []
     with tempfile.TemporaryDirectory(prefix="em_recovery_") as workdir:
-        snap = run_elastimesh(steps, workdir, memory_every=1)
-        em = run_elastimesh(steps, workdir, memory_every=0)
-        rt = run_ray_train(steps, workdir)
-    em_t, rt_t, snap_t = em["kill_to_next_step_done_s"], rt["kill_to_next_step_done_s"], snap["kill_to_next_step_done_s"]
-    ratio = em_t / rt_t if em_t and rt_t else None
-    snap_ratio = snap_t / rt_t if snap_t and rt_t else None
-    result = {
+        for repeat in range(repeats):
+            for side in (sides if repeat % 2 == 0 else sides[::-1]):  # A B C / C B A
+                loads.append(load_average())
+                runs[side].append(run_side(side, steps, workdir))
+                write_result(args.out, _result(runs, steps, repeats, loads))  # a cut-short bench keeps its runs
+    result = _result(runs, steps, repeats, loads)
+    write_result(args.out, result)
+    _print(result)
+    return 0
+
+
+def _result(runs: dict[str, list[dict]], steps: int, repeats: int, loads: list) -> dict:
+    summary = summarize(runs)
+    snap = summary.get("snapshots", {}).get("ratio_kill_to_next_step_vs_ray_train", {})
+    storage = summary.get("storage", {}).get("ratio_kill_to_next_step_vs_ray_train", {})
+    return {
         "benchmark": "recovery",
         "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO} from storage, "
                 f"<= {GOAL_RATIO_SNAPSHOT} from in-memory snapshots; also report steps re-run",
         "config": {"overrides": MODEL, "dp": DP, "steps": steps, "fail_step": FAIL_STEP, "victim_rank": VICTIM,
                    "kill_delay_s": DELAY_S, "checkpoint_every": CKPT_EVERY, "ray_train_workers": [2, DP],
-                   "ray_train_max_failures": 2},
-        "elastimesh": em,
-        "elastimesh_snapshots": snap,
-        "ray_train": rt,
-        "ratio_kill_to_next_step": ratio,
-        "ratio_snapshots_kill_to_next_step": snap_ratio,
-        "goal_snapshots_met": snap_ratio is not None and snap_ratio <= GOAL_RATIO_SNAPSHOT,
-        "ratio_event_recovery_vs_ray_train": (em["recovery_s_event"] / rt_t) if rt_t else None,
-        "goal_met": ratio is not None and ratio <= GOAL_RATIO,
-        "machine": machine(loadavg_at_end=load_average()),
+                   "ray_train_max_failures": 2, "repeats": repeats, "sides": list(runs)},
+        "summary": summary,
+        "runs": runs,
+        "goal_snapshots_met": bool(snap.get("n")) and snap["max"] <= GOAL_RATIO_SNAPSHOT,
+        "goal_met": bool(storage.get("n")) and storage["max"] <= GOAL_RATIO,
+        "goal_rule": "met only when every repeat's ratio meets it",
+        "machine": machine(load_average_before_each_run=loads, loadavg_at_end=load_average()),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    write_result(args.out, result)
-    fmt = lambda v: "n/a" if v is None else f"{v:.2f}s"  # noqa: E731
-    print(f"recovery: elastimesh kill->next step {fmt(em_t)} (event recovery_s {fmt(em['recovery_s_event'])}, "
-          f"lost {em['work_lost_steps']} steps) vs Ray Train {fmt(rt_t)} (lost {rt['work_lost_steps']} steps) "
-          f"-> ratio {ratio if ratio is None else round(ratio, 3)} (goal <= {GOAL_RATIO}: "
-          f"{'met' if result['goal_met'] else 'NOT met'})")
-    print(f"recovery from snapshots: kill->next step {fmt(snap_t)} (event recovery_s "
-          f"{fmt(snap['recovery_s_event'])}, restored from {snap['restored_from']}, lost "
-          f"{snap['work_lost_steps']} steps, snapshot stall max {fmt(snap['snapshot_stall_s_max'])}) -> ratio "
-          f"{snap_ratio if snap_ratio is None else round(snap_ratio, 3)} (goal <= {GOAL_RATIO_SNAPSHOT}: "
-          f"{'met' if result['goal_snapshots_met'] else 'NOT met'})")
-    return 0
+
+
+def _print(result: dict) -> None:
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    for side, figures in result["summary"].items():
+        parts = [f"{k} {fmt(f['median'])} [{fmt(f['min'])}, {fmt(f['max'])}]"
+                 for k, f in figures.items() if isinstance(f, dict) and "median" in f]
+        print(f"recovery {side} (n={figures['kill_to_next_step_done_s']['n']}): " + "; ".join(parts))
+    print(f"goal (snapshots <= {GOAL_RATIO_SNAPSHOT} of Ray Train): {result['goal_snapshots_met']}; "
+          f"(storage <= {GOAL_RATIO}): {result['goal_met']}")
 
 
 if __name__ == "__main__":
