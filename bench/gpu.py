@@ -16,7 +16,8 @@ real rank code (``RankRuntime`` on process groups made by ``build_process_groups
     with and without ``train.compile``: tokens/s and MFU = (6 N + 12 L d s) x tokens/s / peak, N the
     parameters without the embedding table (TorchTitan's formula; causal attention does half the
     12 L d s, so this slightly flatters MFU as TorchTitan's does), peak the GPU's dense bf16 peak
-    from its name (``PEAK_BF16``; ``--peak-tflops`` overrides). Goal: MFU >= 45%.
+    from its name (``PEAK_BF16``; ``--peak-tflops`` overrides). Goal: MFU >= 45% with compile (the
+    headline variant, fixed before measuring; eager's verdict beside it in ``goal_met_by_variant``).
 (c) ``checkpoint_stall``: a ~350M model trains with an async checkpoint every other step; the stall
     (save call + the wait for staging before the next optimizer step, what RankRuntime reports)
     vs the time of a synchronous save of the same state. Goal: median stall <= 2% of it.
@@ -187,9 +188,11 @@ def part_throughput(dry: bool, steps: int, warmup: int, peak: float | None) -> d
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
     out.update(params_non_embedding=n, flops_per_token=flops_tok)
-    mfus = [r["mfu"] for r in out["runs"].values() if r["mfu"] is not None]
-    out["goal"] = f"MFU >= {GOAL_MFU:.0%} of the dense bf16 peak"
-    out["goal_met"] = max(mfus) >= GOAL_MFU if mfus else None  # None: no known peak (or the CPU)
+    # The goal is judged on one variant fixed before measuring (train.compile, the fast path a user
+    # turns on), never the better of the two; eager's verdict is beside it. None: no known peak (or the CPU).
+    met = {name: (r["mfu"] >= GOAL_MFU if r["mfu"] is not None else None) for name, r in out["runs"].items()}
+    out["goal"] = f"MFU >= {GOAL_MFU:.0%} of the dense bf16 peak with train.compile (the headline variant)"
+    out.update(headline_variant="compile", goal_met=met["compile"], goal_met_by_variant=met)
     return out
 
 
