@@ -10,7 +10,7 @@ decision taken with steps still in flight waits for them in ``Draining`` (handle
 and is taken again (``refresh``) when a failure or rollback ended them. In order:
 
 1. ``decide_stop``: a signal asked to stop (`ray job stop`, Ctrl-C; launch.StopRequest): the step
-   just trained is committed, the run ends and a rerun re-runs no step.
+   just trained is committed, the run ends and a rerun re-runs no step (handlers/finished.py).
 2. ``decide_requested_resize``: ``controller.resize_requests`` (the context's ``inputs``) names this step (tests, operators).
 3. ``decide_preemption``: a node holding ranks is draining with time for a save (evacuate: commit,
    drop its actors, re-form without them; no failure counted). A drain too short for a save only
@@ -32,7 +32,7 @@ from dataclasses import replace
 from orchestrator.control.context import DriverContext
 from orchestrator.control.decisions import Boundary, Decision, Evacuate, Evict, Grow, ResizeTo, Stop
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp
-from orchestrator.control.states import Finished, Forming
+from orchestrator.control.states import Finishing, Forming
 from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
@@ -111,11 +111,11 @@ def refresh(ctx: DriverContext, decision: Decision) -> Decision | None:
     return decision  # a stop or a requested resize holds whatever happened
 
 
-def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Finished | Forming:
-    """A boundary decision: a stop finishes; every other one is a planned re-form, begun here
-    (its recovery clock starts) and formed in the FORMING state."""
+def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Finishing | Forming:
+    """A boundary decision: a stop finishes (its step committed by the Finishing state); every other
+    one is a planned re-form, begun here (its recovery clock starts) and formed in the FORMING state."""
     if isinstance(decision, Stop):
-        return _stop(ctx, step - 1)
+        return Finishing(step - 1, stopped=True)
     ctx.recovery_clock.begins()
     if isinstance(decision, ResizeTo):
         missing = ctx.scaling.missing_for(decision.dp, len(ctx.group.live_ids))
@@ -134,15 +134,6 @@ def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Fin
     if isinstance(decision, Grow):
         return Forming(decision.decision, save_first=True, snapshot_may_replace_save=True)
     raise TypeError(f"unknown boundary decision {decision!r}")
-
-
-def _stop(ctx: DriverContext, step: int) -> Finished:
-    """Stopped by a signal (`ray job stop`, Ctrl-C): commit ``step`` so a rerun re-runs no step."""
-    saved = bool(ctx.checkpoints.user_dir)  # without it nothing outlives the run: a rerun starts over
-    (ctx.checkpoints.save_now if saved else ctx.checkpoints.finish)(ctx.group, ctx.generation, step)
-    ctx.progress.resume_step = (ctx.checkpoints.last_committed if saved else 0) + 1
-    ctx.metrics.event("stopped", step=step, resume_step=ctx.progress.resume_step)
-    return Finished(step)
 
 
 DECIDERS = (decide_stop, decide_requested_resize, decide_preemption, decide_eviction, decide_grow)

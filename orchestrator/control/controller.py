@@ -18,7 +18,8 @@ actors (``tests/ray``):
     RUNNING -> RUNNING          a step trained (the oldest of the steps in flight: control/window.py)
     RUNNING -> DRAINING         a boundary decided with steps in flight: they are read first
     RUNNING -> FORMING          a boundary decider asked for a planned re-form (control/boundary.py)
-    RUNNING -> FINISHED         ``train.steps`` done (the last checkpoint committed), or a stop signal
+    RUNNING -> FINISHED         ``train.steps`` done, or a stop signal: the last step committed
+                                (FINISHING, passed through: handlers/finished.py)
     RUNNING -> REBUILDING       a step failed (a rank died, hung, latched an error, or timed out)
     RUNNING -> ERRORED          the restart budget is spent, or checkpoint storage failed
     DRAINING -> (as RUNNING)    the last step in flight read, the held decision is carried out
@@ -28,7 +29,10 @@ actors (``tests/ray``):
     REBUILDING -> ERRORED       below ``elastic.min_dp``, the budget spent, or broke with nobody lost
 
 Every "-> REBUILDING" and "-> ERRORED" after a broken call passes through RECOVERING within the same
-``advance()`` (handlers/recovering.py: the survivors are freed, the failure decided).
+``advance()`` (handlers/recovering.py: the survivors are freed, the failure decided). No handler
+raises for a failure: an error is the ERRORED state it returns (handlers/errored.py). FINISHED and
+ERRORED are terminal: ``run()`` answers the finished run's summary or raises the error
+(``handlers.OUTCOMES``).
 
 A generation is one formed mesh: which actor holds which world rank. On a failure the driver frees the
 survivors (``orchestrator.recovery.settle``), bumps the generation, re-plans the mesh from the live actors,
@@ -53,8 +57,9 @@ from orchestrator.cluster.group_protocol import WorkerGroupLike
 from orchestrator.cluster.store_provider import StoreSource
 from orchestrator.control.context import DriverContext, StepHook, build_context
 from orchestrator.control.generation import GenerationRecord, RunSummary
-from orchestrator.control.handlers import HANDLERS
-from orchestrator.control.states import ControllerState, Errored, Forming, State
+from orchestrator.control.handlers import HANDLERS, OUTCOMES
+from orchestrator.control.handlers.finished import outcome as finished_outcome
+from orchestrator.control.states import ControllerState, Errored, Finished, Forming, State
 from orchestrator.control.window import DEFAULT_SIZE
 from orchestrator.errors import TrainingFailed
 from orchestrator.metrics import MetricsLog
@@ -171,36 +176,25 @@ class Controller:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> RunSummary:
+        """Advance to a terminal state; the finished run's summary, or its error raised."""
         try:
             while not self.state.is_terminal:
                 self.advance()
         finally:  # any exit, not only a finished or failed run: the purger thread and a temp checkpoint root
             self.context.checkpoints.close()
-        if isinstance(self.state, Errored):
-            raise self.state.error
-        return self.summary()
+        return OUTCOMES[type(self.state)](self.state, self.context)
 
     def summary(self) -> RunSummary:
-        ctx = self.context
-        return RunSummary(
-            final_step=ctx.progress.next_step - 1,
-            generations=ctx.generation.number if ctx.generation else 0,
-            restarts=self.restarts,
-            losses=dict(ctx.progress.losses),
-            pids=dict(ctx.group.pids),
-            resume_step=ctx.progress.resume_step,
-        )
+        """What the run answers so far (as if it finished now)."""
+        return finished_outcome(Finished(self.context.progress.next_step - 1), self.context)
 
     def advance(self) -> State:
         """One transition of the control loop (not a training step: Running's handler reads one step):
         the current state's handler returns the next state, whose kind is returned. A state that
-        passes through (Recovering) is handled at once, within the same call."""
+        passes through (Recovering, Finishing) is handled at once, within the same call."""
         state = self.state
         while True:
-            try:
-                state = self.handlers[type(state)](state, self.context)
-            except TrainingFailed as exc:  # raised inside a collaborator: checkpoint storage failing
-                state = Errored(exc)
+            state = self.handlers[type(state)](state, self.context)
             if not state.passes_through:
                 break
         self._set_state(state)

@@ -20,8 +20,12 @@ controller assigns it (orchestrator/control/controller.py). ``State`` names the 
                                           until freed, so nothing waits between the two)
     Rebuilding(failure)                  a failure was decided as a rebuild: re-plan from the live
                                           actors and form again
-    Finished(step)                       ``train.steps`` done, or stopped by a signal at ``step``
-    Errored(error)                       the run stops with ``error`` (exit 1, or the error's own code)
+    Finishing(step, stopped)             ``train.steps`` done, or a stop signal (``stopped``): the last
+                                          step is committed (passed through within the same
+                                          ``advance()``: handlers/finished.py)
+    Finished(step)                       the run ended at ``step`` (terminal)
+    Errored(error)                       the run stops with ``error``, returned by the handler that met it
+                                          (terminal: exit 1, or the error's own code; handlers/errored.py)
 
 A decision that waits in ``Draining`` outlives a failure: ``Recovering`` and ``Rebuilding`` carry it
 (``draining``) to the formation, which returns it as a stale ``Draining``.
@@ -48,6 +52,7 @@ class State(StrEnum):
     DRAINING = "draining"
     RECOVERING = "recovering"
     REBUILDING = "rebuilding"
+    FINISHING = "finishing"
     FINISHED = "finished"
     ERRORED = "errored"
 
@@ -100,6 +105,14 @@ class Rebuilding(_Kind):
 
 
 @dataclass(frozen=True)
+class Finishing(_Kind):
+    kind: ClassVar[State] = State.FINISHING
+    passes_through: ClassVar[bool] = True
+    step: int  # the last step trained
+    stopped: bool = False  # a stop signal, not ``train.steps`` done
+
+
+@dataclass(frozen=True)
 class Finished(_Kind):
     kind: ClassVar[State] = State.FINISHED
     is_terminal: ClassVar[bool] = True
@@ -113,7 +126,7 @@ class Errored(_Kind):
     error: TrainingFailed
 
 
-ControllerState = Forming | Running | Draining | Recovering | Rebuilding | Finished | Errored
+ControllerState = Forming | Running | Draining | Recovering | Rebuilding | Finishing | Finished | Errored
 
 
 def after_reset(draining: Draining | None) -> Running | Draining:

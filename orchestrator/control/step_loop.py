@@ -3,7 +3,8 @@ torch): cross a step boundary, keep the window of steps in flight full, read the
 record it (docs/design.md, The step loop).
 
 Every function takes the driver context (control/context.py) and answers the next state, never
-raising for a failure: a call that broke is ``Recovering`` (handlers/recovering.py). ``draining`` is
+raising for a failure: a call that broke is ``Recovering`` (handlers/recovering.py), checkpoint
+storage failing with every rank alive (or ranks disagreeing about a bad step) ``Errored``. ``draining`` is
 the ``Draining`` state whose decision waits for the steps in flight (None while Running); it is
 handed on to the state each function returns, so that a failure or rollback ending those steps does
 not drop it.
@@ -18,27 +19,28 @@ from orchestrator.control.health import Verdict
 from orchestrator.control.states import (
     ControllerState,
     Draining,
-    Finished,
+    Errored,
+    Finishing,
     Forming,
     Recovering,
     Running,
     after_reset,
 )
+from orchestrator.errors import TrainingFailed
 from orchestrator.metrics import step_record
 from orchestrator.recovery.failure_policy import Phase
 from orchestrator.saves.checkpointing import RestoreFailed
 
 
-def cross_boundary(ctx: DriverContext, draining: Draining | None) -> Finished | Forming | Running | None:
-    """The boundary before the next step, nothing in flight: the end of the run, the decision that
-    waited while the window drained (taken again when a failure or rollback came between: the actors may
-    have changed), else the hooks due, the actors that answered and the deciders; a step replayed as
-    a recorded skip. None: no decision, the step was sent."""
+def cross_boundary(ctx: DriverContext,
+                   draining: Draining | None) -> Finishing | Forming | Running | Errored | None:
+    """The boundary before the next step, nothing in flight: the end of the run (handlers/finished.py),
+    the decision that waited while the window drained (taken again when a failure or rollback came
+    between: the actors may have changed), else the hooks due, the actors that answered and the
+    deciders; a step replayed as a recorded skip. None: no decision, the step was sent."""
     step = ctx.progress.next_step
     if step > ctx.cfg.train.steps:
-        ctx.checkpoints.finish_run(ctx.group, ctx.generation, step - 1)
-        ctx.metrics.event("done", step=step - 1)
-        return Finished(step - 1)
+        return Finishing(step - 1)
     decision = None if draining is None else draining.decision
     if decision is not None and draining.stale:
         decision = refresh(ctx, decision)
@@ -50,8 +52,7 @@ def cross_boundary(ctx: DriverContext, draining: Draining | None) -> Finished | 
     if ctx.health.bad_steps.is_skipped(step):  # skipped before a rollback or resume: the same choice
         ctx.metrics.event("bad_step", step=step, reason="recorded")
         ctx.progress.next_step = step + 1
-        ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
-        return Running()
+        return _saves_after(ctx, step) or Running()
     send(ctx, step)
     return None
 
@@ -104,17 +105,32 @@ def _trained(ctx: DriverContext, step: int, results: list[StepResult],
     """Step ``step`` trained on every rank: record it (or its skip), then the boundary's saves."""
     ctx.progress.next_step = step + 1
     ctx.snapshots.after_results(results)
-    verdict = ctx.health.verdict(step, results, restorable=lambda: _restorable(ctx))
+    try:
+        verdict = ctx.health.verdict(step, results, restorable=lambda: _restorable(ctx))
+    except TrainingFailed as exc:  # some ranks skipped the update and some did not: their states diverged
+        return Errored(exc)
     if verdict is Verdict.ROLL_BACK:
         return _roll_back(ctx, step, draining)
     if verdict is Verdict.GOOD:
         _record(ctx, step, results)
-    ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
+    stopped = _saves_after(ctx, step)
+    if stopped is not None:
+        return stopped
     if verdict is not Verdict.SKIPPED and ctx.evaluator.due(step):  # the next step waits for it
         failed = ctx.evaluator.run(ctx.group, ctx.generation, ctx.metrics, step)
         if failed is not None:
             return Recovering(Phase.STEP, failed, draining=draining)
     return draining or Running()
+
+
+def _saves_after(ctx: DriverContext, step: int) -> Errored | None:
+    """The boundary's saves after ``step`` (a commit, a periodic or owed save: the checkpoint
+    coordinator's ``after_step``); Errored when checkpoint storage failed with every rank alive."""
+    try:
+        ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
+    except TrainingFailed as exc:
+        return Errored(exc)
+    return None
 
 
 def _restorable(ctx: DriverContext) -> bool:
@@ -130,7 +146,10 @@ def _roll_back(ctx: DriverContext, step: int, draining: Draining | None) -> Cont
     broken = ctx.window.drain(ctx.group, ctx.cfg.elastic.step_timeout_s, step_broken)
     if broken is not None:
         return Recovering(Phase.STEP, broken, draining=draining)
-    ctx.checkpoints.finish(ctx.group, ctx.generation, step)  # no save in flight while loading
+    try:
+        ctx.checkpoints.finish(ctx.group, ctx.generation, step)  # no save in flight while loading
+    except TrainingFailed as exc:  # storage failing with every rank alive
+        return Errored(exc)
     try:
         restored = ctx.snapshots.restore_best(ctx.group, ctx.generation, ctx.checkpoints, at_most=step)
     except RestoreFailed as exc:

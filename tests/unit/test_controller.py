@@ -15,14 +15,17 @@ Every transition, and the test that covers it (``Controller.advance()`` answers 
   ``test_requested_resize_starts_missing_actors_or_fits``
 * RUNNING -> FORMING -> RUNNING (grow at a step boundary while a checkpoint is in flight):
   ``test_grow_adopts_new_actors_and_commits_the_save_in_flight_first``
-* RUNNING -> FINISHED: ``test_runs_to_the_end``
+* RUNNING -> FINISHED: ``test_runs_to_the_end``; through FINISHING (handlers/finished.py: the last
+  step committed): ``test_the_end_of_a_run_is_the_finished_module``; ERRORED when that save fails:
+  ``test_a_last_save_that_fails_at_the_end_is_errored_not_finished``
 * RUNNING -> REBUILDING (a rank dies in a step): ``test_rank_dies_in_a_step_and_the_mesh_shrinks``;
   a rank hangs: ``test_hung_rank_is_killed_and_blamed``; a latched error:
   ``test_latched_error_rebuilds_with_everyone``; a timeout with every rank alive:
   ``test_timeout_with_every_rank_alive``; a save in flight is abandoned (never committed, its acks
   drained later): ``test_failure_abandons_the_save_in_flight``
 * RUNNING -> ERRORED (restart budget spent): ``test_step_failure_beyond_the_budget_stops``;
-  (checkpoint storage failed with every rank alive): ``test_storage_failure_stops``
+  (checkpoint storage failed with every rank alive): ``test_storage_failure_stops``; the Running handler
+  returns that ERRORED, nothing is raised: ``test_storage_failing_is_the_errored_state_its_handler_returns``
 * REBUILDING -> RUNNING (shrunk dp; the rebuild event, with resumed_from_step and recovery_s, goes out
   with the first step trained): ``test_rank_dies_in_a_step_and_the_mesh_shrinks``
 * REBUILDING -> REBUILDING (a member dies while joining / loading the checkpoint):
@@ -132,12 +135,7 @@ def test_a_rank_failure_visits_each_state_module_once_in_order(make):
     r = make()
     r.group.fail(RankCalls.train_step, 1, "die", at=3)
     r.steps(3)  # start + steps 1-2
-    visited = []
-    for state_type, handler in list(r.c.handlers.items()):
-        def recording(state, context, handler=handler):
-            visited.append(handler.__module__.rsplit(".", 1)[-1])
-            return handler(state, context)
-        r.c.handlers[state_type] = recording
+    visited = _record_visits(r)
     assert r.c.advance() == State.REBUILDING
     assert r.c.advance() == State.RUNNING
     assert r.c.advance() == State.RUNNING
@@ -361,6 +359,51 @@ def test_storage_failure_stops(make):
     assert str(r.c.error).startswith("checkpoint.dir: saving step 2 failed (OSError: [Errno 28] No space")
     failed, = r.events("checkpoint_failed")
     assert failed["step"] == 2 and r.committed() == []
+
+
+def _record_visits(r) -> list[str]:
+    """Wrap each state's handler so that the module of every one called is recorded, in order."""
+    visited = []
+    for state_type, handler in list(r.c.handlers.items()):
+        def recording(state, context, handler=handler):
+            visited.append(handler.__module__.rsplit(".", 1)[-1])
+            return handler(state, context)
+        r.c.handlers[state_type] = recording
+    return visited
+
+
+def test_storage_failing_is_the_errored_state_its_handler_returns(make):
+    """#38, errors become returned states: the Running handler meets the failed commit and answers
+    Errored (advance() converts nothing)."""
+    r = make()
+    r.group.fail(RankCalls.wait_checkpoint, 0, "raise", at=2, message="OSError: [Errno 28] No space left on device")
+    r.steps(3)
+    state = r.c.handlers[type(r.c.state)](r.c.state, r.c.context)
+    assert state.kind == State.ERRORED and str(state.error).startswith("checkpoint.dir: saving step 2 failed")
+
+
+def test_the_end_of_a_run_is_the_finished_module(make):
+    """The boundary after the last step is Finishing, handled by handlers/finished.py within the same
+    advance(): the last step committed, ``done`` logged, FINISHED."""
+    r = make()
+    r.steps(6)  # start, steps 1-5
+    visited = _record_visits(r)
+    assert r.c.advance() == State.RUNNING  # step 6
+    assert r.c.advance() == State.FINISHED
+    assert visited == ["running", "running", "finished"]
+    assert r.committed() == [2, 4, 6] and [e["step"] for e in r.events("done")] == [6]
+    assert r.c.run().final_step == 6
+
+
+def test_a_last_save_that_fails_at_the_end_is_errored_not_finished(make):
+    r = make()
+    r.group.fail(RankCalls.wait_checkpoint, 1, "raise", at=6, message="OSError: [Errno 5] I/O error")
+    r.steps(7)  # start, steps 1-6: the step-6 save is writing
+    visited = _record_visits(r)
+    assert r.c.advance() == State.ERRORED and "saving step 6 failed" in str(r.c.error)
+    assert visited == ["running", "finished"] and not r.events("done")
+    with pytest.raises(TrainingFailed, match="saving step 6 failed"):  # the Errored outcome: raised to the caller
+        r.c.run()
 
 
 def test_a_write_slower_than_the_step_timeout_is_waited_for_while_its_ranks_live(make):

@@ -1,11 +1,11 @@
-"""One handler per controller state: each takes (state, driver context) and returns the next state,
-and none imports the controller (orchestrator/control/controller.py hands them the state). Finished
-and Errored are terminal: they have none."""
+"""One module per controller state: each handler takes (state, driver context) and returns the next
+state, and none imports the controller (orchestrator/control/controller.py hands them the state).
+Finished and Errored are terminal: what the run then answers its caller is their ``outcome``."""
 
 from __future__ import annotations
 
-from orchestrator.control.handlers import draining, forming, recovering, running
-from orchestrator.control.states import Draining, Forming, Rebuilding, Recovering, Running
+from orchestrator.control.handlers import draining, errored, finished, forming, recovering, running
+from orchestrator.control.states import Draining, Errored, Finished, Finishing, Forming, Rebuilding, Recovering, Running
 
 HANDLERS = {
     Running: running.handle,
@@ -13,4 +13,10 @@ HANDLERS = {
     Recovering: recovering.handle,
     Forming: forming.handle,
     Rebuilding: forming.handle_rebuilding,
+    Finishing: finished.handle,
+}
+
+OUTCOMES = {
+    Finished: finished.outcome,
+    Errored: errored.outcome,
 }

@@ -2,7 +2,8 @@
 steps full, read the oldest step (driver side; no Ray, no torch).
 
 Returns Running while steps train, ``Draining`` when a boundary's decision must wait for the steps in
-flight, ``Forming`` or ``Finished`` when the boundary decided, ``Recovering`` when a step broke.
+flight, ``Forming`` or ``Finishing`` when the boundary decided, ``Recovering`` when a step broke,
+``Errored`` when checkpoint storage failed with every rank alive.
 """
 
 from __future__ import annotations
