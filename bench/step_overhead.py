@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 # bench/ is on sys.path; importing common puts the repository root there too (for workers.*).
-from common import bench_config, environment, parser, rank_runtime, write_result
+from common import bench_config, environment, load_average, parser, rank_runtime, write_result
 from stats import paired_ratios, repeats_meeting, spread
 
 from workers.reference import ReferenceTrainer
@@ -69,6 +69,7 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
         return runtime.train_step(step, actions).loss
 
     sides = {"elastimesh": mesh_step, "plain": reference.step}
+    load_before = load_average()
     try:
         times, cpu_times, losses = _interleave(sides, warmup, total_steps, block)
     finally:
@@ -81,7 +82,8 @@ def run(steps: int, warmup: int, block: int, threads: int, quick: bool) -> dict:
         "blocks_meeting_goal": repeats_meeting(per_block, lambda r: r <= GOAL_RATIO)[0],
         "cpu_ratio_per_block": spread(block_ratios(cpu_times["elastimesh"], cpu_times["plain"], block)),
         "config": _config(cfg, num_params, warmup=warmup, steps=steps, block=block, threads=threads),
-        "environment": {**environment(), "machine": platform.machine()},
+        "environment": {**environment(), "machine": platform.machine(),
+                        "load_average_before": load_before, "load_average_after": load_average()},
     }
 
 
