@@ -53,6 +53,9 @@ class FakeWorkerGroup:
         self.node_ip = node_ip
         self.capacity = capacity
         self.pending_starts = 0  # start_background: asked for, not placed yet
+        # adopt_started calls a background start waits before it is placed (an actor importing torch)
+        self.start_polls = 0
+        self._start_polled = 0
         self.lost: set[int] = set()  # actors whose node died (what lost_ids reports while they live)
         self.exited_ids: set[int] = set()  # actors whose process is seen gone before "Ray" reports it
         self.slow_writes = False  # wait_checkpoint answers only when collected, never on a poll
@@ -114,6 +117,10 @@ class FakeWorkerGroup:
         return self.pending_starts
 
     def adopt_started(self) -> list[int]:
+        if self.pending_starts and self._start_polled < self.start_polls:
+            self._start_polled += 1
+            return []
+        self._start_polled = 0
         placed = min(self.pending_starts, self.capacity)
         self.pending_starts -= placed
         self.capacity -= placed

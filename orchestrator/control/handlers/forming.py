@@ -42,7 +42,14 @@ def handle_rebuilding(state: Rebuilding, ctx: DriverContext) -> ControllerState:
     live = len(ctx.group.live_ids)
     logger.info("generation %d broke at step %d (%s): re-forming from %d live actors", failure.generation,
                 failure.step, failure.reason, live)
-    return _form(ctx, ctx.scaling.after_failure(live), draining=state.draining)
+    formed = _form(ctx, ctx.scaling.after_failure(live), draining=state.draining)
+    if not isinstance(formed, Errored):
+        # What the failure took is replaced now, not at the next grow check (elastic.grow_check_s
+        # later): an actor's start (a process importing torch) takes seconds, and the mesh grows back
+        # at the first boundary after it answered (control/boundary.py). After the formation, so that
+        # the start does not compete with the rebuild's join and load for the cores.
+        ctx.spares.adopt_new_capacity(ctx.scaling)
+    return formed
 
 
 def _form(ctx: DriverContext, decision: ResizeDecision | TooFewWorkers,
