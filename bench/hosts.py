@@ -1,6 +1,6 @@
 """A mesh across hosts with their own addresses, and what a lost or cut-off host costs (issue 35).
 
-    python bench/hosts.py [--repeats N] [--quick] [--out PATH]
+    python bench/hosts.py [--repeats N] [--quick] [--partition-only] [--out PATH]
 
 Three hosts on this machine (testbed.netns_hosts, needs root and `ip netns`): the head in the root
 namespace on the bridge address with 0 CPUs (``bench/ray_nodes.py``'s `ray start` cluster, token auth),
@@ -19,7 +19,10 @@ max) and each run's value (``bench/stats.py``'s ``spread``: ``per_repeat``; file
 * ``heal_to_grown_s``: from the heal to the first step trained at dp=2 again (``grown_back``: in how
   many runs that happened within ``GROW_WAIT_S`` of the heal). Like a machine under systemd, the
   host's `ray start` is started again should it exit (Ray ends a raylet the head declared dead once
-  it hears from the head again).
+  it hears from the head again);
+* ``heal_to_grown_parts_s``: from the heal to each of the driver's events on the way back to dp=2
+  (``HEAL_EVENTS``: the new actors on the healed host ready, promoted, the grown generation formed)
+  and to the first dp=2 step. ``--partition-only`` runs only the partitions.
 
 Writes ``bench/results/hosts.json`` unless ``--out`` says otherwise.
 """
@@ -152,7 +155,28 @@ def host_kill(bench: Bench, steps: int) -> float:
         bench.nodes.pop(1, None)
 
 
-def partition(bench: Bench, steps: int) -> tuple[float, float]:
+# The driver's events between the heal and the first dp=2 step, in order: where heal -> grown goes
+# (``heal_parts``). The actors it adds on the healed host are created (Ray places them once it frees
+# the cut host's bundles, i.e. once the head reaches that raylet again; each RankActor then imports
+# torch and the model code and freezes the GC: ``RankActor.warm``), "actors_ready"; promoted into the
+# next generation, "spare_promoted"; that generation joined and restored, "grow".
+HEAL_EVENTS = ("actors_ready", "spare_promoted", "grow")
+
+
+def heal_parts(recs: list[dict], healed_at: float) -> dict[str, float | None]:
+    """Seconds from the heal to each of ``HEAL_EVENTS`` (its last record before the first dp=2 step;
+    None if none came) and to that step (``first_dp2_step``)."""
+    grown = [r["time"] for r in recs if "loss" in r and r["time"] > healed_at and r["dp"] == 2]
+    end = min(grown) if grown else float("inf")
+    parts: dict[str, float | None] = {}
+    for kind in HEAL_EVENTS:
+        times = [r["time"] for r in recs if r.get("event") == kind and healed_at < r["time"] <= end]
+        parts[kind] = round(max(times) - healed_at, 2) if times else None
+    parts["first_dp2_step"] = round(end - healed_at, 2) if grown else None
+    return parts
+
+
+def partition(bench: Bench, steps: int) -> tuple[float, float | None, dict]:
     bench.layout({0: 2, 1: 2})
     driver, metrics = bench.driver(steps, ["elastic.grow_check_s=1"])
     victim = bench.net.hosts[1]
@@ -170,54 +194,73 @@ def partition(bench: Bench, steps: int) -> tuple[float, float]:
                 break  # never grown back: recorded as None
             time.sleep(0.2)
         recs = records(metrics)
-        grown = [r["time"] for r in recs if "loss" in r and r["time"] > healed_at and r["dp"] == 2]
-        return next_new_step_after(recs, cut_at), (min(grown) - healed_at if grown else None)
+        parts = heal_parts(recs, healed_at)
+        return next_new_step_after(recs, cut_at), parts["first_dp2_step"], parts
     finally:
         bench.finish(driver)
 
 
-def main() -> None:
-    cli = parser(__doc__, "hosts", "1 repeat, shorter runs")
-    cli.add_argument("--repeats", type=int, default=3, help="runs of each kind (interleaved)")
-    args = cli.parse_args()
-    reason = unavailable_reason()
-    if reason is not None:
-        raise SystemExit(f"bench/hosts.py: namespace hosts: {reason}")
-    repeats = 1 if args.quick else args.repeats
-    steps = 20 if args.quick else 40
+def measure(bench: Bench, repeats: int, steps: int, partition_only: bool) -> dict[str, list]:
+    """Every kind of run ``repeats`` times, interleaved (see the module docstring); each kind's values."""
     long_steps = 100000  # ended by SIGTERM once measured
-    bench = Bench(Path(tempfile.mkdtemp(prefix="em-bh-", dir="/tmp")))
-    across, one, kills, cuts, grows = [], [], [], [], []
-    try:
-        for rep in range(repeats):
+    got: dict[str, list] = {"across": [], "one": [], "kill": [], "cut": [], "grown": [], "parts": []}
+    for rep in range(repeats):
+        if not partition_only:
             order = [("across", {0: 2, 1: 2}), ("one", {2: 4})]
             for name, cpus in order if rep % 2 == 0 else order[::-1]:
-                (across if name == "across" else one).append(step_time(bench, cpus, steps))
-            kills.append(host_kill(bench, long_steps))
-            cut, grown = partition(bench, long_steps)
-            cuts.append(cut)
-            grows.append(grown)
-            print(f"repeat {rep + 1}: step across {across[-1]:.3f}s one host {one[-1]:.3f}s; kill -> next "
-                  f"{kills[-1]:.1f}s; partition -> next {cut:.1f}s; heal -> dp=2 {grown}s", flush=True)
-    finally:
-        bench.close()
-    result = {
+                got[name].append(step_time(bench, cpus, steps))
+            got["kill"].append(host_kill(bench, long_steps))
+        cut, grown, parts = partition(bench, long_steps)
+        got["cut"].append(cut)
+        got["grown"].append(grown)
+        got["parts"].append(parts)
+        print(f"repeat {rep + 1}: step across {got['across'][-1:]} one host {got['one'][-1:]}; kill -> next "
+              f"{got['kill'][-1:]}; partition -> next {cut:.1f}s; heal -> {parts} (load {load_average()})",
+              flush=True)
+    return got
+
+
+def summary(got: dict[str, list], repeats: int) -> dict:
+    """The results file's figures (medians with spread) from ``measure``'s values."""
+    across, one, cuts, grows = got["across"], got["one"], got["cut"], got["grown"]
+    return {
         "setup": {"hosts": "head (0 CPUs, root namespace) + worker hosts in network namespaces",
                   "mesh": MESH, "cut_at_step": CUT_AT, "cut_s": CUT_S, "repeats": repeats},
         "step_s": {"across_hosts": spread(across, 3), "one_host": spread(one, 3),
                    "ratio_across_over_one": round(statistics.median(across) / statistics.median(one), 3),
                    # Each repeat's across-hosts run over the one-host run interleaved with it.
-                   "ratio_across_over_one_spread": spread(paired_ratios(across, one), 3)},
-        "kill_to_next_step_s": spread(kills, 3),
+                   "ratio_across_over_one_spread": spread(paired_ratios(across, one), 3)} if across else None,
+        "kill_to_next_step_s": spread(got["kill"], 3),
         "partition_to_next_step_s": spread(cuts, 3),
         "partition_goal_s": GOAL_PARTITION_S,
         # Issue 35's goal is on the median of 3; how many repeats met it is said beside it.
         "partition_goal_met": statistics.median(cuts) <= GOAL_PARTITION_S,
         "partition_repeats_meeting_goal": repeats_meeting(cuts, lambda s: s <= GOAL_PARTITION_S)[0],
         "heal_to_grown_s": spread(grows, 3),
+        # Seconds from the heal to each of the driver's events on the way (``heal_parts``).
+        "heal_to_grown_parts_s": {part: spread([p[part] for p in got["parts"]], 2)
+                                  for part in (*HEAL_EVENTS, "first_dp2_step")},
         "grown_back": f"{sum(g is not None for g in grows)} of {len(grows)} runs within {GROW_WAIT_S:.0f} s of the heal",
         "machine": machine(load=load_average()),
     }
+
+
+def main() -> None:
+    cli = parser(__doc__, "hosts", "1 repeat, shorter runs")
+    cli.add_argument("--repeats", type=int, default=3, help="runs of each kind (interleaved)")
+    cli.add_argument("--partition-only", action="store_true",
+                     help="only the partition runs (partition -> next step, heal -> grown back and its parts)")
+    args = cli.parse_args()
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"bench/hosts.py: namespace hosts: {reason}")
+    repeats = 1 if args.quick else args.repeats
+    bench = Bench(Path(tempfile.mkdtemp(prefix="em-bh-", dir="/tmp")))
+    try:
+        got = measure(bench, repeats, 20 if args.quick else 40, args.partition_only)
+    finally:
+        bench.close()
+    result = summary(got, repeats)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
