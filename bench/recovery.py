@@ -50,6 +50,7 @@ import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
 from common import ROOT, load_average, local_ray, machine, parser, write_result
+from stats import paired_ratios, repeats_meeting, spread
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -257,33 +258,22 @@ def run_side(side: str, steps: int, workdir: str) -> dict:
     return run_elastimesh(steps, workdir, memory_every, spares)
 
 
-def spread(values: list) -> dict:
-    """The median of ``values`` (None left out) with [min, max] and how many there were."""
-    got = sorted(v for v in values if v is not None)
-    if not got:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    mid = len(got) // 2
-    median = got[mid] if len(got) % 2 else (got[mid - 1] + got[mid]) / 2
-    return {"median": median, "min": got[0], "max": got[-1], "n": len(got)}
-
-
 FIGURES = ("kill_to_next_step_done_s", "recovery_s_event", "restore_s", "first_step_after_time_s",
            "steady_step_s_median", "work_lost_steps")
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Per side: each figure's median [min, max]; per elastimesh side: its ratio to the Ray Train run
-    of the same repeat, as a median of the per-repeat ratios."""
+    """Per side: each figure's median with its spread (``stats.spread``); per elastimesh side: its
+    ratio to the Ray Train run of the same repeat, as the median of the per-repeat ratios."""
     out: dict = {}
     for side, side_runs in runs.items():
         keys = ("kill_to_next_step_done_s", "work_lost_steps") if side == "ray_train" else FIGURES
         out[side] = {k: spread([r.get(k) for r in side_runs]) for k in keys}
         if side != "ray_train" and runs.get("ray_train"):
-            ratios = [em["kill_to_next_step_done_s"] / rt["kill_to_next_step_done_s"]
-                      for em, rt in zip(side_runs, runs["ray_train"], strict=False)
-                      if em.get("kill_to_next_step_done_s") and rt.get("kill_to_next_step_done_s")]
+            rt = runs["ray_train"][:len(side_runs)]
+            ratios = paired_ratios([r.get("kill_to_next_step_done_s") for r in side_runs[:len(rt)]],
+                                   [r.get("kill_to_next_step_done_s") for r in rt])
             out[side]["ratio_kill_to_next_step_vs_ray_train"] = spread(ratios)
-            out[side]["ratios"] = ratios
     return out
 
 
@@ -316,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _result(runs: dict[str, list[dict]], steps: int, repeats: int, loads: list) -> dict:
     summary = summarize(runs)
-    snap = summary.get("snapshots", {}).get("ratio_kill_to_next_step_vs_ray_train", {})
-    storage = summary.get("storage", {}).get("ratio_kill_to_next_step_vs_ray_train", {})
+    snap = (summary.get("snapshots", {}).get("ratio_kill_to_next_step_vs_ray_train") or {}).get("per_repeat", [])
+    storage = (summary.get("storage", {}).get("ratio_kill_to_next_step_vs_ray_train") or {}).get("per_repeat", [])
+    snap_met, snap_goal = repeats_meeting(snap, lambda r: r <= GOAL_RATIO_SNAPSHOT)
+    storage_met, storage_goal = repeats_meeting(storage, lambda r: r <= GOAL_RATIO)
     return {
         "benchmark": "recovery",
         "goal": f"elastimesh kill->next-step-done / Ray Train's <= {GOAL_RATIO} from storage, "
@@ -327,8 +319,8 @@ def _result(runs: dict[str, list[dict]], steps: int, repeats: int, loads: list) 
                    "ray_train_max_failures": 2, "repeats": repeats, "sides": list(runs)},
         "summary": summary,
         "runs": runs,
-        "goal_snapshots_met": bool(snap.get("n")) and snap["max"] <= GOAL_RATIO_SNAPSHOT,
-        "goal_met": bool(storage.get("n")) and storage["max"] <= GOAL_RATIO,
+        "goal_snapshots_met": snap_goal, "repeats_meeting_goal_snapshots": snap_met,
+        "goal_met": storage_goal, "repeats_meeting_goal": storage_met,
         "goal_rule": "met only when every repeat's ratio meets it",
         "machine": machine(load_average_before_each_run=loads, loadavg_at_end=load_average()),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -338,9 +330,8 @@ def _result(runs: dict[str, list[dict]], steps: int, repeats: int, loads: list) 
 def _print(result: dict) -> None:
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     for side, figures in result["summary"].items():
-        parts = [f"{k} {fmt(f['median'])} [{fmt(f['min'])}, {fmt(f['max'])}]"
-                 for k, f in figures.items() if isinstance(f, dict) and "median" in f]
-        print(f"recovery {side} (n={figures['kill_to_next_step_done_s']['n']}): " + "; ".join(parts))
+        parts = [f"{k} {fmt(f['median'])} [{fmt(f['min'])}, {fmt(f['max'])}]" for k, f in figures.items() if f]
+        print(f"recovery {side} (n={len(result['runs'][side])}): " + "; ".join(parts))
     print(f"goal (snapshots <= {GOAL_RATIO_SNAPSHOT} of Ray Train): {result['goal_snapshots_met']}; "
           f"(storage <= {GOAL_RATIO}): {result['goal_met']}")
 
