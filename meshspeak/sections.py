@@ -326,9 +326,9 @@ def microbatches_per_replica(train: TrainConfig, dp: int) -> int:
     return train.global_batch_size // (dp * train.micro_batch_size)
 
 
-def dp_bounds(cfg: JobConfig) -> tuple[int, int]:
+def dp_bounds(mesh: MeshConfig, elastic: ElasticConfig) -> tuple[int, int]:
     """The (min, max) data-parallel degree the elastic controller may use.
 
     ``elastic.max_dp = 0`` means "never grow past the configured mesh.dp".
     """
-    return cfg.elastic.min_dp, cfg.elastic.max_dp or cfg.mesh.dp
+    return elastic.min_dp, elastic.max_dp or mesh.dp

@@ -33,7 +33,7 @@ def wanted_bundles(cfg: JobConfig, bundle: Mapping[str, float]) -> list[Bundle]:
     """One bundle per rank of the largest mesh the job may grow to: elastic.max_dp replicas, or fewer
     when that dp does not split the global batch (the controller would never form it); plus one per
     hot spare (elastic.spares)."""
-    _, dp = dp_bounds(cfg)
+    _, dp = dp_bounds(cfg.mesh, cfg.elastic)
     while dp > cfg.mesh.dp and not feasible_dp(cfg, dp):
         dp -= 1
     return [dict(bundle) for _ in range(dp * cfg.mesh.pp * cfg.mesh.tp + cfg.elastic.spares)]

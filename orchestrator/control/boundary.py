@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from orchestrator.control.context import DriverContext
 from orchestrator.control.decisions import Boundary, Decision, Evacuate, Evict, Grow, ResizeTo, Stop
-from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp
+from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
 from orchestrator.control.states import Finishing, Forming
 from orchestrator.errors import WorkerGroupStartupError
 
@@ -70,7 +70,7 @@ def decide_eviction(ctx: DriverContext, at: Boundary) -> Evict | None:
     actors = ctx.health.take_evictions(set(ctx.generation.members.values()))
     if not actors:
         return None
-    decision = choose_dp(ctx.cfg, len(ctx.group.live_ids) - len(actors), "straggler")
+    decision = ctx.scaling.after_eviction(len(ctx.group.live_ids) - len(actors))
     if isinstance(decision, TooFewWorkers):  # a slow rank beats no rank: keep it
         logger.warning("straggler(s) %s kept: without them %s", sorted(actors), decision.message)
         return None
@@ -104,7 +104,7 @@ def refresh(ctx: DriverContext, decision: Decision) -> Decision | None:
         actors = decision.actors & set(ctx.generation.members.values())
         if not actors:
             return None
-        resized = choose_dp(ctx.cfg, len(live) - len(actors), "straggler")
+        resized = ctx.scaling.after_eviction(len(live) - len(actors))
         return Evict(frozenset(actors), resized) if isinstance(resized, ResizeDecision) else None
     if isinstance(decision, Grow):
         return None

@@ -27,14 +27,14 @@ from orchestrator.control.generation import GenerationRecord
 from orchestrator.control.health import StepHealth
 from orchestrator.control.progress import Progress, RecoveryClock
 from orchestrator.control.rebalance import Rebalancer
-from orchestrator.control.scaling import ScalingPolicy
+from orchestrator.control.scaling import ScalingPolicy, policy_for
 from orchestrator.control.spares import SparePool
 from orchestrator.control.window import DEFAULT_SIZE, StepWindow
 from orchestrator.metrics import MetricsLog
 from orchestrator.recovery.failure_policy import FailurePolicy
 from orchestrator.recovery.hang_watch import HangWatch
 from orchestrator.recovery.preemption import PreemptionWatcher
-from orchestrator.saves.checkpointing import CheckpointCoordinator
+from orchestrator.saves.checkpointing import CheckpointCoordinator, coordinator_for
 from orchestrator.saves.snapshots import Restored, SnapshotCoordinator
 
 
@@ -134,15 +134,15 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
     store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
     identity = RunIdentity(run_id=uuid.uuid4().hex[:8], store_secret=secrets.token_hex(16),
                            data_path=data_path, use_gpu=use_gpu, mask_eos_id=mask_eos_for(cfg.data))
-    coordinator = CheckpointCoordinator(cfg, metrics)
+    coordinator = coordinator_for(cfg, metrics)  # checkpoint, elastic, and what manifests record of the job
     return DriverContext(
         cfg=cfg, group=group, metrics=metrics, clock=clock, store=store, identity=identity,
         checkpoints=coordinator,
-        snapshots=SnapshotCoordinator(cfg, metrics),
+        snapshots=SnapshotCoordinator(cfg.checkpoint, cfg.elastic, metrics),
         # the skipped steps are one set: saved with the checkpoints and restored from them
         health=StepHealth(cfg.elastic, cfg.train.max_bad_steps, metrics, coordinator.skipped_steps),
         spares=SparePool(cfg.elastic.spares, group, metrics),
-        scaling=ScalingPolicy(cfg),  # the mesh rules span sections (validate.check_mesh)
+        scaling=policy_for(cfg),  # mesh and elastic, and the job's mesh rules (they span sections)
         rebalance=Rebalancer(cfg.elastic.rebalance, cfg.train, metrics),
         evaluator=Evaluator(cfg.eval, last_step=cfg.train.steps, step_timeout_s=cfg.elastic.step_timeout_s,
                             eval_path=eval_path, mask_eos_id=eval_mask_eos_id),

@@ -30,7 +30,9 @@ private temporary directory on the driver's machine (fine for one node; multi-no
 
 The ranks answer with ``messages.SaveAck`` / ``messages.WriteAck``; the save in flight is a
 ``PendingSave``. Every call goes through the worker group (no Ray here), so tests drive this
-coordinator with a fake group.
+coordinator with a fake group. The coordinator takes the job's ``checkpoint`` and ``elastic`` sections
+and a ``JobRecord`` (what each manifest records of the model, the data and the batch, made from those
+sections by ``job_record``); ``coordinator_for(cfg, metrics)`` builds all three from a job's config.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from checkpoints.safe_pickle import check_metadata_file
 from meshspeak.mesh import layer_ranges
 from meshspeak.messages import CallOutcome, SaveAck, WriteAck
 from meshspeak.rank_calls import RankCalls
-from meshspeak.sections import JobConfig, config_to_dict
+from meshspeak.sections import CheckpointConfig, DataConfig, ElasticConfig, JobConfig, config_to_dict
 from orchestrator.config.fingerprint import model_diff, model_fingerprint
 from orchestrator.errors import TrainingFailed, UserInputError
 from orchestrator.recovery.hang_watch import collect_while_alive
@@ -90,16 +92,42 @@ class PendingSave:
     attempt: str  # the subdirectory of ``path`` its DCP files go to (manifest ``dcp_dir``)
 
 
+@dataclass(frozen=True)
+class JobRecord:
+    """What every manifest records of the job, and what a resume is checked against: the model (its
+    config section and fingerprint: another model's checkpoint is refused), the data (its content
+    identity, and how a refusal names it) and the global batch (the data cursor counts its samples)."""
+
+    model_config: dict[str, Any]
+    model_fingerprint: str
+    data_identity: str
+    data_named: str  # "data.mix" or "data.path = '...'"
+    global_batch_size: int
+
+
+def job_record(cfg: JobConfig) -> JobRecord:
+    """The job's record, from its model, data and train sections."""
+    return JobRecord(model_config=config_to_dict(cfg)["model"], model_fingerprint=model_fingerprint(cfg),
+                     data_identity=_data_identity(cfg.data),
+                     data_named="data.mix" if cfg.data.mix else f"data.path = {cfg.data.path!r}",
+                     global_batch_size=cfg.train.global_batch_size)
+
+
+def coordinator_for(cfg: JobConfig, metrics) -> CheckpointCoordinator:
+    """The job's checkpoint coordinator: its checkpoint and elastic sections and its record."""
+    return CheckpointCoordinator(cfg.checkpoint, cfg.elastic, job_record(cfg), metrics)
+
+
 class CheckpointCoordinator:
-    def __init__(self, cfg: JobConfig, metrics) -> None:
-        self.cfg = cfg
+    def __init__(self, checkpoint: CheckpointConfig, elastic: ElasticConfig, job: JobRecord, metrics) -> None:
+        self.checkpoint = checkpoint
+        self.elastic = elastic  # step_timeout_s, rebuild_timeout_s: how often the ranks' saves and loads are probed
+        self.job = job
         self.metrics = metrics
-        self.user_dir = cfg.checkpoint.dir
+        self.user_dir = checkpoint.dir
         self._tmp = None if self.user_dir else tempfile.mkdtemp(prefix="elastimesh-ckpt-")
         self.root = self.user_dir or self._tmp
-        self.every = cfg.checkpoint.every if self.user_dir else 0
-        self.fingerprint = model_fingerprint(cfg)
-        self.data_identity = _data_identity(cfg)
+        self.every = checkpoint.every if self.user_dir else 0
         self.purger = BackgroundPurger()
         self._pending: PendingSave | None = None
         self.last_committed = 0
@@ -115,7 +143,7 @@ class CheckpointCoordinator:
         if self.user_dir:
             try:
                 ensure_writable(self.root)
-                self.lease = RunLease(self.root, cfg.checkpoint.lease_s)
+                self.lease = RunLease(self.root, checkpoint.lease_s)
                 self.lease.acquire()  # before reading anything: another live driver may be writing here
             except LeaseHeldError as exc:
                 raise UserInputError(exc.message) from None
@@ -246,15 +274,15 @@ class CheckpointCoordinator:
             step=pending.step,
             generation=gen.number,
             mesh=gen.shape.as_dict(),
-            model_fingerprint=self.fingerprint,
-            data_cursor=pending.step * self.cfg.train.global_batch_size,
-            global_batch_size=self.cfg.train.global_batch_size,
+            model_fingerprint=self.job.model_fingerprint,
+            data_cursor=pending.step * self.job.global_batch_size,
+            global_batch_size=self.job.global_batch_size,
             world_size=gen.shape.world,
             ranks_acked=sorted(rank_of[a] for a in outcome.results),
             schedule=gen.plan.schedule_name,
             stage_layers=[list(range(a, b)) for a, b in layer_ranges(list(gen.plan.layers_per_stage))],
-            model_config=config_to_dict(self.cfg)["model"],
-            data_identity=self.data_identity,
+            model_config=self.job.model_config,
+            data_identity=self.job.data_identity,
             files=files,
             dcp_dir=pending.attempt,
             run_id=self.run_id,
@@ -273,14 +301,14 @@ class CheckpointCoordinator:
         self.metrics.event("checkpoint", step=pending.step, stall_s=stall_s,
                            write_s=write_s, path=pending.path)
         if self.user_dir:
-            self.purger.request(self.root, self.cfg.checkpoint.keep, self.run_id)
+            self.purger.request(self.root, self.checkpoint.keep, self.run_id)
 
     def _collect_while_alive(self, group, refs: dict, step: int, what: str) -> CallOutcome:
         """The answers to a save's calls (``what``: "staging", "writing"), waited for as long as the ranks
         still working on them are alive (``recovery.hang_watch.collect_while_alive``): a stage or a write
         slower than ``elastic.step_timeout_s`` (a large model, slow storage) used to be dropped as "no
         ack". A dead, failed or silent rank ends the wait; the save is then not committed, as before."""
-        return collect_while_alive(group, refs, self.cfg.elastic.step_timeout_s, f"checkpoint of step {step}: {what}")
+        return collect_while_alive(group, refs, self.elastic.step_timeout_s, f"checkpoint of step {step}: {what}")
 
     def _fence(self, step: int) -> None:
         """Write a manifest (and purge after it) only while this driver holds the run lease: a driver
@@ -312,7 +340,7 @@ class CheckpointCoordinator:
     # -- loading ----------------------------------------------------------------------------------
     def _claim_root(self) -> None:
         """Decide whose run this is before anything is written (see the module docstring)."""
-        if not self.cfg.checkpoint.resume:
+        if not self.checkpoint.resume:
             others = [i for i in list_checkpoints(self.root) if i.committed or i.owner]
             if others:
                 runs = sorted({i.owner or "an earlier run" for i in others})
@@ -342,25 +370,24 @@ class CheckpointCoordinator:
         if info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
             check_metadata_file(info.dcp_path)
             self._safe.add(info.path)
-        if info.manifest.model_fingerprint != self.fingerprint:
-            keys = model_diff({"model": info.manifest.model_config}, {"model": config_to_dict(self.cfg)["model"]})
+        if info.manifest.model_fingerprint != self.job.model_fingerprint:
+            keys = model_diff({"model": info.manifest.model_config}, {"model": self.job.model_config})
             raise UserInputError(
                 f"checkpoint {info.path} was saved from a different model config "
                 f"(mismatching keys: {', '.join(keys) or 'unknown'}): use a new checkpoint.dir or "
                 "restore those keys"
             )
         saved_data = info.manifest.data_identity
-        if saved_data and saved_data != self.data_identity:
+        if saved_data and saved_data != self.job.data_identity:
             # Moving the corpus keeps its identity (content, not path); other data would silently
             # change what "sample i" means for the data cursor.
             raise UserInputError(
-                f"checkpoint {info.path} was trained on other data than "
-                f"{'data.mix' if self.cfg.data.mix else f'data.path = {self.cfg.data.path!r}'} "
-                f"(content {saved_data[:12]} vs {self.data_identity[:12]}): to train this data from its "
+                f"checkpoint {info.path} was trained on other data than {self.job.data_named} "
+                f"(content {saved_data[:12]} vs {self.job.data_identity[:12]}): to train this data from its "
                 f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
                 "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
             )
-        saved_batch, batch = info.manifest.global_batch_size, self.cfg.train.global_batch_size
+        saved_batch, batch = info.manifest.global_batch_size, self.job.global_batch_size
         if saved_batch != batch:
             raise UserInputError(
                 f"checkpoint {info.path} consumed {info.manifest.data_cursor} samples in batches of "
@@ -384,7 +411,7 @@ class CheckpointCoordinator:
         # Stop waiting as soon as a member died: the others are then blocked in DCP's collectives
         # and the controller frees them (RestoreFailed carries who answered what).
         refs = group.submit(list(gen.members.values()), RankCalls.load_checkpoint, (info.dcp_path,))
-        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s, f"loading {info.path}",
+        outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s, f"loading {info.path}",
                                       stop_early=lambda o: bool(o.dead))
         if not outcome.ok:
             raise RestoreFailed(
@@ -403,12 +430,12 @@ class CheckpointCoordinator:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _data_identity(cfg: JobConfig) -> str:
+def _data_identity(data: DataConfig) -> str:
     """Content identity of the job's data: data.path's, or data.mix's (every source's and the weights:
     other weights would change which sample each step holds). meshdata: torch-free, cached per process."""
     from meshdata import open_mixture
 
-    return open_mixture(cfg.data.mix or cfg.data.path, 1).identity
+    return open_mixture(data.mix or data.path, 1).identity
 
 
 def _first_cause(group, refs: dict, fallback: dict[int, str]) -> str:

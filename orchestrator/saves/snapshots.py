@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from meshspeak.messages import RestoreSource, SnapKey, StepResult
 from meshspeak.rank_calls import RankCalls
+from meshspeak.sections import CheckpointConfig, ElasticConfig
 from orchestrator.recovery.hang_watch import collect_while_alive
 from orchestrator.saves.checkpointing import RestoreFailed
 
@@ -139,10 +140,10 @@ class RestorePlan:
 class SnapshotCoordinator:
     """Counts complete sets from the step results and restores through the worker group."""
 
-    def __init__(self, cfg, metrics) -> None:
-        self.cfg = cfg
+    def __init__(self, checkpoint: CheckpointConfig, elastic: ElasticConfig, metrics) -> None:
+        self.elastic = elastic  # rebuild_timeout_s: how often the members of a snapshot load are probed
         self.metrics = metrics
-        self.every = cfg.checkpoint.memory_every if cfg.checkpoint.dir else 0
+        self.every = checkpoint.memory_every if checkpoint.dir else 0
         self.newest: SnapshotSet | None = None  # the newest complete set
         self._sets: dict[SnapKey, SnapshotSet] = {}  # sets of the current generation not complete yet
         self._holders: dict[int, int] = {}  # world rank -> holder rank, of the current generation
@@ -272,7 +273,7 @@ class SnapshotCoordinator:
         t0 = time.perf_counter()
         refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
         # Waited for while the loaders answer liveness probes: rebuild_timeout_s is the probe interval.
-        outcome = collect_while_alive(group, refs, self.cfg.elastic.rebuild_timeout_s,
+        outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s,
                                       f"loading the in-memory snapshot of step {key[2]}",
                                       stop_early=lambda o: bool(o.dead or o.failed))
         if not outcome.ok:

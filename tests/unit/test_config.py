@@ -57,7 +57,7 @@ def test_defaults_are_the_tiny_job() -> None:
     assert (cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, cfg.mesh.world) == (2, 1, 2, 4)
     assert cfg.model.ffn_dim == 256 and cfg.model.head_dim == 16
     assert microbatches_per_replica(cfg.train, cfg.mesh.dp) == 2
-    assert dp_bounds(cfg) == (1, 2)
+    assert dp_bounds(cfg.mesh, cfg.elastic) == (1, 2)
     assert cfg.resources.use_gpu == "auto"
 
 

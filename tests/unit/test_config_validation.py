@@ -228,7 +228,8 @@ def test_elastic_bounds() -> None:
     assert err.key == "elastic.min_dp"
     err = error_for("elastic.max_dp=1")
     assert err.key == "elastic.max_dp" and "raise elastic.max_dp to at least 2" in str(err)
-    assert dp_bounds(load_config(None, ["elastic.max_dp=4"])) == (1, 4)
+    cfg = load_config(None, ["elastic.max_dp=4"])
+    assert dp_bounds(cfg.mesh, cfg.elastic) == (1, 4)
 
 
 def test_step_timeout_message() -> None:

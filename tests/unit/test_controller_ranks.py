@@ -195,9 +195,9 @@ def test_a_spare_lost_with_its_node_is_dropped_and_replaced(make):
 
 def test_spares_are_kept_out_of_a_grow():
     from orchestrator.config.load import load_config
-    from orchestrator.control.scaling import NoResize, ScalingPolicy
+    from orchestrator.control.scaling import NoResize, policy_for
 
-    policy = ScalingPolicy(load_config(None, ["mesh.dp=2", "mesh.tp=1", "elastic.max_dp=4", "elastic.spares=2"]))
+    policy = policy_for(load_config(None, ["mesh.dp=2", "mesh.tp=1", "elastic.max_dp=4", "elastic.spares=2"]))
     assert isinstance(policy.grow(2, 4), NoResize)  # 2 in the mesh + 2 spares: nothing to grow with
     assert policy.grow(2, 6).dp == 4
     assert policy.actors_to_adopt(4, lambda: 8) == 2  # up to max_dp's 4 ranks + 2 spares: 6

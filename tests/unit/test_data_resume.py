@@ -18,7 +18,7 @@ from meshspeak.sections import config_to_dict
 from orchestrator.config.fingerprint import model_fingerprint
 from orchestrator.config.load import load_config
 from orchestrator.errors import UserInputError
-from orchestrator.saves.checkpointing import CheckpointCoordinator
+from orchestrator.saves.checkpointing import coordinator_for
 
 
 class _Events:
@@ -48,18 +48,18 @@ def test_resume_follows_data_content_not_path(tmp_path):
     cfg = load_config(None, [f"data.path={tmp_path / 'a'}", f"checkpoint.dir={ckpt}"])
     _committed(ckpt, cfg, open_source(str(tmp_path / "a")).identity)
 
-    first = CheckpointCoordinator(cfg, _Events())
+    first = coordinator_for(cfg, _Events())
     assert first.resume_point().step == 5
     first.close()  # each coordinator is one driver: it gives back its lease on the directory
     shutil.move(tmp_path / "a", tmp_path / "moved")  # same content elsewhere: resumes
     moved = load_config(None, [f"data.path={tmp_path / 'moved'}", f"checkpoint.dir={ckpt}"])
-    coord = CheckpointCoordinator(moved, _Events())
-    assert coord.resume_point().step == 5 and coord.data_identity == open_source(str(tmp_path / "moved")).identity
+    coord = coordinator_for(moved, _Events())
+    assert coord.resume_point().step == 5 and coord.job.data_identity == open_source(str(tmp_path / "moved")).identity
     coord.close()
 
     other = load_config(None, [f"data.path={tmp_path / 'b'}", f"checkpoint.dir={ckpt}"])
     with pytest.raises(UserInputError) as ei:
-        CheckpointCoordinator(other, _Events())
+        coordinator_for(other, _Events())
     msg = str(ei.value)
     assert ei.value.exit_code == 2 and "\n" not in msg
     assert "other data" in msg and "checkpoint.init_from" in msg and "new checkpoint.dir" in msg

@@ -7,7 +7,7 @@ import pytest
 from meshspeak.mesh import MeshAxis, MeshShape, balanced_split, fsdp_units, layer_ranges, stage_param_counts
 from meshspeak.dp_plan import fsdp_applies
 from orchestrator.config.load import load_config
-from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, choose_dp, grow_target
+from orchestrator.control.scaling import ResizeDecision, TooFewWorkers, policy_for
 from orchestrator.plan.mesh_plan import describe, make_plan, param_counts
 
 
@@ -137,9 +137,10 @@ def _plan(overrides):
 
 def test_elastic_policy_keeps_whole_replicas_and_batch_divisibility():
     cfg = load_config(None, ["mesh.dp=4", "mesh.tp=1", "train.global_batch_size=8", "train.micro_batch_size=2"])
-    assert choose_dp(cfg, 4, "x") == ResizeDecision(dp=4, reason="x")
-    assert choose_dp(cfg, 3, "x") == ResizeDecision(dp=2, reason="x")  # 3 does not divide 8/2
+    policy = policy_for(cfg)
+    assert policy.choose(4, "x") == ResizeDecision(dp=4, reason="x")
+    assert policy.choose(3, "x") == ResizeDecision(dp=2, reason="x")  # 3 does not divide 8/2
     cfg2 = load_config(None, ["mesh.dp=2", "mesh.tp=2", "elastic.min_dp=2"])
-    decision = choose_dp(cfg2, 3, "x")
+    decision = policy_for(cfg2).choose(3, "x")
     assert isinstance(decision, TooFewWorkers) and "elastic.min_dp=2" in decision.message
-    assert grow_target(cfg, 2, 4) == 4 and grow_target(cfg, 4, 8) is None  # capped by max_dp = dp
+    assert policy.grow_target(2, 4) == 4 and policy.grow_target(4, 8) is None  # capped by max_dp = dp
