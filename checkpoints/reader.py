@@ -22,6 +22,8 @@ metadata through ``checkpoints.safe_pickle`` and the planner loads byte items wi
 
 from __future__ import annotations
 
+import copy
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,10 +64,22 @@ class SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but byte items load with ``torch.load(weights_only=True)``
-    (what we save there — ints, floats, strings, lists and dicts of them — all load so)."""
+    (what we save there — ints, floats, strings, lists and dicts of them — all load so).
+
+    Equal items are loaded once: the optimizer's hyperparameters are saved per parameter (every
+    parameter's ``lr``, ``betas``...), and each ``torch.load`` costs ~0.5 ms: 431 of them were 0.2 s of
+    a 1.0 s snapshot load under cProfile (tiny model, dp=4). Each item still gets its own object (a
+    deep copy of the one loaded), as before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loaded: dict[bytes, Any] = {}
 
     def load_bytes(self, read_item, value) -> None:  # DefaultLoadPlanner.load_bytes, weights_only=True
-        loaded = torch.load(value, weights_only=True)
+        raw = value.read()
+        if raw not in self._loaded:
+            self._loaded[raw] = torch.load(io.BytesIO(raw), weights_only=True)
+        loaded = copy.deepcopy(self._loaded[raw])
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
