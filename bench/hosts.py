@@ -20,9 +20,9 @@ max) and each run's value (``bench/stats.py``'s ``spread``: ``per_repeat``; file
   many runs that happened within ``GROW_WAIT_S`` of the heal). Like a machine under systemd, the
   host's `ray start` is started again should it exit (Ray ends a raylet the head declared dead once
   it hears from the head again);
-* ``heal_to_grown_parts_s``: from the heal to each of the driver's events on the way back to dp=2
-  (``HEAL_EVENTS``: the new actors on the healed host ready, promoted, the grown generation formed)
-  and to the first dp=2 step. ``--partition-only`` runs only the partitions.
+* ``heal_to_grown_parts_s``: where heal -> grown goes, from the driver's events (``HEAL_PARTS``: the
+  new actors on the healed host ready, promoted, the grown generation's join and restore, the first
+  dp=2 step). ``--partition-only`` runs only the partitions.
 
 Writes ``bench/results/hosts.json`` unless ``--out`` says otherwise.
 """
@@ -46,7 +46,9 @@ from stats import paired_ratios, repeats_meeting, spread
 from testbed.netns_hosts import HostNet, unavailable_reason
 
 CUT_AT, CUT_S = 10, 15.0
-GROW_WAIT_S = 120.0  # after the heal; a run not grown back by then has heal_to_grown None
+# After the heal; a run not grown back by then has heal_to_grown None. At loads of 40-50 on 2 cores the
+# new actors' warm-up alone took ~120 s (one of three repeats missed a 120 s bound).
+GROW_WAIT_S = 240.0
 GOAL_PARTITION_S = 10.0
 MESH = ["mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "train.lr=1e-3", "model.seq_len=32",
         "train.global_batch_size=8", "train.micro_batch_size=2"]
@@ -155,25 +157,40 @@ def host_kill(bench: Bench, steps: int) -> float:
         bench.nodes.pop(1, None)
 
 
-# The driver's events between the heal and the first dp=2 step, in order: where heal -> grown goes
-# (``heal_parts``). The actors it adds on the healed host are created (Ray places them once it frees
-# the cut host's bundles, i.e. once the head reaches that raylet again; each RankActor then imports
-# torch and the model code and freezes the GC: ``RankActor.warm``), "actors_ready"; promoted into the
-# next generation, "spare_promoted"; that generation joined and restored, "grow".
-HEAL_EVENTS = ("actors_ready", "spare_promoted", "grow")
+# Where heal -> grown goes, from the driver's events (``heal_parts``): the actors it adds on the healed
+# host are created (Ray places them once it frees the cut host's bundles, i.e. once the head reaches
+# that raylet again; each RankActor then imports torch and the model code and freezes the GC:
+# ``RankActor.warm``), "actors_ready"; promoted into the next generation, "spare_promoted"; that
+# generation joined and restored: the "grow" event's ``recovery_s`` (it is written after the
+# generation's first step, so its own time is that step's). Read in Ray's logs of two runs (load
+# 10-24): a 15 s cut never gets the node declared dead (the GCS's first failed health check came
+# ~13 s into the cut: health_check_timeout_ms 10000 + period 3000, and it needs
+# health_check_failure_threshold = 5 in a row), so nothing restarts; the stale RankActors end and the
+# cut host's bundles are freed when the GCS's queued kill reaches that raylet again, 0.4 s and 14 s
+# after the heal (its gRPC channel's reconnect backoff); the driver places the new actors within
+# 0.6 s of that (grow_check_s 1); Ray starts their worker processes in 9-12 s; RankActor creation
+# (the warm-up: ~5-6 s of CPU alone) took 47-56 s, on two cores shared with the two ranks training
+# at dp=1 meanwhile and the rest of the machine; join and restore 2.7-14.7 s.
+HEAL_PARTS = ("actors_ready", "spare_promoted", "grow_recovery_s", "first_dp2_step")
 
 
 def heal_parts(recs: list[dict], healed_at: float) -> dict[str, float | None]:
-    """Seconds from the heal to each of ``HEAL_EVENTS`` (its last record before the first dp=2 step;
-    None if none came) and to that step (``first_dp2_step``)."""
+    """Seconds from the heal to the last "actors_ready" before the first "spare_promoted" after it, to
+    that promotion and to the first dp=2 step, and the first grow's ``recovery_s`` (None where none came)."""
+    def first(kind: str, after: float, before: float = float("inf")) -> dict | None:
+        found = [r for r in recs if r.get("event") == kind and after < r["time"] <= before]
+        return min(found, key=lambda r: r["time"]) if found else None
+
     grown = [r["time"] for r in recs if "loss" in r and r["time"] > healed_at and r["dp"] == 2]
     end = min(grown) if grown else float("inf")
-    parts: dict[str, float | None] = {}
-    for kind in HEAL_EVENTS:
-        times = [r["time"] for r in recs if r.get("event") == kind and healed_at < r["time"] <= end]
-        parts[kind] = round(max(times) - healed_at, 2) if times else None
-    parts["first_dp2_step"] = round(end - healed_at, 2) if grown else None
-    return parts
+    promoted = first("spare_promoted", healed_at, end)
+    ready = [r["time"] for r in recs if r.get("event") == "actors_ready"
+             and healed_at < r["time"] <= (promoted["time"] if promoted else end)]
+    grow = first("grow", healed_at)
+    return {"actors_ready": round(max(ready) - healed_at, 2) if ready else None,
+            "spare_promoted": round(promoted["time"] - healed_at, 2) if promoted else None,
+            "grow_recovery_s": round(grow["recovery_s"], 2) if grow else None,
+            "first_dp2_step": round(end - healed_at, 2) if grown else None}
 
 
 def partition(bench: Bench, steps: int) -> tuple[float, float | None, dict]:
@@ -239,7 +256,7 @@ def summary(got: dict[str, list], repeats: int) -> dict:
         "heal_to_grown_s": spread(grows, 3),
         # Seconds from the heal to each of the driver's events on the way (``heal_parts``).
         "heal_to_grown_parts_s": {part: spread([p[part] for p in got["parts"]], 2)
-                                  for part in (*HEAL_EVENTS, "first_dp2_step")},
+                                  for part in HEAL_PARTS},
         "grown_back": f"{sum(g is not None for g in grows)} of {len(grows)} runs within {GROW_WAIT_S:.0f} s of the heal",
         "machine": machine(load=load_average()),
     }

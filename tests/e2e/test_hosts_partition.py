@@ -24,8 +24,9 @@ from tests.e2e.raycluster import records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-# Long enough to outlast the grow: here the mesh grew back 60-100 s after the heal (why so late is not
-# pinned down: 20 s after the heal the node was alive and no stale RankActor was). In float64: over
+# Long enough to outlast the grow: here the mesh grew back 60-100 s after the heal, most of it the new
+# RankActors' creation on the healed host (torch and model imports, ~5-6 s of CPU alone) on two cores
+# shared with the ranks training at dp=1 meanwhile (bench/hosts.py, heal_parts). In float64: over
 # 2000 fp32 steps the losses of a correct run drifted past 1e-5 of the reference from step ~460 on.
 STEPS = 1000
 CUT_AT, CUT_S = 15, 15.0
