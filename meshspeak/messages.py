@@ -196,6 +196,7 @@ class RestoreAck:
     step: int
     fetched_bytes: int  # pieces of old shards fetched from the providers (its own ones included)
     shard_bytes: int  # this rank's own state (model + optimizer shard) after the load
+    direct: bool = False  # copied in place from one old rank's snapshot, not resharded (workers/snapshot_restore.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -317,8 +317,12 @@ class RankRuntime:
         from checkpoints.reader import load_training_state
 
         self._finish_checkpoint_write()
-        point = load_training_state(what, self.model_parts(), self.optimizers, restore_rng=False,
-                                    process_group=self.groups.ckpt_group, reader=reader)
+        return self._loaded(load_training_state(what, self.model_parts(), self.optimizers, restore_rng=False,
+                                                process_group=self.groups.ckpt_group, reader=reader))
+
+    def _loaded(self, point) -> int:
+        """A load put ``point`` (``checkpoints.state.ResumePoint``) in place: float16's loss scale
+        follows it and the generation may train; its step."""
         if self.loss_scale is not None and point.loss_scale:
             self.loss_scale.load_state_dict(point.loss_scale)
         self._awaiting_load = False
@@ -341,29 +345,12 @@ class RankRuntime:
 
     def load_snapshot(self, source, store, actor_id: int):
         """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
-        ``source.providers`` names) resharded into this generation's mesh, collectively as
-        ``load_checkpoint``, fetching only the pieces this rank's load plan needs: the new rank 0 reads
-        every old rank's metadata and broadcasts the list; each rank's DCP reads then ask the providers
-        for their slices (workers/snapshot_push.py)."""
-        import torch.distributed as dist
+        ``source.providers`` names) into this generation's mesh, collectively as ``load_checkpoint``:
+        copied in place when every rank's layout is an old rank's, else resharded through DCP,
+        fetching only the pieces this rank needs (workers/snapshot_restore.py)."""
+        from workers.snapshot_restore import restore_snapshot
 
-        from checkpoints.memory import RemoteReader
-        from meshspeak.messages import RestoreAck
-        from workers.snapshot_push import fetch_metadata, fetch_pieces
-
-        t0 = time.perf_counter()
-        self._finish_checkpoint_write()  # before the metadata's broadcast on the checkpoint group
-        key = tuple(source.key)
-        providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
-        metas = [fetch_metadata(store, key, providers, actor_id) if self.groups.world_rank == 0 else None]
-        if self.groups.shape.world > 1:
-            dist.broadcast_object_list(metas, src=0, group=self.groups.ckpt_group)
-        t_meta = time.perf_counter()
-        reader = RemoteReader(metas[0], key[2], lambda wanted: fetch_pieces(store, key, providers, actor_id, wanted))
-        step = self._load(f"in-memory snapshot of step {key[2]}", reader)
-        logger.info("loaded snapshot of step %d in %.3f s: metadata %.3f, load %.3f (%d bytes)", key[2],
-                    time.perf_counter() - t0, t_meta - t0, time.perf_counter() - t_meta, reader.fetched_bytes)
-        return RestoreAck(step=step, fetched_bytes=reader.fetched_bytes, shard_bytes=self.local_state_bytes())
+        return restore_snapshot(self, source, store, actor_id)
 
     def destroy(self) -> None:
         if self._writer is not None:

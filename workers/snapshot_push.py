@@ -16,8 +16,9 @@ One push at a time: a snapshot step that comes while the last push is still unde
 (counted), so pushes never pile up behind a slow holder. The training thread waits for the *copy*
 only, and only before the next optimizer step writes the state (``fence``).
 
-``fetch_pieces`` serves a restore (``RankActor.load_snapshot``): the pieces of the old shards this
-rank's load plan needs, from the actors the driver named as providers, all requests at once.
+``fetch_pieces`` serves a restore (``RankActor.load_snapshot``, workers/snapshot_restore.py): the
+pieces of the old shards this rank's load plan needs, from the actors the driver named as providers,
+all requests at once.
 """
 
 from __future__ import annotations
@@ -159,15 +160,20 @@ def serve_pieces(store: SnapshotStore, key: SnapKey, owner: int, requests: list)
     return [pack_piece(p) for p in store.find(key, owner).pieces(requests)]
 
 
-def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int) -> list:
-    """Every old rank's snapshot metadata, in old-rank order (a restore's first read)."""
+def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,
+                   owners: list[int] | None = None) -> list:
+    """The snapshot metadata of every old rank in old-rank order, or of ``owners`` in their order (a
+    restore's first read): this actor's own store answers for the ranks it provides, the others'
+    actors for theirs, every remote request issued before any is read."""
+    owners = sorted(providers) if owners is None else list(owners)
     refs = {}
     out = {}
-    for owner, (actor, handle) in sorted(providers.items()):
+    for owner in owners:
+        actor, handle = providers[owner]
         if actor == me:
             out[owner] = store.find(key, owner).metadata
         else:
             refs[owner] = getattr(handle, call_name(RankCalls.snapshot_meta)).remote(key, owner)
     for owner, ref in refs.items():
         out[owner] = ray.get(ref, timeout=PUSH_TIMEOUT_S)
-    return [out[owner] for owner in sorted(out)]
+    return [out[owner] for owner in owners]

@@ -132,6 +132,7 @@ def _announce(ctx: DriverContext, decision: ResizeDecision, spec: RuntimeSpec, r
              "dp": shape.dp, "pp": shape.pp, "tp": shape.tp,
              "dp_replicate": spec.dp.replicate, "resumed_from_step": restored.step,
              "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
+             "restored_in_place": restored.direct,
              "reason": decision.reason, "spares": len(spares)}
     if decision.reason == "start":
         ctx.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})

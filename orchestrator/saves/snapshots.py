@@ -115,6 +115,7 @@ class Restored:
     load_s: float = 0.0  # the members' load calls, submit to the last answer
     fetched_bytes: int = 0  # snapshot pieces the members fetched, all of them together
     shard_bytes: int = 0  # the members' own states after the load, all together
+    direct: bool = False  # every member copied an old rank's shard in place (no resharding: RestoreAck.direct)
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,8 @@ class SnapshotCoordinator:
                                 f"{outcome.failed or outcome.dead or outcome.pending}", outcome)
         acks = list(outcome.results.values())
         return Restored(key[2], "snapshot", time.perf_counter() - t0,
-                        fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks))
+                        fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks),
+                        direct=bool(acks) and all(a.direct for a in acks))
 
     def _find(self, group, at_most: int,
               without: frozenset[int] = frozenset()) -> tuple[SnapKey, dict[int, int]] | None:

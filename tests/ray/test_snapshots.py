@@ -1,8 +1,10 @@
 """In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/saves/snapshots.py) on a local
 multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
 resharded into the smaller mesh, the losses the single-process reference's, the survivors never
-restarted; a rank killed together with the holder of its snapshot falls back to storage, and the
-rebuild event says which.
+restarted; with a hot spare promoted into the lost rank's mesh slot every rank's shard keeps its
+layout, so each copies it in place (checkpoints/direct_load.py) and the losses are the reference's
+still; a rank killed together with the holder of its snapshot falls back to storage, and the rebuild
+event says which.
 
 Its own cluster, as tests/ray/test_elastic_nodes.py: a CPU-less head (driver, store host) and two
 2-CPU worker nodes, so the ring puts every snapshot's holder on the other node.
@@ -47,11 +49,13 @@ def head_store(cluster):
     provider.close()
 
 
-def _run(tmp_path, head_store, victims_of, at: int):
-    """Train with a SIGKILL of the actors ``victims_of(controller)`` names, right after their first
-    forward of step ``at`` (the snapshot of ``at - 1`` settled first)."""
-    overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
-    group = make_group(4)
+def _run(tmp_path, head_store, victims_of, at: int, dp: int = 4, spares: int = 0, extra: tuple = ()):
+    """Train at ``dp`` with a SIGKILL of the actors ``victims_of(controller)`` names, right after their
+    first forward of step ``at`` (the snapshot of ``at - 1`` settled first); ``spares``: hot spares;
+    ``extra``: more overrides."""
+    overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}",
+                             f"mesh.dp={dp}", f"elastic.spares={spares}", *extra]
+    group = make_group(dp + spares)
     try:
         controller = make_controller(load_config(None, overrides), group, head_store)
         controller.advance()
@@ -91,6 +95,17 @@ def test_a_killed_rank_is_restored_from_snapshots_with_one_step_rerun(cluster, h
     assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("snapshot", 3)
     assert trained == [1, 2, 3, 4, 5, 6]  # only step 4 (failed, never logged) re-run; storage: 3 too
     assert rebuild["dp"] == 2  # 3 survivors: dp=4's snapshots resharded into dp=2
+    assert rebuild["restored_in_place"] is False
+
+
+@pytest.mark.timeout(420)
+def test_a_spare_promoted_into_the_mesh_restores_in_place(cluster, head_store, tmp_path):
+    # dp=2 and a spare: the two worker nodes' 4 slots hold 3 actors (ZeRO-3: each rank a half shard)
+    rebuild, trained, controller = _run(tmp_path, head_store, lambda c: [c.generation.members[1]], at=4,
+                                        dp=2, spares=1)
+    assert (rebuild["restored_from"], rebuild["resumed_from_step"], rebuild["dp"]) == ("snapshot", 3, 2)
+    assert rebuild["restored_in_place"] is True  # every rank copied an old rank's shard: no DCP load
+    assert trained == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.timeout(420)

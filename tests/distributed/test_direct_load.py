@@ -1,0 +1,140 @@
+"""A snapshot loaded in place (checkpoints.direct_load) leaves a rank in exactly the state DCP's
+resharding load leaves it in, bit for bit, and is taken only where the layout allows it.
+
+Snapshots are taken after two AdamW steps on 4-rank layouts: FSDP2 dp=4 (190 rows -> 48,48,48,46),
+TP + FSDP2 dp=2 x tp=2, and HSDP (2 replicas x 2 shards). Each new rank then builds a fresh model and
+optimizer (no optimizer state yet, as a new generation's rank) twice: once loaded in place from the
+old rank whose snapshot ``plan_direct`` picks, once through DCP (``load_training_state`` with a
+``RemoteReader`` over every old rank's snapshot). Parameters, every optimizer state tensor (values,
+dtype, DTensor placements and mesh), the param groups and the step must be equal, and so must the
+parameters after one more training step from each. A changed layout (dp=4 -> dp=2 under FSDP2) has
+no old rank to copy from, so it reshards through DCP; an HSDP replica lost (4 -> 2 ranks, the shard
+groups kept) and a replicated state (ZeRO-0's) load in place from any old rank of the same shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from testbed.gloo_world import run_world
+from testbed.mlp import GLOBAL_BATCH, SOURCES, build, train_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's one-process notices
+
+LAYOUTS = {**SOURCES, "hsdp": (2, 2)}  # name -> (dp or replicas, tp or shards) of a 4-rank layout
+
+
+def _build(name: str, a: int, b: int):
+    """``testbed.mlp.build``, or for "hsdp" the same MLP on a (replicate a, shard b) HSDP mesh."""
+    if name != "hsdp":
+        return build(a, b)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from testbed.mlp import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    mesh = init_device_mesh("cpu", (a, b), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + step))
+    flat = mesh._flatten("dp")  # the dp rank for the batch slice (train_step reads mesh["dp"])
+    return model, opt, sched, {"dp": flat}
+
+
+def _take(rank: int, world: int, name: str) -> Any:
+    from checkpoints.snapshot_taker import SnapshotTaker
+    from checkpoints.state import TrainingState
+
+    a, b = LAYOUTS[name]
+    model, opt, sched, mesh = _build(name, a, b)
+    for step in (1, 2):
+        train_step(model, opt, sched, mesh, step, a * b if name == "hsdp" else a)
+    state = TrainingState([model], [opt]).snapshot(step=2, data_cursor=2 * GLOBAL_BATCH, rng=False)
+    return SnapshotTaker().take(state, step=2, rank=rank).serialize()
+
+
+def _state(model, opt) -> dict[str, Any]:
+    """Everything a load sets: local parameter pieces, optimizer state (with layouts), param groups."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        if isinstance(t, DTensor):
+            return ("dtensor", tuple(t.placements), t.device_mesh.mesh.tolist(), tuple(t.shape), t.to_local().clone())
+        return ("tensor", t.dtype, t.detach().clone())
+
+    params = {k: local(p.detach()) for k, p in model.named_parameters()}
+    names = {id(p): k for k, p in model.named_parameters()}
+    state = {names[id(p)]: {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for p, s in opt.state.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {"params": params, "state": state, "groups": groups}
+
+
+def _restore(rank: int, world: int, name: str, shape: tuple[int, int], snaps: list) -> dict[str, Any]:
+    from checkpoints.direct_load import plan_direct
+    from checkpoints.memory import RemoteReader
+    from checkpoints.reader import load_training_state
+
+    model, opt, sched, mesh = _build(name, *shape)
+    plans = [plan_direct([model], [opt], s.metadata, owner) for owner, s in enumerate(snaps)]
+    owners = [owner for owner, plan in enumerate(plans) if plan is not None]
+    out: dict[str, Any] = {"owners": owners}
+    if owners:
+        plan = plans[rank] if rank < len(plans) and plans[rank] is not None else plans[owners[0]]
+        point = plan.install({index: snaps[plan.owner].blobs[index] for index, _, _ in plan.requests()})
+        out["direct"] = {"step": point.step, "cursor": point.data_cursor, **_state(model, opt)}
+        train_step(model, opt, sched, mesh, 3, shape[0] * shape[1] if name == "hsdp" else shape[0])
+        out["direct_after"] = _state(model, opt)["params"]
+    model, opt, sched, mesh = _build(name, *shape)
+    reader = RemoteReader([s.metadata for s in snaps], 2,
+                          lambda wanted: {o: snaps[o].pieces(reqs) for o, reqs in wanted.items()})
+    point = load_training_state(f"snapshots of {name}", [model], [opt], restore_rng=False, reader=reader)
+    out["dcp"] = {"step": point.step, "cursor": point.data_cursor, **_state(model, opt)}
+    train_step(model, opt, sched, mesh, 3, shape[0] * shape[1] if name == "hsdp" else shape[0])
+    out["dcp_after"] = _state(model, opt)["params"]
+    return out
+
+
+def _assert_same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def taken() -> dict[str, list]:
+    return {name: run_world(4, _take, name, timeout=120) for name in LAYOUTS}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,shape,expect", [
+    ("fsdp", (4, 1), "own"), ("tp", (2, 2), "own"), ("hsdp", (2, 2), "replica"),
+    ("hsdp", (1, 2), "replica"), ("fsdp", (2, 1), "none"),
+], ids=["fsdp-same", "tp-same", "hsdp-same", "hsdp-replica-lost", "fsdp-dp4-to-dp2"])
+def test_in_place_load_equals_dcp_bit_for_bit(taken, name, shape, expect):
+    ranks = run_world(shape[0] * shape[1], _restore, name, shape, taken[name], timeout=180)
+    for rank, got in enumerate(ranks):
+        if expect == "none":
+            assert got["owners"] == [] and "direct" not in got, (rank, got["owners"])
+            continue
+        # "own": only the old rank of the same number holds this layout; "replica": the rank of this
+        # shard in either old replica does (HSDP, also after a lost replica).
+        assert got["owners"] == ([rank] if expect == "own" else [rank % 2, rank % 2 + 2]), (rank, got["owners"])
+        assert got["direct"]["step"] == got["dcp"]["step"] == 2
+        assert got["direct"]["cursor"] == got["dcp"]["cursor"] == 2 * GLOBAL_BATCH
+        _assert_same(got["direct"], got["dcp"], f"{name}{shape} rank {rank}")
+        _assert_same(got["direct_after"], got["dcp_after"], f"{name}{shape} rank {rank} after a step")
