@@ -169,6 +169,22 @@ def fsdp_units(block_bytes: list[int], min_unit_bytes: int) -> list[list[int]]:
     return units
 
 
+def same_shard_ranks(shape: MeshShape, replicate: int) -> list[int]:
+    """For each world rank, the lowest rank that holds the same training state: with ``replicate`` R
+    replica groups of the dp axis (HSDP; R = dp under ZeRO-0), dp index d = r * S + s holds shard s
+    of its (pp, tp) position, as every other replica's rank of that shard does (``hsdp_group_ranks``);
+    with R = 1 every rank holds its own. A lost rank's state can be read from any rank of its class.
+    """
+    if replicate < 1 or shape.dp % replicate:
+        raise ValueError(f"dp={shape.dp} is not divisible into {replicate} replicas")
+    shard = shape.dp // replicate
+    out = []
+    for rank in range(shape.world):
+        c = shape.coords(rank)
+        out.append(shape.rank_of(c.dp % shard, c.pp, c.tp))
+    return out
+
+
 def hsdp_group_ranks(shape: MeshShape, replicate: int) -> tuple[list[list[int]], list[list[int]]]:
     """(replicate groups, shard groups) of the dp axis split as (replicate, dp / replicate).
 

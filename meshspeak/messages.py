@@ -181,8 +181,9 @@ class SnapshotInventory:
 @dataclass(frozen=True, slots=True)
 class RestoreSource:
     """Driver -> every new member: load the snapshot set ``key`` of a generation of ``world`` ranks;
-    ``providers`` give each old rank's pieces: (old world rank, actor id, actor handle), in old-rank
-    order (handles the driver gives for this restore's reads)."""
+    ``providers`` give old ranks' pieces: (old world rank, actor id, actor handle), in old-rank order
+    (handles the driver gives for this restore's reads) — every old rank's, or where a shard's copies
+    died, those of the ranks holding the same shard (HSDP's replicas: ``meshspeak.mesh.same_shard_ranks``)."""
 
     key: SnapKey
     world: int

@@ -31,6 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from meshspeak.mesh import same_shard_ranks
 from meshspeak.messages import RestoreSource, SnapKey, StepResult
 from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import CheckpointConfig, ElasticConfig
@@ -58,18 +59,28 @@ def backup_ring(members: dict[int, int], node_of: dict[int, str]) -> dict[int, i
     return {ring[i]: ring[(i + 1) % len(ring)] for i in range(len(ring))}
 
 
-def covered(members: dict[int, int], holders: dict[int, int], live: set[int]) -> bool:
-    """Whether every rank's shard has a live copy: its owner's actor or its holder's is alive."""
-    return bool(holders) and all(
-        actor in live or members[holders[rank]] in live for rank, actor in members.items())
+def covered(members: dict[int, int], holders: dict[int, int], live: set[int],
+            same: list[int] | None = None) -> bool:
+    """Whether every rank's shard has a live copy: its owner's actor or its holder's is alive, or
+    those of a rank holding the same shard (``same``: rank -> its class, ``meshspeak.mesh.same_shard_ranks``;
+    HSDP's replicas, ZeRO-0's ranks)."""
+    if not holders:
+        return False
+    alive = {rank for rank, actor in members.items() if actor in live or members[holders[rank]] in live}
+    classes = same or list(range(len(members)))
+    return {classes[rank] for rank in alive} >= {classes[rank] for rank in members}
 
 
 def newest_covered(inventories: dict[int, object], worlds: dict[int, int],
-                   at_most: int | None = None) -> tuple[SnapKey, dict[int, int]] | None:
+                   at_most: int | None = None,
+                   same: dict[int, list[int]] | None = None) -> tuple[SnapKey, dict[int, int]] | None:
     """The newest snapshot set of which every rank's shard is held by one of the answering actors,
     and who gives each (old world rank -> actor id: the owner's own copy first, else a held one).
     ``inventories``: actor id -> its ``SnapshotInventory``; ``worlds``: generation -> its rank count;
-    ``at_most``: no set of a later step (one the driver never recorded: see ``restore_best``)."""
+    ``at_most``: no set of a later step (one the driver never recorded: see ``restore_best``);
+    ``same``: generation -> each rank's class of ranks holding the same shard (HSDP's replicas:
+    ``meshspeak.mesh.same_shard_ranks``): a shard whose every copy is gone is covered by another rank
+    of its class, and the givers then name only the old ranks that have a copy."""
     givers: dict[SnapKey, dict[int, int]] = {}
     for actor, inv in sorted(inventories.items()):
         for key, rank in inv.own:
@@ -81,8 +92,9 @@ def newest_covered(inventories: dict[int, object], worlds: dict[int, int],
         if at_most is not None and key[2] > at_most:
             continue
         world = worlds.get(key[0])
-        if world and set(givers[key]) >= set(range(world)):
-            return key, {rank: givers[key][rank] for rank in range(world)}
+        classes = (same or {}).get(key[0]) or list(range(world or 0))
+        if world and {classes[rank] for rank in givers[key] if rank < world} >= set(classes):
+            return key, {rank: givers[key][rank] for rank in range(world) if rank in givers[key]}
     return None
 
 
@@ -100,6 +112,7 @@ class SnapshotSet:
     members: dict[int, int]  # world rank -> actor id, of that generation
     holders: dict[int, int]  # world rank -> holder's world rank
     acked: set[int] = field(default_factory=set)  # world ranks whose holder acknowledged
+    same: list[int] | None = None  # world rank -> its class of ranks holding the same shard (covered)
     stall_s: float = 0.0
     nbytes: int = 0
 
@@ -150,6 +163,7 @@ class SnapshotCoordinator:
         self._holders: dict[int, int] = {}  # world rank -> holder rank, of the current generation
         self._generation = None  # the current GenerationRecord
         self._worlds: dict[int, int] = {}  # generation -> rank count (for restores)
+        self._same: dict[int, list[int]] = {}  # generation -> each rank's class of ranks holding its shard
         self._warned_one_node = False
         self._last_complete = 0  # step of the last complete set (for ``skipped``)
 
@@ -181,6 +195,7 @@ class SnapshotCoordinator:
         """Generation ``gen`` formed: its snapshots are counted from now."""
         self._generation, self._holders = gen, dict(holders)
         self._worlds[gen.number] = gen.shape.world
+        self._same[gen.number] = same_shard_ranks(gen.shape, gen.plan.dp.replicate)
         self._sets = {}
 
     def after_results(self, results: list[StepResult]) -> None:
@@ -196,7 +211,8 @@ class SnapshotCoordinator:
                     continue  # a push from before this generation formed, or of a set already superseded
                 snap = self._sets.get(key)
                 if snap is None:
-                    snap = self._sets[key] = SnapshotSet(key, dict(gen.members), dict(self._holders))
+                    snap = self._sets[key] = SnapshotSet(key, dict(gen.members), dict(self._holders),
+                                                         same=self._same.get(gen.number))
                 snap.acked.add(result.world_rank)
                 snap.stall_s = max(snap.stall_s, ack.stall_s)
                 snap.nbytes += ack.nbytes
@@ -236,7 +252,7 @@ class SnapshotCoordinator:
     def usable(self, live: set[int]) -> SnapshotSet | None:
         """The newest complete set if every shard of it has a live copy, else None."""
         snap = self.newest
-        if snap is None or not covered(snap.members, snap.holders, live):
+        if snap is None or not covered(snap.members, snap.holders, live, snap.same):
             return None
         return snap
 
@@ -269,7 +285,7 @@ class SnapshotCoordinator:
             step = ckpt.restore(group, gen)
             return Restored(step, "storage", time.perf_counter() - t0)
         key, givers = plan.found
-        source = RestoreSource(key=key, world=len(givers),
+        source = RestoreSource(key=key, world=self._worlds.get(key[0], len(givers)),
                                providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
         t0 = time.perf_counter()
         refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
@@ -294,4 +310,4 @@ class SnapshotCoordinator:
         # An actor silent to a probe is left out (its copies with it); the join or the load finds it.
         refs = group.submit(live, RankCalls.snapshot_inventory)
         polled = collect_while_alive(group, refs, INVENTORY_TIMEOUT_S, "asking the live actors for their snapshots")
-        return newest_covered(polled.results, self._worlds, at_most)
+        return newest_covered(polled.results, self._worlds, at_most, self._same)

@@ -117,3 +117,23 @@ def test_a_rank_and_its_snapshots_holder_killed_fall_back_to_storage(cluster, he
     rebuild, trained, controller = _run(tmp_path, head_store, rank_and_holder, at=4)
     assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("storage", 2)
     assert trained == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained twice
+
+
+@pytest.mark.timeout(420)
+def test_a_shard_whose_copies_died_heals_from_the_live_hsdp_replica(cluster, head_store, tmp_path):
+    """HSDP, 2 replicas of 2 shards: a rank and its snapshot's holder die, the holder in the other
+    shard, so both copies of the rank's snapshot are gone (plain FSDP falls back to storage: the test
+    above). The other replica's rank of that shard holds the same state: the run resumes from the
+    snapshots at dp=2 (the shard group kept), each survivor copying an old rank's shard in place."""
+    from meshspeak.mesh import same_shard_ranks
+
+    def rank_and_holder_in_another_shard(c):
+        holders, same = c.snapshots._holders, same_shard_ranks(c.generation.shape, 2)
+        rank = next(r for r in sorted(holders) if same[holders[r]] != same[r])
+        return [c.generation.members[rank], c.generation.members[holders[rank]]]
+
+    rebuild, trained, controller = _run(tmp_path, head_store, rank_and_holder_in_another_shard, at=4,
+                                        extra=("mesh.dp_replicate=2",))
+    assert (rebuild["restored_from"], rebuild["resumed_from_step"], rebuild["dp"]) == ("snapshot", 3, 2)
+    assert rebuild["restored_in_place"] is True
+    assert trained == [1, 2, 3, 4, 5, 6]

@@ -1,6 +1,8 @@
 """The pure decisions of in-memory snapshots (orchestrator/saves/snapshots.py): who holds whose
-snapshot, whether a set can restore a run and who gives each shard, snapshot or storage."""
+snapshot, whether a set can restore a run and who gives each shard, snapshot or storage; with HSDP's
+replicas (or ZeRO-0's ranks) a lost shard is covered by another rank holding the same one."""
 
+from meshspeak.mesh import MeshShape, same_shard_ranks
 from meshspeak.messages import SnapshotInventory
 from orchestrator.saves.snapshots import (
     backup_ring,
@@ -50,6 +52,32 @@ def test_newest_covered_set_and_who_gives_each_shard():
     del inventories[13]  # rank 1's copies gone with rank 3
     assert newest_covered(inventories, {1: 1, 2: 4}) is None
     assert newest_covered({13: SnapshotInventory(own=((old, 0),), held=())}, {1: 1, 2: 4}) == (old, {0: 13})
+
+
+def test_ranks_holding_the_same_shard():
+    assert same_shard_ranks(MeshShape(4, 1, 1), 1) == [0, 1, 2, 3]  # plain FSDP: each its own
+    assert same_shard_ranks(MeshShape(4, 1, 1), 2) == [0, 1, 0, 1]  # 2 replicas of 2 shards
+    assert same_shard_ranks(MeshShape(4, 1, 1), 4) == [0, 0, 0, 0]  # ZeRO-0: one replicated state
+    # (dp, pp, tp) = (2, 2, 2), 2 replicas: rank 4 = (dp 1, pp 0, tp 0) holds what rank 0 holds
+    assert same_shard_ranks(MeshShape(2, 2, 2), 2) == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_a_lost_replica_is_covered_by_a_live_one():
+    members = {0: 10, 1: 11, 2: 12, 3: 13}
+    holders = {0: 1, 1: 2, 2: 3, 3: 0}
+    hsdp = same_shard_ranks(MeshShape(4, 1, 1), 2)  # replica A = ranks 0, 1; replica B = ranks 2, 3
+    # Replica A lost (ranks 0 and 1): rank 0's copies (own, on rank 1) are gone, not its shard.
+    assert not covered(members, holders, {12, 13})
+    assert covered(members, holders, {12, 13}, hsdp)
+    assert not covered(members, holders, set(), hsdp)
+    # One live actor holds its own shard and its ring predecessor's: under ZeRO-0 that is all of it.
+    assert not covered(members, holders, {12})
+    assert covered(members, holders, {12}, same_shard_ranks(MeshShape(4, 1, 1), 4))
+    k = (2, 0, 4)
+    inventories = {12: SnapshotInventory(own=((k, 2),), held=((k, 1),)), 13: SnapshotInventory(own=((k, 3),), held=())}
+    assert newest_covered(inventories, {2: 4}) is None
+    # Shard 0 from rank 2 (replica B), shard 1 from ranks 1 (its copy on actor 12) and 3.
+    assert newest_covered(inventories, {2: 4}, same={2: hsdp}) == (k, {1: 12, 2: 12, 3: 13})
 
 
 def test_choose_source():
