@@ -119,7 +119,7 @@ def _resume_from(ctx: DriverContext, restored: Restored, holders: dict[int, int]
     ctx.snapshots.begin_generation(ctx.generation, holders)
     ctx.rebalance.begin(ctx.generation)  # elastic.rebalance: the even split, measured again
     ctx.window.reset(restored.step)
-    ctx.hang_watch.pause()  # the formation is no step interval
+    ctx.hang_watch.new_generation()  # the formation is no step interval, and its pace is its own
     ctx.progress.next_step = restored.step + 1
 
 

@@ -62,6 +62,15 @@ class HangWatch:
         """Something other than steps ran (a boundary, a recovery): the next interval starts later."""
         self._last = None
 
+    def new_generation(self) -> None:
+        """A generation formed: its pace is learned anew, so its first steps (one-time costs, another
+        dp, actors starting beside it) are bounded by ``elastic.step_timeout_s`` alone until
+        ``MIN_HISTORY`` of its intervals were read. Judged by the generation before's pace, live ranks
+        a few seconds into their first dp=2 steps after dp=4 ones (load ~25, a replacement actor
+        importing torch beside them) answered no probe in time and were killed as hung."""
+        self.intervals.clear()
+        self._last = None
+
     def pace_s(self) -> float | None:
         """The recent median step interval (None before ``MIN_HISTORY`` of them)."""
         if len(self.intervals) < MIN_HISTORY:

@@ -49,6 +49,43 @@ def test_the_probe_interval_follows_the_median_step_with_a_floor():
     assert off.probe_after_s() is None
 
 
+def test_a_new_generation_learns_its_pace_anew():
+    clock = Clock()
+    watch = HangWatch(1.5, clock)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        clock.t = t
+        watch.step_read()
+    assert watch.probe_after_s() == 1.5
+    watch.new_generation()
+    for t in (10.0, 14.0, 18.0):  # its first three reads: two intervals, no pace yet
+        clock.t = t
+        watch.step_read()
+        assert watch.probe_after_s() is None
+    clock.t = 22.0
+    watch.step_read()
+    assert list(watch.intervals) == [4.0, 4.0, 4.0] and watch.probe_after_s() == 6.0
+
+
+def test_a_rebuilt_generation_is_not_probed_before_its_own_pace(make):
+    """Its first steps are bounded by elastic.step_timeout_s alone, not probed at the pace of the
+    generation before (a live rank slow in them was killed as hung at load ~25)."""
+    r = make("train.steps=12")
+    r.group.fail(RankCalls.train_step, 1, "die", at=6)
+    r.steps(6)  # start, steps 1-5: a pace is known
+    assert r.c.context.hang_watch.probe_after_s() == PROBE_FLOOR_S
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING  # generation 2, from the checkpoint of step 4
+    assert r.c.context.hang_watch.probe_after_s() is None
+    asked_before = _statuses(r).count(2)
+    r.group.fail(RankCalls.train_step, 2, "hang", at=5)  # the new generation's first step
+    assert r.c.advance() == State.REBUILDING
+    hang = r.events("failure")[-1]
+    assert r.c.generation.members[1] == 2  # actor 2 is world rank 1 of generation 2 (dp=2)
+    assert hang["ranks"] == [1] and hang["reason"] == "no progress within elastic.step_timeout_s"
+    assert r.group.killed == [1, 2]
+    assert _statuses(r).count(2) == asked_before + 1  # settle's poll only, no probe
+
+
 def _statuses(r) -> list[int]:
     return [actor for actor, _ in r.group.calls(RankCalls.status)]
 
