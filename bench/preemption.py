@@ -64,7 +64,7 @@ import time
 from contextlib import contextmanager
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import ROOT, load_average, machine, parser, remove_node, write_result
+from common import ROOT, load_average, machine, parser, remove_node, retry_ray_start, write_result
 from stats import spread
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -329,45 +329,6 @@ def _fit_through_a_drain(deadline_s: float, workdir: str, logdir: str, marks: di
     return victim.node_id, error
 
 
-def _retry_ray_start(run, *args) -> dict:
-    """``run(*args)``, again (up to twice more, in a fresh directory) when the local Ray or the rank actors
-    did not start: on a 2-core machine loaded by others a raylet can miss Ray's fixed 30 s registration
-    wait (``ray/_private/node.py``) and actors importing torch the group's 120 s ping, which is not what
-    is measured."""
-    for attempt in range(3):
-        try:
-            return {**run(*args), "ray_start_retries": attempt}
-        except Exception as exc:  # Ray raises a bare Exception for this
-            started = "timed out during startup" not in str(exc) and "workers failed to start" not in str(exc)
-            if started or attempt == 2:
-                raise
-            _end_own_children()
-            args = tuple(_fresh_dir(a) if isinstance(a, str) and os.path.isdir(a) else a for a in args)
-    raise AssertionError("unreachable")
-
-
-def _end_own_children() -> None:
-    """What a Ray that failed to start left behind (its GCS, raylet...): this process's own descendants
-    only (nothing else runs in this process between runs)."""
-    import psutil
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    for child in psutil.Process(os.getpid()).children(recursive=True):
-        if child.pid > 1:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
-def _fresh_dir(path: str) -> str:
-    fresh = f"{path}_retry{time.time_ns()}"
-    os.makedirs(fresh)
-    return fresh
-
-
 def one_repeat(r: int, steps: int, deadline: float, modes: list[str]) -> dict:
     """elastimesh and each Ray Train mode under the same drain, in an order that alternates by repeat."""
     sides = ["elastimesh"] + [f"ray_train_{m}" for m in modes]
@@ -377,9 +338,9 @@ def one_repeat(r: int, steps: int, deadline: float, modes: list[str]) -> dict:
             sub = os.path.join(workdir, side)
             os.makedirs(sub)
             if side == "elastimesh":
-                out[side] = _retry_ray_start(run_elastimesh, steps, deadline, sub)
+                out[side] = retry_ray_start(run_elastimesh, steps, deadline, sub)
             else:
-                out[side] = _retry_ray_start(run_ray_train, deadline, sub, side.removeprefix("ray_train_"))
+                out[side] = retry_ray_start(run_ray_train, deadline, sub, side.removeprefix("ray_train_"))
             out[side]["loadavg_after"] = load_average()
     em_t = out["elastimesh"]["drain_to_next_step_done_s"]
     rt_times = {m: out[f"ray_train_{m}"]["drain_to_next_step_done_s"] for m in modes}

@@ -49,7 +49,7 @@ import threading
 import time
 
 # bench/ is on sys.path; importing common puts the repository root there too.
-from common import ROOT, load_average, local_ray, machine, parser, write_result
+from common import ROOT, load_average, local_ray, machine, parser, retry_ray_start, write_result
 from stats import paired_ratios, repeats_meeting, spread
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -251,11 +251,11 @@ SIDES = ("snapshots", "spare", "storage", "ray_train")
 
 
 def run_side(side: str, steps: int, workdir: str) -> dict:
-    """One run of ``side`` (see the module docstring)."""
+    """One run of ``side`` (see the module docstring), again when its local Ray did not start."""
     if side == "ray_train":
-        return run_ray_train(steps, os.path.join(workdir, f"rt{time.monotonic_ns()}"))
+        return retry_ray_start(run_ray_train, steps, os.path.join(workdir, f"rt{time.monotonic_ns()}"))
     memory_every, spares = {"snapshots": (1, 0), "spare": (1, 1), "storage": (0, 0)}[side]
-    return run_elastimesh(steps, workdir, memory_every, spares)
+    return retry_ray_start(run_elastimesh, steps, workdir, memory_every, spares)
 
 
 FIGURES = ("kill_to_next_step_done_s", "recovery_s_event", "restore_s", "first_step_after_time_s",
