@@ -27,6 +27,7 @@ only, the background starts of the grow check); what it decides is data.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from orchestrator.control.context import DriverContext
@@ -34,6 +35,8 @@ from orchestrator.control.decisions import Boundary, Decision, Evacuate, Evict, 
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
 from orchestrator.control.states import Finishing, Forming
 from orchestrator.errors import WorkerGroupStartupError
+
+START_POLL_S = 0.2  # how often a requested resize looks for background-started actors that answered
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,7 @@ def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Fin
         return Finishing(step - 1, stopped=True)
     ctx.recovery_clock.begins()
     if isinstance(decision, ResizeTo):
+        _await_background_starts(ctx, decision.dp)
         missing = ctx.scaling.missing_for(decision.dp, len(ctx.group.live_ids))
         if missing > 0:  # started as a replacement would be; if they cannot be placed, the live ones
             try:
@@ -134,6 +138,17 @@ def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Fin
     if isinstance(decision, Grow):
         return Forming(decision.decision, save_first=True, snapshot_may_replace_save=True)
     raise TypeError(f"unknown boundary decision {decision!r}")
+
+
+def _await_background_starts(ctx: DriverContext, dp: int) -> None:
+    """Actors already starting in the background (a replacement asked for after a failure:
+    handlers/forming.py) count toward a requested size: wait for them, up to
+    resources.placement_timeout_s, before starting more, else a resize starts one actor too many."""
+    deadline = time.monotonic() + ctx.cfg.resources.placement_timeout_s
+    while (ctx.scaling.missing_for(dp, len(ctx.group.live_ids)) > 0 and ctx.group.starting
+           and time.monotonic() < deadline):
+        if not ctx.spares.adopt_started():
+            time.sleep(START_POLL_S)
 
 
 DECIDERS = (decide_stop, decide_requested_resize, decide_preemption, decide_eviction, decide_grow)
