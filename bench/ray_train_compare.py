@@ -227,11 +227,30 @@ def run_interleaved(variants: dict, overrides: list[str], steps: int, repeats: i
             order = list(variants) + ["ray_train"]
             for name in order if r % 2 == 0 else order[::-1]:
                 if name == "ray_train":
-                    run = run_ray_train(overrides, steps, workdir)
+                    run = _started(run_ray_train, overrides, steps, workdir)
                 else:
-                    run = run_elastimesh(overrides + variants[name], steps, workdir)
+                    run = _started(run_elastimesh, overrides + variants[name], steps, workdir)
                 runs[name].append({**run, "loadavg_after": load_average()})
     return runs
+
+
+START_TRIES = 3
+
+
+def _started(run, *args) -> dict:
+    """``run(*args)``, again (up to twice more) when the embedded Ray did not start: on a 2-core machine
+    loaded by others its raylet can miss Ray's fixed 30 s registration wait ("timed out during
+    startup"), which is neither side's figure (``ray_start_retries`` says how often)."""
+    import ray
+
+    for attempt in range(START_TRIES):
+        try:
+            return {**run(*args), "ray_start_retries": attempt}
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == START_TRIES - 1:
+                raise
+            ray.shutdown()  # whatever part of it came up
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:
