@@ -37,11 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from checkpoints.reader import EXTRA, _set_path
-from checkpoints.state import STATE_DICT_OPTIONS, ResumePoint, _clean_fqn, restore_extras
+from checkpoints.state import ResumePoint, _clean_fqn, restore_extras
 
 _OPTIM_STATE = "optim.state."
 _OPTIM_GROUPS = "optim.param_groups."
@@ -170,13 +169,15 @@ def plan_direct(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.opt
     not exactly one of its chunks (see the module docstring)."""
     pieces = _Pieces.of(metadata)
     plan = DirectPlan(owner, metadata)
-    for part in model_parts:
-        for key, value in get_model_state_dict(part, options=STATE_DICT_OPTIONS).items():
-            index = pieces.piece(f"model.{key}", value)
-            if index is None:
-                return None
-            if index is not True:
-                plan.model.append((index, value.to_local() if isinstance(value, DTensor) else value))
+    model = _model_entries(model_parts)
+    if {f"model.{key}" for key in model} != {fqn for fqn in pieces.tensors if fqn.startswith("model.")}:
+        return None  # not the old rank's stages (another pipeline position), or other names
+    for key, value in model.items():
+        index = pieces.piece(f"model.{key}", value)
+        if index is None:
+            return None
+        if index is not True:
+            plan.model.append((index, value.to_local() if isinstance(value, DTensor) else value))
     for part, optimizer in zip(model_parts, optimizers, strict=True):
         optim_plan = _plan_optimizer(part, optimizer, pieces)
         if optim_plan is None:
@@ -186,6 +187,18 @@ def plan_direct(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.opt
     if any(index.fqn not in pieces.objects for index, _ in plan.extras):
         return None  # a tensor among the extras (an RNG state): not saved by snapshots
     return plan
+
+
+def _model_entries(model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's model state by the names checkpoints save it under: ``module.state_dict()`` with
+    the wrappers' prefixes dropped (``checkpoints.state._clean_fqn``), what ``get_model_state_dict``
+    gives without its checks (0.07 s of a 0.1 s plan under cProfile). The caller holds the names to
+    the snapshot's, which the official helper made."""
+    out: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        for key, value in part.state_dict().items():
+            out[_clean_fqn(key)] = value
+    return out
 
 
 def _plan_optimizer(part: nn.Module, optimizer: torch.optim.Optimizer, pieces: _Pieces) -> _OptimPlan | None:

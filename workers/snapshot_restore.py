@@ -48,16 +48,15 @@ def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor
     providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
     plan = direct_plan(runtime, key, providers, store, actor_id)
     t_plan = time.perf_counter()
-    if everyone(plan is not None, runtime.groups.ckpt_group, runtime.groups.shape.world):
+    direct = everyone(plan is not None, runtime.groups.ckpt_group, runtime.groups.shape.world)
+    if direct:
         step, fetched = _load_direct(runtime, plan, key, providers, store, actor_id)
-        how = f"in place from old rank {plan.owner}"
     else:
         step, fetched = _load_resharded(runtime, key, providers, store, actor_id)
-        how = "resharded through DCP"
+    how = f"in place from old rank {plan.owner}" if direct else "resharded through DCP"
     logger.info("loaded snapshot of step %d %s in %.3f s: plan %.3f, load %.3f (%d bytes fetched)", key[2],
                 how, time.perf_counter() - t0, t_plan - t0, time.perf_counter() - t_plan, fetched)
-    return RestoreAck(step=step, fetched_bytes=fetched, shard_bytes=runtime.local_state_bytes(),
-                      direct=plan is not None and how.startswith("in place"))
+    return RestoreAck(step=step, fetched_bytes=fetched, shard_bytes=runtime.local_state_bytes(), direct=direct)
 
 
 def direct_plan(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,
