@@ -64,7 +64,12 @@ class Bench:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.net = HostNet(3, root)
-        self.cluster = RayStartCluster(0, head_ip=self.net.bridge_ip)
+        try:
+            self.cluster = RayStartCluster(0, head_ip=self.net.bridge_ip)
+        except BaseException:  # the head gave up (Ray's 30 s under load): leave no hosts nor folder behind
+            self.net.teardown()
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         self.nodes: dict[int, subprocess.Popen] = {}  # host index -> its `ray start`
         self.runs = 0
 
