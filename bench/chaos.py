@@ -241,7 +241,8 @@ def report(args, cfg, overrides, campaign, tmp: Path, trace: dict) -> dict:
         "generations": summary.generations if summary else None,
         "events": dict(events), "rebuilds_restored_from": dict(restored),
         "recoveries": [{k: r.get(k) for k in ("event", "generation", "dp", "reason", "restored_from",
-                                              "resumed_from_step", "restore_s", "recovery_s")}
+                                              "restored_in_place", "resumed_from_step", "restore_s",
+                                              "recovery_s", "phases_s")}
                        for r in records if r.get("event") in ("rebuild", "grow")],
         "failures": [{k: r.get(k) for k in ("step", "ranks", "reason", "time")}
                      for r in records if r.get("event") == "failure"],
