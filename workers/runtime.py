@@ -343,6 +343,15 @@ class RankRuntime:
             self._snapshots = SnapshotTaker()
         return self._snapshots.plan(self._training_state(step), step=step, rank=self.groups.world_rank, slot=slot)
 
+    def plan_snapshots_from(self, metadata) -> None:
+        """This generation's snapshots take the layout of ``metadata``, an old rank's snapshot this rank
+        was restored from in place (``checkpoints.snapshot_taker.SnapshotTaker.seed``)."""
+        from checkpoints.snapshot_taker import SnapshotTaker
+
+        taker = SnapshotTaker()
+        if taker.seed(metadata):
+            self._snapshots = taker
+
     def load_snapshot(self, source, store, actor_id: int):
         """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
         ``source.providers`` names) into this generation's mesh, collectively as ``load_checkpoint``:

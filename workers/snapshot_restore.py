@@ -110,7 +110,9 @@ def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
         pieces = {index: piece for (index, _, _), piece in zip(requests, got, strict=True)}
         fetched = sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else len(p)
                       for p in {id(p): p for p in got}.values())
-    return runtime._loaded(plan.install(pieces)), fetched
+    step = runtime._loaded(plan.install(pieces))
+    runtime.plan_snapshots_from(plan.metadata)  # this rank's takes lay out as that old rank's did
+    return step, fetched
 
 
 def _load_resharded(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,

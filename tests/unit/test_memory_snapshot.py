@@ -80,3 +80,29 @@ def test_taker_plans_once_and_takes_exactly_what_dcp_would():
     # Another state (here: an fp16 loss scale among the extras) is planned again through DCP.
     again = taker.take(state.snapshot(step=3, data_cursor=24, rng=False, loss_scale={"scale": 2.0}), step=3, rank=0)
     assert again.metadata is not first.metadata and any("loss_scale" in k.fqn for k in again.blobs)
+
+
+def test_a_taker_seeded_with_an_equal_layout_plans_its_first_take_without_dcp():
+    """After a restore in place the rank's state is laid out as the old rank's snapshot: a taker seeded
+    with that snapshot's metadata plans its very first take directly (no dcp.save), and takes exactly
+    what DCP would; a state of other keys is planned through DCP as before."""
+    from checkpoints.snapshot_taker import PlannedSnapshot, SnapshotTaker
+
+    model, opt = _trained(2)
+    state = TrainingState([model], [opt])
+    old = take_snapshot(state.snapshot(step=1, data_cursor=8, rng=False), step=1, rank=0)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    taker = SnapshotTaker()
+    assert taker.seed(old.metadata)
+    planned = taker.plan(state.snapshot(step=2, data_cursor=16, rng=False), step=2, rank=0, slot=0)
+    assert isinstance(planned, PlannedSnapshot) and planned.metadata is old.metadata
+    fast = planned.copy().serialize()
+    ref = take_snapshot(state.snapshot(step=2, data_cursor=16, rng=False), step=2, rank=0).serialize()
+    assert fast.blobs.keys() == ref.blobs.keys()
+    for key, want in ref.blobs.items():
+        got = fast.blobs[key]
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, key
+    other = taker.plan(state.snapshot(step=3, data_cursor=24, rng=False, loss_scale={"scale": 2.0}), step=3, rank=0,
+                       slot=1)
+    assert not isinstance(other, PlannedSnapshot) and any("loss_scale" in k.fqn for k in other.blobs)
