@@ -31,7 +31,8 @@ Every transition, and the test that covers it (``Controller.advance()`` answers 
 * REBUILDING -> REBUILDING (a member dies while joining / loading the checkpoint):
   ``test_member_dies_while_rebuilding`` (both phases)
 * REBUILDING -> ERRORED (restart budget spent): ``test_rebuild_failure_beyond_the_budget_stops``;
-  (below elastic.min_dp): ``test_below_min_dp_stops``; (broke with nobody lost):
+  (below elastic.min_dp, nothing starting): ``test_below_min_dp_stops`` (while a replacement starts it
+  is waited for: ``test_below_min_dp_waits_for_the_replacement_still_starting``); (broke with nobody lost):
   ``test_rebuild_that_breaks_with_nobody_lost_stops``; but a join that broke because the rendezvous
   store was lost is retried with a re-hosted store: ``test_join_broken_by_a_lost_store_rehosts_it``
 
@@ -349,6 +350,23 @@ def test_below_min_dp_stops(make):
     assert r.c.advance() == State.REBUILDING
     assert r.c.advance() == State.ERRORED
     assert type(r.c.error) is TrainingFailed and "below elastic.min_dp=4" in str(r.c.error)
+    assert r.group.starting == 0  # nothing could be started (no room): nothing to wait for
+
+
+def test_below_min_dp_waits_for_the_replacement_still_starting(make):
+    """Too few live actors, but a replacement is starting (room for one): the rebuild waits for it to
+    answer instead of stopping, and forms the full mesh with it (bench/chaos.py --quick stopped at
+    0 live actors while four replacements were seconds from answering)."""
+    r = make("elastic.min_dp=4", capacity=1)
+    r.group.start_polls = 3  # it answers at the 4th poll after it was asked for
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.steps(3)
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.RUNNING
+    assert r.c.generation.shape.dp == 4 and r.group.live_ids == [0, 2, 3, 4] and r.group.starting == 0
+    while r.c.advance() != State.FINISHED:
+        pass
+    assert r.events("actors_ready")[0]["actors"] == [4] and len(r.events("failure")) == 1
 
 
 def test_storage_failure_stops(make):
