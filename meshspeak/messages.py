@@ -211,6 +211,10 @@ class WorkerStatus:
     # train.compile: seconds compiled inside the step running now (workers/compile_stats.py); the driver
     # does not count them against elastic.step_timeout_s
     step_compile_s: float = 0.0
+    # Seconds since the rank last made progress in the step it runs (an action of the schedule, the
+    # update's phases: RankRuntime.stalled_s); None outside a step. A step slower than
+    # elastic.step_timeout_s fails only once no rank progressed for that long.
+    stalled_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

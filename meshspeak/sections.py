@@ -198,8 +198,9 @@ class ElasticConfig:
     min_dp: int = key(1, "fail rather than shrink below this many replicas", ge=1)
     max_dp: int = key(0, "grow no higher than this; 0 = mesh.dp", ge=0)
     collective_timeout_s: float = key(60.0, "process-group timeout: bounds a blocked collective", gt=0)
-    step_timeout_s: float = key(120.0, "a step slower than this counts as a hang (seconds a rank spent "
-                                       "compiling inside the step not counted); also how often a "
+    step_timeout_s: float = key(120.0, "a step in which no rank progressed (finished an action of the "
+                                       "schedule or a phase of the update) for this long counts as a "
+                                       "hang (seconds compiling not counted); also how often a "
                                        "checkpoint's ranks are probed while they stage and write it (live "
                                        "ones are waited for: a slow save is not a failure)", gt=0)
     hang_probe_factor: float = key(1.5, "once a step ran this many times the recent median step (at least "

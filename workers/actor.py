@@ -457,4 +457,5 @@ class RankActor:
             step=self.step,
             error=self.error,
             step_compile_s=compile_stats.PROCESS.step_compile_s(),
+            stalled_s=self.runtime.stalled_s() if self.busy and self.runtime is not None else None,
         )

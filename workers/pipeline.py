@@ -140,6 +140,9 @@ class Executor:
         # Called with (stage, action) after each action, outside its timing, when set: what a benchmark
         # counts there (bench/pipeline_probes.py: the gradients a zero-bubble I keeps until its W).
         self.after_action: Callable[[Stage, Action], None] | None = None
+        # time.monotonic() when the last action completed: the rank's progress inside a step, which the
+        # driver asks for (RankRuntime.stalled_s) before it counts a slow step as a hang.
+        self.progressed_at = time.monotonic()
 
     def _peer(self, stage: int) -> int:
         return self.peer_of_pp_index(stage_to_rank(stage, self.pp, self.placement))
@@ -171,6 +174,7 @@ class Executor:
             if share is not None:
                 loss_share += share
             spans.append((t0, clock.mark()))
+            self.progressed_at = time.monotonic()
             if self.after_action is not None:
                 self.after_action(self.stages[action.stage], action)
         posting.finish()

@@ -96,7 +96,8 @@ def diagnose(
                 reasons.setdefault(members.get(r.world_rank, -1), r.error)
         if not reasons:
             reasons[-1] = (f"step {step} exceeded elastic.step_timeout_s={step_timeout_s:g} "
-                           "with every rank alive: raise it if steps are legitimately this slow")
+                           "with every rank alive and none progressing for that long (wedged in a kernel "
+                           "or a collective): raise it if one action legitimately takes this long")
         blamed = found.lost or set(reasons)
         reason = reason_line(reasons)
     else:

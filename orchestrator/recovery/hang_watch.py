@@ -9,8 +9,10 @@ rank 10 times its peers' slowest answer, 1-2 s). So once the oldest step in flig
 ``elastic.hang_probe_factor`` times the recent median step (at least ``PROBE_FLOOR_S``), the ranks
 that have not answered it are probed, and again every such interval: one that does not answer the
 probe is hung, and the step fails at once. A step that is merely slow is never cut short by
-this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for a live rank that makes
-no progress (e.g. a device kernel that never returns). As NVIDIA's resiliency extension derives its
+this (every rank answers), and ``elastic.step_timeout_s`` stays the bound for live ranks that make
+no progress (e.g. a device kernel that never returns): once it ran out the ranks are asked how long
+ago they last progressed (an action of the schedule, a phase of the update: ``WorkerStatus.stalled_s``),
+and the step fails only when none did within it (``extended_bound``). As NVIDIA's resiliency extension derives its
 hang timeouts from observed iteration times, the interval follows the run's own steps; unlike a
 tighter timeout, a probe only ever adds a status call.
 
@@ -90,8 +92,9 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
     ``watch.probe_after_s()``: the actors that do not answer a probe come back in ``pending`` with the
     outcome's ``hung`` set (``settle.free_broken_call`` then kills them without polling again).
 
-    ``timeout_s`` is step time: the seconds a rank's answer to a probe says it compiled inside this step
-    (``train.compile``: a first step, recompiles after a rebuild) are added to it (``compile_extended``).
+    ``timeout_s`` bounds a step without progress: once it ran out, the step goes on while a rank's
+    answer to a probe says it progressed within the last ``timeout_s``, or compiled (``train.compile``:
+    a first step, recompiles after a rebuild) for the seconds past it (``extended_bound``).
     """
     every = watch.probe_after_s()
     if every is not None and every >= timeout_s:
@@ -113,7 +116,7 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
             continue
         polled, given = probe(group, outcome.pending, watch.clock)
         if timed_out:
-            extended_s = compile_extended(polled, timeout_s, watch.clock() - start, step)
+            extended_s = extended_bound(polled, timeout_s, watch.clock() - start, step)
             if extended_s is None:
                 return merged
             rounds += int((extended_s - allowed_s) // every) + 1 if every else 1
@@ -130,16 +133,33 @@ def collect_watching(group, refs: dict, timeout_s: float, stop_early, watch: Han
     return merged
 
 
-def compile_extended(polled: CallOutcome, timeout_s: float, ran_s: float, step: int) -> float | None:
-    """The step's new bound once ``timeout_s`` ran out: ``timeout_s`` plus the most seconds a rank said
-    (``WorkerStatus.step_compile_s``, in ``polled``) it compiled inside this step — time alone never
-    fails a live run, and compiling is work — or None when that does not reach past ``ran_s``."""
-    compile_s = max((getattr(status, "step_compile_s", 0.0) for status in polled.results.values()), default=0.0)
-    if timeout_s + compile_s <= ran_s:
+def extended_bound(polled: CallOutcome, timeout_s: float, ran_s: float, step: int) -> float | None:
+    """The step's new bound once it ran ``ran_s`` past ``timeout_s``, from the ranks' answers to a probe
+    (``polled``) — time alone never fails a live run:
+
+    * progress is liveness: ``timeout_s`` from the most recent progress any rank made
+      (``WorkerStatus.stalled_s``: a step slowed by a loaded host or slow storage still completes
+      actions; a rank wedged in a kernel, and its peers waiting for it in a collective, do not);
+    * compiling is work: ``timeout_s`` plus the most seconds a rank compiled inside the step
+      (``WorkerStatus.step_compile_s``: one compile can outlast any action).
+
+    None when neither reaches past ``ran_s``: no rank progressed within ``timeout_s``."""
+    statuses = list(polled.results.values())
+    compile_s = max((getattr(status, "step_compile_s", 0.0) for status in statuses), default=0.0)
+    stalled = [s.stalled_s for s in statuses if getattr(s, "stalled_s", None) is not None]
+    bound = timeout_s + compile_s
+    if stalled:
+        bound = max(bound, ran_s + timeout_s - min(stalled))
+    if bound <= ran_s:
+        logger.warning("step %d ran %.0f s with no rank progressing for elastic.step_timeout_s=%g: %s", step, ran_s,
+                       timeout_s, {actor: getattr(status, "stalled_s", None) for actor, status in polled.results.items()}
+                       | {actor: "no answer" for actor in polled.pending})
         return None
-    logger.warning("step %d: %.0f s of it compiling (train.compile): elastic.step_timeout_s=%g counts from the "
-                   "rest, so the step may run %.0f s", step, compile_s, timeout_s, timeout_s + compile_s)
-    return timeout_s + compile_s
+    logger.warning("step %d ran %.0f s, past elastic.step_timeout_s=%g, but its ranks progressed %s ago%s: "
+                   "waiting (a hang is no progress for that long)", step, ran_s, timeout_s,
+                   f"{min(stalled):.1f} s" if stalled else "-",
+                   f" and compiled {compile_s:.0f} s" if compile_s else "")
+    return bound
 
 
 def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOutcome, float]:

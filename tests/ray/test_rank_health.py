@@ -5,6 +5,9 @@
 * A rank sleeping in each step's forward (``arm_fault(kind="sleep")``) is reported as a straggler within
   ``straggler_steps + 1`` steps and, with ``evict_stragglers``, swapped for the hot spare at the next
   step boundary: dp unchanged, the other rank's process kept, losses still equal one process.
+* A step slower than ``elastic.step_timeout_s`` whose ranks keep finishing actions (one sleeps in every
+  microbatch's forward) is waited for: no failure, losses equal one process. Time alone never fails a
+  live run; only a step in which no rank progressed for that long is a hang.
 * A rank killed mid-step with ``elastic.spares = 1``: dp unchanged, the spare promoted, a new spare
   started.
 """
@@ -56,6 +59,33 @@ def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address
     np.testing.assert_allclose([losses[s] for s in sorted(losses)], [ref.losses[s - 1] for s in sorted(losses)],
                                rtol=1e-5)
     assert_params_match(params, ref.params, CONTROLLER_FP32)
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_step_that_progresses_outlives_the_step_timeout(ray_local, store_address, tmp_path):
+    extra = ["mesh.dp=2", "elastic.step_timeout_s=4", "elastic.hang_probe_factor=0"]
+    overrides, group, controller = _start(tmp_path, store_address, extra, actors=2)
+    try:
+        slow = controller.generation.members[1]
+        # Steps 3-4: 2.5 s in each of the rank's 2 microbatch forwards, so each step runs past the 4 s
+        # bound while the rank finishes an action every 2.5 s (its peer waits in the gradients' reduce).
+        group.call([slow], RankCalls.arm_fault, (3, "sleep", 2.5, "microbatch", 2), timeout_s=10)
+        summary = controller.run()
+    finally:
+        group.shutdown()
+    assert summary.final_step == 8 and summary.restarts == 0
+    assert events(tmp_path / "m.jsonl", "failure") == []
+    records = {r["step"]: r for r in _step_records(tmp_path / "m.jsonl")}
+    assert min(records[3]["step_time_s"], records[4]["step_time_s"]) > 4.0  # past elastic.step_timeout_s
+    ref = reference(overrides, 8)
+    losses = last_losses(tmp_path / "m.jsonl")
+    np.testing.assert_allclose([losses[s] for s in range(1, 9)], ref.losses[:8], rtol=1e-5)
+
+
+def _step_records(path) -> list[dict]:
+    import json
+
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
 
 
 @pytest.mark.timeout(400)

@@ -6,6 +6,8 @@ status poll being asked again; a live but slow step is never cut short (every ra
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from meshspeak.messages import CallOutcome, WorkerStatus
@@ -234,6 +236,40 @@ def _watch(clock, paced: bool) -> HangWatch:
 ])
 def test_compile_time_inside_a_step_is_not_step_time(paced, done_at, compile_until, answered, ran):
     group = CompilingRanks(done_at, compile_until)
+    refs = group.submit([0, 1], RankCalls.train_step)
+    outcome = hang_watch.collect_watching(group, refs, 10.0, None, _watch(group.clock, paced), step=6)
+    assert (set(outcome.results) == {0, 1}) == answered
+    assert outcome.pending == ([] if answered else [0, 1]) and not outcome.hung
+    assert group.clock.t == pytest.approx(ran, abs=3.1)  # read in probe-sized chunks when paced
+
+
+class ProgressingRanks(CompilingRanks):
+    """As ``CompilingRanks``, but the status says how long ago the rank last progressed in its step
+    (``stalled_s``): an action done every second until ``progress_until`` (None: no status field,
+    as a rank outside a step answers), then nothing."""
+
+    def __init__(self, done_at: float | None, progress_until: float | None) -> None:
+        super().__init__(done_at, 0.0)
+        self.progress_until = progress_until
+
+    def collect(self, refs, timeout_s, stop_early=None):
+        out = super().collect(refs, timeout_s, stop_early)
+        now = self.clock.t
+        for actor, status in list(out.results.items()):
+            if isinstance(status, WorkerStatus) and self.progress_until is not None:
+                last = min(float(int(now)), self.progress_until)  # the last whole second it finished an action
+                out.results[actor] = replace(status, stalled_s=now - last)
+        return out
+
+
+@pytest.mark.parametrize("paced", [False, True])
+@pytest.mark.parametrize("done_at,progress_until,answered,ran", [
+    (40.0, 40.0, True, 40.0),  # 4x a 10 s step_timeout_s, progressing all along: waited for
+    (None, 15.0, False, 25.0),  # progressed until 15 s, then wedged: fails 10 s after its last progress
+    (None, None, False, 10.0),  # no progress reported: the step times out at step_timeout_s as before
+])
+def test_a_step_fails_only_after_step_timeout_without_progress(paced, done_at, progress_until, answered, ran):
+    group = ProgressingRanks(done_at, progress_until)
     refs = group.submit([0, 1], RankCalls.train_step)
     outcome = hang_watch.collect_watching(group, refs, 10.0, None, _watch(group.clock, paced), step=6)
     assert (set(outcome.results) == {0, 1}) == answered
