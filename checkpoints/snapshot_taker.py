@@ -102,9 +102,7 @@ class SnapshotTaker:
                 index = MetadataIndex(fqn, chunk.offsets)
                 items.append((index, False, path))
                 shapes[index] = tuple(chunk.sizes)
-        self._metadata, self._items, self._shapes = metadata, items, shapes
-        self._signature = _signature(skeleton)
-        self._buffers.clear()
+        self._plan_as(metadata, _signature(skeleton), items, shapes)
         return True
 
     def take(self, state: dict[str, Any], *, step: int, rank: int, slot: int = 0) -> MemorySnapshot:
@@ -125,11 +123,17 @@ class SnapshotTaker:
         snap = take_snapshot(plain, step=step, rank=rank)
         paths = snap.metadata.planner_data or {}
         if all(index.fqn in paths for index in snap.blobs):
-            self._metadata, self._signature = snap.metadata, signature
-            self._items = [(i, isinstance(b, Deferred), tuple(paths[i.fqn])) for i, b in snap.blobs.items()]
-            self._shapes = {i: tuple(b.shape) for i, b in snap.blobs.items() if isinstance(b, torch.Tensor)}
-            self._buffers.clear()
+            self._plan_as(snap.metadata, signature,
+                          [(i, isinstance(b, Deferred), tuple(paths[i.fqn])) for i, b in snap.blobs.items()],
+                          {i: tuple(b.shape) for i, b in snap.blobs.items() if isinstance(b, torch.Tensor)})
         return snap
+
+    def _plan_as(self, metadata: Metadata, signature: frozenset, items: list[tuple[MetadataIndex, bool, tuple]],
+                 shapes: dict[MetadataIndex, tuple]) -> None:
+        """Later takes of a state of ``signature`` copy ``items`` (shapes ``shapes``) straight into
+        buffers laid out as ``metadata``: from a first ``dcp.save`` (``plan``) or a seed (``seed``)."""
+        self._metadata, self._signature, self._items, self._shapes = metadata, signature, items, shapes
+        self._buffers.clear()
 
     def _direct(self, plain: dict[str, Any], step: int, rank: int, slot: int) -> PlannedSnapshot | None:
         planned = PlannedSnapshot(step=step, rank=rank, metadata=self._metadata, slot=slot)

@@ -140,8 +140,13 @@ class Executor:
         # Called with (stage, action) after each action, outside its timing, when set: what a benchmark
         # counts there (bench/pipeline_probes.py: the gradients a zero-bubble I keeps until its W).
         self.after_action: Callable[[Stage, Action], None] | None = None
-        # time.monotonic() when the last action completed: the rank's progress inside a step, which the
-        # driver asks for (RankRuntime.stalled_s) before it counts a slow step as a hang.
+        # time.monotonic() when the rank last progressed in a step (``mark_progress``), which the driver
+        # asks for (RankRuntime.stalled_s) before it counts a slow step as a hang.
+        self.progressed_at = time.monotonic()
+
+    def mark_progress(self) -> None:
+        """The rank progressed: an action done here, or a phase of the step outside the actions (the
+        runtime's: the step begun, tied gradients synced, the update decided or waited for)."""
         self.progressed_at = time.monotonic()
 
     def _peer(self, stage: int) -> int:
@@ -174,7 +179,7 @@ class Executor:
             if share is not None:
                 loss_share += share
             spans.append((t0, clock.mark()))
-            self.progressed_at = time.monotonic()
+            self.mark_progress()
             if self.after_action is not None:
                 self.after_action(self.stages[action.stage], action)
         posting.finish()

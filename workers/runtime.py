@@ -70,7 +70,6 @@ class RankRuntime:
         self.tied = apply_tied_parameters(self.stages, self.family, self.shape, spec, groups)
         apply_initial_weights(self.stages, self.family, spec, groups)
         self.executor = build_executor(self.stages, self.family, self.shape, spec, groups)
-        self.progressed_at = time.monotonic()  # the last phase of a step done outside the executor's actions
         self.loss_scale = build_loss_scale(spec.train)
         self.update_check = UpdateCheck(self.params, self.tied.not_in_norm, groups, spec.train.grad_clip,
                                         spec.collective_timeout_s, self.loss_scale)
@@ -126,7 +125,7 @@ class RankRuntime:
         if compiled:
             compile_stats.PROCESS.start()
         self.compute_clock.take()  # drop what an eval forward counted since the last step
-        self.progressed_at = time.monotonic()
+        self.executor.mark_progress()
         self.hooks.step_begins(self, step)
         data = self._step_data(step, split)
         for opt in self.optimizers:
@@ -137,10 +136,10 @@ class RankRuntime:
         loss, timings, compute = self.executor.run(actions, data)
         self.hooks.backward_done(self, step)
         self.tied.sync()
-        self.progressed_at = time.monotonic()
+        self.executor.mark_progress()
         self.hooks.gradients_ready(self, step)
         verdict = self.update_check.verdict(step, loss if self.holds_last_stage else None)
-        self.progressed_at = time.monotonic()
+        self.executor.mark_progress()
         if not verdict:
             self._optimizer_step(step)
         return StepResult(
@@ -165,16 +164,16 @@ class RankRuntime:
         done (the executor), the tied gradients synced, the update decided, the step begun. What the
         driver reads (``WorkerStatus.stalled_s``) before it counts a step slower than
         ``elastic.step_timeout_s`` as a hang: a live rank still progressing is waited for."""
-        return time.monotonic() - max(self.progressed_at, self.executor.progressed_at)
+        return time.monotonic() - self.executor.progressed_at
 
     def _optimizer_step(self, step: int) -> None:
         """The update: the learning rate of ``step`` (a pure function of it: meshspeak/lr_schedule.py),
         then every optimizer's step, once nothing still copies the state they write."""
         self.before_update()  # a snapshot may still be copying the state set_lr and opt.step() update
-        self.progressed_at = time.monotonic()
+        self.executor.mark_progress()
         set_lr(self.optimizers, lr_at(step, self.spec.train))
         self._wait_checkpoint_staging()  # a save may still be copying the state opt.step() updates
-        self.progressed_at = time.monotonic()
+        self.executor.mark_progress()
         for opt in self.optimizers:
             opt.step()
 

@@ -36,7 +36,6 @@ from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
 from orchestrator.control.states import Finishing, Forming
 from orchestrator.errors import WorkerGroupStartupError
 
-START_POLL_S = 0.2  # how often a requested resize looks for background-started actors that answered
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +143,8 @@ def _await_background_starts(ctx: DriverContext, dp: int) -> None:
     """Actors already starting in the background (a replacement asked for after a failure:
     handlers/forming.py) count toward a requested size: wait for them, up to
     resources.placement_timeout_s, before starting more, else a resize starts one actor too many."""
-    deadline = time.monotonic() + ctx.cfg.resources.placement_timeout_s
-    while (ctx.scaling.missing_for(dp, len(ctx.group.live_ids)) > 0 and ctx.group.starting
-           and time.monotonic() < deadline):
-        if not ctx.spares.adopt_started():
-            time.sleep(START_POLL_S)
+    ctx.spares.await_started(lambda: ctx.scaling.missing_for(dp, len(ctx.group.live_ids)) <= 0,
+                             deadline=time.monotonic() + ctx.cfg.resources.placement_timeout_s)
 
 
 DECIDERS = (decide_stop, decide_requested_resize, decide_preemption, decide_eviction, decide_grow)

@@ -12,9 +12,13 @@ the controller tells it when a generation formed and asks it at each boundary.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from meshspeak.rank_calls import RankCalls
 from orchestrator.errors import WorkerGroupStartupError
+
+START_POLL_S = 0.2  # how often a wait for background-started actors looks for ones that answered
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,13 @@ class SparePool:
             self.warm(ready)
             self.metrics.event("actors_ready", actors=ready)
         return bool(ready)
+
+    def await_started(self, enough: Callable[[], bool], deadline: float | None = None) -> None:
+        """Take in background-started actors as they answer (``adopt_started``) until ``enough()``,
+        nothing is starting any more, or ``deadline`` (time.monotonic()) passed."""
+        while not enough() and self.group.starting and (deadline is None or time.monotonic() < deadline):
+            if not self.adopt_started():
+                time.sleep(START_POLL_S)
 
     def adopt_new_capacity(self, scaling) -> None:
         """Start actors on resources that appeared (autoscaler, replacement node), never blocking."""

@@ -12,9 +12,7 @@ counting the actors still starting: a rebuild below ``elastic.min_dp`` waits for
 from __future__ import annotations
 
 import logging
-import time
 
-from orchestrator.control.boundary import START_POLL_S
 from orchestrator.control.context import DriverContext
 from orchestrator.control.formation import form_generation, save_before_reform
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
@@ -62,17 +60,17 @@ def _enough_actors(ctx: DriverContext) -> ResizeDecision | TooFewWorkers:
     up by its own deadline (orchestrator/cluster/worker_group.py, START_GRACE_S), so time alone does not
     fail the run. bench/chaos.py --quick stopped at 0 live actors with four replacements ~2 s from
     answering. Errored only when nothing more is starting."""
-    decision = ctx.scaling.after_failure(len(ctx.group.live_ids))
+    def decide() -> ResizeDecision | TooFewWorkers:
+        return ctx.scaling.after_failure(len(ctx.group.live_ids))
+
+    decision = decide()
     if isinstance(decision, ResizeDecision):
         return decision
     ctx.spares.adopt_new_capacity(ctx.scaling)
     if ctx.group.starting:
         logger.warning("%s; waiting for the %d actors still starting", decision.message, ctx.group.starting)
-    while isinstance(decision, TooFewWorkers) and ctx.group.starting:
-        if not ctx.spares.adopt_started():
-            time.sleep(START_POLL_S)
-        decision = ctx.scaling.after_failure(len(ctx.group.live_ids))
-    return decision
+    ctx.spares.await_started(lambda: isinstance(decide(), ResizeDecision))
+    return decide()
 
 
 def _form(ctx: DriverContext, decision: ResizeDecision | TooFewWorkers,
