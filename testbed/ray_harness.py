@@ -39,14 +39,19 @@ def mesh_params(controller: Controller) -> dict[str, np.ndarray]:
     return params
 
 
-def last_losses(metrics_path) -> dict[int, float]:
-    """Per-step loss from the JSONL file; re-run steps are logged again and the last record wins."""
-    out: dict[int, float] = {}
+def step_records(metrics_path) -> dict[int, dict]:
+    """Per-step record from the JSONL file; re-run steps are logged again and the last record wins."""
+    out: dict[int, dict] = {}
     for line in open(metrics_path):
         rec = json.loads(line)
         if "step" in rec and "loss" in rec and "event" not in rec:  # not an "eval" event
-            out[rec["step"]] = rec["loss"]
+            out[rec["step"]] = rec
     return out
+
+
+def last_losses(metrics_path) -> dict[int, float]:
+    """Per-step loss from the JSONL file (the last record of a re-run step)."""
+    return {step: rec["loss"] for step, rec in step_records(metrics_path).items()}
 
 
 def events(metrics_path, kind: str) -> list[dict]:

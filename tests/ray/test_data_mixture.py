@@ -10,8 +10,6 @@ acceptance's 200 steps (kill at 70, grow at 140) are marked slow.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +19,7 @@ from meshdata import BUILTIN_FILE
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params, step_records
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
 
 pytestmark = pytest.mark.ray
@@ -55,14 +53,6 @@ def _mixture_overrides(tmp_path) -> list[str]:
     return [train, held_out, "eval.batches=2"]
 
 
-def _step_records(metrics_path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for rec in map(json.loads, open(metrics_path)):
-        if "event" not in rec and "loss" in rec:
-            out[rec["step"]] = rec  # a re-run step is logged again: the last record wins
-    return out
-
-
 def _run_shrink_and_grow(tmp_path, store_address, steps: int, dp: int, kill_at: int, grow_at: int) -> None:
     overrides = [TEST_LR, f"model.seq_len={SEQ}", f"train.global_batch_size={G}", "train.micro_batch_size=2",
                  f"train.steps={steps}", f"mesh.dp={dp}", "mesh.pp=1", "mesh.tp=1", "checkpoint.every=2",
@@ -82,7 +72,7 @@ def _run_shrink_and_grow(tmp_path, store_address, steps: int, dp: int, kill_at: 
                                  reference(overrides, steps), CONTROLLER_FP32)
     finally:
         group.shutdown()
-    _check_counters(_step_records(tmp_path / "m.jsonl"), steps)
+    _check_counters(step_records(tmp_path / "m.jsonl"), steps)
     _check_eval(cfg, events(tmp_path / "m.jsonl", "eval"), steps)
 
 

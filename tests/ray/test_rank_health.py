@@ -22,7 +22,7 @@ import pytest
 from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_cluster import make_group
-from testbed.ray_harness import events, last_losses, make_controller, mesh_params
+from testbed.ray_harness import events, last_losses, make_controller, mesh_params, step_records
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, assert_params_match, reference
 
 pytestmark = pytest.mark.ray
@@ -75,17 +75,11 @@ def test_a_slow_step_that_progresses_outlives_the_step_timeout(ray_local, store_
         group.shutdown()
     assert summary.final_step == 8 and summary.restarts == 0
     assert events(tmp_path / "m.jsonl", "failure") == []
-    records = {r["step"]: r for r in _step_records(tmp_path / "m.jsonl")}
+    records = step_records(tmp_path / "m.jsonl")
     assert min(records[3]["step_time_s"], records[4]["step_time_s"]) > 4.0  # past elastic.step_timeout_s
     ref = reference(overrides, 8)
     losses = last_losses(tmp_path / "m.jsonl")
     np.testing.assert_allclose([losses[s] for s in range(1, 9)], ref.losses[:8], rtol=1e-5)
-
-
-def _step_records(path) -> list[dict]:
-    import json
-
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
 
 
 @pytest.mark.timeout(400)

@@ -235,12 +235,7 @@ def _watch(clock, paced: bool) -> HangWatch:
     (None, 25.0, False, 35.0),  # compiled 25 s, then stuck: 10 s of step time after the compile
 ])
 def test_compile_time_inside_a_step_is_not_step_time(paced, done_at, compile_until, answered, ran):
-    group = CompilingRanks(done_at, compile_until)
-    refs = group.submit([0, 1], RankCalls.train_step)
-    outcome = hang_watch.collect_watching(group, refs, 10.0, None, _watch(group.clock, paced), step=6)
-    assert (set(outcome.results) == {0, 1}) == answered
-    assert outcome.pending == ([] if answered else [0, 1]) and not outcome.hung
-    assert group.clock.t == pytest.approx(ran, abs=3.1)  # read in probe-sized chunks when paced
+    _check_step_bound(CompilingRanks(done_at, compile_until), paced, answered, ran)
 
 
 class ProgressingRanks(CompilingRanks):
@@ -269,7 +264,12 @@ class ProgressingRanks(CompilingRanks):
     (None, None, False, 10.0),  # no progress reported: the step times out at step_timeout_s as before
 ])
 def test_a_step_fails_only_after_step_timeout_without_progress(paced, done_at, progress_until, answered, ran):
-    group = ProgressingRanks(done_at, progress_until)
+    _check_step_bound(ProgressingRanks(done_at, progress_until), paced, answered, ran)
+
+
+def _check_step_bound(group: CompilingRanks, paced: bool, answered: bool, ran: float) -> None:
+    """Step 6 on ``group`` with a 10 s ``elastic.step_timeout_s``: whether both ranks' answers came
+    (``answered``; else both still pending, none called hung) and the time it was read until (``ran``)."""
     refs = group.submit([0, 1], RankCalls.train_step)
     outcome = hang_watch.collect_watching(group, refs, 10.0, None, _watch(group.clock, paced), step=6)
     assert (set(outcome.results) == {0, 1}) == answered
