@@ -57,6 +57,10 @@ class ComputeClock:
             self._handles.append(block.register_forward_pre_hook(self._enter))
             self._handles.append(block.register_forward_hook(self._exit, prepend=True))
 
+    # ``train.compile`` compiles each block in place, hooks included (``nn.Module.compile``). The
+    # clock's hooks run eagerly instead, as FSDP2's do: traced, a CUDA event would be made once at
+    # trace time and never recorded at run time, and a host clock read would become a constant.
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args) -> None:
         self._entered[id(module)] = self._mark()
         if self.sleep_each_s > 0 and id(module) == self._first_block:
@@ -75,6 +79,7 @@ class ComputeClock:
         event.record()
         return event
 
+    @torch.compiler.disable
     def _exit(self, module: nn.Module, args, output) -> None:
         t0 = self._entered.pop(id(module), None)
         if t0 is None:

@@ -106,7 +106,7 @@ def test_async_save_is_a_snapshot_reusing_buffers_one_in_flight(tmp_path):
     assert isinstance(first, SaveFuture) and isinstance(timing, SaveTiming)
     assert timing.stall_s >= 0 and timing.write_s > 0
     assert {"__0_0.distcp", ".metadata"} <= set(timing.files)
-    cache = writer._stager.inner._state_dict_stager._cached_storage_mapping  # DCP's staging-buffer cache
+    cache = writer._stager.inner._cached_storage_mapping  # DCP's staging-buffer cache
     buffers = {id(v) for v in cache.values()}
     second = writer.save(training_state(model, opt, step=2, data_cursor=10), str(tmp_path / "b"))
     assert first.done() and buffers and buffers <= {id(v) for v in cache.values()}  # reused, not reallocated
@@ -134,7 +134,7 @@ def test_background_staging_snapshots_the_state_at_the_fence(tmp_path):
             p.add_(1000.0)
     timing = future.result(timeout=60)
     assert timing.staging_s > 0 and timing.write_s > 0
-    cache = writer._stager.inner._state_dict_stager._cached_storage_mapping
+    cache = writer._stager.inner._cached_storage_mapping
     buffers = {(v.data_ptr(), v.nbytes()) for v in cache.values()}
     writer.save(training_state(model, opt, step=2, data_cursor=10, rng=False), str(tmp_path / "b"))
     writer.wait_staged()
@@ -337,3 +337,27 @@ def test_abandoned_saves_release_their_staging_buffers(tmp_path, monkeypatch):
         reused.abandon()
     reused.abandon(release=True)
     assert staging.stats["made"] - made0 == 7 and staging.stats["closed"] - closed0 == 7
+
+
+def test_the_stager_copies_into_the_same_buffers_save_after_save():
+    """Each save copies into the buffers the first one made (no new pinned memory per save), and a
+    state holding class objects (a DTensor's spec is rebuilt from its class) stays stageable on every
+    save. torch 2.11's DefaultStager closed its StateDictStager after each stage, which broke both: the
+    GPU machine's second async save failed with ``KeyError: <class 'type'>``."""
+    from checkpoints.staging import Stager
+
+    class Spec:  # stands for a DTensor's placement spec: a class object inside the state
+        pass
+
+    weight = torch.arange(6.0)
+    stager = Stager(pin_memory=False)
+    try:
+        copies = []
+        for i in range(3):
+            weight.add_(1.0)
+            copies.append(stager.stage({"w": weight, "spec": Spec, "step": i}))
+        assert [c["spec"] for c in copies] == [Spec] * 3
+        assert len({c["w"].data_ptr() for c in copies}) == 1  # one buffer, refilled
+        assert torch.equal(copies[-1]["w"], weight) and copies[-1]["step"] == 2
+    finally:
+        stager.close()

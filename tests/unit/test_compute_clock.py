@@ -108,3 +108,32 @@ def test_on_cuda_the_blocks_are_timed_by_events_on_the_stream_not_by_the_host(mo
     cpu = cc.ComputeClock(blocks[:1], device=torch.device("cpu"))  # the CPU path: host time, as before
     blocks[0](x)
     assert abs(cpu.take() - 0.001) < 1e-12
+
+
+def test_the_hooks_run_eagerly_around_a_compiled_block(monkeypatch):
+    """``train.compile`` compiles each block in place (``nn.Module.compile``), hooks included. The
+    clock's hooks must stay out of the graph: traced, a CUDA event is made once at trace time and
+    never recorded at run time (the GPU machine's compiled run failed at its first step with "Both
+    events must be recorded"), and a host clock read would be a constant. Here every clock read
+    happens eagerly, and each call of the compiled block counts its own time."""
+    fake = FakeTime()
+    compiling_reads = []
+
+    class Spy:
+        def perf_counter(self) -> float:
+            compiling_reads.append(torch.compiler.is_compiling())
+            return fake.perf_counter()
+
+    monkeypatch.setattr(cc, "time", Spy())
+    torch._dynamo.reset()
+    block = Block(fake, 0.25)
+    block.clock = type("Eager", (), {"sleep": staticmethod(torch.compiler.disable(fake.sleep))})()
+    clock = cc.ComputeClock([block])
+    block.compile(backend="eager")
+    x = torch.zeros(1, 2)
+    for _ in range(3):
+        block(x)
+        fake.sleep(1.0)  # between calls: not the block's time
+    assert clock.take() == 0.75
+    assert compiling_reads and not any(compiling_reads)
+    torch._dynamo.reset()
