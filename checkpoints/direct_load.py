@@ -20,11 +20,22 @@ saved, the param groups' hyperparameters from each group's first parameter, as D
 Anything else — another shape, dtype or chunk, a state entry that is neither a tensor of its
 parameter's shape, a scalar nor an object, a parameter under two names — returns None, and the
 caller loads through DCP. tests/distributed/test_direct_load.py holds the two equal, bit for bit.
+
+A changed dp size reshards FSDP's dim-0 shards: each new local piece is a box that old ranks' chunks
+tile, whole or in part. ``plan_assembled`` lists those overlaps across every old rank's metadata
+(each chunk read from the first old rank listed that holds it) and installs them the same way, so
+a shrink or a grow skips DCP's collective planning and its optimizer initialisation as well: 0.37 s
+of a 0.45 s resharded load on the tiny dp=4 -> dp=2 model (bench/recovery.py's snapshot side). DCP
+itself does this box arithmetic in its planner; it is written here because DCP's load cannot be had
+without ``_init_optim_state`` and a collective plan. A piece the chunks do not cover exactly once
+(the tensor held with another global shape or dtype, or chunked differently by two old ranks) still
+goes through DCP.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,38 +57,65 @@ _OPTIM_STATE = "optim.state."
 _OPTIM_GROUPS = "optim.param_groups."
 
 
+Request = tuple  # (old rank, MetadataIndex of its chunk, offsets in the chunk, lengths): one read
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One read into part of a local tensor: ``request``'s piece goes to ``dest`` (slices of it)."""
+
+    request: Request
+    dest: tuple[slice, ...]
+    whole: bool  # the read is a whole chunk
+
+
 @dataclass
 class _Pieces:
-    """One old rank's snapshot metadata, indexed for the checks (chunk sizes by fqn and offsets)."""
+    """Old ranks' snapshot metadata, indexed for the checks: each chunk once, with the old rank read
+    for it (the first of ``of``'s order that holds it: replicas hold the same chunks)."""
 
     tensors: dict[str, TensorStorageMetadata]
-    chunks: dict[str, dict[tuple, tuple]]
-    objects: set[str]
+    chunks: dict[str, dict[tuple, tuple[int, tuple]]]  # fqn -> chunk offsets -> (old rank, sizes)
+    objects: dict[str, int]  # byte item fqn -> the old rank read for it
     states: dict[str, dict[str, Any]]  # optimizer parameter fqn -> state name -> its metadata
-    extras: list[tuple[str, tuple]]  # (fqn, path in the state) of the "extra" items
+    extras: list[tuple[str, tuple, int]]  # (fqn, path in the state, old rank) of the "extra" items
+    conflicts: set[str] = field(default_factory=set)  # held with another shape or chunking elsewhere
 
     @classmethod
-    def of(cls, metadata: Metadata) -> _Pieces:
-        tensors, chunks, objects, states = {}, {}, set(), {}
+    def of(cls, metadatas: dict[int, Metadata]) -> _Pieces:
+        pieces = cls({}, {}, {}, {}, [])
+        for owner, metadata in metadatas.items():
+            pieces._add(owner, metadata)
+        return pieces
+
+    def _add(self, owner: int, metadata: Metadata) -> None:
         for fqn, item in metadata.state_dict_metadata.items():
             if isinstance(item, BytesStorageMetadata):
-                objects.add(fqn)
+                self.objects.setdefault(fqn, owner)
             else:
-                tensors[fqn] = item
-                chunks[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in item.chunks}
+                known = self.tensors.setdefault(fqn, item)
+                if tuple(known.size) != tuple(item.size) or known.properties.dtype != item.properties.dtype:
+                    self.conflicts.add(fqn)
+                chunks = self.chunks.setdefault(fqn, {})
+                for c in item.chunks:
+                    held = chunks.setdefault(tuple(c.offsets), (owner, tuple(c.sizes)))
+                    if held[1] != tuple(c.sizes):
+                        self.conflicts.add(fqn)
             if fqn.startswith(_OPTIM_STATE):
                 param, _, name = fqn[len(_OPTIM_STATE):].rpartition(".")
-                states.setdefault(param, {})[name] = item
+                self.states.setdefault(param, {}).setdefault(name, item)
         paths = metadata.planner_data or {}
-        extras = [(fqn, tuple(paths[fqn])) for fqn in metadata.state_dict_metadata
-                  if fqn in paths and paths[fqn] and paths[fqn][0] == EXTRA]
-        return cls(tensors, chunks, objects, states, extras)
+        if not self.extras:
+            self.extras = [(fqn, tuple(paths[fqn]), owner) for fqn in metadata.state_dict_metadata
+                           if fqn in paths and paths[fqn] and paths[fqn][0] == EXTRA]
 
-    def piece(self, fqn: str, target: torch.Tensor) -> MetadataIndex | None | bool:
-        """The index of the one chunk that is ``target``'s local piece; True when that piece is empty
-        (nothing to copy); None when the snapshot does not hold it as one chunk."""
+    def copies(self, fqn: str, target: torch.Tensor) -> list[_Copy] | None | bool:
+        """The reads that fill ``target``'s local piece: each old chunk it overlaps, the overlap only;
+        True when that piece is empty (nothing to copy); None when the chunks do not cover it exactly
+        once (or the tensor is held with another global shape or dtype)."""
         md = self.tensors.get(fqn)
-        if md is None or tuple(md.size) != tuple(target.shape) or md.properties.dtype != target.dtype:
+        if md is None or fqn in self.conflicts or tuple(md.size) != tuple(target.shape) \
+                or md.properties.dtype != target.dtype:
             return None
         chunks = target.__create_chunk_list__() if isinstance(target, DTensor) else None
         if chunks is not None and len(chunks) != 1:
@@ -86,106 +124,166 @@ class _Pieces:
         sizes = tuple(chunks[0].sizes) if chunks else tuple(target.shape)
         if 0 in sizes:
             return True
-        if self.chunks[fqn].get(offsets) != sizes:
-            return None
-        return MetadataIndex(fqn, offsets)
+        out, covered = [], 0
+        for start, (owner, length) in self.chunks[fqn].items():
+            lo = [max(a, b) for a, b in zip(offsets, start)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, start, length)]
+            if any(low >= high for low, high in zip(lo, hi)):
+                continue
+            lengths = tuple(high - low for low, high in zip(lo, hi))
+            request = (owner, MetadataIndex(fqn, start), tuple(low - b for low, b in zip(lo, start)), lengths)
+            dest = tuple(slice(low - a, low - a + n) for low, a, n in zip(lo, offsets, lengths))
+            out.append(_Copy(request, dest, whole=lengths == length))
+            covered += math.prod(lengths)
+        return out if covered == math.prod(sizes) else None
+
+    def whole(self, fqn: str) -> Request:
+        """The read of a byte item, or of a tensor held whole (a 0-d step)."""
+        if fqn in self.objects:
+            return (self.objects[fqn], MetadataIndex(fqn), (), ())
+        owner, length = self.chunks[fqn][()]
+        return (owner, MetadataIndex(fqn, ()), (), length)
 
 
 @dataclass
 class _OptimPlan:
-    """One optimizer's state as pieces: per parameter (in param-group order) its entries, per group
+    """One optimizer's state as reads: per parameter (in param-group order) its entries, per group
     the hyperparameters' byte items."""
 
     optimizer: torch.optim.Optimizer
     params: list[tuple[torch.Tensor, list[tuple[str, str, Any]]]] = field(default_factory=list)
-    groups: list[dict[str, MetadataIndex]] = field(default_factory=list)
+    groups: list[dict[str, Request]] = field(default_factory=list)
 
 
 @dataclass
 class DirectPlan:
-    """What one rank copies from one old rank's snapshot (``owner``) to load it in place."""
+    """What one rank copies from old ranks' snapshots to load without DCP. ``owner``: the one old
+    rank whose layout this rank has (each local tensor one whole chunk of its snapshot, whose
+    ``metadata`` then plans this rank's snapshot takes); None when the pieces are assembled from
+    several old ranks' chunks or parts of them (a changed dp size)."""
 
-    owner: int
-    metadata: Metadata  # the old rank's snapshot metadata
-    model: list[tuple[MetadataIndex, torch.Tensor]] = field(default_factory=list)  # piece -> local target
+    owner: int | None
+    metadata: Metadata | None
+    model: list[tuple[list[_Copy], torch.Tensor]] = field(default_factory=list)  # reads -> local target
     optims: list[_OptimPlan] = field(default_factory=list)
-    extras: list[tuple[MetadataIndex, tuple]] = field(default_factory=list)
+    extras: list[tuple[Request, tuple]] = field(default_factory=list)
 
-    def indices(self) -> list[MetadataIndex]:
-        """Every piece to read, each once."""
-        wanted = [index for index, _ in self.model] + [index for index, _ in self.extras]
+    def tensor_reads(self) -> list[list[_Copy]]:
+        """The reads of each local tensor: the parameters', then their optimizer state's."""
+        out = [copies for copies, _ in self.model]
         for plan in self.optims:
-            wanted += [index for _, entries in plan.params for _, kind, index in entries if kind != "empty"]
-            wanted += [index for hyper in plan.groups for index in hyper.values()]
-        return list(dict.fromkeys(wanted))
-
-    def requests(self) -> list[tuple]:
-        """The pieces as ``MemorySnapshot.pieces`` requests: (index, offsets, lengths), whole chunks."""
-        out = []
-        for index in self.indices():
-            item = self.metadata.state_dict_metadata[index.fqn]
-            if isinstance(item, BytesStorageMetadata):
-                out.append((index, (), ()))
-                continue
-            sizes = next(tuple(c.sizes) for c in item.chunks if tuple(c.offsets) == tuple(index.offset))
-            out.append((index, tuple(index.offset), sizes))
+            out += [read for _, entries in plan.params for _, kind, read in entries if kind == "param"]
         return out
 
-    def install(self, pieces: dict[MetadataIndex, Any]) -> ResumePoint:
-        """Copy ``pieces`` (index -> tensor, or bytes for an object) into the model and the optimizers;
+    def requests(self) -> list[Request]:
+        """Every read, each once."""
+        wanted = [c.request for copies in self.tensor_reads() for c in copies] + [r for r, _ in self.extras]
+        for plan in self.optims:
+            wanted += [read for _, entries in plan.params for _, kind, read in entries if kind in ("object", "tensor")]
+            wanted += [r for hyper in plan.groups for r in hyper.values()]
+        return list(dict.fromkeys(wanted))
+
+    def by_owner(self) -> dict[int, list[Request]]:
+        """The reads grouped by the old rank that holds them."""
+        out: dict[int, list[Request]] = {}
+        for request in self.requests():
+            out.setdefault(request[0], []).append(request)
+        return out
+
+    def install(self, pieces: dict[Request, Any]) -> ResumePoint:
+        """Copy ``pieces`` (read -> tensor, or bytes for an object) into the model and the optimizers;
         the step and data cursor the snapshot continues from."""
         objects = _Objects(pieces)
         with torch.no_grad():
-            for index, target in self.model:
-                target.copy_(pieces[index])
+            for copies, target in self.model:
+                _fill(target, copies, pieces)
             for plan in self.optims:
                 _install_optimizer(plan, pieces, objects)
         extra: dict[str, Any] = {}
-        for index, path in self.extras:
-            _set_path(extra, path, objects.get(index))
+        for request, path in self.extras:
+            _set_path(extra, path, objects.get(request))
         return restore_extras(extra.get(EXTRA, {}), rng=False)
+
+
+def _fill(target: torch.Tensor, copies: list[_Copy], pieces: dict[Request, Any]) -> None:
+    for copy in copies:
+        target[copy.dest].copy_(pieces[copy.request])
 
 
 class _Objects:
     """Byte items as DCP's ``SafeLoadPlanner`` loads them (``torch.load``, weights only), each once."""
 
-    def __init__(self, pieces: dict[MetadataIndex, Any]) -> None:
+    def __init__(self, pieces: dict[Request, Any]) -> None:
         self.pieces, self._loaded = pieces, {}
 
-    def get(self, index: MetadataIndex) -> Any:
-        if index not in self._loaded:
-            self._loaded[index] = torch.load(io.BytesIO(_as_bytes(self.pieces[index])), weights_only=True)
-        return self._loaded[index]
+    def get(self, request: Request) -> Any:
+        if request not in self._loaded:
+            self._loaded[request] = torch.load(io.BytesIO(_as_bytes(self.pieces[request])), weights_only=True)
+        return self._loaded[request]
 
 
 def _as_bytes(blob: Any) -> bytes:
     return blob.to_bytes() if hasattr(blob, "to_bytes") else bytes(blob)
 
 
-def plan_direct(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                metadata: Metadata, owner: int) -> DirectPlan | None:
-    """The in-place load of old rank ``owner``'s snapshot (``metadata``) into this rank's
-    ``model_parts`` and their ``optimizers`` (one per part), or None when some tensor of this rank is
-    not exactly one of its chunks (see the module docstring)."""
-    pieces = _Pieces.of(metadata)
-    plan = DirectPlan(owner, metadata)
-    model = _model_entries(model_parts)
-    if {f"model.{key}" for key in model} != {fqn for fqn in pieces.tensors if fqn.startswith("model.")}:
-        return None  # not the old rank's stages (another pipeline position), or other names
-    for key, value in model.items():
-        index = pieces.piece(f"model.{key}", value)
-        if index is None:
-            return None
-        if index is not True:
-            plan.model.append((index, value.to_local() if isinstance(value, DTensor) else value))
+@dataclass
+class LocalState:
+    """This rank's state as the plans match it, read once for every old rank tried: the model's
+    tensors by the names checkpoints save them under, and per optimizer its parameters' names."""
+
+    model: dict[str, torch.Tensor]
+    optimizers: list[tuple[torch.optim.Optimizer, dict[int, list[str]]]]
+
+
+def local_state(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> LocalState:
+    """``model_parts`` and their ``optimizers`` (one per part) as a ``LocalState``."""
+    named = []
     for part, optimizer in zip(model_parts, optimizers, strict=True):
-        optim_plan = _plan_optimizer(part, optimizer, pieces)
+        names: dict[int, list[str]] = {}
+        for name, param in part.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(_clean_fqn(name))
+        named.append((optimizer, names))
+    return LocalState(_model_entries(model_parts), named)
+
+
+def plan_direct(local: LocalState, metadata: Metadata, owner: int) -> DirectPlan | None:
+    """The in-place load of old rank ``owner``'s snapshot (``metadata``) into this rank (``local``),
+    or None when some tensor of this rank is not exactly one of its chunks (see the module
+    docstring)."""
+    plan = plan_assembled(local, {owner: metadata}, same_stages=True)
+    if plan is None or not all(len(copies) == 1 and copies[0].whole for copies in plan.tensor_reads()):
+        return None
+    plan.owner, plan.metadata = owner, metadata
+    return plan
+
+
+def plan_assembled(local: LocalState, metadatas: dict[int, Metadata], *,
+                   same_stages: bool = False) -> DirectPlan | None:
+    """The load of this rank's state from the old ranks' snapshots (``metadatas``, in the order their
+    chunks are preferred: replicas hold the same ones) by copies of the chunks' overlaps with each
+    local piece, or None when some piece is not covered exactly (see the module docstring).
+    ``same_stages``: the snapshots hold exactly this rank's model keys, no others."""
+    pieces = _Pieces.of(metadatas)
+    plan = DirectPlan(None, None)
+    model = local.model
+    held = {fqn for fqn in pieces.tensors if fqn.startswith("model.")}
+    wanted = {f"model.{key}" for key in model}
+    if not (wanted == held if same_stages else wanted <= held):
+        return None  # not the old ranks' stages (another pipeline position), or other names
+    for key, value in model.items():
+        copies = pieces.copies(f"model.{key}", value)
+        if copies is None:
+            return None
+        if copies is not True:
+            plan.model.append((copies, value.to_local() if isinstance(value, DTensor) else value))
+    for optimizer, names in local.optimizers:
+        optim_plan = _plan_optimizer(optimizer, names, pieces)
         if optim_plan is None:
             return None
         plan.optims.append(optim_plan)
-    plan.extras = [(MetadataIndex(fqn), path) for fqn, path in pieces.extras]
-    if any(index.fqn not in pieces.objects for index, _ in plan.extras):
+    if any(fqn not in pieces.objects for fqn, _, _ in pieces.extras):
         return None  # a tensor among the extras (an RNG state): not saved by snapshots
+    plan.extras = [(pieces.whole(fqn), path) for fqn, path, _ in pieces.extras]
     return plan
 
 
@@ -201,11 +299,10 @@ def _model_entries(model_parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plan_optimizer(part: nn.Module, optimizer: torch.optim.Optimizer, pieces: _Pieces) -> _OptimPlan | None:
-    """One optimizer's entries (see ``_OptimPlan``), or None when one is not a plain copy."""
-    names: dict[int, list[str]] = {}
-    for name, param in part.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(_clean_fqn(name))
+def _plan_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, list[str]],
+                    pieces: _Pieces) -> _OptimPlan | None:
+    """One optimizer's entries (see ``_OptimPlan``), or None when one is not a plain copy; ``names``:
+    its parameters' names by id."""
     plan = _OptimPlan(optimizer)
     for group in optimizer.param_groups:
         fqns = [names.get(id(p), []) for p in group["params"]]
@@ -216,64 +313,64 @@ def _plan_optimizer(part: nn.Module, optimizer: torch.optim.Optimizer, pieces: _
             if entries is None:
                 return None
             plan.params.append((param, entries))
-        hyper = {k: MetadataIndex(f"{_OPTIM_GROUPS}{fqns[0][0]}.{k}") for k in group if k != "params"}
-        if any(index.fqn not in pieces.objects for index in hyper.values()):
+        hyper = {k: f"{_OPTIM_GROUPS}{fqns[0][0]}.{k}" for k in group if k != "params"}
+        if any(fqn not in pieces.objects for fqn in hyper.values()):
             return None
-        plan.groups.append(hyper)
+        plan.groups.append({k: pieces.whole(fqn) for k, fqn in hyper.items()})
     return plan
 
 
 def _state_entries(param: torch.Tensor, fqn: str, pieces: _Pieces) -> list[tuple[str, str, Any]] | None:
-    """A parameter's optimizer state as (name, kind, piece): "param" a tensor of the parameter's
-    layout (its piece; "empty" when that is empty here), "tensor" a whole one (the step), "object"."""
+    """A parameter's optimizer state as (name, kind, read): "param" a tensor of the parameter's
+    layout (its reads; "empty" when its local piece is empty), "tensor" a whole one (the step),
+    "object"."""
     entries = []
     for name, item in pieces.states.get(fqn, {}).items():
         key = f"{_OPTIM_STATE}{fqn}.{name}"
         if "." in name:
             return None  # a nested state entry: DCP rebuilds those
         if isinstance(item, BytesStorageMetadata):
-            entries.append((name, "object", MetadataIndex(key)))
+            entries.append((name, "object", pieces.whole(key)))
         elif tuple(item.size) == tuple(param.shape):
-            index = pieces.piece(key, param)  # the parameter's shape, dtype and local chunk
-            if index is None:
+            copies = pieces.copies(key, param)  # the parameter's shape, dtype and local chunk
+            if copies is None:
                 return None
-            entries.append((name, "empty", item) if index is True else (name, "param", index))
-        elif len(item.size) == 0 and () in pieces.chunks[key]:
-            entries.append((name, "tensor", MetadataIndex(key, ())))
+            entries.append((name, "empty", item) if copies is True else (name, "param", copies))
+        elif len(item.size) == 0 and () in pieces.chunks[key] and key not in pieces.conflicts:
+            entries.append((name, "tensor", pieces.whole(key)))
         else:
             return None
     return entries
 
 
-def _install_optimizer(plan: _OptimPlan, pieces: dict[MetadataIndex, Any], objects: _Objects) -> None:
+def _install_optimizer(plan: _OptimPlan, pieces: dict[Request, Any], objects: _Objects) -> None:
     """``plan.optimizer.load_state_dict`` with the state read from ``pieces``: parameters numbered in
     param-group order, as ``Optimizer.load_state_dict`` pairs them with its own."""
     state: dict[int, dict[str, Any]] = {}
     for number, (param, entries) in enumerate(plan.params):
         values = {}
-        for name, kind, piece in entries:
+        for name, kind, read in entries:
             if kind == "object":
-                values[name] = objects.get(piece)
+                values[name] = objects.get(read)
             elif kind == "tensor":
-                values[name] = pieces[piece].detach().clone()
+                values[name] = pieces[read].detach().clone()
             else:
-                values[name] = _like(param, None if kind == "empty" else pieces[piece])
+                values[name] = _like(param, [] if kind == "empty" else read, pieces)
         if values:
             state[number] = values
     groups, numbered = [], iter(range(len(plan.params)))
     for group, hyper in zip(plan.optimizer.param_groups, plan.groups, strict=True):
-        loaded = {k: objects.get(index) for k, index in hyper.items()}
+        loaded = {k: objects.get(read) for k, read in hyper.items()}
         groups.append({**loaded, "params": [next(numbered) for _ in group["params"]]})
     plan.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _like(param: torch.Tensor, piece: torch.Tensor | None) -> torch.Tensor:
-    """A new tensor of ``param``'s layout (a DTensor on its mesh and placements) holding ``piece``,
-    its local part (None: an empty local part), as DCP fills ``zeros_like(param)``."""
+def _like(param: torch.Tensor, copies: list[_Copy], pieces: dict[Request, Any]) -> torch.Tensor:
+    """A new tensor of ``param``'s layout (a DTensor on its mesh and placements) whose local part
+    ``copies`` fill (none: an empty local part), as DCP fills ``zeros_like(param)``."""
     local_param = param.to_local() if isinstance(param, DTensor) else param
     local = torch.empty(local_param.shape, dtype=param.dtype, device=local_param.device)
-    if piece is not None:
-        local.copy_(piece)
+    _fill(local, copies, pieces)
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,

@@ -1,15 +1,17 @@
-"""How a new generation's rank restores an in-memory snapshot set: copied in place when its layout
-is an old rank's, else resharded through DCP (worker side; Ray for the reads; docs/design.md,
+"""How a new generation's rank restores an in-memory snapshot set: by copies when the old chunks
+cover its pieces, else resharded through DCP (worker side; Ray for the reads; docs/design.md,
 In-memory snapshots).
 
 Every member of the generation calls ``restore_snapshot`` collectively (``RankActor.load_snapshot``).
 First each rank looks for an old rank whose snapshot holds each of its tensors as exactly one chunk
 (``checkpoints.direct_load.plan_direct``): among the snapshots of the set in its own store first — with
 the backup ring and the placement, a survivor usually holds the shard of its new slot, its own or
-the one it backed up — then among the others, whose metadata it reads from their providers. One
-all-reduce on the checkpoint group then tells every rank whether all of them found one: if so each
-copies its pieces into place (read from its own store, or in one request from the provider) and no
-DCP planning, collective or optimizer initialisation runs; if any did not, every rank loads through
+the one it backed up — then among the others, whose metadata it reads from their providers. With
+none (a changed dp size), it assembles each piece from the overlapping old chunks of every old rank
+(``plan_assembled``). One all-reduce on the checkpoint group then tells every rank whether all of
+them found a plan: if so each copies its pieces into place (read from its own store, or in one
+request per old rank from its provider) and no DCP planning, collective or optimizer initialisation
+runs; if any did not, every rank loads through
 DCP (``RankRuntime._load`` with a ``checkpoints.memory.RemoteReader``: the new rank 0 reads every
 old rank's metadata and broadcasts it, each rank's DCP reads fetch just its slices), since DCP's load
 is a collective all ranks enter together. The ``RestoreAck`` says which (``direct``).
@@ -53,7 +55,8 @@ def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor
         step, fetched = _load_direct(runtime, plan, key, providers, store, actor_id)
     else:
         step, fetched = _load_resharded(runtime, key, providers, store, actor_id)
-    how = f"in place from old rank {plan.owner}" if direct else "resharded through DCP"
+    how = ("resharded through DCP" if not direct else f"in place from old rank {plan.owner}"
+           if plan.owner is not None else f"assembled from old ranks {sorted(plan.by_owner())}")
     logger.info("loaded snapshot of step %d %s in %.3f s: plan %.3f, load %.3f (%d bytes fetched)", key[2],
                 how, time.perf_counter() - t0, t_plan - t0, time.perf_counter() - t_plan, fetched)
     return RestoreAck(step=step, fetched_bytes=fetched, shard_bytes=runtime.local_state_bytes(), direct=direct)
@@ -61,23 +64,28 @@ def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor
 
 def direct_plan(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,
                 actor_id: int) -> DirectPlan | None:
-    """The in-place load of one old rank's snapshot into this rank, or None: the old rank of this
-    rank's number first, those this actor holds before those it would read from another."""
-    from checkpoints.direct_load import plan_direct
+    """The load of this rank's state by copies, or None (DCP then): in place from one old rank's
+    snapshot when its layout is this rank's — the old rank of this rank's number first, those this
+    actor holds before those it would read from another — else assembled from every old rank's
+    chunks (a changed dp size), the chunks this actor holds read before others' copies of them."""
+    from checkpoints.direct_load import local_state, plan_assembled, plan_direct
 
-    parts, optimizers, me = runtime.model_parts(), runtime.optimizers, runtime.groups.world_rank
+    local, me = local_state(runtime.model_parts(), runtime.optimizers), runtime.groups.world_rank
     here = sorted((owner for owner in providers if _held(store, key, owner)), key=lambda owner: (owner != me, owner))
+    metadatas = {}
     for owner in here:
-        plan = plan_direct(parts, optimizers, store.find(key, owner).metadata, owner)
+        metadatas[owner] = store.find(key, owner).metadata
+        plan = plan_direct(local, metadatas[owner], owner)
         if plan is not None:
             return plan
     remote = sorted((owner for owner in providers if owner not in here), key=lambda owner: (owner != me, owner))
     for owner, metadata in zip(remote, fetch_metadata(store, key, providers, actor_id, remote) if remote else [],
                                strict=True):
-        plan = plan_direct(parts, optimizers, metadata, owner)
+        metadatas[owner] = metadata
+        plan = plan_direct(local, metadata, owner)
         if plan is not None:
             return plan
-    return None
+    return plan_assembled(local, metadatas)
 
 
 def _held(store: SnapshotStore, key: SnapKey, owner: int) -> bool:
@@ -99,20 +107,34 @@ def everyone(yes: bool, group: dist.ProcessGroup, world: int) -> bool:
 
 def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
                  store: SnapshotStore, actor_id: int) -> tuple[int, int]:
-    """Copy ``plan``'s pieces into place: from this actor's store, or in one request from the old
-    rank's provider. (step loaded, bytes fetched from another actor)."""
-    requests = plan.requests()
-    if _held(store, key, plan.owner):
-        blobs = store.find(key, plan.owner).blobs
-        pieces, fetched = {index: blobs[index] for index, _, _ in requests}, 0
-    else:
-        got = fetch_pieces(store, key, providers, actor_id, {plan.owner: requests})[plan.owner]
-        pieces = {index: piece for (index, _, _), piece in zip(requests, got, strict=True)}
-        fetched = sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else len(p)
-                      for p in {id(p): p for p in got}.values())
+    """Copy ``plan``'s pieces into place: read in this actor's store, or in one request per old rank
+    from its provider. (step loaded, bytes fetched from another actor)."""
+    pieces, remote, fetched = {}, {}, 0
+    for owner, requests in plan.by_owner().items():
+        if _held(store, key, owner):
+            blobs = store.find(key, owner).blobs
+            pieces.update({r: _read(blobs[r[1]], r[2], r[3]) for r in requests})
+        else:
+            remote[owner] = requests
+    got = fetch_pieces(store, key, providers, actor_id,
+                       {owner: [r[1:] for r in requests] for owner, requests in remote.items()}) if remote else {}
+    for owner, requests in remote.items():
+        pieces.update(zip(requests, got[owner], strict=True))
+        fetched += sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else len(p)
+                       for p in {id(p): p for p in got[owner]}.values())
     step = runtime._loaded(plan.install(pieces))
-    runtime.plan_snapshots_from(plan.metadata)  # this rank's takes lay out as that old rank's did
+    if plan.metadata is not None:
+        runtime.plan_snapshots_from(plan.metadata)  # this rank's takes lay out as that old rank's did
     return step, fetched
+
+
+def _read(blob, offsets: tuple, lengths: tuple):
+    """A piece of a blob this actor holds: the blob itself, or a view of its part (copied from at once)."""
+    if not isinstance(blob, torch.Tensor) or tuple(blob.shape) == tuple(lengths):
+        return blob
+    from torch.distributed._shard._utils import narrow_tensor_by_index  # as MemorySnapshot.pieces reads
+
+    return narrow_tensor_by_index(blob, offsets, lengths)
 
 
 def _load_resharded(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,

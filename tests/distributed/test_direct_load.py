@@ -7,9 +7,11 @@ optimizer (no optimizer state yet, as a new generation's rank) twice: once loade
 old rank whose snapshot ``plan_direct`` picks, once through DCP (``load_training_state`` with a
 ``RemoteReader`` over every old rank's snapshot). Parameters, every optimizer state tensor (values,
 dtype, DTensor placements and mesh), the param groups and the step must be equal, and so must the
-parameters after one more training step from each. A changed layout (dp=4 -> dp=2 under FSDP2) has
-no old rank to copy from, so it reshards through DCP; an HSDP replica lost (4 -> 2 ranks, the shard
-groups kept) and a replicated state (ZeRO-0's) load in place from any old rank of the same shard.
+parameters after one more training step from each. A changed layout (dp=4 -> dp=2 or dp=3 under
+FSDP2, dp=2 -> 1 beside tp=2, tp=2 -> dp=4) has no old rank to copy from: each piece is assembled
+from several old ranks' chunks (``plan_assembled``), equal to DCP's resharding all the same; an HSDP
+replica lost (4 -> 2 ranks, the shard groups kept) and a replicated state (ZeRO-0's) load in place
+from any old rank of the same shard.
 """
 
 from __future__ import annotations
@@ -75,18 +77,32 @@ def _state(model, opt) -> dict[str, Any]:
     return {"params": params, "state": state, "groups": groups}
 
 
+def _read(plan, snaps: list) -> dict:
+    """Every read of ``plan``, as the old ranks' stores answer it (``MemorySnapshot.pieces``)."""
+    pieces = {}
+    for owner, requests in plan.by_owner().items():
+        pieces.update(zip(requests, snaps[owner].pieces([r[1:] for r in requests]), strict=True))
+    return pieces
+
+
 def _restore(rank: int, world: int, name: str, shape: tuple[int, int], snaps: list) -> dict[str, Any]:
-    from checkpoints.direct_load import plan_direct
+    from checkpoints.direct_load import local_state, plan_assembled, plan_direct
     from checkpoints.memory import RemoteReader
     from checkpoints.reader import load_training_state
 
     model, opt, sched, mesh = _build(name, *shape)
-    plans = [plan_direct([model], [opt], s.metadata, owner) for owner, s in enumerate(snaps)]
+    local = local_state([model], [opt])
+    plans = [plan_direct(local, s.metadata, owner) for owner, s in enumerate(snaps)]
     owners = [owner for owner, plan in enumerate(plans) if plan is not None]
-    out: dict[str, Any] = {"owners": owners}
-    if owners:
-        plan = plans[rank] if rank < len(plans) and plans[rank] is not None else plans[owners[0]]
-        point = plan.install({index: snaps[plan.owner].blobs[index] for index, _, _ in plan.requests()})
+    assembled = None if owners else plan_assembled(local, {o: s.metadata for o, s in enumerate(snaps)})
+    out: dict[str, Any] = {"owners": owners, "assembled": assembled is not None}
+    if owners or assembled is not None:
+        if assembled is not None:
+            plan = assembled
+            out["read_from"] = sorted(plan.by_owner())
+        else:
+            plan = plans[rank] if rank < len(plans) and plans[rank] is not None else plans[owners[0]]
+        point = plan.install(_read(plan, snaps))
         out["direct"] = {"step": point.step, "cursor": point.data_cursor, **_state(model, opt)}
         train_step(model, opt, sched, mesh, 3, shape[0] * shape[1] if name == "hsdp" else shape[0])
         out["direct_after"] = _state(model, opt)["params"]
@@ -123,13 +139,19 @@ def taken() -> dict[str, list]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,shape,expect", [
     ("fsdp", (4, 1), "own"), ("tp", (2, 2), "own"), ("hsdp", (2, 2), "replica"),
-    ("hsdp", (1, 2), "replica"), ("fsdp", (2, 1), "none"),
-], ids=["fsdp-same", "tp-same", "hsdp-same", "hsdp-replica-lost", "fsdp-dp4-to-dp2"])
+    ("hsdp", (1, 2), "replica"), ("fsdp", (2, 1), "assembled"), ("fsdp", (3, 1), "assembled"),
+    ("tp", (1, 2), "assembled"), ("tp", (4, 1), "assembled"),
+], ids=["fsdp-same", "tp-same", "hsdp-same", "hsdp-replica-lost", "fsdp-dp4-to-dp2", "fsdp-dp4-to-dp3",
+        "tp-dp2-to-dp1", "tp2-to-dp4"])
 def test_in_place_load_equals_dcp_bit_for_bit(taken, name, shape, expect):
     ranks = run_world(shape[0] * shape[1], _restore, name, shape, taken[name], timeout=180)
     for rank, got in enumerate(ranks):
-        if expect == "none":
-            assert got["owners"] == [] and "direct" not in got, (rank, got["owners"])
+        if expect == "assembled":
+            # No old rank has this layout: the pieces come from the chunks of several old ranks.
+            assert got["owners"] == [] and got["assembled"], (rank, got["owners"])
+            assert len(got["read_from"]) >= 2, (rank, got["read_from"])
+            _assert_same(got["direct"], got["dcp"], f"{name}{shape} rank {rank}")
+            _assert_same(got["direct_after"], got["dcp_after"], f"{name}{shape} rank {rank} after a step")
             continue
         # "own": only the old rank of the same number holds this layout; "replica": the rank of this
         # shard in either old replica does (HSDP, also after a lost replica).

@@ -1,6 +1,6 @@
 """In-memory snapshots on real ranks (checkpoint.memory_every; orchestrator/saves/snapshots.py) on a local
 multi-node Ray cluster: a rank killed in a step is restored from its peers' copies, one step re-run,
-resharded into the smaller mesh, the losses the single-process reference's, the survivors never
+resharded into the smaller mesh by copies of the old shards' overlaps, the losses the single-process reference's, the survivors never
 restarted; with a hot spare promoted into the lost rank's mesh slot every rank's shard keeps its
 layout, so each copies it in place (checkpoints/direct_load.py) and the losses are the reference's
 still; a rank killed together with the holder of its snapshot falls back to storage, and the rebuild
@@ -95,7 +95,8 @@ def test_a_killed_rank_is_restored_from_snapshots_with_one_step_rerun(cluster, h
     assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("snapshot", 3)
     assert trained == [1, 2, 3, 4, 5, 6]  # only step 4 (failed, never logged) re-run; storage: 3 too
     assert rebuild["dp"] == 2  # 3 survivors: dp=4's snapshots resharded into dp=2
-    assert rebuild["restored_in_place"] is False
+    # by copies of the old shards' overlaps (checkpoints.direct_load.plan_assembled), not DCP's load
+    assert rebuild["restored_in_place"] is True
 
 
 @pytest.mark.timeout(420)
