@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -80,6 +81,10 @@ class _Pieces:
     states: dict[str, dict[str, Any]]  # optimizer parameter fqn -> state name -> its metadata
     extras: list[tuple[str, tuple, int]]  # (fqn, path in the state, old rank) of the "extra" items
     conflicts: set[str] = field(default_factory=set)  # held with another shape or chunking elsewhere
+    paths: dict[str, Any] = field(default_factory=dict)  # fqn -> its place in the state (planner data)
+    # What this rank holds of each item the plan reads: its chunk (offsets, sizes), None for an empty
+    # piece, _BYTES for a byte item; recorded as the plan asks (``copies``, ``whole``) for ``own_metadata``.
+    placed: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, metadatas: dict[int, Metadata]) -> _Pieces:
@@ -105,6 +110,8 @@ class _Pieces:
                 param, _, name = fqn[len(_OPTIM_STATE):].rpartition(".")
                 self.states.setdefault(param, {}).setdefault(name, item)
         paths = metadata.planner_data or {}
+        for fqn, path in paths.items():
+            self.paths.setdefault(fqn, path)
         if not self.extras:
             self.extras = [(fqn, tuple(paths[fqn]), owner) for fqn in metadata.state_dict_metadata
                            if fqn in paths and paths[fqn] and paths[fqn][0] == EXTRA]
@@ -122,6 +129,7 @@ class _Pieces:
             return None
         offsets = tuple(chunks[0].offsets) if chunks else (0,) * target.dim()
         sizes = tuple(chunks[0].sizes) if chunks else tuple(target.shape)
+        self.placed[fqn] = None if 0 in sizes else (offsets, sizes)
         if 0 in sizes:
             return True
         out, covered = [], 0
@@ -140,9 +148,39 @@ class _Pieces:
     def whole(self, fqn: str) -> Request:
         """The read of a byte item, or of a tensor held whole (a 0-d step)."""
         if fqn in self.objects:
+            self.placed[fqn] = _BYTES
             return (self.objects[fqn], MetadataIndex(fqn), (), ())
         owner, length = self.chunks[fqn][()]
+        self.placed[fqn] = ((), length)
         return (owner, MetadataIndex(fqn, ()), (), length)
+
+    def place_bytes(self, fqns: list[str]) -> None:
+        """Byte items this rank's state holds that the plan does not read (a copy of one it reads)."""
+        for fqn in fqns:
+            if fqn in self.objects:
+                self.placed[fqn] = _BYTES
+
+    def own_metadata(self) -> Metadata | None:
+        """This rank's snapshot metadata as its own first take would plan it (one chunk per tensor,
+        where the plan put it), to plan its takes from (``SnapshotTaker.seed``); None when a piece
+        is empty or an item's place in the state is unknown."""
+        state: dict[str, Any] = {}
+        for fqn, place in self.placed.items():
+            if place is None or not self.paths.get(fqn):
+                return None
+            if place is _BYTES:
+                state[fqn] = BytesStorageMetadata()
+                continue
+            held = self.tensors[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(place[0]), sizes=torch.Size(place[1]))
+            state[fqn] = TensorStorageMetadata(properties=held.properties, size=held.size, chunks=[chunk])
+        indices = [MetadataIndex(fqn) if isinstance(item, BytesStorageMetadata) else
+                   MetadataIndex(fqn, item.chunks[0].offsets) for fqn, item in state.items()]
+        return Metadata(state_dict_metadata=state, planner_data={fqn: self.paths[fqn] for fqn in state},
+                        storage_data={index: index for index in indices})
+
+
+_BYTES = "bytes"
 
 
 @dataclass
@@ -158,9 +196,10 @@ class _OptimPlan:
 @dataclass
 class DirectPlan:
     """What one rank copies from old ranks' snapshots to load without DCP. ``owner``: the one old
-    rank whose layout this rank has (each local tensor one whole chunk of its snapshot, whose
-    ``metadata`` then plans this rank's snapshot takes); None when the pieces are assembled from
-    several old ranks' chunks or parts of them (a changed dp size)."""
+    rank whose layout this rank has (each local tensor one whole chunk of its snapshot); None when
+    the pieces are assembled from several old ranks' chunks or parts of them (a changed dp size).
+    ``metadata``: this rank's layout as snapshot metadata, which plans its snapshot takes — the old
+    rank's own, or made for an assembled load (``_Pieces.own_metadata``); None: plan them afresh."""
 
     owner: int | None
     metadata: Metadata | None
@@ -284,6 +323,7 @@ def plan_assembled(local: LocalState, metadatas: dict[int, Metadata], *,
     if any(fqn not in pieces.objects for fqn, _, _ in pieces.extras):
         return None  # a tensor among the extras (an RNG state): not saved by snapshots
     plan.extras = [(pieces.whole(fqn), path) for fqn, path, _ in pieces.extras]
+    plan.metadata = pieces.own_metadata()
     return plan
 
 
@@ -317,6 +357,8 @@ def _plan_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, list[str]
         if any(fqn not in pieces.objects for fqn in hyper.values()):
             return None
         plan.groups.append({k: pieces.whole(fqn) for k, fqn in hyper.items()})
+        for (fqn,) in fqns[1:]:  # saved for every parameter, read from the first: in the layout all the same
+            pieces.place_bytes([f"{_OPTIM_GROUPS}{fqn}.{k}" for k in hyper])
     return plan
 
 

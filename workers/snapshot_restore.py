@@ -123,8 +123,8 @@ def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
         fetched += sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else len(p)
                        for p in {id(p): p for p in got[owner]}.values())
     step = runtime._loaded(plan.install(pieces))
-    if plan.metadata is not None:
-        runtime.plan_snapshots_from(plan.metadata)  # this rank's takes lay out as that old rank's did
+    if plan.metadata is not None:  # this rank's takes lay out as the plan placed its pieces
+        runtime.plan_snapshots_from(plan.metadata)
     return step, fetched
 
 

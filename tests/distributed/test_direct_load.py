@@ -11,7 +11,8 @@ parameters after one more training step from each. A changed layout (dp=4 -> dp=
 FSDP2, dp=2 -> 1 beside tp=2, tp=2 -> dp=4) has no old rank to copy from: each piece is assembled
 from several old ranks' chunks (``plan_assembled``), equal to DCP's resharding all the same; an HSDP
 replica lost (4 -> 2 ranks, the shard groups kept) and a replicated state (ZeRO-0's) load in place
-from any old rank of the same shard.
+from any old rank of the same shard. Either way the plan's layout metadata seeds the rank's snapshot
+taker: its first take, planned without ``dcp.save``, must equal DCP's take in layout and every blob.
 """
 
 from __future__ import annotations
@@ -85,6 +86,48 @@ def _read(plan, snaps: list) -> dict:
     return pieces
 
 
+def _seeded_take_mismatch(model, opt, metadata) -> str:
+    """How a take planned from the plan's ``metadata`` (``SnapshotTaker.seed``, no ``dcp.save``)
+    differs from DCP's own take of the restored state, in layout or in any blob; "" when it does not."""
+    from checkpoints.memory import take_snapshot
+    from checkpoints.snapshot_taker import PlannedSnapshot, SnapshotTaker
+    from checkpoints.state import TrainingState
+
+    def state():
+        return TrainingState([model], [opt]).snapshot(step=2, data_cursor=2 * GLOBAL_BATCH, rng=False)
+
+    taker = SnapshotTaker()
+    if metadata is None or not taker.seed(metadata):
+        return "no metadata to seed from"
+    planned = taker.plan(state(), step=2, rank=0, slot=0)
+    if not isinstance(planned, PlannedSnapshot):
+        from checkpoints.snapshot_taker import _signature
+
+        wanted = _signature({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state().items()})
+        seeded = SnapshotTaker()
+        seeded.seed(metadata)
+        mine, theirs = dict(seeded._signature), dict(wanted)
+        diff = {section: (sorted(map(str, (mine.get(section) or set()) - (theirs.get(section) or set()))),
+                          sorted(map(str, (theirs.get(section) or set()) - (mine.get(section) or set()))))
+                for section in mine.keys() | theirs.keys() if mine.get(section) != theirs.get(section)}
+        return f"the seed did not plan the take: per section, (seeded only, state only): {diff}"
+    fast, ref = planned.copy().serialize(), take_snapshot(state(), step=2, rank=0).serialize()
+
+    def layout(md):
+        return {fqn: (tuple(item.size), [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks])
+                if hasattr(item, "chunks") else "bytes" for fqn, item in md.state_dict_metadata.items()}
+
+    if layout(fast.metadata) != layout(ref.metadata):
+        return f"layout {layout(fast.metadata)} != {layout(ref.metadata)}"
+    if fast.blobs.keys() != ref.blobs.keys():
+        return f"blobs {sorted(map(str, fast.blobs))} != {sorted(map(str, ref.blobs))}"
+    for key, want in ref.blobs.items():
+        got = fast.blobs[key]
+        if not (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want):
+            return f"blob {key}"
+    return ""
+
+
 def _restore(rank: int, world: int, name: str, shape: tuple[int, int], snaps: list) -> dict[str, Any]:
     from checkpoints.direct_load import local_state, plan_assembled, plan_direct
     from checkpoints.memory import RemoteReader
@@ -103,6 +146,7 @@ def _restore(rank: int, world: int, name: str, shape: tuple[int, int], snaps: li
         else:
             plan = plans[rank] if rank < len(plans) and plans[rank] is not None else plans[owners[0]]
         point = plan.install(_read(plan, snaps))
+        out["seeded_take"] = _seeded_take_mismatch(model, opt, plan.metadata)
         out["direct"] = {"step": point.step, "cursor": point.data_cursor, **_state(model, opt)}
         train_step(model, opt, sched, mesh, 3, shape[0] * shape[1] if name == "hsdp" else shape[0])
         out["direct_after"] = _state(model, opt)["params"]
@@ -150,6 +194,8 @@ def test_in_place_load_equals_dcp_bit_for_bit(taken, name, shape, expect):
             # No old rank has this layout: the pieces come from the chunks of several old ranks.
             assert got["owners"] == [] and got["assembled"], (rank, got["owners"])
             assert len(got["read_from"]) >= 2, (rank, got["read_from"])
+            # Its own layout, made for the load, plans its first snapshot take as DCP would lay it out.
+            assert got["seeded_take"] == "", (rank, got["seeded_take"])
             _assert_same(got["direct"], got["dcp"], f"{name}{shape} rank {rank}")
             _assert_same(got["direct_after"], got["dcp_after"], f"{name}{shape} rank {rank} after a step")
             continue
@@ -160,3 +206,4 @@ def test_in_place_load_equals_dcp_bit_for_bit(taken, name, shape, expect):
         assert got["direct"]["cursor"] == got["dcp"]["cursor"] == 2 * GLOBAL_BATCH
         _assert_same(got["direct"], got["dcp"], f"{name}{shape} rank {rank}")
         _assert_same(got["direct_after"], got["dcp_after"], f"{name}{shape} rank {rank} after a step")
+        assert got["seeded_take"] == "", (rank, got["seeded_take"])  # the old rank's layout plans its takes
