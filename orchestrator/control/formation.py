@@ -56,7 +56,7 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
         return Recovering(Phase.LOADING, exc.outcome, draining=draining)
     _resume_from(ctx, restored, holders)
     _announce(ctx, decision, spec, restored, spares)
-    ctx.spares.refill(plan.shape.world)
+    ctx.spares.ask_after_first_step(plan.shape.world)
     return after_reset(draining)
 
 

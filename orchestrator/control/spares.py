@@ -2,7 +2,7 @@
 
 ``elastic.spares`` actors beyond the mesh are started with it (``launch.py``) and kept; a re-formed
 mesh that takes one in reports ``spare_promoted``, and missing spares are requested
-(``spare_requested``) right after each formation and at every grow check, as far as the cluster has
+(``spare_requested``) once each new generation's first step was read and at every grow check, as far as the cluster has
 room for them now (``free_slots``), started in the background (``WorkerGroup.start_background``) so
 training never stalls on them, and taken in at a step boundary
 once they answered (``actors_ready``). ``SparePool`` owns the list of live actors outside the mesh;
@@ -28,6 +28,7 @@ class SparePool:
         self.wanted = wanted  # elastic.spares
         self.group, self.metrics = group, metrics
         self.ids: list[int] = []  # live actors outside the current mesh
+        self._after_first_step: tuple | None = None  # (world, scaling or None): see ask_after_first_step
 
     def formed(self, number: int, members: dict[int, int], spares: list[int]) -> None:
         """Generation ``number`` was assigned: report spares it took in, then remember the new spares."""
@@ -37,6 +38,15 @@ class SparePool:
                                actors=sorted(promoted.values()))
         self.warm([a for a in spares if a not in self.ids])
         self.ids = list(spares)
+
+    def ask_after_first_step(self, world: int, scaling=None) -> None:
+        """What a formation asks for — the spares missing beyond a mesh of ``world`` ranks
+        (``refill``) and, after a failure, actors for what it took (``adopt_new_capacity`` with
+        ``scaling``) — asked for once the new generation's first step was read (``step_read``), not
+        now: an actor's start (a process importing torch, seconds of CPU) competed for the cores with
+        the generation's first step, which the recovery's time counts, while the actor answers
+        seconds later either way (and minutes, where the autoscaler brings a node)."""
+        self._after_first_step = (world, scaling)
 
     def refill(self, world: int) -> None:
         """Ask for the spares missing beyond a mesh of ``world`` ranks, without waiting: they are
@@ -74,6 +84,15 @@ class SparePool:
             self.warm(ready)
             self.metrics.event("actors_ready", actors=ready)
         return bool(ready)
+
+    def step_read(self) -> None:
+        """A step of the generation was read: what its formation asked for (``ask_after_first_step``)
+        is started now, once."""
+        if self._after_first_step is not None:
+            (world, scaling), self._after_first_step = self._after_first_step, None
+            self.refill(world)
+            if scaling is not None:
+                self.adopt_new_capacity(scaling)
 
     def await_started(self, enough: Callable[[], bool], deadline: float | None = None) -> None:
         """Take in background-started actors as they answer (``adopt_started``) until ``enough()``,

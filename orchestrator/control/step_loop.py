@@ -171,6 +171,7 @@ def _record(ctx: DriverContext, step: int, results: list[StepResult]) -> None:
     ctx.health.score(results, gen.members, lambda rank: gen.shape.coords(rank).pp, ctx.group.node_ips)
     ctx.rebalance.observe(step, results)
     ctx.recovery_clock.trained()
+    ctx.spares.step_read()  # what the generation's formation asked for, once its first step trained
 
 
 def step_broken(o: CallOutcome) -> bool:

@@ -121,12 +121,14 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
     promoted, = r.events("spare_promoted")
     assert promoted["actors"] == [spare]
     assert r.c.restarts == 0 and 2 in r.committed()
+    assert not r.events("spare_requested")  # asked for once the new generation's first step was read
+    r.steps(1)
     requested, = r.events("spare_requested")  # begun in the background, taken in at the next boundary
     assert requested["count"] == 1 and len(r.c.group.live_ids) == 4 and r.c.group.starting == 1
     r.steps(1)
     ready, = r.events("actors_ready")
     assert len(r.c.group.live_ids) == 5 and r.c.spare_ids == ready["actors"]
-    r.steps(5)
+    r.steps(4)
     assert r.c.advance() == State.FINISHED and sorted(r.c.losses) == list(range(1, 9))
 
 
@@ -146,9 +148,11 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     assert gen2.shape.dp == 4 and spare in gen2.members.values() and victim not in gen2.members.values()
     promoted, = r.events("spare_promoted")
     assert promoted["actors"] == [spare] and promoted["generation"] == 2
+    assert not r.events("spare_requested")  # not while the new generation's first step runs
+    assert r.c.advance() == State.RUNNING  # its first step read, the new spare is asked for
     requested, = r.events("spare_requested")
     assert requested["count"] == 1 and r.group.starting == 1
-    assert r.c.advance() == State.RUNNING  # the next boundary takes the new spare in (step 3 trains)
+    assert r.c.advance() == State.RUNNING  # the next boundary takes the new spare in
     assert [a for a, _ in r.group.calls(RankCalls.warm)] == [spare, r.c.spare_ids[0]]  # both spares warmed
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5

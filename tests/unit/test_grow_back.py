@@ -31,9 +31,12 @@ def test_dp4_shrinks_to_dp2_and_grows_back_when_the_replacement_answers(make):
     assert r.c.advance() == State.REBUILDING  # step 3: rank 1 died
     assert r.c.advance() == State.RUNNING  # re-formed without it
     assert r.c.generation.shape.dp == 2 and r.group.live_ids == [0, 2, 3]  # dp=3 would not divide 4
-    # Asked for at once: the clock stands still, so no grow check was due (elastic.grow_check_s 5 s).
+    # Asked for once the new generation's first step was read, not while that step runs (the clock
+    # stands still, so it is no grow check: elastic.grow_check_s 5 s).
+    assert r.group.starting == 0
+    r.steps(1)  # step 3 at dp=2
     assert r.group.starting == 1
-    r.steps(3)  # steps 3-5 at dp=2 while the replacement starts
+    r.steps(3)  # steps 4-6 at dp=2 while the replacement starts
     assert r.c.generation.shape.dp == 2
     assert r.c.advance() == State.FORMING  # the boundary where it answered: grow now
     assert r.c.advance() == State.RUNNING
@@ -41,10 +44,10 @@ def test_dp4_shrinks_to_dp2_and_grows_back_when_the_replacement_answers(make):
     while r.c.advance() != State.FINISHED:
         pass
     grow, = r.events("grow")
-    assert (grow["dp"], grow["reason"], grow["restored_from"], grow["resumed_from_step"]) == (4, "grow", "snapshot", 5)
+    assert (grow["dp"], grow["reason"], grow["restored_from"], grow["resumed_from_step"]) == (4, "grow", "snapshot", 6)
     assert r.events("actors_ready")[0]["actors"] == [4]
     dps = dp_by_step(r)
-    assert [dps[s] for s in range(1, 13)] == [4, 4] + [2] * 3 + [4] * 7
+    assert [dps[s] for s in range(1, 13)] == [4, 4] + [2] * 4 + [4] * 6
     assert len(r.events("failure")) == 1
 
 

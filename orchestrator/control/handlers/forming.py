@@ -45,11 +45,12 @@ def handle_rebuilding(state: Rebuilding, ctx: DriverContext) -> ControllerState:
                 failure.step, failure.reason, live)
     formed = _form(ctx, _enough_actors(ctx), draining=state.draining)
     if not isinstance(formed, Errored):
-        # What the failure took is replaced now, not at the next grow check (elastic.grow_check_s
-        # later): an actor's start (a process importing torch) takes seconds, and the mesh grows back
-        # at the first boundary after it answered (control/boundary.py). After the formation, so that
-        # the start does not compete with the rebuild's join and load for the cores.
-        ctx.spares.adopt_new_capacity(ctx.scaling)
+        # What the failure took is replaced once the new generation's first step was read, not at the
+        # next grow check (elastic.grow_check_s later): an actor's start (a process importing torch)
+        # takes seconds, and the mesh grows back at the first boundary after it answered
+        # (control/boundary.py). Not before that first step: the start would compete with the
+        # rebuild's join, load and first step for the cores (SparePool.ask_after_first_step).
+        ctx.spares.ask_after_first_step(ctx.generation.shape.world, ctx.scaling)
     return formed
 
 
