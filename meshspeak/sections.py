@@ -203,7 +203,7 @@ class ElasticConfig:
                                        "hang (seconds compiling not counted); also how often a "
                                        "checkpoint's ranks are probed while they stage and write it (live "
                                        "ones are waited for: a slow save is not a failure)", gt=0)
-    hang_probe_factor: float = key(1.5, "once a step ran this many times the recent median step (at least "
+    hang_probe_factor: float = key(0.5, "once a step ran this many times the recent median step (at least "
                                         "1 s), probe the ranks still in it, and again at that interval: "
                                         "a rank answering no probe is hung (a live but slow step is never "
                                         "cut short); 0 = wait for step_timeout_s alone", ge=0)
