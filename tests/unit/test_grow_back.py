@@ -4,8 +4,9 @@ bench/torchft_compare.py (dp=4, 4 microbatches, a SIGKILL at step 10 of 20) stay
 kill: dp=3 does not divide the 4 microbatches, so the mesh re-formed at dp=2 with the third live actor
 left out, and the replacement was asked for only at the next grow check after the rebuild
 (``elastic.grow_check_s`` later); the actor's start (a process importing torch) then took longer
-than the 10 steps left. The replacement is now asked for as soon as the mesh re-formed, and the mesh
-grows back at the first step boundary after it answered.
+than the 10 steps left. The replacement is now asked for once the re-formed mesh's first step was
+read (at once when the formation itself broke), and the mesh grows back at the first step boundary
+after it answered.
 """
 
 from __future__ import annotations
@@ -59,3 +60,18 @@ def test_no_replacement_is_started_beyond_elastic_max_dp(make):
     assert r.c.advance() == State.REBUILDING
     assert r.c.advance() == State.RUNNING
     assert r.c.generation.shape.dp == 4 and r.group.starting == 0 and r.group.live_ids == [0, 1, 2, 3]
+
+
+def test_a_replacement_is_asked_for_at_once_when_the_rebuild_broke(make):
+    """A rebuild whose formation broke (a member died joining) has no first step near: the replacement
+    for what the failure took is asked for then, not after a step that may be long in coming."""
+    r = make(*FOUR_MICROBATCHES, capacity=2)
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.group.fail(RankCalls.join_generation, 2, "die", at=2)
+    r.steps(3)
+    assert r.c.advance() == State.REBUILDING  # step 3: rank 1 died
+    assert r.c.advance() == State.REBUILDING  # generation 2's join broke (rank 2 died): again
+    assert r.group.starting >= 1
+    while r.c.advance() != State.FINISHED:
+        pass
+    assert sorted(dp_by_step(r)) == list(range(1, 13))

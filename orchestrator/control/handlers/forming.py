@@ -16,7 +16,7 @@ import logging
 from orchestrator.control.context import DriverContext
 from orchestrator.control.formation import form_generation, save_before_reform
 from orchestrator.control.scaling import ResizeDecision, TooFewWorkers
-from orchestrator.control.states import ControllerState, Draining, Errored, Forming, Rebuilding
+from orchestrator.control.states import ControllerState, Draining, Errored, Forming, Rebuilding, Recovering
 from orchestrator.errors import TrainingFailed
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ def handle_rebuilding(state: Rebuilding, ctx: DriverContext) -> ControllerState:
     logger.info("generation %d broke at step %d (%s): re-forming from %d live actors", failure.generation,
                 failure.step, failure.reason, live)
     formed = _form(ctx, _enough_actors(ctx), draining=state.draining)
-    if not isinstance(formed, Errored):
+    if isinstance(formed, Recovering):  # the formation broke: no first step is near, ask now
+        ctx.spares.adopt_new_capacity(ctx.scaling)
+    elif not isinstance(formed, Errored):
         # What the failure took is replaced once the new generation's first step was read, not at the
         # next grow check (elastic.grow_check_s later): an actor's start (a process importing torch)
         # takes seconds, and the mesh grows back at the first boundary after it answered
