@@ -149,10 +149,17 @@ class MemorySnapshot:
         self.serialize()
         out = []
         for index, offsets, lengths in requests:
-            blob = self.blobs[index]
-            out.append(blob if not isinstance(blob, torch.Tensor) else
-                       narrow_tensor_by_index(blob, offsets, lengths).contiguous().clone())
+            piece = self.view(index, offsets, lengths)
+            out.append(piece.contiguous().clone() if isinstance(piece, torch.Tensor) else piece)
         return out
+
+    def view(self, index: MetadataIndex, offsets: tuple, lengths: tuple) -> Any:
+        """One slice as it is held, not copied (its reader copies from it at once): a tensor's
+        ``lengths`` from ``offsets`` (the blob itself when that is all of it), a byte item whole."""
+        blob = self.blobs[index]
+        if not isinstance(blob, torch.Tensor) or tuple(blob.shape) == tuple(lengths):
+            return blob
+        return narrow_tensor_by_index(blob, offsets, lengths)
 
 
 class _Packed:

@@ -112,8 +112,8 @@ def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
     pieces, remote, fetched = {}, {}, 0
     for owner, requests in plan.by_owner().items():
         if _held(store, key, owner):
-            blobs = store.find(key, owner).blobs
-            pieces.update({r: _read(blobs[r[1]], r[2], r[3]) for r in requests})
+            held = store.find(key, owner)
+            pieces.update({r: held.view(*r[1:]) for r in requests})
         else:
             remote[owner] = requests
     got = fetch_pieces(store, key, providers, actor_id,
@@ -127,14 +127,6 @@ def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
         runtime.plan_snapshots_from(plan.metadata)
     return step, fetched
 
-
-def _read(blob, offsets: tuple, lengths: tuple):
-    """A piece of a blob this actor holds: the blob itself, or a view of its part (copied from at once)."""
-    if not isinstance(blob, torch.Tensor) or tuple(blob.shape) == tuple(lengths):
-        return blob
-    from torch.distributed._shard._utils import narrow_tensor_by_index  # as MemorySnapshot.pieces reads
-
-    return narrow_tensor_by_index(blob, offsets, lengths)
 
 
 def _load_resharded(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,
