@@ -156,6 +156,9 @@ class GenerationOrders:
     snapshot_every: int = 0
     holder: Any = None  # an actor handle (the fake group: an actor id); None: no snapshots pushed
     holder_rank: int = -1
+    # The snapshot set the generation loads once joined (None: none, or a checkpoint): the rank asks
+    # its providers for their metadata as it joins, so the load's first read has come by then.
+    restore: RestoreSource | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,10 @@ class RankCalls(Protocol):
     def keep_snapshot(self, key: SnapKey, owner: int, snap: Any) -> int:
         """A holder keeps a copy of rank ``owner``'s snapshot ``key`` (called by that rank); its bytes."""
 
+    def copy_snapshot(self, key: SnapKey, owner: int, target: Any) -> int:
+        """Give ``target`` (an actor handle the driver names for this copy) a copy of rank ``owner``'s
+        snapshot ``key``, which this actor holds; the bytes copied."""
+
     def wait_snapshots(self, timeout_s: float) -> tuple:
         """Wait until every snapshot this rank took was pushed and acknowledged; the keys held."""
 

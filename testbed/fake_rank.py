@@ -262,6 +262,12 @@ class FakeRank:
         self._retain(self.group.keep_of.get(self.actor_id))
         return 64
 
+    def copy_snapshot(self, key: tuple, owner: int, target: int) -> int:
+        key = tuple(key)
+        snap = self.own[key] if key in self.own and self.own[key]["rank"] == owner else self.held[(key, owner)]
+        self.group.push(target, key, owner, snap)
+        return 64
+
     def wait_snapshots(self, timeout_s: float) -> tuple:
         self._push_answered()
         return tuple(self.own)

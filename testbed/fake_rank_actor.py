@@ -197,6 +197,14 @@ class FakeRankActor:
             self.held[(tuple(key), owner)] = copy
         return copy.nbytes
 
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def copy_snapshot(self, key: tuple, owner: int, target) -> int:
+        key = tuple(key)
+        with self._lock:
+            own = self.own.get(key)
+            snap = own[0] if own is not None and own[1] == owner else self.held[(key, owner)]
+        return ray.get(getattr(target, call_name(RankCalls.keep_snapshot)).remote(key, owner, snap), timeout=600)
+
     def wait_snapshots(self, timeout_s: float) -> tuple:
         deadline = time.monotonic() + timeout_s
         while self._pushing.is_set() and time.monotonic() < deadline:

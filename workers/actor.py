@@ -54,7 +54,7 @@ from workers import compile_stats
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
-from workers.snapshot_push import SnapshotWorker, serve_pieces
+from workers.snapshot_push import SnapshotWorker, ask_metadata, copy_to, serve_pieces
 from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,8 @@ class RankActor:
         # Outlives generations: a rebuild restores from it. Keeps checkpoint.memory_keep per owner.
         self.snapshots = SnapshotStore(snapshot_keep)
         self.snapshot_worker = SnapshotWorker(self.snapshots)
+        # (set, old rank -> pending answer): a snapshot load's metadata reads, asked for at the join
+        self.asked_metadata: tuple[SnapKey, dict[int, object]] | None = None
         self.warm()
 
     @plain
@@ -171,24 +173,24 @@ class RankActor:
         """Leave the current generation (if any) and join ``gen`` as ``gen.world_rank``: this rank's
         ``RankGroups`` and ``RankRuntime`` for it are built here. ``orders``: what every step runs."""
         from workers import sockets
-        from workers.bind import listeners
         from workers.groups import build_process_groups
         from workers.runtime import RankRuntime
 
         with self._lock:
             t0 = time.perf_counter()
+            self.asked_metadata = self._ask_metadata(orders.restore)
             self._leave()
             t_left = time.perf_counter()
             device = self._device_for(gen, spec)
-            self.links.joining = (gen, frozenset(sockets.listening_ports()))
-            conns_before = sockets.established()
+            before = sockets.table()
+            self.links.joining = (gen, frozenset(before.ports))
             try:
                 self.faults.reached("join", gen.generation)
                 groups = build_process_groups(
                     store_addr=gen.store_addr, store_port=gen.store_port, store_prefix=gen.store_prefix,
                     store_secret=gen.store_secret, generation=gen.generation, shape=gen.shape,
                     world_rank=gen.world_rank, timeout_s=spec.collective_timeout_s, device=device,
-                    replicate=spec.dp.replicate, bind_ip=ray.util.get_node_ip_address())
+                    replicate=spec.dp.replicate, bind_ip=ray.util.get_node_ip_address(), sockets_before=before)
                 t_groups = time.perf_counter()
                 try:
                     # The fault seam (test hooks, workers/faults.py) and the snapshot copy's fence.
@@ -205,8 +207,9 @@ class RankActor:
             ip = ray.util.get_node_ip_address()
             # Where they listen, as peers dial them (Ray's node address since workers/bind.py; read,
             # not assumed: a kick matches the peers' connections by it). The tied groups' are in.
-            self.links.listeners = listeners(groups.gloo_ports)
-            self.links.conns = sockets.established() - conns_before  # the tied groups' are in
+            after = sockets.table()
+            self.links.listeners = after.listeners(groups.gloo_ports)
+            self.links.conns = after.established - before.established  # the tied groups' are in
             logger.info("joined generation %d as rank %d in %.3f s: leave %.3f, groups %.3f, runtime %.3f",
                         gen.generation, gen.world_rank, time.perf_counter() - t0, t_left - t0,
                         t_groups - t_left, time.perf_counter() - t_groups)
@@ -218,6 +221,15 @@ class RankActor:
                 setup_s=time.perf_counter() - t0,
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
+
+    def _ask_metadata(self, source: RestoreSource | None) -> tuple[SnapKey, dict[int, object]] | None:
+        """The metadata reads of the snapshot load that follows this join (``GenerationOrders.restore``),
+        asked for now: answered by the providers while this rank builds its groups and model."""
+        if source is None:
+            return None
+        key = tuple(source.key)
+        providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
+        return key, ask_metadata(self.snapshots, key, providers, self.actor_id)
 
     def _device_for(self, gen: JoinSpec, spec: RuntimeSpec):
         """This rank's device for generation ``gen`` (its backend noted for the kick). A GPU job on a
@@ -359,6 +371,10 @@ class RankActor:
         return self.snapshots.inventory()
 
     @on(SNAPSHOT_GROUP)
+    def copy_snapshot(self, key: SnapKey, owner: int, target) -> int:
+        return copy_to(self.snapshots, tuple(key), owner, target)
+
+    @on(SNAPSHOT_GROUP)
     def snapshot_meta(self, key: SnapKey, owner: int):
         return self.snapshots.find(tuple(key), owner).metadata
 
@@ -370,8 +386,10 @@ class RankActor:
     def load_snapshot(self, source: RestoreSource) -> RestoreAck:
         """Load snapshot set ``source.key`` into this generation (a collective), fetching from the
         providers only the pieces of the old shards this rank needs."""
+        asked, self.asked_metadata = self.asked_metadata, None
         with self._loading():
-            ack = self.runtime.load_snapshot(source, self.snapshots, self.actor_id)
+            ack = self.runtime.load_snapshot(source, self.snapshots, self.actor_id,
+                                             asked[1] if asked and asked[0] == tuple(source.key) else None)
             self.step = ack.step
         return ack
 

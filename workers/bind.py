@@ -29,6 +29,8 @@ from contextlib import contextmanager
 
 import psutil
 
+from workers import sockets
+
 logger = logging.getLogger(__name__)
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -89,13 +91,7 @@ def nccl_interface(bind_ip: str | None) -> None:
 def listeners(ports: set[int] | list[int]) -> tuple[tuple[str, int], ...]:
     """(address, port) of this process's listening sockets at ``ports``, sorted (IPv4-mapped IPv6
     shown plain): what peers dial, so what a kick matches their connections by."""
-    wanted = set(ports)
-    found = set()
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in wanted:
-            ip = conn.laddr.ip
-            found.add((ip[7:] if ip.startswith("::ffff:") else ip, conn.laddr.port))
-    return tuple(sorted(found))
+    return sockets.table().listeners(ports)
 
 
 def listener_addresses(ports: set[int] | list[int]) -> set[str]:

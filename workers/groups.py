@@ -68,7 +68,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from meshspeak.mesh import MeshAxis, MeshShape, RankCoords, hsdp_group_ranks
 from workers import sockets
-from workers.bind import bound_groups, listener_addresses, nccl_interface
+from workers.bind import bound_groups, nccl_interface
 from workers.device import apply_nccl_env, backend_for
 from workers.reach import check_store, peer_unreachable
 
@@ -262,6 +262,7 @@ def build_process_groups(
     replicate: int = 1,
     store_secret: str = "",
     bind_ip: str | None = None,
+    sockets_before: sockets.Table | None = None,
 ) -> RankGroups:
     """Join generation ``generation``: default group, dp/pp/tp groups, a checkpoint group, the mesh.
 
@@ -270,15 +271,19 @@ def build_process_groups(
     root mesh; the flattened dp group is made beside it. ``bind_ip``: the address this rank's groups
     listen on and advertise (Ray's node address: workers/bind.py); None leaves it to gloo (the host
     name's address). A store or a peer this rank cannot connect to ends the join with one line
-    (``workers.reach``).
+    (``workers.reach``). ``sockets_before``: this process's sockets read just before (the caller's
+    scan, so as not to take another).
     """
     prefix = store_prefix or f"gen{generation}"
     backend = _prepare_process(device, bind_ip)
     where = f"a rank on {bind_ip}" if bind_ip else f"rank {world_rank}"
     check_store(store_addr, store_port, where)
-    made, ports = _rendezvous(store_addr, store_port, prefix, store_secret, shape, world_rank,
-                              timedelta(seconds=timeout_s), backend, replicate, bind_ip, where, generation)
-    _check_bound(ports, bind_ip, backend)
+    before = sockets.listening_ports() if sockets_before is None else sockets_before.ports
+    made = _rendezvous(store_addr, store_port, prefix, store_secret, shape, world_rank,
+                       timedelta(seconds=timeout_s), backend, replicate, bind_ip, where, generation, before)
+    after = sockets.table()
+    ports = sorted(after.ports - made.listeners_before)
+    _check_bound(after.listeners(ports), bind_ip, backend)
     names = _axis_names(prefix)
     return RankGroups(
         generation=generation,
@@ -314,16 +319,15 @@ def _prepare_process(device: torch.device, bind_ip: str | None) -> str:
 
 def _rendezvous(store_addr: str, store_port: int, prefix: str, store_secret: str, shape: MeshShape,
                 world_rank: int, timeout: timedelta, backend: str, replicate: int, bind_ip: str | None,
-                where: str, generation: int) -> tuple[_MadeGroups, list[int]]:
+                where: str, generation: int, listeners_before: set[int]) -> _MadeGroups:
     """Meet the generation's peers and make this rank's groups (``_make_groups``), bound to
-    ``bind_ip``; with the listening ports they opened, which the kick shuts down. On failure nothing
-    is left behind, and a peer this rank cannot reach is said in one line (``workers.reach``)."""
-    listeners_before = sockets.listening_ports()
+    ``bind_ip``; the ports listening beyond ``made.listeners_before`` after it are the ones they
+    opened, which the kick shuts down. On failure nothing is left behind, and a peer this rank cannot
+    reach is said in one line (``workers.reach``)."""
     try:
         with bound_groups(bind_ip):
-            made = _make_groups(store_addr, store_port, prefix, store_secret, shape, world_rank, timeout,
+            return _make_groups(store_addr, store_port, prefix, store_secret, shape, world_rank, timeout,
                                 backend, replicate, listeners_before)
-        return made, sorted(sockets.listening_ports() - made.listeners_before)
     except BaseException as exc:
         # A peer died (or the driver kicked us) mid-rendezvous: leave no default group behind, or
         # the next generation's init_process_group would fail with "initialize twice".
@@ -400,13 +404,13 @@ def _make_groups(store_addr: str, store_port: int, prefix: str, store_secret: st
     return _MadeGroups(groups, flat_dp, ckpt_group, listeners_before)
 
 
-def _check_bound(ports: list[int], bind_ip: str | None, backend: str) -> None:
-    """Warn when gloo's listeners are not on ``bind_ip`` (the interface holds other addresses first:
-    gloo takes the interface's first one); peers may then fail to connect, with the line
-    ``workers.reach`` gives."""
-    if not bind_ip or not ports:
+def _check_bound(listeners: tuple[tuple[str, int], ...], bind_ip: str | None, backend: str) -> None:
+    """Warn when gloo's ``listeners`` (address, port) are not on ``bind_ip`` (the interface holds other
+    addresses first: gloo takes the interface's first one); peers may then fail to connect, with the
+    line ``workers.reach`` gives."""
+    if not bind_ip or not listeners:
         return
-    bound = listener_addresses(ports)
+    bound = {ip for ip, _ in listeners}
     if bound and bound != {bind_ip.split("%")[0]}:
         logger.warning("gloo (%s groups) listens on %s, not on Ray's node address %s: set GLOO_SOCKET_IFNAME "
                        "if peers cannot connect", backend, sorted(bound), bind_ip)

@@ -364,14 +364,15 @@ class RankRuntime:
         if taker.seed(metadata):
             self._snapshots = taker
 
-    def load_snapshot(self, source, store, actor_id: int):
+    def load_snapshot(self, source, store, actor_id: int, asked: dict | None = None):
         """Load snapshot set ``source.key`` (every old rank's shard of one step, held by the actors
         ``source.providers`` names) into this generation's mesh, collectively as ``load_checkpoint``:
         copied in place when every rank's layout is an old rank's, else resharded through DCP,
-        fetching only the pieces this rank needs (workers/snapshot_restore.py)."""
+        fetching only the pieces this rank needs (workers/snapshot_restore.py). ``asked``: the old
+        ranks' metadata already asked for (``workers.snapshot_push.ask_metadata``)."""
         from workers.snapshot_restore import restore_snapshot
 
-        return restore_snapshot(self, source, store, actor_id)
+        return restore_snapshot(self, source, store, actor_id, asked)
 
     def destroy(self) -> None:
         if self._writer is not None:

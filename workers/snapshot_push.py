@@ -160,18 +160,41 @@ def serve_pieces(store: SnapshotStore, key: SnapKey, owner: int, requests: list)
     return [pack_piece(p) for p in store.find(key, owner).pieces(requests)]
 
 
+def copy_to(store: SnapshotStore, key: SnapKey, owner: int, target) -> int:
+    """Give ``target`` (the actor handle the driver named) a copy of ``owner``'s snapshot ``key`` from
+    this actor's store, as a rank's push gives its holder one (``keep_snapshot``); the bytes copied."""
+    snap = store.find(key, owner).serialize()
+    return int(ray.get(getattr(target, call_name(RankCalls.keep_snapshot)).remote(key, owner, snap),
+                       timeout=PUSH_TIMEOUT_S))
+
+
+def ask_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]],
+                 me: int) -> dict[int, object]:
+    """Ask now for the snapshot metadata of set ``key`` that a restore will read from other actors:
+    old rank -> the pending answer (a Ray reference), for each old rank this actor neither holds nor
+    provides. Asked as the rank joins the generation that loads it (``GenerationOrders.restore``), so
+    the answers come while its groups and model are built; ``fetch_metadata`` reads them."""
+    return {owner: getattr(handle, call_name(RankCalls.snapshot_meta)).remote(key, owner)
+            for owner, (actor, handle) in providers.items()
+            if actor != me and not store.holds(key, owner)}
+
+
 def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,
-                   owners: list[int] | None = None) -> list:
+                   owners: list[int] | None = None, asked: dict[int, object] | None = None) -> list:
     """The snapshot metadata of every old rank in old-rank order, or of ``owners`` in their order (a
     restore's first read): this actor's own store answers for the ranks it provides, the others'
-    actors for theirs, every remote request issued before any is read."""
+    actors for theirs (``asked``: answers already asked for, ``ask_metadata``), every remote request
+    issued before any is read."""
     owners = sorted(providers) if owners is None else list(owners)
+    asked = asked or {}
     refs = {}
     out = {}
     for owner in owners:
         actor, handle = providers[owner]
         if actor == me:
             out[owner] = store.find(key, owner).metadata
+        elif owner in asked:
+            refs[owner] = asked[owner]
         else:
             refs[owner] = getattr(handle, call_name(RankCalls.snapshot_meta)).remote(key, owner)
     for owner, ref in refs.items():

@@ -41,14 +41,16 @@ logger = logging.getLogger(__name__)
 Providers = dict[int, tuple[int, object]]  # old world rank -> (actor id, actor handle)
 
 
-def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor_id: int) -> RestoreAck:
+def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor_id: int,
+                     asked: dict[int, object] | None = None) -> RestoreAck:
     """Load snapshot set ``source.key`` into ``runtime``'s generation, collectively (see the module
-    docstring); the ack with the step loaded, the bytes fetched from other actors and the path taken."""
+    docstring); the ack with the step loaded, the bytes fetched from other actors and the path taken.
+    ``asked``: old ranks' metadata asked for as this rank joined (``snapshot_push.ask_metadata``)."""
     t0 = time.perf_counter()
     runtime._finish_checkpoint_write()  # before the checkpoint group's collectives (the vote, DCP's)
     key = tuple(source.key)
     providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
-    plan = direct_plan(runtime, key, providers, store, actor_id)
+    plan = direct_plan(runtime, key, providers, store, actor_id, asked)
     t_plan = time.perf_counter()
     direct = everyone(plan is not None, runtime.groups.ckpt_group, runtime.groups.shape.world)
     if direct:
@@ -63,7 +65,7 @@ def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor
 
 
 def direct_plan(runtime, key: SnapKey, providers: Providers, store: SnapshotStore,
-                actor_id: int) -> DirectPlan | None:
+                actor_id: int, asked: dict[int, object] | None = None) -> DirectPlan | None:
     """The load of this rank's state by copies, or None (DCP then): in place from one old rank's
     snapshot when its layout is this rank's — the old rank of this rank's number first, those this
     actor holds before those it would read from another — else assembled from every old rank's
@@ -71,7 +73,7 @@ def direct_plan(runtime, key: SnapKey, providers: Providers, store: SnapshotStor
     from checkpoints.direct_load import local_state, plan_assembled, plan_direct
 
     local, me = local_state(runtime.model_parts(), runtime.optimizers), runtime.groups.world_rank
-    here = sorted((owner for owner in providers if _held(store, key, owner)), key=lambda owner: (owner != me, owner))
+    here = sorted((owner for owner in providers if store.holds(key, owner)), key=lambda owner: (owner != me, owner))
     metadatas = {}
     for owner in here:
         metadatas[owner] = store.find(key, owner).metadata
@@ -79,21 +81,13 @@ def direct_plan(runtime, key: SnapKey, providers: Providers, store: SnapshotStor
         if plan is not None:
             return plan
     remote = sorted((owner for owner in providers if owner not in here), key=lambda owner: (owner != me, owner))
-    for owner, metadata in zip(remote, fetch_metadata(store, key, providers, actor_id, remote) if remote else [],
+    for owner, metadata in zip(remote, fetch_metadata(store, key, providers, actor_id, remote, asked) if remote else [],
                                strict=True):
         metadatas[owner] = metadata
         plan = plan_direct(local, metadata, owner)
         if plan is not None:
             return plan
     return plan_assembled(local, metadatas)
-
-
-def _held(store: SnapshotStore, key: SnapKey, owner: int) -> bool:
-    try:
-        store.find(key, owner)
-    except KeyError:
-        return False
-    return True
 
 
 def everyone(yes: bool, group: dist.ProcessGroup, world: int) -> bool:
@@ -111,7 +105,7 @@ def _load_direct(runtime, plan: DirectPlan, key: SnapKey, providers: Providers,
     from its provider. (step loaded, bytes fetched from another actor)."""
     pieces, remote, fetched = {}, {}, 0
     for owner, requests in plan.by_owner().items():
-        if _held(store, key, owner):
+        if store.holds(key, owner):
             held = store.find(key, owner)
             pieces.update({r: held.view(*r[1:]) for r in requests})
         else:

@@ -107,6 +107,14 @@ class SnapshotStore:
             raise KeyError(f"no snapshot of rank {owner} at {key} here")
         return held
 
+    def holds(self, key: SnapKey, owner: int) -> bool:
+        """Whether ``find`` has ``owner``'s snapshot at ``key``."""
+        try:
+            self.find(key, owner)
+        except KeyError:
+            return False
+        return True
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s, _ in self.own.values()) + sum(s.nbytes for s in self.held.values())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from meshspeak.messages import CallOutcome, GenerationOrders, JoinSpec, RuntimeSpec
+from meshspeak.messages import CallOutcome, GenerationOrders, JoinSpec, RestoreSource, RuntimeSpec
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.context import DriverContext
 from orchestrator.control.generation import GenerationRecord, assign_ranks, runtime_spec
@@ -43,10 +43,14 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     ctx.health.stragglers.forget(set(members.values()))
     # Decided before the join: the members are told whether a load follows (they then skip the init).
     restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
+    node_of = {a: ctx.group.node_ids.get(a, "") for a in [*members.values(), *spares]}
+    if ctx.snapshots.second_copies(ctx.group, restore, [*members.values(), *spares], node_of):
+        ctx.recovery_clock.mark("copied")
     spec = _shared_spec(ctx, plan, restore)
     gen = GenerationRecord(number, plan, members)
-    holders = ctx.snapshots.holders_for(gen, {a: ctx.group.node_ids.get(a, "") for a in members.values()})
-    outcome = _join(ctx, gen, spares, _join_args(ctx, gen, spec, holders))
+    holders = ctx.snapshots.holders_for(gen, {a: node_of[a] for a in members.values()})
+    source = ctx.snapshots.source_of(ctx.group, restore)
+    outcome = _join(ctx, gen, spares, _join_args(ctx, gen, spec, holders, source))
     if not outcome.ok:
         return Recovering(Phase.JOINING, outcome, draining=draining)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint
@@ -75,9 +79,10 @@ def _shared_spec(ctx: DriverContext, plan: MeshPlan, restore: RestorePlan) -> Ru
                         load_follows=restore.loads)
 
 
-def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec,
-               holders: dict[int, int]) -> dict[int, tuple[JoinSpec, RuntimeSpec, GenerationOrders]]:
-    """Each member's join call: its ``JoinSpec``, the shared spec, and its ``GenerationOrders``."""
+def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec, holders: dict[int, int],
+               source: RestoreSource | None) -> dict[int, tuple[JoinSpec, RuntimeSpec, GenerationOrders]]:
+    """Each member's join call: its ``JoinSpec``, the shared spec, and its ``GenerationOrders``
+    (``source``: the snapshot set the members load next, if any)."""
     number, plan, members = gen.number, gen.plan, gen.members
     actions = plan.actions()
     host, port = ctx.store.address()
@@ -86,7 +91,7 @@ def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec,
         orders = GenerationOrders(actions=tuple(actions[plan.shape.coords(rank).pp]),
                                   snapshot_every=ctx.snapshots.every if holders else 0,
                                   holder=ctx.group.handle(members[holders[rank]]) if holders else None,
-                                  holder_rank=holders.get(rank, -1))
+                                  holder_rank=holders.get(rank, -1), restore=source)
         args[actor] = (JoinSpec(number, plan.shape, rank, host, port, f"{ctx.identity.run_id}-gen{number}",
                                 store_secret=ctx.identity.store_secret), spec, orders)
     return args
@@ -95,14 +100,18 @@ def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec,
 def _join(ctx: DriverContext, gen: GenerationRecord, spares: list[int], args: dict) -> CallOutcome:
     """Spares leave the old generation, the members join the new one; the controller's generation is
     the new one from here, with what its members reported."""
-    if spares:
-        ctx.group.call(spares, RankCalls.leave_generation, timeout_s=30.0)
+    # The spares leave while the members join (their teardown, a GC pass, took 30-50 ms of the
+    # recovery when waited for first), and are waited for before this returns: a threaded actor's
+    # calls may run out of order, so no later call may reach a spare before its leave has run.
+    leaving = ctx.group.submit(spares, RankCalls.leave_generation) if spares else {}
     ctx.recovery_clock.mark("planned")
     refs = ctx.group.submit(list(gen.members.values()), RankCalls.join_generation, args)
     # Waited for while the members answer liveness probes (a model build or an init_from read can take
     # minutes): elastic.rebuild_timeout_s is how often they are probed, not a deadline.
     outcome = collect_while_alive(ctx.group, refs, ctx.cfg.elastic.rebuild_timeout_s,
                                   f"generation {gen.number}: joining", stop_early=_join_broken)
+    if leaving:
+        ctx.group.collect(leaving, 30.0)
     ctx.generation = GenerationRecord(gen.number, gen.plan, gen.members, infos=dict(outcome.results))
     ctx.recovery_clock.mark("joined")
     return outcome

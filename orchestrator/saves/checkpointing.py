@@ -354,20 +354,23 @@ class CheckpointCoordinator:
         if self._start is not None and self._start.manifest.run_id:
             self.run_id = self._start.manifest.run_id
 
-    def resume_point(self) -> CheckpointInfo | None:
+    def resume_point(self, *, vet_metadata: bool = True) -> CheckpointInfo | None:
         """The newest valid checkpoint to (re)start from, or None. Checks it belongs to this model.
 
         Only this run's checkpoints count, plus the one it resumed from (written before runs had ids,
         it may carry none), so a rebuild never jumps into another run's state that shares the
         directory. Damaged newer ones are skipped, each reported once (a warning and a
-        ``checkpoint_skipped`` event).
+        ``checkpoint_skipped`` event). ``vet_metadata=False``: DCP's pickled ``.metadata`` is not
+        checked (``checkpoints.safe_pickle``, 20-60 ms on a loaded host), for a caller that only
+        wants the step: a rebuild's plan, which mostly restores snapshots; ``restore`` checks it
+        before any rank loads the checkpoint.
         """
         info = latest_valid(self.root, run_id=self.run_id, on_skip=self._report_skip)
         if info is None and self._start is not None and check_checkpoint(self._start.path)[0]:
             info = self._start
         if info is None:
             return None
-        if info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
+        if vet_metadata and info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
             check_metadata_file(info.dcp_path)
             self._safe.add(info.path)
         if info.manifest.model_fingerprint != self.job.model_fingerprint:

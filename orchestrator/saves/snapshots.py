@@ -17,7 +17,9 @@ still runs, so training never waits for a holder.
 After a failure, ``restore_best`` asks every live actor what it holds (``snapshot_inventory``), takes
 the newest set of which every old rank's shard has a live copy (its owner's or its holder's), if it is
 at least as new as the newest committed checkpoint, else that checkpoint (``choose_source``), and says
-which (``restored_from`` in the ``rebuild`` event). Every new member loads it resharded into the new
+which (``restored_from`` in the ``rebuild`` event). A shard of that set left with one live copy gets a
+second one before the new generation joins (``second_copies``), so a second loss during the rebuild
+does not send the run back to storage. Every new member loads it resharded into the new
 mesh through DCP, fetching from the providers only the pieces of the old shards its own shard needs
 (``RankActor.load_snapshot``: bytes moved per new rank ~ its own shard, whatever the two meshes).
 Snapshots of a generation are keyed by it, so the old set stays restorable until the new generation
@@ -98,6 +100,42 @@ def newest_covered(inventories: dict[int, object], worlds: dict[int, int],
     return None
 
 
+def copies_of(inventories: dict[int, object], key: SnapKey) -> dict[int, set[int]]:
+    """Old world rank -> the answering actors that hold a copy of its shard of set ``key`` (own or held)."""
+    out: dict[int, set[int]] = {}
+    for actor, inv in inventories.items():
+        for k, rank in (*inv.own, *inv.held):
+            if tuple(k) == tuple(key):
+                out.setdefault(rank, set()).add(actor)
+    return out
+
+
+def second_homes(copies: dict[int, set[int]], classes: list[int], candidates: list[int],
+                 node_of: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """For each class of ranks holding the same shard (``classes``: rank -> class) whose shard has
+    exactly one live copy: rank -> (the actor holding it, the actor to give a second copy), chosen
+    among ``candidates`` (in order of preference) on another node than the holder where there is one,
+    each candidate given as few copies as can be. Classes with no copy or two are left out."""
+    by_class: dict[int, set[tuple[int, int]]] = {}
+    for rank, actors in copies.items():
+        by_class.setdefault(classes[rank], set()).update((rank, actor) for actor in actors)
+    given: dict[int, int] = dict.fromkeys(candidates, 0)
+    out = {}
+    for cls in sorted(by_class):
+        if len({actor for _, actor in by_class[cls]}) != 1:
+            continue
+        (rank, holder), = sorted(by_class[cls])[:1]
+        choices = [a for a in candidates if a != holder]
+        if not choices:
+            continue
+        # Fewest copies given first, then another node than the holder's, then the caller's order.
+        target = min(choices, key=lambda a: (given[a], node_of.get(a, "") == node_of.get(holder, ""),
+                                             candidates.index(a)))
+        given[target] += 1
+        out[rank] = (holder, target)
+    return out
+
+
 def choose_source(snapshot_step: int | None, storage_step: int) -> str:
     """"snapshot" when a covered snapshot set is at least as new as the newest checkpoint, else
     "storage" (which may be no checkpoint at all: step 0)."""
@@ -139,6 +177,7 @@ class RestorePlan:
 
     found: tuple[SnapKey, dict[int, int]] | None  # the newest covered snapshot set and its givers
     storage_step: int | None  # the newest committed checkpoint's step (None: none)
+    copies: dict[int, set[int]] = field(default_factory=dict)  # found's old rank -> live actors with a copy
 
     @property
     def source(self) -> str:
@@ -259,9 +298,37 @@ class SnapshotCoordinator:
     def plan_restore(self, group, ckpt, *, at_most: int) -> RestorePlan:
         """Where a restore would resume from now: the newest snapshot set of which the live actors hold
         every shard (``at_most``: see ``restore_best``), and the newest committed checkpoint."""
-        found = self._find(group, at_most) if self.active else None
-        info = ckpt.resume_point()
-        return RestorePlan(found, info.step if info is not None else None)
+        inventories = self._poll(group) if self.active else {}
+        found = newest_covered(inventories, self._worlds, at_most, self._same) if self.active else None
+        info = ckpt.resume_point(vet_metadata=False)  # only the step: restore() vets what it loads
+        return RestorePlan(found, info.step if info is not None else None,
+                           copies_of(inventories, found[0]) if found else {})
+
+    def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str]) -> int:
+        """Before a new generation joins: every shard of the set ``plan`` restores that a loss left with
+        one live copy is given a second one, on another of the live ``candidates`` (in order of
+        preference: the new members first), and waited for. A second loss while the generation joins
+        or loads (a member dying as it joins) then still finds the set covered: with one copy, losing
+        the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
+        kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard (~1 MB at dp=4 on
+        the tiny model; a push of the same bytes as every step's). How many copies were made."""
+        if plan.source != "snapshot":
+            return 0
+        key = plan.found[0]
+        classes = self._same.get(key[0]) or list(range(self._worlds.get(key[0], 0)))
+        made = 0
+        # One copy at a time: a copy holds the giver's snapshot thread (one per actor) until the
+        # receiver's keep_snapshot, which runs on the receiver's, answered; two actors copying to each
+        # other at once would wait for each other forever.
+        for rank, (holder, target) in second_homes(plan.copies, classes, candidates, node_of).items():
+            refs = group.submit([holder], RankCalls.copy_snapshot, {holder: (key, rank, group.handle(target))})
+            outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s,
+                                          f"copying rank {rank}'s snapshot of step {key[2]} to actor {target}")
+            if not outcome.ok:  # the join or the load finds who died; the copies made still count
+                logger.warning("no second copy of rank %d's snapshot of step %d: %s", rank, key[2],
+                               outcome.failed or outcome.dead or outcome.pending)
+            made += bool(outcome.ok)
+        return made
 
     def restore_best(self, group, gen, ckpt, *, at_most: int, plan: RestorePlan | None = None) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at
@@ -284,9 +351,8 @@ class SnapshotCoordinator:
             t0 = time.perf_counter()
             step = ckpt.restore(group, gen)
             return Restored(step, "storage", time.perf_counter() - t0)
-        key, givers = plan.found
-        source = RestoreSource(key=key, world=self._worlds.get(key[0], len(givers)),
-                               providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
+        source = self.source_of(group, plan)
+        key = source.key
         t0 = time.perf_counter()
         refs = group.submit(list(gen.members.values()), RankCalls.load_snapshot, (source,))
         # Waited for while the loaders answer liveness probes: rebuild_timeout_s is the probe interval.
@@ -301,8 +367,21 @@ class SnapshotCoordinator:
                         fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks),
                         direct=bool(acks) and all(a.direct for a in acks))
 
+    def source_of(self, group, plan: RestorePlan) -> RestoreSource | None:
+        """What the members load when ``plan`` restores snapshots (None when it does not): the set
+        and, for each old rank, the actor that provides its pieces."""
+        if plan.source != "snapshot":
+            return None
+        key, givers = plan.found
+        return RestoreSource(key=key, world=self._worlds.get(key[0], len(givers)),
+                             providers=tuple((rank, actor, group.handle(actor)) for rank, actor in givers.items()))
+
     def _find(self, group, at_most: int,
               without: frozenset[int] = frozenset()) -> tuple[SnapKey, dict[int, int]] | None:
+        return newest_covered(self._poll(group, without), self._worlds, at_most, self._same)
+
+    def _poll(self, group, without: frozenset[int] = frozenset()) -> dict[int, object]:
+        """Live actor (outside ``without``) -> its ``SnapshotInventory``."""
         live = [a for a in group.live_ids if a not in without]
         # Waited for while they answer liveness probes (time alone never fails a live run): a fixed
         # 10 s wait, which a loaded host's answer can miss, left a live holder's copies out, so a
@@ -310,4 +389,4 @@ class SnapshotCoordinator:
         # An actor silent to a probe is left out (its copies with it); the join or the load finds it.
         refs = group.submit(live, RankCalls.snapshot_inventory)
         polled = collect_while_alive(group, refs, INVENTORY_TIMEOUT_S, "asking the live actors for their snapshots")
-        return newest_covered(polled.results, self._worlds, at_most, self._same)
+        return polled.results

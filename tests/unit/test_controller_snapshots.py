@@ -71,6 +71,9 @@ def test_a_lost_rank_is_restored_from_snapshots(make):
     assert source.key == (1, 0, 4) and source.world == 4
     assert {rank: actor for rank, actor, _ in source.providers} == {0: 0, 1: 3, 2: 2, 3: 3}
     assert r.c.next_step == 5  # only step 5 is re-run
+    # The members were told at their join what they would load (they ask for its metadata then).
+    joins = [args[2] for _, args in r.group.calls(RankCalls.join_generation) if args[0].generation == 2]
+    assert len(joins) == 2 and all(orders.restore == source for orders in joins)  # dp=2: actor 3 spare
     r.steps(1)
     rebuild = _restored(r)
     assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("snapshot", 4)
@@ -106,6 +109,7 @@ def test_a_rank_and_its_holder_lost_fall_back_to_storage(make):
     assert r.c.advance() == State.RUNNING
     assert not r.group.calls(RankCalls.load_snapshot)
     assert r.group.calls(RankCalls.load_checkpoint)[0][1] == (str(r.ckpt / step_dir_name(2) / "g1"),)  # its attempt dir
+    assert {args[2].restore for _, args in r.group.calls(RankCalls.join_generation)} == {None}
     r.steps(1)
     rebuild = _restored(r)
     assert (rebuild["restored_from"], rebuild["resumed_from_step"]) == ("storage", 2)
@@ -122,6 +126,27 @@ def test_a_push_cut_by_the_failure_falls_back_to_the_set_before(make):
     assert 3 in r.group.killed
     assert r.c.advance() == State.RUNNING
     assert r.group.ranks[0].snapshots_loaded[-1].key == (1, 0, 3) and r.c.next_step == 4  # 4 and 5 re-run
+
+
+def test_a_shard_left_with_one_copy_gets_a_second_before_the_rebuild_joins(make):
+    """A loss leaves the dead rank's shard on its holder only (and the shard it held on its owner
+    only): each gets a second copy before the members join, so the one holder dying as it joins the
+    rebuild still leaves the set covered (without the copies: back to storage, steps re-run)."""
+    r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})  # the ring: rank 0 -> 2 -> 1 -> 3 -> 0
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
+    # Rank 2's snapshot was held by rank 1: its only copy is its owner's, which dies joining the rebuild.
+    r.group.fail(RankCalls.join_generation, 2, "die", at=2)
+    r.steps(5)
+    assert r.c.advance() == State.REBUILDING
+    assert r.c.advance() == State.REBUILDING  # the join broke
+    first = [(args[1], actor) for actor, args in r.group.calls(RankCalls.copy_snapshot)]
+    assert sorted(first) == [(1, 3), (2, 2)]  # rank 1 from its holder (actor 3), rank 2 from itself
+    while r.c.advance() != State.RUNNING:
+        pass
+    assert not r.group.calls(RankCalls.load_checkpoint)
+    assert r.group.ranks[0].snapshots_loaded[-1].key == (1, 0, 4) and r.c.next_step == 5
+    r.steps(1)
+    assert _restored(r)["restored_from"] == "snapshot" and "copied" in _restored(r)["phases_s"]
 
 
 def test_rebuild_restores_twice_from_the_same_set_when_forming_fails(make):

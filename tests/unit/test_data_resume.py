@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints.catalog import commit
-from checkpoints.layout import DCP_METADATA, step_dir_name
-from checkpoints.manifest import CheckpointManifest
 from meshdata import open_source, prepare
-from meshspeak.sections import config_to_dict
-from orchestrator.config.fingerprint import model_fingerprint
 from orchestrator.config.load import load_config
 from orchestrator.errors import UserInputError
 from orchestrator.saves.checkpointing import coordinator_for
+from testbed.committed import commit_checkpoint
 
 
 class _Events:
@@ -27,16 +23,8 @@ class _Events:
 
 
 def _committed(root: Path, cfg, identity: str) -> None:
-    step = root / step_dir_name(5)
-    step.mkdir(parents=True)
-    metadata = pickle.dumps({"fake": "metadata"})  # imports nothing: passes the driver's .metadata check
-    (step / DCP_METADATA).write_bytes(metadata)
-    (step / "__0_0.distcp").write_bytes(b"s" * 20)
-    commit(str(root), CheckpointManifest(
-        step=5, generation=1, mesh={"dp": 1, "pp": 1, "tp": 1}, model_fingerprint=model_fingerprint(cfg),
-        data_cursor=5 * cfg.train.global_batch_size, global_batch_size=cfg.train.global_batch_size, world_size=1,
-        ranks_acked=[0], model_config=config_to_dict(cfg)["model"], data_identity=identity,
-        files={DCP_METADATA: len(metadata), "__0_0.distcp": 20}))
+    # The metadata imports nothing: it passes the driver's .metadata check.
+    commit_checkpoint(root, cfg, 5, pickle.dumps({"fake": "metadata"}), data_identity=identity)
 
 
 def test_resume_follows_data_content_not_path(tmp_path):

@@ -7,8 +7,10 @@ from meshspeak.messages import SnapshotInventory
 from orchestrator.saves.snapshots import (
     backup_ring,
     choose_source,
+    copies_of,
     covered,
     newest_covered,
+    second_homes,
 )
 
 
@@ -78,6 +80,23 @@ def test_a_lost_replica_is_covered_by_a_live_one():
     assert newest_covered(inventories, {2: 4}) is None
     # Shard 0 from rank 2 (replica B), shard 1 from ranks 1 (its copy on actor 12) and 3.
     assert newest_covered(inventories, {2: 4}, same={2: hsdp}) == (k, {1: 12, 2: 12, 3: 13})
+
+
+def test_a_shard_left_with_one_copy_gets_a_second_home_elsewhere():
+    key = (1, 0, 4)
+    # Actor 11 (rank 1) died: its shard lives on its holder 13 only, and rank 2's (held by 11) on 12 only.
+    inventories = {10: SnapshotInventory(own=((key, 0),), held=((key, 3),)),
+                   12: SnapshotInventory(own=((key, 2),), held=((key, 0),)),
+                   13: SnapshotInventory(own=((key, 3),), held=((key, 1),))}
+    copies = copies_of(inventories, key)
+    assert copies == {0: {10, 12}, 1: {13}, 2: {12}, 3: {10, 13}}
+    node_of = {10: "A", 12: "B", 13: "B"}
+    # Rank 1's copy goes to the other node; rank 2's to the actor given none yet (13 before 10).
+    assert second_homes(copies, [0, 1, 2, 3], [10, 12, 13], node_of) == {1: (13, 10), 2: (12, 13)}
+    # Nobody else is left to hold one: nothing to do.
+    assert second_homes({0: {10}}, [0], [10], {10: "A"}) == {}
+    # HSDP's replicas: a class with copies on two actors is covered twice already.
+    assert second_homes({0: {10}, 2: {12}, 1: {11}, 3: set()}, [0, 1, 0, 1], [10, 11, 12], {}) == {1: (11, 10)}
 
 
 def test_choose_source():
