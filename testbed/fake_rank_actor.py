@@ -197,7 +197,7 @@ class FakeRankActor:
             self.held[(tuple(key), owner)] = copy
         return copy.nbytes
 
-    @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    @ray.method(concurrency_group=TRAIN_GROUP)  # as RankActor's (workers/actor.py): no two wait for each other
     def copy_snapshot(self, key: tuple, owner: int, target) -> int:
         key = tuple(key)
         with self._lock:

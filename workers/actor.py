@@ -370,8 +370,11 @@ class RankActor:
     def snapshot_inventory(self) -> SnapshotInventory:
         return self.snapshots.inventory()
 
-    @on(SNAPSHOT_GROUP)
+    @training
     def copy_snapshot(self, key: SnapKey, owner: int, target) -> int:
+        # On the training thread (idle between a failure and the next join), not the snapshot
+        # thread: the copy waits for the target's keep_snapshot, which runs on the target's snapshot
+        # thread, so two actors copying to each other there at once waited for each other forever.
         return copy_to(self.snapshots, tuple(key), owner, target)
 
     @on(SNAPSHOT_GROUP)

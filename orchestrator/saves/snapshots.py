@@ -304,31 +304,30 @@ class SnapshotCoordinator:
         return RestorePlan(found, info.step if info is not None else None,
                            copies_of(inventories, found[0]) if found else {})
 
-    def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str]) -> int:
+    def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str]) -> bool:
         """Before a new generation joins: every shard of the set ``plan`` restores that a loss left with
         one live copy is given a second one, on another of the live ``candidates`` (in order of
         preference: the new members first), and waited for. A second loss while the generation joins
         or loads (a member dying as it joins) then still finds the set covered: with one copy, losing
         the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
-        kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard (~1 MB at dp=4 on
-        the tiny model; a push of the same bytes as every step's). How many copies were made."""
+        kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard, all at once (a
+        push of the same bytes as every step's: 0.1 s on bench/recovery.py's snapshot side when made
+        one after the other). Whether any copy was made."""
         if plan.source != "snapshot":
-            return 0
+            return False
         key = plan.found[0]
         classes = self._same.get(key[0]) or list(range(self._worlds.get(key[0], 0)))
-        made = 0
-        # One copy at a time: a copy holds the giver's snapshot thread (one per actor) until the
-        # receiver's keep_snapshot, which runs on the receiver's, answered; two actors copying to each
-        # other at once would wait for each other forever.
+        refs: dict = {}
         for rank, (holder, target) in second_homes(plan.copies, classes, candidates, node_of).items():
-            refs = group.submit([holder], RankCalls.copy_snapshot, {holder: (key, rank, group.handle(target))})
-            outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s,
-                                          f"copying rank {rank}'s snapshot of step {key[2]} to actor {target}")
-            if not outcome.ok:  # the join or the load finds who died; the copies made still count
-                logger.warning("no second copy of rank %d's snapshot of step %d: %s", rank, key[2],
-                               outcome.failed or outcome.dead or outcome.pending)
-            made += bool(outcome.ok)
-        return made
+            refs.update(group.submit([holder], RankCalls.copy_snapshot, {holder: (key, rank, group.handle(target))}))
+        if not refs:
+            return False
+        outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s,
+                                      f"copying {len(refs)} lone snapshot shard(s) of step {key[2]}")
+        if not outcome.ok:  # the join or the load finds who died; the copies made still count
+            logger.warning("second copies of the snapshot of step %d: not all made (%s)", key[2],
+                           outcome.failed or outcome.dead or outcome.pending)
+        return bool(outcome.results)
 
     def restore_best(self, group, gen, ckpt, *, at_most: int, plan: RestorePlan | None = None) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at
