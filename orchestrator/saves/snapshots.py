@@ -48,16 +48,25 @@ COVER_SETTLE_S = 10.0  # a planned re-form waits this long for the last pushes b
 
 # -- pure decisions ---------------------------------------------------------------------------------
 def backup_ring(members: dict[int, int], node_of: dict[int, str]) -> dict[int, int]:
-    """World rank -> the rank that holds its snapshot: the next rank in a ring that visits the nodes
-    in turn (round-robin), so a holder is on another node whenever the mesh spans several. Empty for
-    a single rank (there is nobody to hold a copy)."""
+    """World rank -> the rank that holds its snapshot: the next rank in a ring in which no two
+    neighbours share a node whenever no node holds more than half the ranks, so that losing a node
+    loses no shard's both copies. Empty for a single rank (there is nobody to hold a copy).
+
+    The ranks, the largest node's first, fill every other place of the ring, then the places between
+    (the way to seat a cycle with no two neighbours alike). Visiting the nodes in turn instead wraps
+    within a node when they hold unequal counts: ranks on nodes A, A, B, C made the ring A B C A, and
+    bench/chaos.py's node losses (node_removal, a drain past its deadline) then took both copies of a
+    shard and went back to storage (2 of 14 rebuilds of one campaign)."""
     if len(members) < 2:
         return {}
     by_node: dict[str, list[int]] = {}
     for rank in sorted(members):
         by_node.setdefault(node_of.get(members[rank], ""), []).append(rank)
-    columns = list(by_node.values())
-    ring = [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+    order = [rank for column in sorted(by_node.values(), key=len, reverse=True) for rank in column]
+    places = [*range(0, len(order), 2), *range(1, len(order), 2)]
+    ring = [0] * len(order)
+    for place, rank in zip(places, order, strict=True):
+        ring[place] = rank
     return {ring[i]: ring[(i + 1) % len(ring)] for i in range(len(ring))}
 
 

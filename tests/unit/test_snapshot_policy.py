@@ -2,6 +2,9 @@
 snapshot, whether a set can restore a run and who gives each shard, snapshot or storage; with HSDP's
 replicas (or ZeRO-0's ranks) a lost shard is covered by another rank holding the same one."""
 
+import random
+from collections import Counter
+
 from meshspeak.mesh import MeshShape, same_shard_ranks
 from meshspeak.messages import SnapshotInventory
 from orchestrator.saves.snapshots import (
@@ -22,11 +25,33 @@ def test_ring_prefers_another_node():
     assert all(node[members[r]] != node[members[h]] for r, h in ring.items())
 
 
+def test_ring_crosses_nodes_whenever_no_node_holds_more_than_half():
+    # bench/chaos.py's mesh after a node loss: ranks 0 and 2 on one node. Visiting the nodes in turn
+    # made 0 -> 1 -> 3 -> 2 -> 0, so losing that node lost rank 2's both copies.
+    members = {r: 10 + r for r in range(4)}
+    node = {10: "a", 11: "b", 12: "a", 13: "c"}
+    ring = backup_ring(members, node)
+    assert all(node[members[r]] != node[members[h]] for r, h in ring.items())
+    rng = random.Random(0)
+    for _ in range(2000):
+        n = rng.randint(2, 12)
+        node = {10 + r: rng.choice("abcde"[:rng.randint(1, 5)]) for r in range(n)}
+        members = {r: 10 + r for r in range(n)}
+        ring = backup_ring(members, node)
+        cycle, at = [0], ring[0]
+        while at != 0:
+            cycle.append(at)
+            at = ring[at]
+        assert sorted(cycle) == list(range(n))  # one ring through every rank
+        if max(Counter(node.values()).values()) <= n // 2:
+            assert all(node[members[r]] != node[members[h]] for r, h in ring.items()), node
+
+
 def test_ring_uneven_nodes_and_one_node_and_one_rank():
     members = {0: 0, 1: 1, 2: 2}
     ring = backup_ring(members, {0: "a", 1: "a", 2: "b"})
     assert ring == {0: 2, 2: 1, 1: 0}
-    assert backup_ring(members, {0: "a", 1: "a", 2: "a"}) == {0: 1, 1: 2, 2: 0}
+    assert backup_ring(members, {0: "a", 1: "a", 2: "a"}) == {0: 2, 2: 1, 1: 0}  # one node: any ring
     assert backup_ring({0: 5}, {5: "a"}) == {}
 
 
