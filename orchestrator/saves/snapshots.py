@@ -133,7 +133,7 @@ def second_homes(copies: dict[int, set[int]], classes: list[int], candidates: li
     for cls in sorted(by_class):
         if len({actor for _, actor in by_class[cls]}) != 1:
             continue
-        (rank, holder), = sorted(by_class[cls])[:1]
+        rank, holder = min(by_class[cls])
         choices = [a for a in candidates if a != holder]
         if not choices:
             continue
@@ -320,8 +320,8 @@ class SnapshotCoordinator:
         or loads (a member dying as it joins) then still finds the set covered: with one copy, losing
         the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
         kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard, all at once (a
-        push of the same bytes as every step's: 0.1 s on bench/recovery.py's snapshot side when made
-        one after the other). Whether any copy was made."""
+        push of the same bytes as every step's): 0.08-0.14 s on bench/recovery.py's snapshot side,
+        0.2-0.5 s for the chaos campaign's 26 MB shards. Whether any copy was made."""
         if plan.source != "snapshot":
             return False
         key = plan.found[0]
