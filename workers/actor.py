@@ -54,7 +54,7 @@ from workers import compile_stats
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
-from workers.snapshot_push import SnapshotWorker, ask_metadata, copy_to, serve_pieces
+from workers.snapshot_push import SnapshotWorker, ask_metadata, copy_to, providers_of, serve_pieces
 from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -228,8 +228,7 @@ class RankActor:
         if source is None:
             return None
         key = tuple(source.key)
-        providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
-        return key, ask_metadata(self.snapshots, key, providers, self.actor_id)
+        return key, ask_metadata(self.snapshots, key, providers_of(source), self.actor_id)
 
     def _device_for(self, gen: JoinSpec, spec: RuntimeSpec):
         """This rank's device for generation ``gen`` (its backend noted for the kick). A GPU job on a

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from meshspeak.messages import SnapKey, SnapshotAck
+from meshspeak.messages import RestoreSource, SnapKey, SnapshotAck
 from meshspeak.rank_calls import RankCalls, call_name
 from workers.snapshots import SnapshotStore
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch is imported where a snapshot is handled, never when t
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT_S = 600.0
+Providers = dict[int, tuple[int, object]]  # old world rank -> (actor id, actor handle)
 
 
 class SnapshotWorker:
@@ -158,6 +159,11 @@ def serve_pieces(store: SnapshotStore, key: SnapKey, owner: int, requests: list)
     from checkpoints.memory import pack_piece
 
     return [pack_piece(p) for p in store.find(key, owner).pieces(requests)]
+
+
+def providers_of(source: RestoreSource) -> Providers:
+    """``source.providers`` (old world rank, actor id, handle) by old world rank."""
+    return {rank: (actor, handle) for rank, actor, handle in source.providers}
 
 
 def copy_to(store: SnapshotStore, key: SnapKey, owner: int, target) -> int:

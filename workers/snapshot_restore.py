@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshspeak.messages import RestoreAck, RestoreSource, SnapKey
-from workers.snapshot_push import fetch_metadata, fetch_pieces
+from workers.snapshot_push import Providers, fetch_metadata, fetch_pieces, providers_of
 from workers.snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Providers = dict[int, tuple[int, object]]  # old world rank -> (actor id, actor handle)
-
 
 def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor_id: int,
                      asked: dict[int, object] | None = None) -> RestoreAck:
@@ -49,7 +47,7 @@ def restore_snapshot(runtime, source: RestoreSource, store: SnapshotStore, actor
     t0 = time.perf_counter()
     runtime._finish_checkpoint_write()  # before the checkpoint group's collectives (the vote, DCP's)
     key = tuple(source.key)
-    providers = {rank: (actor, handle) for rank, actor, handle in source.providers}
+    providers = providers_of(source)
     plan = direct_plan(runtime, key, providers, store, actor_id, asked)
     t_plan = time.perf_counter()
     direct = everyone(plan is not None, runtime.groups.ckpt_group, runtime.groups.shape.world)

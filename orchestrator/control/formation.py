@@ -43,8 +43,9 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     ctx.health.stragglers.forget(set(members.values()))
     # Decided before the join: the members are told whether a load follows (they then skip the init).
     restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
-    node_of = {a: ctx.group.node_ids.get(a, "") for a in [*members.values(), *spares]}
-    if ctx.snapshots.second_copies(ctx.group, restore, [*members.values(), *spares], node_of):
+    live = [*members.values(), *spares]  # the new members first: they are given second copies first
+    node_of = {a: ctx.group.node_ids.get(a, "") for a in live}
+    if ctx.snapshots.second_copies(ctx.group, restore, live, node_of):
         ctx.recovery_clock.mark("copied")
     spec = _shared_spec(ctx, plan, restore)
     gen = GenerationRecord(number, plan, members)
