@@ -201,6 +201,7 @@ class RestoreAck:
     fetched_bytes: int  # pieces of old shards fetched from the providers (its own ones included)
     shard_bytes: int  # this rank's own state (model + optimizer shard) after the load
     direct: bool = False  # copied in place from one old rank's snapshot, not resharded (workers/snapshot_restore.py)
+    fetched_ahead: int = 0  # of fetched_bytes: the shard asked for at the join (workers.snapshot_push.ask_ahead)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,8 +69,10 @@ class RankCalls(Protocol):
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         """Leave the current generation and join ``gen``; ``orders`` hold what every step runs."""
 
-    def leave_generation(self) -> None:
-        """Leave the current generation (a spare)."""
+    def leave_generation(self, generation: int | None = None) -> None:
+        """Leave the current generation (a spare), or only generation ``generation`` (the survivors of
+        a broken one, told as soon as they were freed: a later generation it may already have joined,
+        the call arriving out of order, is left alone)."""
 
     # -- steps (training thread) ------------------------------------------------------------------
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
@@ -103,6 +105,10 @@ class RankCalls(Protocol):
     def copy_snapshot(self, key: SnapKey, owner: int, target: Any) -> int:
         """Give ``target`` (an actor handle the driver names for this copy) a copy of rank ``owner``'s
         snapshot ``key``, which this actor holds; the bytes copied."""
+
+    def give_snapshot(self, key: SnapKey, owner: int) -> Any:
+        """The whole of rank ``owner``'s snapshot ``key``, which this actor holds (own or a copy): asked
+        for by a rank that joins a mesh of the same size as rank ``owner`` (its load's shard)."""
 
     def wait_snapshots(self, timeout_s: float) -> tuple:
         """Wait until every snapshot this rank took was pushed and acknowledged; the keys held."""

@@ -150,8 +150,9 @@ class FakeRank:
                         gloo_listeners=((self.node_ip, 40_000 + self.actor_id),), setup_s=0.01,
                         num_params_local=100)
 
-    def leave_generation(self) -> None:
-        self.generation = self.world_rank = -1
+    def leave_generation(self, generation: int | None = None) -> None:
+        if generation is None or generation == self.generation:
+            self.generation = self.world_rank = -1
 
     def warm(self) -> None:
         pass
@@ -267,6 +268,10 @@ class FakeRank:
         snap = self.own[key] if key in self.own and self.own[key]["rank"] == owner else self.held[(key, owner)]
         self.group.push(target, key, owner, snap)
         return 64
+
+    def give_snapshot(self, key: tuple, owner: int) -> Any:
+        key = tuple(key)
+        return self.own[key] if key in self.own and self.own[key]["rank"] == owner else self.held[(key, owner)]
 
     def wait_snapshots(self, timeout_s: float) -> tuple:
         self._push_answered()

@@ -107,8 +107,9 @@ class FakeRankActor:
                         gloo_listeners=(), setup_s=0.0, num_params_local=self.snapshot_bytes // 4)
 
     @ray.method(concurrency_group=TRAIN_GROUP)
-    def leave_generation(self) -> None:
-        self.generation = self.world_rank = -1
+    def leave_generation(self, generation: int | None = None) -> None:
+        if generation is None or generation == self.generation:
+            self.generation = self.world_rank = -1
 
     @ray.method(concurrency_group=TRAIN_GROUP)
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
@@ -197,13 +198,20 @@ class FakeRankActor:
             self.held[(tuple(key), owner)] = copy
         return copy.nbytes
 
-    @ray.method(concurrency_group=TRAIN_GROUP)  # as RankActor's (workers/actor.py): no two wait for each other
+    # As RankActor's (workers/actor.py): on the plain threads, so no two wait for each other
     def copy_snapshot(self, key: tuple, owner: int, target) -> int:
         key = tuple(key)
         with self._lock:
             own = self.own.get(key)
             snap = own[0] if own is not None and own[1] == owner else self.held[(key, owner)]
         return ray.get(getattr(target, call_name(RankCalls.keep_snapshot)).remote(key, owner, snap), timeout=600)
+
+    @ray.method(concurrency_group=SNAPSHOT_GROUP)
+    def give_snapshot(self, key: tuple, owner: int):
+        key = tuple(key)
+        with self._lock:
+            own = self.own.get(key)
+            return own[0] if own is not None and own[1] == owner else self.held[(key, owner)]
 
     def wait_snapshots(self, timeout_s: float) -> tuple:
         deadline = time.monotonic() + timeout_s

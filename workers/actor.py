@@ -54,7 +54,7 @@ from workers import compile_stats
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
-from workers.snapshot_push import SnapshotWorker, ask_metadata, copy_to, providers_of, serve_pieces
+from workers.snapshot_push import AskedAhead, SnapshotWorker, ask_ahead, copy_to, keep_asked, serve_pieces
 from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class RankActor:
         # Outlives generations: a rebuild restores from it. Keeps checkpoint.memory_keep per owner.
         self.snapshots = SnapshotStore(snapshot_keep)
         self.snapshot_worker = SnapshotWorker(self.snapshots)
-        # (set, old rank -> pending answer): a snapshot load's metadata reads, asked for at the join
-        self.asked_metadata: tuple[SnapKey, dict[int, object]] | None = None
+        # What a snapshot load's reads asked for at the join (metadata, the shard it loads)
+        self.asked: AskedAhead | None = None
         self.warm()
 
     @plain
@@ -178,7 +178,7 @@ class RankActor:
 
         with self._lock:
             t0 = time.perf_counter()
-            self.asked_metadata = self._ask_metadata(orders.restore)
+            self.asked = self._ask_ahead(orders.restore, gen)
             self._leave()
             t_left = time.perf_counter()
             device = self._device_for(gen, spec)
@@ -222,13 +222,12 @@ class RankActor:
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
 
-    def _ask_metadata(self, source: RestoreSource | None) -> tuple[SnapKey, dict[int, object]] | None:
-        """The metadata reads of the snapshot load that follows this join (``GenerationOrders.restore``),
-        asked for now: answered by the providers while this rank builds its groups and model."""
+    def _ask_ahead(self, source: RestoreSource | None, gen: JoinSpec) -> AskedAhead | None:
+        """The reads of the snapshot load that follows this join (``GenerationOrders.restore``), asked
+        for now: answered by the providers while this rank builds its groups and model."""
         if source is None:
             return None
-        key = tuple(source.key)
-        return key, ask_metadata(self.snapshots, key, providers_of(source), self.actor_id)
+        return ask_ahead(self.snapshots, source, gen.world_rank, gen.shape.world, self.actor_id)
 
     def _device_for(self, gen: JoinSpec, spec: RuntimeSpec):
         """This rank's device for generation ``gen`` (its backend noted for the kick). A GPU job on a
@@ -369,12 +368,18 @@ class RankActor:
     def snapshot_inventory(self) -> SnapshotInventory:
         return self.snapshots.inventory()
 
-    @training
+    @plain
     def copy_snapshot(self, key: SnapKey, owner: int, target) -> int:
-        # On the training thread (idle between a failure and the next join), not the snapshot
-        # thread: the copy waits for the target's keep_snapshot, which runs on the target's snapshot
-        # thread, so two actors copying to each other there at once waited for each other forever.
+        # Not on the snapshot thread: the copy waits for the target's keep_snapshot, which runs on the
+        # target's snapshot thread, so two actors copying to each other there at once waited for each
+        # other forever. Nor on the training thread: a survivor leaves the broken generation there
+        # meanwhile (handlers/recovering.py), and the copies waited behind its teardown (+0.05 s on
+        # bench/recovery.py). The plain threads are several: a probe or a kick still answers.
         return copy_to(self.snapshots, tuple(key), owner, target)
+
+    @on(SNAPSHOT_GROUP)
+    def give_snapshot(self, key: SnapKey, owner: int):
+        return self.snapshots.find(tuple(key), owner).serialize()
 
     @on(SNAPSHOT_GROUP)
     def snapshot_meta(self, key: SnapKey, owner: int):
@@ -388,12 +393,14 @@ class RankActor:
     def load_snapshot(self, source: RestoreSource) -> RestoreAck:
         """Load snapshot set ``source.key`` into this generation (a collective), fetching from the
         providers only the pieces of the old shards this rank needs."""
-        asked, self.asked_metadata = self.asked_metadata, None
+        asked, self.asked = self.asked, None
+        if asked is not None and asked.key != tuple(source.key):  # a load no join announced (a rollback)
+            asked = None
         with self._loading():
-            ack = self.runtime.load_snapshot(source, self.snapshots, self.actor_id,
-                                             asked[1] if asked and asked[0] == tuple(source.key) else None)
+            kept = keep_asked(self.snapshots, asked) if asked else 0
+            ack = self.runtime.load_snapshot(source, self.snapshots, self.actor_id, asked.metadata if asked else None)
             self.step = ack.step
-        return ack
+        return replace(ack, fetched_bytes=ack.fetched_bytes + kept, fetched_ahead=kept)
 
     @plain
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
@@ -409,9 +416,10 @@ class RankActor:
         self.faults.arm(at, kind, delay_s, where, steps)
 
     @training
-    def leave_generation(self) -> None:
+    def leave_generation(self, generation: int | None = None) -> None:
         with self._lock:
-            self._leave()
+            if generation is None or generation == self.generation:
+                self._leave()
 
     def _leave(self) -> None:
         if self.runtime is not None:

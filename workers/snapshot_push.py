@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
@@ -183,6 +184,51 @@ def ask_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[
     return {owner: getattr(handle, call_name(RankCalls.snapshot_meta)).remote(key, owner)
             for owner, (actor, handle) in providers.items()
             if actor != me and not store.holds(key, owner)}
+
+
+@dataclass
+class AskedAhead:
+    """What a joining rank asked the providers for, ahead of the snapshot load that follows its join
+    (``GenerationOrders.restore``; answered while it builds its groups and model): ``ask_ahead``."""
+
+    key: SnapKey
+    metadata: dict[int, object]  # old rank -> its pending metadata (``fetch_metadata``'s ``asked``)
+    shard: tuple[int, object] | None = None  # (old rank, its pending whole snapshot), to keep before the load
+
+
+def ask_ahead(store: SnapshotStore, source: RestoreSource, new_rank: int, new_world: int, me: int) -> AskedAhead:
+    """Ask now for what the load of ``source`` as rank ``new_rank`` of ``new_world`` will read from other
+    actors. A mesh of the old one's size lays out rank r's shard as old rank r's, so where this actor
+    holds no copy of old rank ``new_rank``'s snapshot, the whole of it is asked for (``give_snapshot``)
+    and kept before the load (``keep_asked``), which then copies it in place from this actor's own
+    store: a promoted spare, or a survivor numbered anew, fetches while it joins, not while every
+    rank waits in the load (the fetch was most of a spare's 0.19 s restore on bench/recovery.py).
+    Besides, the metadata of every other old rank it neither holds nor provides (``ask_metadata``;
+    a changed size assembles its pieces from many)."""
+    key = tuple(source.key)
+    providers = providers_of(source)
+    shard = None
+    if (new_world == source.world and new_rank in providers and providers[new_rank][0] != me
+            and not store.holds(key, new_rank)):
+        handle = providers[new_rank][1]
+        shard = (new_rank, getattr(handle, call_name(RankCalls.give_snapshot)).remote(key, new_rank))
+    others = {rank: p for rank, p in providers.items() if shard is None or rank != new_rank}
+    return AskedAhead(key, ask_metadata(store, key, others, me), shard)
+
+
+def keep_asked(store: SnapshotStore, asked: AskedAhead) -> int:
+    """Keep the whole shard ``ask_ahead`` asked for, once it came (waiting for it if it has not); the
+    bytes kept. A provider that failed to give it leaves the load to read what it needs as before
+    (whose error then names what is missing)."""
+    if asked.shard is None:
+        return 0
+    owner, ref = asked.shard
+    try:
+        return store.keep(asked.key, owner, ray.get(ref, timeout=PUSH_TIMEOUT_S))
+    except Exception as exc:  # the load reads from the providers instead
+        logger.warning("snapshot %s of old rank %d asked for ahead did not come: %s: %s", asked.key, owner,
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return 0
 
 
 def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,

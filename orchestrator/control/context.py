@@ -122,6 +122,9 @@ class DriverContext:
     inputs: BoundaryInputs = field(default_factory=BoundaryInputs)
     generation: GenerationRecord | None = None  # the mesh formed now
     last_restore: Restored | None = None  # what the newest formation or rollback resumed from
+    # Survivors told to leave the broken generation as soon as they were freed (handlers/recovering.py):
+    # their pending calls, waited for by the next formation (control/formation.py)
+    leaving: dict = field(default_factory=dict)
 
 
 def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog,

@@ -45,7 +45,7 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
     live = [*members.values(), *spares]  # the new members first: they are given second copies first
     node_of = {a: ctx.group.node_ids.get(a, "") for a in live}
-    if ctx.snapshots.second_copies(ctx.group, restore, live, node_of):
+    if ctx.snapshots.second_copies(ctx.group, restore, live, node_of, members):
         ctx.recovery_clock.mark("copied")
     spec = _shared_spec(ctx, plan, restore)
     gen = GenerationRecord(number, plan, members)
@@ -103,8 +103,12 @@ def _join(ctx: DriverContext, gen: GenerationRecord, spares: list[int], args: di
     the new one from here, with what its members reported."""
     # The spares leave while the members join (their teardown, a GC pass, took 30-50 ms of the
     # recovery when waited for first), and are waited for before this returns: a threaded actor's
-    # calls may run out of order, so no later call may reach a spare before its leave has run.
-    leaving = ctx.group.submit(spares, RankCalls.leave_generation) if spares else {}
+    # calls may run out of order, so no later call may reach a spare before its leave has run. The
+    # survivors of a failure were told to leave as soon as they were freed (handlers/recovering.py).
+    leaving, ctx.leaving = ctx.leaving, {}
+    not_told = [a for a in spares if a not in leaving.values()]
+    if not_told:
+        leaving.update(ctx.group.submit(not_told, RankCalls.leave_generation))
     ctx.recovery_clock.mark("planned")
     refs = ctx.group.submit(list(gen.members.values()), RankCalls.join_generation, args)
     # Waited for while the members answer liveness probes (a model build or an init_from read can take
@@ -142,7 +146,8 @@ def _announce(ctx: DriverContext, decision: ResizeDecision, spec: RuntimeSpec, r
              "dp": shape.dp, "pp": shape.pp, "tp": shape.tp,
              "dp_replicate": spec.dp.replicate, "resumed_from_step": restored.step,
              "restored_from": restored.source, "restore_s": round(restored.load_s, 4),
-             "restored_in_place": restored.direct,
+             "restored_in_place": restored.direct, "fetched_bytes": restored.fetched_bytes,
+             "fetched_ahead_bytes": restored.fetched_ahead_bytes,
              "reason": decision.reason, "spares": len(spares)}
     if decision.reason == "start":
         ctx.metrics.event("start", **{k: v for k, v in event.items() if k != "kind"})

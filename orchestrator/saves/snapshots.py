@@ -120,11 +120,14 @@ def copies_of(inventories: dict[int, object], key: SnapKey) -> dict[int, set[int
 
 
 def second_homes(copies: dict[int, set[int]], classes: list[int], candidates: list[int],
-                 node_of: dict[int, str]) -> dict[int, tuple[int, int]]:
+                 node_of: dict[int, str], loaders: dict[int, int] | None = None) -> dict[int, tuple[int, int]]:
     """For each class of ranks holding the same shard (``classes``: rank -> class) whose shard has
-    exactly one live copy: rank -> (the actor holding it, the actor to give a second copy), chosen
-    among ``candidates`` (in order of preference) on another node than the holder where there is one,
-    each candidate given as few copies as can be. Classes with no copy or two are left out."""
+    exactly one live copy: rank -> (the actor holding it, the actor to give a second copy). That is
+    the actor that will load the shard in place (``loaders``: old rank -> actor, where the new mesh
+    has the old size) unless it is on the holder's node and another node has a candidate: the copy
+    then also saves that rank's fetch in the load (a promoted spare's). Else it is chosen among
+    ``candidates`` (in order of preference) on another node than the holder where there is one, each
+    candidate given as few copies as can be. Classes with no copy or two are left out."""
     by_class: dict[int, set[tuple[int, int]]] = {}
     for rank, actors in copies.items():
         by_class.setdefault(classes[rank], set()).update((rank, actor) for actor in actors)
@@ -140,6 +143,10 @@ def second_homes(copies: dict[int, set[int]], classes: list[int], candidates: li
         # Fewest copies given first, then another node than the holder's, then the caller's order.
         target = min(choices, key=lambda a: (given[a], node_of.get(a, "") == node_of.get(holder, ""),
                                              candidates.index(a)))
+        loader = (loaders or {}).get(rank)
+        if loader in given and loader != holder and (node_of.get(loader, "") != node_of.get(holder, "")
+                                                      or node_of.get(target, "") == node_of.get(holder, "")):
+            target = loader
         given[target] += 1
         out[rank] = (holder, target)
     return out
@@ -174,6 +181,7 @@ class Restored:
     source: str  # "snapshot" | "storage"
     load_s: float = 0.0  # the members' load calls, submit to the last answer
     fetched_bytes: int = 0  # snapshot pieces the members fetched, all of them together
+    fetched_ahead_bytes: int = 0  # of those: whole shards fetched as the members joined (RestoreAck.fetched_ahead)
     shard_bytes: int = 0  # the members' own states after the load, all together
     direct: bool = False  # every member copied an old rank's shard in place (no resharding: RestoreAck.direct)
 
@@ -313,10 +321,12 @@ class SnapshotCoordinator:
         return RestorePlan(found, info.step if info is not None else None,
                            copies_of(inventories, found[0]) if found else {})
 
-    def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str]) -> bool:
+    def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str],
+                      members: dict[int, int] | None = None) -> bool:
         """Before a new generation joins: every shard of the set ``plan`` restores that a loss left with
         one live copy is given a second one, on another of the live ``candidates`` (in order of
-        preference: the new members first), and waited for. A second loss while the generation joins
+        preference: the new members first; in a mesh of the old size the member of the shard's rank
+        number in ``members``, which loads it: ``second_homes``), and waited for. A second loss while the generation joins
         or loads (a member dying as it joins) then still finds the set covered: with one copy, losing
         the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
         kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard, all at once (a
@@ -326,8 +336,9 @@ class SnapshotCoordinator:
             return False
         key = plan.found[0]
         classes = self._same.get(key[0]) or list(range(self._worlds.get(key[0], 0)))
+        loaders = members if members and len(members) == len(classes) else None
         refs: dict = {}
-        for rank, (holder, target) in second_homes(plan.copies, classes, candidates, node_of).items():
+        for rank, (holder, target) in second_homes(plan.copies, classes, candidates, node_of, loaders).items():
             refs.update(group.submit([holder], RankCalls.copy_snapshot, {holder: (key, rank, group.handle(target))}))
         if not refs:
             return False
@@ -373,6 +384,7 @@ class SnapshotCoordinator:
         acks = list(outcome.results.values())
         return Restored(key[2], "snapshot", time.perf_counter() - t0,
                         fetched_bytes=sum(a.fetched_bytes for a in acks), shard_bytes=sum(a.shard_bytes for a in acks),
+                        fetched_ahead_bytes=sum(a.fetched_ahead for a in acks),
                         direct=bool(acks) and all(a.direct for a in acks))
 
     def source_of(self, group, plan: RestorePlan) -> RestoreSource | None:

@@ -97,6 +97,7 @@ def test_a_killed_rank_is_restored_from_snapshots_with_one_step_rerun(cluster, h
     assert rebuild["dp"] == 2  # 3 survivors: dp=4's snapshots resharded into dp=2
     # by copies of the old shards' overlaps (checkpoints.direct_load.plan_assembled), not DCP's load
     assert rebuild["restored_in_place"] is True
+    assert rebuild["fetched_bytes"] > 0 and rebuild["fetched_ahead_bytes"] == 0  # a new size: pieces of many
 
 
 @pytest.mark.timeout(420)
@@ -106,6 +107,10 @@ def test_a_spare_promoted_into_the_mesh_restores_in_place(cluster, head_store, t
                                         dp=2, spares=1)
     assert (rebuild["restored_from"], rebuild["resumed_from_step"], rebuild["dp"]) == ("snapshot", 3, 2)
     assert rebuild["restored_in_place"] is True  # every rank copied an old rank's shard: no DCP load
+    # No rank read another actor's store in the load every rank waits in: the lost rank's shard reached
+    # the spare that loads it before (its second copy, given to its loader: saves/snapshots.py
+    # second_homes; or fetched as it joined: workers.snapshot_push.ask_ahead).
+    assert rebuild["fetched_bytes"] == rebuild["fetched_ahead_bytes"]
     assert trained == [1, 2, 3, 4, 5, 6]
 
 

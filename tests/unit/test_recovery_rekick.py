@@ -81,6 +81,8 @@ def test_a_survivor_that_reached_the_rendezvous_after_the_kick_is_kicked_again()
     assert found.lost == {3}  # before: actor 2 was waited for until the store timeout (here: killed)
     assert group.kicks == [[0, 1, 2], [2]]
     assert group.killed == [3]
+    # kicked again soon, not a whole REKICK_S later (the chaos bench lost ~1 s per such recovery)
+    assert group.collect_timeouts[0] <= recovery.REKICK_FIRST_S
     assert max(group.collect_timeouts) <= recovery.REKICK_S
 
 
@@ -90,7 +92,15 @@ def test_a_survivor_that_never_returns_is_killed_at_the_deadline():
                             hang_reason="hung")
     assert found.lost == {1, 2}
     assert found.reasons[1] == "did not return after the kick"
-    assert len(group.kicks) <= 1 + 3 / recovery.REKICK_S  # bounded even when no time passes
+    assert len(group.kicks) <= 1 + len(recovery.rekick_waits(3))  # bounded even when no time passes
+
+
+def test_re_kicks_come_soon_at_first_then_every_rekick_s():
+    waits = recovery.rekick_waits(3.0)
+    assert waits[0] == recovery.REKICK_FIRST_S < recovery.REKICK_S
+    assert all(b == min(2 * a, recovery.REKICK_S) for a, b in zip(waits, waits[1:-1]))
+    assert abs(sum(waits) - 3.0) < 1e-9 and max(waits) == recovery.REKICK_S
+    assert recovery.rekick_waits(0.05) == [0.05]
 
 
 def test_a_wedged_survivor_of_a_step_is_waited_for_a_few_steps_not_the_group_timeout():

@@ -120,6 +120,17 @@ def test_a_shard_left_with_one_copy_gets_a_second_home_elsewhere():
     assert second_homes(copies, [0, 1, 2, 3], [10, 12, 13], node_of) == {1: (13, 10), 2: (12, 13)}
     # Nobody else is left to hold one: nothing to do.
     assert second_homes({0: {10}}, [0], [10], {10: "A"}) == {}
+    # A mesh of the old size: each lone shard's copy goes to the actor that loads it in place (rank 1's
+    # to 12, rank 2's to 13), each on another node than the shard's holder ...
+    loaders = {0: 10, 1: 12, 2: 13, 3: 14}
+    spread = {10: "A", 12: "C", 13: "B", 14: "A"}
+    assert second_homes(copies, [0, 1, 2, 3], [10, 12, 13, 14], spread, loaders) == {1: (13, 12), 2: (12, 13)}
+    # ... but not to a loader on the holder's node while another node has a candidate (12 and 13 on C).
+    paired = {10: "A", 12: "C", 13: "C", 14: "A"}
+    assert second_homes(copies, [0, 1, 2, 3], [10, 12, 13, 14], paired, loaders) == {1: (13, 10), 2: (12, 14)}
+    # One node (bench/recovery.py): each lone shard goes to its loader.
+    one = dict.fromkeys([10, 12, 13, 14], "A")
+    assert second_homes(copies, [0, 1, 2, 3], [10, 12, 13, 14], one, loaders) == {1: (13, 12), 2: (12, 13)}
     # HSDP's replicas: a class with copies on two actors is covered twice already.
     assert second_homes({0: {10}, 2: {12}, 1: {11}, 3: set()}, [0, 1, 0, 1], [10, 11, 12], {}) == {1: (11, 10)}
 
