@@ -100,15 +100,13 @@ class RankCalls(Protocol):
 
     # -- in-memory snapshots (taken and pushed by the rank after its steps: GenerationOrders) ------------
     def keep_snapshot(self, key: SnapKey, owner: int, snap: Any) -> int:
-        """A holder keeps a copy of rank ``owner``'s snapshot ``key`` (called by that rank); its bytes."""
-
-    def copy_snapshot(self, key: SnapKey, owner: int, target: Any) -> int:
-        """Give ``target`` (an actor handle the driver names for this copy) a copy of rank ``owner``'s
-        snapshot ``key``, which this actor holds; the bytes copied."""
+        """A holder keeps a copy of rank ``owner``'s snapshot ``key`` (called by that rank, or by the driver
+        with another actor's ``give_snapshot`` answer: a second copy); its bytes."""
 
     def give_snapshot(self, key: SnapKey, owner: int) -> Any:
         """The whole of rank ``owner``'s snapshot ``key``, which this actor holds (own or a copy): asked
-        for by a rank that joins a mesh of the same size as rank ``owner`` (its load's shard)."""
+        for by a rank that joins a mesh of the same size as rank ``owner`` (its load's shard), and by
+        the driver for a second copy (handed on to ``keep_snapshot``; the driver never reads it)."""
 
     def wait_snapshots(self, timeout_s: float) -> tuple:
         """Wait until every snapshot this rank took was pushed and acknowledged; the keys held."""

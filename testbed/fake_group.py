@@ -201,7 +201,7 @@ class FakeWorkerGroup:
                 outcome.pending_refs[call] = actor
         return outcome
 
-    def all_done(self, refs: Any) -> bool:
+    def all_done(self, refs: Any, wait_s: float = 0.0) -> bool:
         return all(self.call_state(c) in ("done", "dead", "failed") for c in refs)
 
     def drain(self, refs: list) -> list:
@@ -256,7 +256,7 @@ class FakeWorkerGroup:
         fault = self._take_fault(call, rank)
         if fault is None:
             try:
-                call.value = getattr(rank, call.method.__name__)(*call.args)
+                call.value = getattr(rank, call.method.__name__)(*_resolved(call.args))
             except (KeyError, RuntimeError) as exc:  # the method raised (e.g. a ref argument failed)
                 call.state, call.error = "failed", f"{type(exc).__name__}: {exc}"
                 return
@@ -305,3 +305,17 @@ class FakeWorkerGroup:
 def _bind(method: RankCall, args: tuple) -> None:
     """The arguments fit the table's signature, or TypeError at submit, as Ray's ``.remote`` raises."""
     inspect.signature(method).bind(None, *args)
+
+
+def _resolved(args: tuple) -> tuple:
+    """A call's arguments as the rank sees them: another call's answer where the driver passed that
+    call (as Ray resolves a reference argument before the method runs); one that died or failed fails
+    this call too (``_run``: a RuntimeError)."""
+    out = []
+    for arg in args:
+        if isinstance(arg, FakeCall):
+            if arg.state in ("dead", "hung", "failed", "blocked"):
+                raise RuntimeError(f"the argument's call ({arg.method.__name__} on actor {arg.actor}) did not answer")
+            arg = arg.value
+        out.append(arg)
+    return tuple(out)

@@ -263,12 +263,6 @@ class FakeRank:
         self._retain(self.group.keep_of.get(self.actor_id))
         return 64
 
-    def copy_snapshot(self, key: tuple, owner: int, target: int) -> int:
-        key = tuple(key)
-        snap = self.own[key] if key in self.own and self.own[key]["rank"] == owner else self.held[(key, owner)]
-        self.group.push(target, key, owner, snap)
-        return 64
-
     def give_snapshot(self, key: tuple, owner: int) -> Any:
         key = tuple(key)
         return self.own[key] if key in self.own and self.own[key]["rank"] == owner else self.held[(key, owner)]

@@ -198,14 +198,6 @@ class FakeRankActor:
             self.held[(tuple(key), owner)] = copy
         return copy.nbytes
 
-    # As RankActor's (workers/actor.py): on the plain threads, so no two wait for each other
-    def copy_snapshot(self, key: tuple, owner: int, target) -> int:
-        key = tuple(key)
-        with self._lock:
-            own = self.own.get(key)
-            snap = own[0] if own is not None and own[1] == owner else self.held[(key, owner)]
-        return ray.get(getattr(target, call_name(RankCalls.keep_snapshot)).remote(key, owner, snap), timeout=600)
-
     @ray.method(concurrency_group=SNAPSHOT_GROUP)
     def give_snapshot(self, key: tuple, owner: int):
         key = tuple(key)

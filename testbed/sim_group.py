@@ -135,7 +135,7 @@ class SimGroup:
         self.cpu_s += time.thread_time() - t0
         return outcome
 
-    def all_done(self, refs: Any) -> bool:
+    def all_done(self, refs: Any, wait_s: float = 0.0) -> bool:
         return True
 
     def drain(self, refs: list) -> list:
@@ -197,7 +197,9 @@ class SimGroup:
             return lambda actor: self._save_shard(actor, args[0])
         if name == "wait_checkpoint":
             return lambda actor: WriteAck(write_s=0.0, files=self._files.pop(actor, {}), stall_s=0.0, staging_s=0.0)
-        if name == "copy_snapshot":  # the bytes copied; the simulated inventories do not change
+        if name == "give_snapshot":  # what a keep_snapshot is handed; the inventories do not change
+            return lambda actor: None
+        if name == "keep_snapshot":
             return lambda actor: 1 << 20
         if name in ("kick", "warm", "leave_generation", "wait_snapshots"):
             return lambda actor: ()

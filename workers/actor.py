@@ -54,7 +54,7 @@ from workers import compile_stats
 from workers.faults import Faults
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
-from workers.snapshot_push import AskedAhead, SnapshotWorker, ask_ahead, copy_to, keep_asked, serve_pieces
+from workers.snapshot_push import AskedAhead, SnapshotWorker, ask_ahead, keep_asked, serve_pieces
 from workers.snapshots import DEFAULT_KEEP, SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -355,7 +355,8 @@ class RankActor:
     # -- in-memory snapshots (workers/snapshots.py, snapshot_push.py; orchestrator/saves/snapshots.py)
     @on(SNAPSHOT_GROUP)
     def keep_snapshot(self, key: SnapKey, owner: int, snap) -> int:
-        """Hold a copy of rank ``owner``'s snapshot (its owner's push; Ray resolved the bytes)."""
+        """Hold a copy of rank ``owner``'s snapshot (its owner's push, or another actor's
+        ``give_snapshot`` answer the driver handed on; Ray resolved the bytes)."""
         return self.snapshots.keep(tuple(key), owner, snap)
 
     @plain
@@ -367,15 +368,6 @@ class RankActor:
     @plain
     def snapshot_inventory(self) -> SnapshotInventory:
         return self.snapshots.inventory()
-
-    @plain
-    def copy_snapshot(self, key: SnapKey, owner: int, target) -> int:
-        # Not on the snapshot thread: the copy waits for the target's keep_snapshot, which runs on the
-        # target's snapshot thread, so two actors copying to each other there at once waited for each
-        # other forever. Nor on the training thread: a survivor leaves the broken generation there
-        # meanwhile (handlers/recovering.py), and the copies waited behind its teardown (+0.05 s on
-        # bench/recovery.py). The plain threads are several: a probe or a kick still answers.
-        return copy_to(self.snapshots, tuple(key), owner, target)
 
     @on(SNAPSHOT_GROUP)
     def give_snapshot(self, key: SnapKey, owner: int):

@@ -167,14 +167,6 @@ def providers_of(source: RestoreSource) -> Providers:
     return {rank: (actor, handle) for rank, actor, handle in source.providers}
 
 
-def copy_to(store: SnapshotStore, key: SnapKey, owner: int, target) -> int:
-    """Give ``target`` (the actor handle the driver named) a copy of ``owner``'s snapshot ``key`` from
-    this actor's store, as a rank's push gives its holder one (``keep_snapshot``); the bytes copied."""
-    snap = store.find(key, owner).serialize()
-    return int(ray.get(getattr(target, call_name(RankCalls.keep_snapshot)).remote(key, owner, snap),
-                       timeout=PUSH_TIMEOUT_S))
-
-
 def ask_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]],
                  me: int) -> dict[int, object]:
     """Ask now for the snapshot metadata of set ``key`` that a restore will read from other actors:

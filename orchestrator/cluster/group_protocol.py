@@ -79,8 +79,9 @@ class WorkerGroupLike(Protocol):
                 stop_early: Callable[[CallOutcome], bool] | None = None) -> CallOutcome:
         """Wait for refs until all answered, the deadline, or ``stop_early(outcome)``."""
 
-    def all_done(self, refs: Any) -> bool:
-        """Whether every call in ``refs`` has answered (or failed), without waiting."""
+    def all_done(self, refs: Any, wait_s: float = 0.0) -> bool:
+        """Whether every call in ``refs`` has answered (or failed), waiting up to ``wait_s``, without
+        moving the answers to the driver."""
 
     def drain(self, refs: list) -> list:
         """Read the answers of calls nobody waits for any more; the refs still running."""

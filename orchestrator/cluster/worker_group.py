@@ -317,12 +317,13 @@ class WorkerGroup:
             except Exception as exc:  # the method raised: latched for the controller
                 outcome.failed[actor_id] = error_line(exc)
 
-    def all_done(self, refs) -> bool:
-        """Whether every call in ``refs`` has answered (or failed), without waiting and without
-        moving their answers to the driver. (``collect`` with a zero deadline returns before looking
-        at any ref, so it cannot serve as this poll.)"""
+    def all_done(self, refs, wait_s: float = 0.0) -> bool:
+        """Whether every call in ``refs`` has answered (or failed), waiting up to ``wait_s`` for them,
+        without moving their answers to the driver (a snapshot a rank gives another: the driver never
+        unpickles torch objects). (``collect`` with a zero deadline returns before looking at any ref,
+        so it cannot serve as this poll.)"""
         refs = list(refs)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s, fetch_local=False)
         return len(ready) == len(refs)
 
     def drain(self, refs: list) -> list:

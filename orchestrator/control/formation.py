@@ -45,13 +45,17 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
     live = [*members.values(), *spares]  # the new members first: they are given second copies first
     node_of = {a: ctx.group.node_ids.get(a, "") for a in live}
-    if ctx.snapshots.second_copies(ctx.group, restore, live, node_of, members):
-        ctx.recovery_clock.mark("copied")
+    keeps = ctx.snapshots.second_copies(ctx.group, restore, live, node_of, members)
+    if keeps:
+        ctx.recovery_clock.mark("given")
     spec = _shared_spec(ctx, plan, restore)
     gen = GenerationRecord(number, plan, members)
     holders = ctx.snapshots.holders_for(gen, {a: node_of[a] for a in members.values()})
     source = ctx.snapshots.source_of(ctx.group, restore)
     outcome = _join(ctx, gen, spares, _join_args(ctx, gen, spec, holders, source))
+    # Kept while the members joined; waited for even when the join broke (a member killed as it
+    # joined: the shard it gave is kept elsewhere, and the next formation's plan must see that copy).
+    ctx.snapshots.wait_copies(ctx.group, keeps)
     if not outcome.ok:
         return Recovering(Phase.JOINING, outcome, draining=draining)
     try:  # in-memory snapshots when every shard has a live copy, else the newest checkpoint

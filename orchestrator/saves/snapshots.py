@@ -37,13 +37,15 @@ from meshspeak.mesh import same_shard_ranks
 from meshspeak.messages import RestoreSource, SnapKey, StepResult
 from meshspeak.rank_calls import RankCalls
 from meshspeak.sections import CheckpointConfig, ElasticConfig
-from orchestrator.recovery.hang_watch import collect_while_alive
+from orchestrator.recovery.hang_watch import collect_while_alive, probe
 from orchestrator.saves.checkpointing import RestoreFailed
 
 logger = logging.getLogger(__name__)
 
 INVENTORY_TIMEOUT_S = 10.0
 COVER_SETTLE_S = 10.0  # a planned re-form waits this long for the last pushes before saving instead
+GIVE_WAIT_S = 1.0  # how long a wait for second copies' gives lasts before their silent holders are probed
+MAX_GIVE_WAITS = 1000  # such waits at most (holders that answer probes are waited for: never reached on a clock)
 
 
 # -- pure decisions ---------------------------------------------------------------------------------
@@ -322,32 +324,62 @@ class SnapshotCoordinator:
                            copies_of(inventories, found[0]) if found else {})
 
     def second_copies(self, group, plan: RestorePlan, candidates: list[int], node_of: dict[int, str],
-                      members: dict[int, int] | None = None) -> bool:
+                      members: dict[int, int] | None = None) -> dict:
         """Before a new generation joins: every shard of the set ``plan`` restores that a loss left with
         one live copy is given a second one, on another of the live ``candidates`` (in order of
         preference: the new members first; in a mesh of the old size the member of the shard's rank
-        number in ``members``, which loads it: ``second_homes``), and waited for. A second loss while the generation joins
-        or loads (a member dying as it joins) then still finds the set covered: with one copy, losing
-        the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
-        kill_rebuild re-ran 4 steps that way. Costs one shard's copy per lone shard, all at once (a
-        push of the same bytes as every step's): 0.08-0.14 s on bench/recovery.py's snapshot side,
-        0.2-0.5 s for the chaos campaign's 26 MB shards. Whether any copy was made."""
+        number in ``members``, which loads it: ``second_homes``). A second loss while the generation
+        joins or loads (a member dying as it joins) then still finds the set covered: with one copy,
+        losing the actor that held it sent the run back to the newest checkpoint, and bench/chaos.py's
+        kill_rebuild re-ran 4 steps that way.
+
+        In two halves, so that only the first is waited for before the join: each holder gives the
+        shard (``give_snapshot``: its answer lands in Ray's object store, owned by the driver, so it
+        outlives the holder), then its new home keeps it (``keep_snapshot``, handed that answer) while
+        the members join; ``wait_copies`` waits for the keeps. Done in one call and waited for whole,
+        the copies took 0.06-0.14 s of bench/recovery.py's recovery and 0.2-0.6 s of the chaos
+        campaign's (26 MB shards). Returns the keeps under way (ref -> actor)."""
         if plan.source != "snapshot":
-            return False
+            return {}
         key = plan.found[0]
         classes = self._same.get(key[0]) or list(range(self._worlds.get(key[0], 0)))
         loaders = members if members and len(members) == len(classes) else None
-        refs: dict = {}
-        for rank, (holder, target) in second_homes(plan.copies, classes, candidates, node_of, loaders).items():
-            refs.update(group.submit([holder], RankCalls.copy_snapshot, {holder: (key, rank, group.handle(target))}))
-        if not refs:
-            return False
-        outcome = collect_while_alive(group, refs, self.elastic.rebuild_timeout_s,
-                                      f"copying {len(refs)} lone snapshot shard(s) of step {key[2]}")
+        homes = second_homes(plan.copies, classes, candidates, node_of, loaders)
+        gives = {rank: next(iter(group.submit([holder], RankCalls.give_snapshot, {holder: (key, rank)})))
+                 for rank, (holder, _) in homes.items()}
+        given = self._wait_given(group, gives, {rank: holder for rank, (holder, _) in homes.items()})
+        keeps: dict = {}
+        for rank in given:
+            target = homes[rank][1]
+            keeps.update(group.submit([target], RankCalls.keep_snapshot, {target: (key, rank, gives[rank])}))
+        return keeps
+
+    def _wait_given(self, group, gives: dict, holders: dict[int, int]) -> list[int]:
+        """Wait until the holders answered their ``give_snapshot`` calls (rank -> ref), without reading
+        the answers (torch objects); the ranks whose give answered. A holder that answers no liveness
+        probe is not waited for: that shard keeps one copy (its keep is not asked for)."""
+        pending = dict(gives)
+        for _ in range(MAX_GIVE_WAITS):  # bounded by rounds, not by a clock (a slow holder is waited for)
+            if not pending or group.all_done(list(pending.values()), wait_s=GIVE_WAIT_S):
+                return list(gives)
+            pending = {rank: ref for rank, ref in pending.items() if not group.all_done([ref])}
+            polled, _ = probe(group, sorted({holders[rank] for rank in pending}), time.monotonic)
+            silent = set(polled.pending) | set(polled.dead)
+            if silent:
+                logger.warning("second copies: holders %s answer no probe: their shards keep one copy", sorted(silent))
+                return [rank for rank in gives if holders[rank] not in silent]
+        return [rank for rank in gives if rank not in pending]
+
+    def wait_copies(self, group, keeps: dict) -> None:
+        """Wait for the second copies' keeps (``second_copies``) while their actors are alive: a keep
+        that failed (its actor died, or the give it was handed) leaves that shard with one copy."""
+        if not keeps:
+            return
+        outcome = collect_while_alive(group, keeps, self.elastic.rebuild_timeout_s,
+                                      f"keeping {len(keeps)} second snapshot cop(ies)")
         if not outcome.ok:  # the join or the load finds who died; the copies made still count
-            logger.warning("second copies of the snapshot of step %d: not all made (%s)", key[2],
+            logger.warning("second copies of snapshot shards: not all made (%s)",
                            outcome.failed or outcome.dead or outcome.pending)
-        return bool(outcome.results)
 
     def restore_best(self, group, gen, ckpt, *, at_most: int, plan: RestorePlan | None = None) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at

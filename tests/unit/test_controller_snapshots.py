@@ -17,6 +17,7 @@ from orchestrator.control.controller import State
 from orchestrator.control.scaling import ResizeDecision
 from orchestrator.control.states import Forming
 from testbed.controller_run import Run
+from testbed.fake_call import FakeCall
 
 
 @pytest.fixture
@@ -139,14 +140,17 @@ def test_a_shard_left_with_one_copy_gets_a_second_before_the_rebuild_joins(make)
     r.steps(5)
     assert r.c.advance() == State.REBUILDING
     assert r.c.advance() == State.REBUILDING  # the join broke
-    first = [(args[1], actor) for actor, args in r.group.calls(RankCalls.copy_snapshot)]
+    first = [(args[1], actor) for actor, args in r.group.calls(RankCalls.give_snapshot)]
     assert sorted(first) == [(1, 3), (2, 2)]  # rank 1 from its holder (actor 3), rank 2 from itself
+    # each kept by another actor, handed the give's answer (the driver never reads it)
+    kept = {args[1]: actor for actor, args in r.group.calls(RankCalls.keep_snapshot) if isinstance(args[2], FakeCall)}
+    assert sorted(kept) == [1, 2] and kept[1] != 3 and kept[2] != 2
     while r.c.advance() != State.RUNNING:
         pass
     assert not r.group.calls(RankCalls.load_checkpoint)
     assert r.group.ranks[0].snapshots_loaded[-1].key == (1, 0, 4) and r.c.next_step == 5
     r.steps(1)
-    assert _restored(r)["restored_from"] == "snapshot" and "copied" in _restored(r)["phases_s"]
+    assert _restored(r)["restored_from"] == "snapshot" and "given" in _restored(r)["phases_s"]
 
 
 def test_rebuild_restores_twice_from_the_same_set_when_forming_fails(make):
