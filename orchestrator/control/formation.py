@@ -43,6 +43,7 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     ctx.health.stragglers.forget(set(members.values()))
     # Decided before the join: the members are told whether a load follows (they then skip the init).
     restore = ctx.snapshots.plan_restore(ctx.group, ctx.checkpoints, at_most=ctx.progress.next_step - 1)
+    ctx.recovery_clock.mark("restore_planned")
     live = [*members.values(), *spares]  # the new members first: they are given second copies first
     node_of = {a: ctx.group.node_ids.get(a, "") for a in live}
     keeps = ctx.snapshots.second_copies(ctx.group, restore, live, node_of, members)
