@@ -185,7 +185,7 @@ def test_rank_dies_in_a_step_and_the_mesh_shrinks(make):
     assert (rebuild["generation"], rebuild["dp"], rebuild["resumed_from_step"]) == (2, 2, 2)
     assert (rebuild["reason"], rebuild["spares"], rebuild["recovery_s"]) == ("failure", 1, 10.0)
     # Where the recovery went: every phase ended by the fake clock's 100 s, the step at 110 s.
-    assert list(rebuild["phases_s"]) == ["settled", "snapshots_settled", "planned", "joined", "restored"]
+    assert list(rebuild["phases_s"]) == ["settled", "snapshots_settled", "restore_planned", "planned", "joined", "restored"]
     assert all(0.0 <= t <= 10.0 for t in rebuild["phases_s"].values())
     summary = r.c.run()
     assert (summary.final_step, summary.restarts) == (6, 1) and summary.losses[5] == pytest.approx(5)
