@@ -412,6 +412,7 @@ class RankActor:
         with self._lock:
             if generation is None or generation == self.generation:
                 self._leave()
+                self.asked = None  # a load its join announced never comes now (its shard pinned in Ray's store)
 
     def _leave(self) -> None:
         if self.runtime is not None:

@@ -210,11 +210,16 @@ def ask_ahead(store: SnapshotStore, source: RestoreSource, new_rank: int, new_wo
 
 def keep_asked(store: SnapshotStore, asked: AskedAhead) -> int:
     """Keep the whole shard ``ask_ahead`` asked for, once it came (waiting for it if it has not); the
-    bytes kept. A provider that failed to give it leaves the load to read what it needs as before
-    (whose error then names what is missing)."""
+    bytes kept. Not read when a copy is here by now: the driver's second copy of a lone shard goes to
+    the rank that loads it (orchestrator/saves/snapshots.py ``second_homes``), and lands as it joins.
+    The reference is dropped either way (it pins the shard in Ray's object store). A provider that
+    failed to give it leaves the load to read what it needs as before (whose error then names what is
+    missing)."""
     if asked.shard is None:
         return 0
-    owner, ref = asked.shard
+    (owner, ref), asked.shard = asked.shard, None
+    if store.holds(asked.key, owner):
+        return 0
     try:
         return store.keep(asked.key, owner, ray.get(ref, timeout=PUSH_TIMEOUT_S))
     except Exception as exc:  # the load reads from the providers instead

@@ -20,7 +20,9 @@ the next take may overwrite; a held copy is written over the one it replaces.
 
 Threads: takes are planned on the training thread and copied and pushed on the snapshot worker's
 (workers/snapshot_push.py); ``keep`` (a peer's push), ``inventory``, ``meta`` and ``pieces`` (a
-restore's reads) run on the actor's snapshot thread.
+restore's reads) run on the actor's snapshot thread, and ``keep`` also on the training thread before
+a load (the shard fetched as the rank joined: ``snapshot_push.keep_asked``). The lock guards the maps;
+a copy written over (``keep``'s reuse) is always older than the set being restored.
 """
 
 from __future__ import annotations

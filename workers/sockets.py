@@ -23,6 +23,7 @@ peer address, both ip and port.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -38,8 +39,30 @@ def listening_ports() -> set[int]:
 
 
 def _plain_ip(ip: str) -> str:
-    # TCPStore and gloo use AF_INET6 sockets, whose IPv4 peers read as "::ffff:a.b.c.d".
+    # TCPStore and gloo use AF_INET6 sockets, whose IPv4 peers read as "::ffff:a.b.c.d"; a link-local
+    # address's "%interface" is left out, as the kernel's TCP table (and psutil) show it.
+    ip = ip.split("%", 1)[0]
     return ip[7:] if ip.startswith("::ffff:") else ip
+
+
+def _dup_socket(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open), or None where ``fd`` is
+    closed or no socket by now (its number reused). The duplicate shares ``fd``'s open file, whose
+    flags making a socket object may change (O_NONBLOCK, where ``socket.setdefaulttimeout`` was
+    called): they are put back at once, as the owner (gloo, the store, Ray) set them."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        flags = fcntl.fcntl(dup, fcntl.F_GETFL)
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    if fcntl.fcntl(dup, fcntl.F_GETFL) != flags:
+        fcntl.fcntl(dup, fcntl.F_SETFL, flags)
+    return sock
 
 
 def endpoint(host: str, port: int) -> tuple[str, int]:
@@ -92,9 +115,11 @@ def table() -> Table:
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 continue
-            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
-            continue  # closed meanwhile (or the dup's family unknown: not TCP)
+            continue  # closed meanwhile
+        sock = _dup_socket(fd)
+        if sock is None:
+            continue
         try:
             if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
@@ -129,9 +154,8 @@ def shutdown_gloo_sockets(local_ports: set[int], peer_endpoints: set[tuple[str, 
 
 def _shut(fd: int, local: tuple[str, int], peer: tuple[str, int]) -> bool:
     """Shut down the connection on ``fd`` if it still joins ``local`` and ``peer``; whether it did."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    sock = _dup_socket(fd)
+    if sock is None:
         return False  # closed in the meantime
     try:
         # Re-check: the fd number may have been reused since it was listed or recorded.

@@ -335,7 +335,7 @@ class SnapshotCoordinator:
 
         In two halves, so that only the first is waited for before the join: each holder gives the
         shard (``give_snapshot``: its answer lands in Ray's object store, owned by the driver, so it
-        outlives the holder), then its new home keeps it (``keep_snapshot``, handed that answer) while
+        outlives the holder's process, not its node), then its new home keeps it (``keep_snapshot``, handed that answer) while
         the members join; ``wait_copies`` waits for the keeps. Done in one call and waited for whole,
         the copies took 0.06-0.14 s of bench/recovery.py's recovery and 0.2-0.6 s of the chaos
         campaign's (26 MB shards). Returns the keeps under way (ref -> actor)."""
@@ -356,8 +356,10 @@ class SnapshotCoordinator:
 
     def _wait_given(self, group, gives: dict, holders: dict[int, int]) -> list[int]:
         """Wait until the holders answered their ``give_snapshot`` calls (rank -> ref), without reading
-        the answers (torch objects); the ranks whose give answered. A holder that answers no liveness
-        probe is not waited for: that shard keeps one copy (its keep is not asked for)."""
+        the answers (torch objects); the ranks whose keep is to be asked for: all, but those whose
+        holder answers no liveness probe while its give is still out (that shard keeps one copy). A
+        give that failed still counts: its keep fails with it, and ``wait_copies`` says so. (A loop of
+        its own, not ``collect_while_alive``: that reads the answers.)"""
         pending = dict(gives)
         for _ in range(MAX_GIVE_WAITS):  # bounded by rounds, not by a clock (a slow holder is waited for)
             if not pending or group.all_done(list(pending.values()), wait_s=GIVE_WAIT_S):
@@ -371,15 +373,21 @@ class SnapshotCoordinator:
         return [rank for rank in gives if rank not in pending]
 
     def wait_copies(self, group, keeps: dict) -> None:
-        """Wait for the second copies' keeps (``second_copies``) while their actors are alive: a keep
-        that failed (its actor died, or the give it was handed) leaves that shard with one copy."""
-        if not keeps:
-            return
-        outcome = collect_while_alive(group, keeps, self.elastic.rebuild_timeout_s,
-                                      f"keeping {len(keeps)} second snapshot cop(ies)")
-        if not outcome.ok:  # the join or the load finds who died; the copies made still count
-            logger.warning("second copies of snapshot shards: not all made (%s)",
-                           outcome.failed or outcome.dead or outcome.pending)
+        """Wait for every one of the second copies' keeps (``second_copies``) while their actors are
+        alive: a keep that failed (its actor died, or the give it was handed) leaves that shard with
+        one copy, and the others are still waited for (the next plan must see the copies made)."""
+        pending, missed = dict(keeps), {}
+        while pending:
+            outcome = collect_while_alive(group, pending, self.elastic.rebuild_timeout_s,
+                                          f"keeping {len(pending)} second snapshot cop(ies)")
+            missed.update(outcome.failed)
+            missed.update(outcome.dead)
+            if outcome.hung:  # silent: not waited for any more
+                missed.update(outcome.hung)
+                break
+            pending = outcome.pending_refs
+        if missed:  # the join or the load finds who died; the copies made still count
+            logger.warning("second copies of snapshot shards: not all made (%s)", missed)
 
     def restore_best(self, group, gen, ckpt, *, at_most: int, plan: RestorePlan | None = None) -> Restored:
         """Load the newest state into every member of ``gen``: the snapshots when a covered set is at

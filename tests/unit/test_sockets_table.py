@@ -5,6 +5,8 @@ fd's own state, and lists what psutil's parse of the host's TCP table lists."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 
 import psutil
@@ -68,4 +70,26 @@ def test_the_scan_lists_what_psutil_lists():
         assert {c4.fileno(), c6.fileno(), a4.fileno(), a6.fileno()} <= fds and gone.fileno() not in fds
     finally:
         for s in (v4, v6, c4, c6, a4, a6, gone, udp, *pair):
+            s.close()
+
+
+def test_a_scan_leaves_every_socket_s_flags_as_they_were():
+    """A socket object made on a duplicate fd sets O_NONBLOCK on the shared open file where a default
+    timeout is set (``socket.setdefaulttimeout``): gloo's and the store's blocking sockets would then
+    fail reads with EAGAIN. The scan and the kick's shutdown put the flags back."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    accepted, _ = server.accept()
+    for s in (server, client, accepted):
+        s.setblocking(True)
+    before = {s.fileno(): fcntl.fcntl(s.fileno(), fcntl.F_GETFL) for s in (server, client, accepted)}
+    socket.setdefaulttimeout(5.0)
+    try:
+        scan = sockets.table()
+        assert client.fileno() in {fd for fd, _, _ in scan.established}
+        assert {fd: fcntl.fcntl(fd, fcntl.F_GETFL) for fd in before} == before
+        assert all(flags & os.O_NONBLOCK == 0 for flags in before.values())
+    finally:
+        socket.setdefaulttimeout(None)
+        for s in (accepted, client, server):
             s.close()
