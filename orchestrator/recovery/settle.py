@@ -50,8 +50,9 @@ KICK_S = 10.0
 REKICK_S = 1.0  # how often survivors that have not returned from the broken call are kicked again
 # ... after a first re-kick this soon, the waits doubling up to REKICK_S. A survivor the first kick
 # missed (it was still computing, or leaving the last generation) enters its next collective within
-# milliseconds; waiting a whole REKICK_S for it cost the chaos bench ~1 s in 4 of its 14 recoveries
-# (node removals, store losses, a member killed while joining: their "settled" phase 0.6-1.1 s).
+# milliseconds; a whole REKICK_S was a second of every recovery that needed a re-kick. (The chaos
+# bench's ~1 s "settled" phases are not these: they are the liveness probe's quiet floor for members
+# gone but not yet reported dead, or stopped: recovery/hang_watch.py PROBE_QUIET_FLOOR_S.)
 REKICK_FIRST_S = 0.1
 # A kicked survivor in a training step returns at its next collective, i.e. within a fraction of a
 # step; one still inside after this many steps (at least the floor) is wedged and is killed, instead
