@@ -137,7 +137,7 @@ class SnapshotWorker:
             self._acks.append(SnapshotAck(key=key, stall_s=stall, nbytes=int(nbytes)))
 
 
-def fetch_pieces(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,
+def fetch_pieces(store: SnapshotStore, key: SnapKey, providers: Providers, me: int,
                  wanted: dict[int, list[tuple]]) -> dict[int, list]:
     """The pieces ``wanted`` (old rank -> [(storage index, offsets, lengths)]) of snapshot set
     ``key``: from this actor's own store when it is the provider, else from the provider's actor
@@ -167,7 +167,7 @@ def providers_of(source: RestoreSource) -> Providers:
     return {rank: (actor, handle) for rank, actor, handle in source.providers}
 
 
-def ask_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]],
+def ask_metadata(store: SnapshotStore, key: SnapKey, providers: Providers,
                  me: int) -> dict[int, object]:
     """Ask now for the snapshot metadata of set ``key`` that a restore will read from other actors:
     old rank -> the pending answer (a Ray reference), for each old rank this actor neither holds nor
@@ -228,7 +228,7 @@ def keep_asked(store: SnapshotStore, asked: AskedAhead) -> int:
         return 0
 
 
-def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: dict[int, tuple[int, object]], me: int,
+def fetch_metadata(store: SnapshotStore, key: SnapKey, providers: Providers, me: int,
                    owners: list[int] | None = None, asked: dict[int, object] | None = None) -> list:
     """The snapshot metadata of every old rank in old-rank order, or of ``owners`` in their order (a
     restore's first read): this actor's own store answers for the ranks it provides, the others'

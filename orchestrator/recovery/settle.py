@@ -14,9 +14,9 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    killing it");
 3. kick the survivors (shut this generation's gloo sockets, and mid-join their store connection, see
    ``RankActor.kick``) and wait for their calls to return, kicking again those still inside, soon
-   at first and then every ``REKICK_S`` (``rekick_waits``): a survivor still leaving the last generation when the kick came reaches the
-   rendezvous only afterwards and blocks there for the whole store timeout unless kicked again
-   (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
+   at first and then every ``REKICK_S`` (``rekick_waits``): a survivor still leaving the last
+   generation when the kick came reaches the rendezvous only afterwards and blocks there for the
+   whole store timeout unless kicked again (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
 
@@ -185,8 +185,8 @@ def _free_survivors(group: WorkerGroup, outcome: CallOutcome, members: list[int]
 def _wait_returned(group: WorkerGroup, still: dict, kick_args: tuple, wait_s: float, reasons: dict[int, str], *,
                    stop_if_unreachable: bool = False, while_alive: bool = False) -> set[int]:
     """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
-    kicking again (``kick_args``) the ones still inside after each of ``rekick_waits`` (see the module docstring); the actors that
-    died meanwhile or never returned. The errors of the calls that failed unreachable are added to
+    kicking again (``kick_args``) the ones still inside after each of ``rekick_waits`` (see the module
+    docstring); the actors that died meanwhile or never returned. The errors of the calls that failed unreachable are added to
     ``reasons`` (a join that waited out a peer it could not connect to says so only now), and with
     ``stop_if_unreachable`` the wait ends there. With ``while_alive``, the ones still inside at the end
     that answer a liveness probe get ``wait_s`` again (``free_broken_call``). Bounded by rounds as well
