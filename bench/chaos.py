@@ -106,7 +106,9 @@ def run_campaign(args, tmp: Path) -> dict:
         ray.init(address=nodes.address, log_to_driver=False)
         campaign.provider = StoreProvider()
         t0 = time.time()
-        group = make_group(cfg.mesh.world + cfg.elastic.spares)
+        # The mesh's actors only, as ``elastimesh train`` starts them: the spare is asked for once the
+        # first step trained (SparePool.ask_after_first_step).
+        group = make_group(cfg.mesh.world)
         trace = run_with_faults(args, cfg, campaign, group, t0)
     finally:
         if group is not None:

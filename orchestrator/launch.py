@@ -247,17 +247,11 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
             capacity.ask(wanted_bundles(cfg, group.bundle()),
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
-        if cfg.elastic.spares:  # hot spares: wanted, not required (the controller asks again later)
-            room = min(cfg.elastic.spares, group.free_slots())  # never a group left pending: bundles.py
-            try:
-                if room:
-                    group.add(room, strategy="SPREAD")
-            except WorkerGroupStartupError as exc:
-                room = 0
-                logger.warning("elastic.spares=%d: not started yet (%s)", cfg.elastic.spares, exc)
-            if room < cfg.elastic.spares:
-                logger.info("elastic.spares=%d: %d started; the rest as the cluster makes room",
-                            cfg.elastic.spares, room)
+        # Hot spares are not waited for here: the first generation's formation asks for them once its
+        # first step trained (SparePool.ask_after_first_step), started in the background. Waited for
+        # here, they came after the mesh's actors, one more actor start on every run's start-up.
+        if cfg.elastic.spares:
+            logger.info("elastic.spares=%d: started once the first step trained", cfg.elastic.spares)
         metrics = MetricsLog(cfg.metrics, progress_total=cfg.train.steps if progress else None,
                              launched_at=launched_at, trackers=open_trackers(cfg))
         metrics.step_listeners.extend(listeners)

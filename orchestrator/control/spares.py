@@ -1,8 +1,9 @@
 """Hot spares and actors started in the background (driver side; docs/design.md, Hot spares).
 
-``elastic.spares`` actors beyond the mesh are started with it (``launch.py``) and kept; a re-formed
-mesh that takes one in reports ``spare_promoted``, and missing spares are requested
-(``spare_requested``) once each new generation's first step was read and at every grow check, as far as the cluster has
+``elastic.spares`` actors beyond the mesh are kept; a re-formed mesh that takes one in reports
+``spare_promoted``, and missing spares are requested (``spare_requested``) once each generation's
+first step was read (the first generation's too: ``launch.py`` does not wait for them) and at every
+grow check, as far as the cluster has
 room for them now (``free_slots``), started in the background (``WorkerGroup.start_background``) so
 training never stalls on them, and taken in at a step boundary
 once they answered (``actors_ready``). ``SparePool`` owns the list of live actors outside the mesh;

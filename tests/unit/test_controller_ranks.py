@@ -133,6 +133,20 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
 
 
 # -- hot spares -----------------------------------------------------------------------------------
+def test_the_first_generation_asks_for_its_spares_once_its_first_step_was_read(make):
+    """``elastimesh train`` starts the mesh's actors only (orchestrator/launch.py): waited for there, the
+    spares added one actor's start (a process importing torch) to every run's start-up. The first
+    formation asks for them once its first step was read, in the background, as every formation does."""
+    r = make("train.steps=6", "elastic.spares=1", actors=4, capacity=1)
+    assert r.c.advance() == State.RUNNING  # generation 1 formed from the 4 actors there are
+    assert r.c.generation.shape.dp == 4 and not r.c.spare_ids and not r.events("spare_requested")
+    r.steps(1)  # step 1 read: the spare is asked for
+    requested, = r.events("spare_requested")
+    assert requested["count"] == 1 and r.group.starting == 1
+    r.steps(1)  # the next boundary takes it in
+    assert len(r.c.spare_ids) == 1 and len(r.group.live_ids) == 5 and r.c.generation.shape.dp == 4
+
+
 def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make):
     r = make("train.steps=6", "elastic.spares=1", actors=5, capacity=1)
     r.steps(1)
