@@ -4,7 +4,10 @@ Phase 1: every rank stages its shard to CPU and returns (``save_checkpoint``: th
 writes it in the background; ``wait_checkpoint`` (a call parked on a second actor thread) answers when
 the shard is durable. Phase 2: once every rank acked, the driver writes ``manifest.json`` last
 (``checkpoints.catalog.commit``). At most one save is in flight; a failure in between leaves a
-directory without a manifest, which is never taken as a checkpoint.
+directory without a manifest, which is never taken as a checkpoint. A save due while the previous one
+still writes is, by default, owed and started at the first step after that one committed
+(``checkpoint.when_busy = "defer"``, event ``checkpoint_deferred``) rather than stalling every rank
+until slow storage caught up; "wait" stalls.
 
 Failures: a save that fails because a rank died or hung is the elastic path's business (the step is
 never committed; the rebuild resumes from the previous checkpoint). A save that fails while every
@@ -137,7 +140,8 @@ class CheckpointCoordinator:
         self._reported_skips: set[str] = set()  # damaged checkpoints already warned about
         self._safe: set[str] = set()  # checkpoints whose .metadata passed checkpoints.safe_pickle
         self._abandoned: list = []  # WriteAck call refs of saves dropped by a failure, read once they resolve
-        self.owed_step: int | None = None  # a save abandoned by a failure, to be made good (``due``)
+        # A save abandoned by a failure, or deferred while another wrote, to be made good (``due``).
+        self.owed_step: int | None = None
         self.skipped_steps: set[int] = set()  # bad steps (orchestrator/recovery/bad_steps.py): written, and read back
         self.lease: RunLease | None = None
         if self.user_dir:
@@ -160,15 +164,34 @@ class CheckpointCoordinator:
     # -- saving -----------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         """A save of ``step`` is due: a periodic one, or one owed for a save a failure abandoned (the
-        first step trained at or after it, from whatever state the recovery restored)."""
-        periodic = bool(self.every) and step % self.every == 0
-        return periodic or (self.owed_step is not None and step >= self.owed_step)
+        first step trained at or after it, from whatever state the recovery restored) or one deferred
+        while another wrote (``_defer``)."""
+        return self._periodic(step) or (self.owed_step is not None and step >= self.owed_step)
+
+    def _periodic(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
 
     def after_step(self, group, gen, step: int) -> None:
         self._reap_abandoned(group)
         self._try_commit(group, block=False)
-        if self.due(step):
-            self._start_save(group, gen, step)
+        if not self.due(step):
+            return
+        if self._pending is not None and self.checkpoint.when_busy == "defer":
+            self._defer(step)
+            return
+        self._start_save(group, gen, step)
+
+    def _defer(self, step: int) -> None:
+        """Save ``step`` is due while the previous save still writes: owe it (``due``) instead of
+        stalling every rank until storage catches up, so training keeps its pace and the saves theirs
+        (``checkpoint.when_busy``). Every due save deferred is said (never dropped in silence); those
+        due while one is already owed are made good by that one save."""
+        if not self._periodic(step):
+            return  # due only as the save already owed: made once the one writing committed
+        self.owed_step = step if self.owed_step is None else min(self.owed_step, step)
+        logger.info("checkpoint of step %d deferred: the save of step %d is still writing",
+                    step, self._pending.step)
+        self.metrics.event("checkpoint_deferred", step=step, writing=self._pending.step)
 
     def save_now(self, group, gen, step: int) -> None:
         """Commit a checkpoint of ``step`` before a planned resize (skipped if already committed)."""
@@ -204,7 +227,7 @@ class CheckpointCoordinator:
                            "at or after it is saved instead", self._pending.step)
             self._abandoned.extend(self._pending.refs)
             if self.user_dir:  # a planned resize's temporary save is not owed: it only moved state
-                self.owed_step = self._pending.step
+                self.owed_step = min(self._pending.step, self.owed_step or self._pending.step)
         self._pending = None
 
     def _reap_abandoned(self, group) -> None:

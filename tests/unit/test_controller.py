@@ -476,6 +476,35 @@ def test_failure_abandons_the_save_in_flight(make):
     assert set(r.group.drained) == set(waits)  # the abandoned acks were read once they came in
 
 
+def test_a_save_due_while_one_writes_is_deferred_and_training_goes_on(make):
+    """Storage slower than ``checkpoint.every`` steps (the chaos campaign's slow_storage fault): the save
+    of step 4 is due while step 2's still writes. Waiting for it stalled every rank until storage caught
+    up (3-4 s a time in the campaign); by default (``checkpoint.when_busy = "defer"``) step 4's save is
+    owed, said in an event, and made at the first step after step 2's commit."""
+    r = make("train.steps=8")
+    r.group.slow_writes = True
+    r.steps(5)  # start, steps 1-4: step 2's save writes on; step 4's is due
+    assert r.committed() == [] and r.c.next_step == 5
+    assert sorted({args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)}) == [2]  # 4 not started
+    deferred, = r.events("checkpoint_deferred")
+    assert (deferred["step"], deferred["writing"]) == (4, 2) and r.c.ckpt.owed_step == 4
+    r.steps(1)  # step 5 (not due): step 2 still writing, 4 still owed
+    assert len(r.events("checkpoint_deferred")) == 1 and r.c.ckpt.owed_step == 4
+    r.group.finish_writes()
+    r.group.slow_writes = False
+    r.steps(1)  # step 6's boundary: step 2 commits, then the owed save is made (6)
+    assert r.c.run().restarts == 0
+    assert [e["step"] for e in r.events("checkpoint")] == [2, 6, 8] and r.c.ckpt.owed_step is None
+
+
+def test_when_busy_wait_stalls_until_the_save_in_flight_committed(make):
+    r = make("train.steps=8", "checkpoint.when_busy=wait")
+    r.group.slow_writes = True  # the fake answers a blocking collect at once: the wait "ends" there
+    r.steps(5)
+    assert r.committed() == [2] and not r.events("checkpoint_deferred")
+    assert sorted({args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)}) == [2, 4]
+
+
 def test_a_late_write_of_an_abandoned_save_cannot_reach_a_later_attempt(make):
     """#36 item 5 (the fence): generation 1's save of step 2 is abandoned by a failure while it writes;
     generation 2 saves step 2 again. Files the abandoned writer puts down afterwards (a survivor's
