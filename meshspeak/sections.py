@@ -218,8 +218,9 @@ class ElasticConfig:
     grow_check_s: float = key(5.0, "how often to look for capacity to grow back", gt=0)
     drain_poll_s: float = key(1.0, "how often to look for drain (preemption) notices of the job's nodes; "
                                    "0 = ignore them", ge=0)
-    spares: int = key(0, "warm spare actors kept beside the mesh (on other nodes where possible): a failed "
-                         "rank is replaced by one without shrinking dp, and a new spare is requested", ge=0)
+    spares: int = key(0, "warm spare actors kept beside the mesh (on other nodes where possible), started once "
+                         "the first step trained: a failed rank is replaced by one without shrinking dp, and a "
+                         "new spare is requested", ge=0)
     straggler_factor: float = key(2.0, "a rank whose compute time exceeds this many times its peers' "
                                        "median is slow", gt=1)
     straggler_steps: int = key(5, "consecutive slow steps before a rank is reported as a straggler", ge=1)

@@ -76,10 +76,11 @@ def needs_empty_window(ctx: DriverContext, step: int) -> bool:
     """Whether ``step`` must wait until every step before it was read: the end, a requested resize,
     a hook due, a replayed skip, an eval or a checkpoint save after the step before. A save goes
     out only once its step was read good (never one of a step that broke or turns out bad), and
-    before the next step changes the state."""
+    before the next step changes the state; one that must wait for a slow write does not hold the
+    steps back (``CheckpointCoordinator.wants_empty_window``)."""
     return (step > ctx.cfg.train.steps or step in ctx.inputs.resize_requests or ctx.inputs.hook_due(step)
             or ctx.health.bad_steps.is_skipped(step) or ctx.evaluator.due(step - 1)
-            or ctx.checkpoints.due(step - 1))
+            or ctx.checkpoints.wants_empty_window(ctx.group, step - 1))
 
 
 def send(ctx: DriverContext, step: int) -> None:
@@ -127,7 +128,7 @@ def _saves_after(ctx: DriverContext, step: int) -> Errored | None:
     """The boundary's saves after ``step`` (a commit, a periodic or owed save: the checkpoint
     coordinator's ``after_step``); Errored when checkpoint storage failed with every rank alive."""
     try:
-        ctx.checkpoints.after_step(ctx.group, ctx.generation, step)
+        ctx.checkpoints.after_step(ctx.group, ctx.generation, step, later_sent=len(ctx.window) > 0)
     except TrainingFailed as exc:
         return Errored(exc)
     return None

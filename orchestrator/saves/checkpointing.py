@@ -171,27 +171,43 @@ class CheckpointCoordinator:
     def _periodic(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def after_step(self, group, gen, step: int) -> None:
+    def after_step(self, group, gen, step: int, *, later_sent: bool = False) -> None:
+        """The boundary after ``step``: commit the save in flight if it is done, and start one due
+        (``due``). ``later_sent``: a later step is in flight already (``wants_empty_window`` said
+        the save could not start yet): a save now would take that step's state, so it stays owed."""
         self._reap_abandoned(group)
+        writing = self._pending.step if self._pending is not None else None
         self._try_commit(group, block=False)
         if not self.due(step):
             return
-        if self._pending is not None and self.checkpoint.when_busy == "defer":
-            self._defer(step)
+        if later_sent or (self._pending is not None and self.checkpoint.when_busy == "defer"):
+            self._defer(step, writing)
             return
         self._start_save(group, gen, step)
 
-    def _defer(self, step: int) -> None:
-        """Save ``step`` is due while the previous save still writes: owe it (``due``) instead of
-        stalling every rank until storage catches up, so training keeps its pace and the saves theirs
-        (``checkpoint.when_busy``). Every due save deferred is said (never dropped in silence); those
-        due while one is already owed are made good by that one save."""
+    def wants_empty_window(self, group, step: int) -> bool:
+        """Whether the step after ``step`` must wait until ``step`` was read, for ``step``'s save: it is
+        due and can start then (nothing writing, or the write done, or ``when_busy`` "wait"). A
+        save that must wait for a slow write does not hold the steps in flight back."""
+        if not self.due(step):
+            return False
+        pending = self._pending
+        return pending is None or self.checkpoint.when_busy == "wait" or group.all_done(pending.refs)
+
+    def _defer(self, step: int, writing: int | None) -> None:
+        """Save ``step`` is due while the previous save (of step ``writing``) still writes: owe it
+        (``due``) instead of stalling every rank until storage catches up, so training keeps its pace
+        and the saves theirs (``checkpoint.when_busy``). Every periodic save deferred is said (never
+        dropped in silence); a save owed already is made good by one save, once the write committed."""
         if not self._periodic(step):
-            return  # due only as the save already owed: made once the one writing committed
+            return  # due only as the save already owed
+        self._owe(step)
+        logger.info("checkpoint of step %d deferred: the save of step %s is still writing", step, writing)
+        self.metrics.event("checkpoint_deferred", step=step, writing=writing)
+
+    def _owe(self, step: int) -> None:
+        """A save of ``step`` (or the first step trained at or after it) is still to be made (``due``)."""
         self.owed_step = step if self.owed_step is None else min(self.owed_step, step)
-        logger.info("checkpoint of step %d deferred: the save of step %d is still writing",
-                    step, self._pending.step)
-        self.metrics.event("checkpoint_deferred", step=step, writing=self._pending.step)
 
     def save_now(self, group, gen, step: int) -> None:
         """Commit a checkpoint of ``step`` before a planned resize (skipped if already committed)."""
@@ -227,7 +243,7 @@ class CheckpointCoordinator:
                            "at or after it is saved instead", self._pending.step)
             self._abandoned.extend(self._pending.refs)
             if self.user_dir:  # a planned resize's temporary save is not owed: it only moved state
-                self.owed_step = min(self._pending.step, self.owed_step or self._pending.step)
+                self._owe(self._pending.step)
         self._pending = None
 
     def _reap_abandoned(self, group) -> None:
@@ -243,7 +259,7 @@ class CheckpointCoordinator:
         # process) can only ever land in its own attempt's directory, never in a later attempt's.
         attempt = f"g{gen.number}"
         if self.owed_step is not None and step >= self.owed_step:
-            self.owed_step = None  # this save makes good the one a failure abandoned
+            self.owed_step = None  # this save makes good the one owed (abandoned, not started, deferred)
         try:
             path = prepare_step(self.root, step, run_id=self.run_id)
             dcp_dir = prepare_attempt(path, attempt)
@@ -261,6 +277,8 @@ class CheckpointCoordinator:
             if staged.failed and not (staged.dead or staged.pending):
                 failed = {r: a for r, a in calls.items() if a in staged.failed}
                 self._storage_failed(step, path, _first_cause(group, failed, staged.failed))
+            if self.user_dir:  # a rank died staging it: made good after the recovery, as an abandoned one
+                self._owe(step)
             return
         acks: list[SaveAck] = list(staged.results.values())
         refs = group.submit(actors, RankCalls.wait_checkpoint)

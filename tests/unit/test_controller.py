@@ -480,7 +480,7 @@ def test_a_save_due_while_one_writes_is_deferred_and_training_goes_on(make):
     """Storage slower than ``checkpoint.every`` steps (the chaos campaign's slow_storage fault): the save
     of step 4 is due while step 2's still writes. Waiting for it stalled every rank until storage caught
     up (3-4 s a time in the campaign); by default (``checkpoint.when_busy = "defer"``) step 4's save is
-    owed, said in an event, and made at the first step after step 2's commit."""
+    owed, said in an event, and made at the first step after step 2's commit (5, not the next periodic 6)."""
     r = make("train.steps=8")
     r.group.slow_writes = True
     r.steps(5)  # start, steps 1-4: step 2's save writes on; step 4's is due
@@ -488,13 +488,52 @@ def test_a_save_due_while_one_writes_is_deferred_and_training_goes_on(make):
     assert sorted({args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)}) == [2]  # 4 not started
     deferred, = r.events("checkpoint_deferred")
     assert (deferred["step"], deferred["writing"]) == (4, 2) and r.c.ckpt.owed_step == 4
-    r.steps(1)  # step 5 (not due): step 2 still writing, 4 still owed
-    assert len(r.events("checkpoint_deferred")) == 1 and r.c.ckpt.owed_step == 4
     r.group.finish_writes()
     r.group.slow_writes = False
-    r.steps(1)  # step 6's boundary: step 2 commits, then the owed save is made (6)
+    r.steps(1)  # step 5's boundary: step 2 commits, then the owed save is made (5)
     assert r.c.run().restarts == 0
-    assert [e["step"] for e in r.events("checkpoint")] == [2, 6, 8] and r.c.ckpt.owed_step is None
+    assert [e["step"] for e in r.events("checkpoint")] == [2, 5, 6, 8] and r.c.ckpt.owed_step is None
+    assert len(r.events("checkpoint_deferred")) == 1
+
+
+@pytest.mark.parametrize("slow_for", range(3, 9))
+def test_a_deferred_save_never_takes_a_later_step_in_flight(make, slow_for):
+    """With steps in flight (window 2), a save that must wait for a slow write does not hold them back:
+    the step after it is sent. Its save is then owed until a boundary where nothing later was sent, so
+    no save is ever made of a rank that trained a later step (it would carry that step's state). The
+    write ends after ``slow_for`` advances: at every point of the window's pace."""
+    r = make("train.steps=12", window=2)
+    r.group.slow_writes = True
+    r.steps(slow_for)
+    r.group.finish_writes()
+    r.group.slow_writes = False
+    assert r.c.run().restarts == 0
+    saved = [e["step"] for e in r.events("checkpoint")]
+    assert saved[0] == 2 and saved[-1] == 12
+    assert bool(r.events("checkpoint_deferred")) == (slow_for >= 5)  # step 4 due while 2 writes
+    log = r.group.log
+    for i, (method, _, args) in enumerate(log):
+        if method is RankCalls.save_checkpoint:
+            assert not any(m is RankCalls.train_step and a[0] > args[1] for m, _, a in log[:i]), args[1]
+
+
+def test_a_save_due_with_a_later_step_sent_stays_owed(make):
+    """The coordinator's half of the guard above: the write it waited for ended between the window's
+    look (``wants_empty_window``: not yet, so the next step went out) and the boundary; the due save
+    is not started then (it would carry the later step's state) but owed, and the window waits for it
+    next time."""
+    r = make("train.steps=8")
+    r.group.slow_writes = True
+    r.steps(3)  # start, steps 1-2: step 2's save writes
+    ckpt = r.c.ckpt
+    assert not ckpt.wants_empty_window(r.group, 4)  # due, but the write goes on: steps go on too
+    r.group.finish_writes()
+    r.group.slow_writes = False
+    ckpt.after_step(r.group, r.c.generation, 4, later_sent=True)
+    assert r.committed() == [2] and ckpt.owed_step == 4
+    assert sorted({args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)}) == [2]
+    assert [(e["step"], e["writing"]) for e in r.events("checkpoint_deferred")] == [(4, 2)]
+    assert ckpt.wants_empty_window(r.group, 5)  # owed, nothing writing: the next step waits for it
 
 
 def test_when_busy_wait_stalls_until_the_save_in_flight_committed(make):

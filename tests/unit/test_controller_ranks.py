@@ -136,7 +136,8 @@ def test_straggler_evicted_for_a_spare_at_the_next_step_boundary(make):
 def test_the_first_generation_asks_for_its_spares_once_its_first_step_was_read(make):
     """``elastimesh train`` starts the mesh's actors only (orchestrator/launch.py): waited for there, the
     spares added one actor's start (a process importing torch) to every run's start-up. The first
-    formation asks for them once its first step was read, in the background, as every formation does."""
+    formation asks for them once its first step was read, in the background, as every formation does.
+    (This is the controller's half; the launch's is that it no longer adds them.)"""
     r = make("train.steps=6", "elastic.spares=1", actors=4, capacity=1)
     assert r.c.advance() == State.RUNNING  # generation 1 formed from the 4 actors there are
     assert r.c.generation.shape.dp == 4 and not r.c.spare_ids and not r.events("spare_requested")

@@ -100,6 +100,17 @@ def test_a_save_lost_to_a_failure_is_made_good_from_the_restored_state(make):
     assert r.c.ckpt.owed_step is None
 
 
+def test_a_save_a_rank_died_staging_is_owed_after_the_recovery(make):
+    """A rank dies inside step 3's save call (staging): never started, so there is no save in flight to
+    abandon, yet it is owed as an abandoned one is: the snapshots restore step 3, and the first step
+    trained after the recovery (4) is saved instead of waiting for the next periodic save (6)."""
+    r = make("checkpoint.every=3", "train.steps=8", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.group.fail(RankCalls.save_checkpoint, 1, "die", at=3)
+    summary = r.c.run()
+    assert summary.restarts == 1 and r.c.ckpt.owed_step is None
+    assert [e["step"] for e in r.events("checkpoint")] == [4, 6, 8]  # 4: the save owed for 3
+
+
 def test_a_rank_and_its_holder_lost_fall_back_to_storage(make):
     r = make(nodes={0: "A", 1: "A", 2: "B", 3: "B"})
     # Rank 1's snapshot lives on rank 3 and rank 3's on rank 0: losing 1 and 3 loses rank 1's shard.
