@@ -21,7 +21,6 @@ import ray
 from checkpoints.catalog import ensure_writable, latest_valid
 from checkpoints.errors import CheckpointError
 from checkpoints.safe_pickle import check_metadata_file
-from meshspeak.actions import ZERO_BUBBLE
 from meshspeak.profile import profile_spec
 from meshspeak.sections import JobConfig
 from orchestrator.cluster.autoscale import CapacityRequest, alive_node_totals, bundles_that_fit, wanted_bundles
@@ -223,14 +222,6 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
             ray.shutdown()
 
 
-def actor_kwargs(cfg: JobConfig) -> dict:
-    """What every rank actor of the run is created with (``RankActor.__init__``): the steps to profile,
-    the snapshots to keep, and whether its start imports dynamo (``train.compile`` or a zero-bubble
-    schedule need it; other runs never import it: ``RankActor.warm``)."""
-    return {"profile": profile_spec(cfg.metrics, cfg.train.steps), "snapshot_keep": cfg.checkpoint.memory_keep,
-            "dynamo": cfg.train.compile or cfg.pipeline.schedule in ZERO_BUBBLE}
-
-
 def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, reserved,
          listeners, stop: StopRequest, launched_at: float) -> RunSummary:
     metrics = None
@@ -248,7 +239,7 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
-            actor_kwargs=actor_kwargs(cfg),
+            actor_kwargs={"profile": profile_spec(cfg.metrics, cfg.train.steps), "snapshot_keep": cfg.checkpoint.memory_keep},
         )
         # An embedded Ray has no autoscaler to ask; a reserved group's owner asked for it (Tune's
         # pending placement group is the demand), and one request per cluster would clobber the others.

@@ -94,13 +94,13 @@ class GenerationLinks:
 
 
 class RankActor:
-    def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP, dynamo: bool = False) -> None:
+    def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP) -> None:
         try:
-            self._start(actor_id, profile, snapshot_keep, dynamo)
+            self._start(actor_id, profile, snapshot_keep)
         except Exception as exc:  # as every call's error: text only (``workers.rank_methods.plain``)
             raise RankError.of(exc) from exc
 
-    def _start(self, actor_id: int, profile, snapshot_keep: int, dynamo: bool) -> None:
+    def _start(self, actor_id: int, profile, snapshot_keep: int) -> None:
         import torch  # here, not at the top: the driver imports this module to create the actors
 
         # Ranks share few cores; one intra-op thread each avoids oversubscription (docs/design.md, F13).
@@ -128,7 +128,6 @@ class RankActor:
         self.snapshot_worker = SnapshotWorker(self.snapshots)
         # What a snapshot load's reads asked for at the join (metadata, the shard it loads)
         self.asked: AskedAhead | None = None
-        self.dynamo = dynamo  # the run compiles or splits backwards: warm imports dynamo too
         self.warm()
 
     @plain
@@ -149,19 +148,18 @@ class RankActor:
         -> 0.2 s without). Only objects made before the first join are frozen, so every generation's
         own cycles are still collected.
 
-        dynamo (``torch._dynamo``, with ``torch.distributed.pipelining``: 0.7-0.9 s of CPU) is imported
-        only for a run that needs it (``dynamo``: ``train.compile``, a zero-bubble schedule), so that its
-        objects are frozen too; other runs never import it."""
+        dynamo is among them, though only ``train.compile`` compiles: FSDP2's ``fully_shard`` imports
+        it (0.7-0.9 s of CPU), so left out here it moved into every promoted spare's first join, on
+        the recovery's critical path (in one chaos campaign without it, the joins took 1.1-1.9 s
+        against 0.3-1.1 s: tests/unit/test_actor_start_imports.py)."""
         import gc
+
+        import torch._dynamo  # noqa: F401  (see above; the compute clock's decorators import it too)
 
         import checkpoints.direct_load  # noqa: F401  (a restore's; 0.08 s at the first one, under cProfile)
         import workers.groups  # noqa: F401
         import workers.runtime  # noqa: F401
         import workers.snapshot_restore  # noqa: F401
-
-        if self.dynamo:
-            import torch._dynamo  # noqa: F401
-            import torch.distributed.pipelining  # noqa: F401
 
         if gc.get_freeze_count() == 0:
             gc.collect()

@@ -38,8 +38,7 @@ def _burn_cpu(seconds: float) -> None:
 
 
 class ComputeClock:
-    def __init__(self, blocks: Iterable[nn.Module], device: torch.device | None = None,
-                 compiled: bool = False) -> None:
+    def __init__(self, blocks: Iterable[nn.Module], device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
         self._spans: list[tuple] = []  # CUDA: (start, end) events of the forwards since the last take
         self.total = 0.0
@@ -52,20 +51,16 @@ class ComputeClock:
         self._entered: dict[int, float] = {}
         self._handles = []
         self._first_block: int | None = None
-        enter, exit_ = self._enter, self._exit
-        if compiled:
-            # ``train.compile`` compiles each block in place, hooks included (``nn.Module.compile``).
-            # The clock's hooks run eagerly instead, as FSDP2's do: traced, a CUDA event would be made
-            # once at trace time and never recorded at run time, and a host clock read would become a
-            # constant. Wrapped here, not decorated: ``torch.compiler.disable`` imports dynamo (with
-            # pipelining's, 0.7-0.9 s of CPU at each rank actor's start), which an uncompiled run never needs.
-            enter, exit_ = torch.compiler.disable(enter), torch.compiler.disable(exit_)
         for block in blocks:
             if self._first_block is None:
                 self._first_block = id(block)
-            self._handles.append(block.register_forward_pre_hook(enter))
-            self._handles.append(block.register_forward_hook(exit_, prepend=True))
+            self._handles.append(block.register_forward_pre_hook(self._enter))
+            self._handles.append(block.register_forward_hook(self._exit, prepend=True))
 
+    # ``train.compile`` compiles each block in place, hooks included (``nn.Module.compile``). The
+    # clock's hooks run eagerly instead, as FSDP2's do: traced, a CUDA event would be made once at
+    # trace time and never recorded at run time, and a host clock read would become a constant.
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args) -> None:
         self._entered[id(module)] = self._mark()
         if self.sleep_each_s > 0 and id(module) == self._first_block:
@@ -84,6 +79,7 @@ class ComputeClock:
         event.record()
         return event
 
+    @torch.compiler.disable
     def _exit(self, module: nn.Module, args, output) -> None:
         t0 = self._entered.pop(id(module), None)
         if t0 is None:

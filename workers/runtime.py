@@ -65,7 +65,7 @@ class RankRuntime:
         self.stages, self.optimizers = build_stages(spec, groups, self.family, self.shape)
         self.params: list[nn.Parameter] = [p for st in self.stages.values() for p in st.module.parameters()]
         self.dp_bytes = apply_dp_reduction(self.stages, self.optimizers, spec, groups)
-        self.compute_clock = build_compute_clock(self.stages, self.family, groups.device, spec.train.compile)
+        self.compute_clock = build_compute_clock(self.stages, self.family, groups.device)
         apply_checkpoint_group_bound(self.params, groups, spec.collective_timeout_s)
         self.tied = apply_tied_parameters(self.stages, self.family, self.shape, spec, groups)
         apply_initial_weights(self.stages, self.family, spec, groups)

@@ -84,10 +84,9 @@ def apply_dp_reduction(stages: dict[int, Stage], optimizers: list, spec: Runtime
     return setup_dp_reduction(modules, spec.dp, spec.train, groups, ddp_wrappers, optimizers)
 
 
-def build_compute_clock(stages: dict[int, Stage], family, device: torch.device, compiled: bool) -> ComputeClock:
+def build_compute_clock(stages: dict[int, Stage], family, device: torch.device) -> ComputeClock:
     """Each step's compute time without FSDP's waits, for straggler scoring (workers/compute_clock.py)."""
-    return ComputeClock((b for st in stages.values() for b in family.blocks(st.module)), device=device,
-                        compiled=compiled)
+    return ComputeClock((b for st in stages.values() for b in family.blocks(st.module)), device=device)
 
 
 def apply_tied_parameters(stages: dict[int, Stage], family, shape, spec: RuntimeSpec,

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.pipelining._backward import construct_reverse_graph, get_param_groups
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -86,10 +87,6 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
             with context():
                 torch.autograd.backward(output, grad_output)
         return None, WeightPass(whole)
-
-    # Imported here: ``torch.distributed.pipelining`` imports dynamo (with the clock's, 0.7-0.9 s of CPU
-    # at each rank actor's start), which only the zero-bubble schedules come to need.
-    from torch.distributed.pipelining._backward import construct_reverse_graph, get_param_groups
 
     roots = [output.grad_fn]
     input_node = _accumulate_node(inp)

@@ -128,7 +128,7 @@ def test_the_hooks_run_eagerly_around_a_compiled_block(monkeypatch):
     torch._dynamo.reset()
     block = Block(fake, 0.25)
     block.clock = type("Eager", (), {"sleep": staticmethod(torch.compiler.disable(fake.sleep))})()
-    clock = cc.ComputeClock([block], compiled=True)
+    clock = cc.ComputeClock([block])
     block.compile(backend="eager")
     x = torch.zeros(1, 2)
     for _ in range(3):
