@@ -66,6 +66,9 @@ def overrides_for(args, tmp: Path) -> list[str]:
         f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.seq_len={args.seq_len}",
         f"train.steps={args.steps}", "mesh.dp=4", "mesh.pp=1", "mesh.tp=1",
         "checkpoint.every=5", "checkpoint.keep=3", "checkpoint.memory_every=1",
+        # The slow_storage fault's 12 s writes outlast the 5 steps to the next save: defer that save
+        # rather than stall every rank until the write committed (the default, "wait").
+        "checkpoint.when_busy=defer",
         f"checkpoint.dir={tmp / 'ckpt'}", f"metrics.path={tmp / 'metrics.jsonl'}",
         "elastic.spares=1", "elastic.min_dp=1", "elastic.max_restarts=100",
         # A hung rank is found by the step timeout: a few times the step, not the default minutes.

@@ -178,10 +178,10 @@ class CheckpointConfig:
     dir: str = key("", "where checkpoints go (a path or a URI); empty = checkpoints off")
     every: int = key(0, "save every N steps and after the last step; 0 = after the last step only (with dir set)", ge=0)
     async_write: bool = key(True, "write in the background while training goes on", toml="async")
-    when_busy: str = key("defer", "a save due while the previous one still writes (storage slower than `every` "
-                                  "steps): 'defer' trains on and starts it at the first step after that one "
-                                  "committed (event checkpoint_deferred); 'wait' stalls training until it "
-                                  "committed", choices=("defer", "wait"))
+    when_busy: str = key("wait", "a save due while the previous one still writes (storage slower than `every` "
+                                 "steps): 'wait' stalls training until that one committed (every periodic save is "
+                                 "made); 'defer' trains on and starts it at the first step after the commit (event "
+                                 "checkpoint_deferred): fewer saves, no stall", choices=("wait", "defer"))
     keep: int = key(3, "keep the last K committed checkpoints", ge=1)
     resume: bool = key(True, "resume from the newest committed checkpoint in dir")
     init_from: str = key("", "Hugging Face safetensors directory loaded at step 0 when dir has nothing to resume")

@@ -5,9 +5,9 @@ writes it in the background; ``wait_checkpoint`` (a call parked on a second acto
 the shard is durable. Phase 2: once every rank acked, the driver writes ``manifest.json`` last
 (``checkpoints.catalog.commit``). At most one save is in flight; a failure in between leaves a
 directory without a manifest, which is never taken as a checkpoint. A save due while the previous one
-still writes is, by default, owed and started at the first step after that one committed
-(``checkpoint.when_busy = "defer"``, event ``checkpoint_deferred``) rather than stalling every rank
-until slow storage caught up; "wait" stalls.
+still writes waits for it, stalling every rank (``checkpoint.when_busy = "wait"``, the default, as
+TorchTitan's async saves do), or with "defer" is owed and started at the first step after that one
+committed (event ``checkpoint_deferred``): training keeps its pace and the saves slow storage's.
 
 Failures: a save that fails because a rank died or hung is the elastic path's business (the step is
 never committed; the rebuild resumes from the previous checkpoint). A save that fails while every

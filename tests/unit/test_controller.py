@@ -479,9 +479,9 @@ def test_failure_abandons_the_save_in_flight(make):
 def test_a_save_due_while_one_writes_is_deferred_and_training_goes_on(make):
     """Storage slower than ``checkpoint.every`` steps (the chaos campaign's slow_storage fault): the save
     of step 4 is due while step 2's still writes. Waiting for it stalled every rank until storage caught
-    up (3-4 s a time in the campaign); by default (``checkpoint.when_busy = "defer"``) step 4's save is
+    up (3-4 s a time in the campaign); with ``checkpoint.when_busy = "defer"`` step 4's save is
     owed, said in an event, and made at the first step after step 2's commit (5, not the next periodic 6)."""
-    r = make("train.steps=8")
+    r = make("train.steps=8", "checkpoint.when_busy=defer")
     r.group.slow_writes = True
     r.steps(5)  # start, steps 1-4: step 2's save writes on; step 4's is due
     assert r.committed() == [] and r.c.next_step == 5
@@ -502,7 +502,7 @@ def test_a_deferred_save_never_takes_a_later_step_in_flight(make, slow_for):
     the step after it is sent. Its save is then owed until a boundary where nothing later was sent, so
     no save is ever made of a rank that trained a later step (it would carry that step's state). The
     write ends after ``slow_for`` advances: at every point of the window's pace."""
-    r = make("train.steps=12", window=2)
+    r = make("train.steps=12", "checkpoint.when_busy=defer", window=2)
     r.group.slow_writes = True
     r.steps(slow_for)
     r.group.finish_writes()
@@ -522,7 +522,7 @@ def test_a_save_due_with_a_later_step_sent_stays_owed(make):
     look (``wants_empty_window``: not yet, so the next step went out) and the boundary; the due save
     is not started then (it would carry the later step's state) but owed, and the window waits for it
     next time."""
-    r = make("train.steps=8")
+    r = make("train.steps=8", "checkpoint.when_busy=defer")
     r.group.slow_writes = True
     r.steps(3)  # start, steps 1-2: step 2's save writes
     ckpt = r.c.ckpt
@@ -537,7 +537,7 @@ def test_a_save_due_with_a_later_step_sent_stays_owed(make):
 
 
 def test_when_busy_wait_stalls_until_the_save_in_flight_committed(make):
-    r = make("train.steps=8", "checkpoint.when_busy=wait")
+    r = make("train.steps=8")  # the default: "wait"
     r.group.slow_writes = True  # the fake answers a blocking collect at once: the wait "ends" there
     r.steps(5)
     assert r.committed() == [2] and not r.events("checkpoint_deferred")
