@@ -149,7 +149,7 @@ def kill_ckpt_write(c: Campaign, controller, step: int, rng) -> str:
     at = ((step + every - 1) // every) * every  # the next step whose checkpoint is written
     victim = _member(controller, rng)
     controller.group.call([victim], RankCalls.arm_fault, (at, "kill", 0.0, "ckpt_write"), timeout_s=10)
-    return f"actor {victim}: SIGKILL inside the write of step {at}'s checkpoint shard"
+    return f"actor {victim}: SIGKILL inside the write of step {at}'s checkpoint shard (or the first save after it)"
 
 
 def kill_rebuild(c: Campaign, controller, step: int, rng) -> str:

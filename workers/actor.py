@@ -407,11 +407,11 @@ class RankActor:
         ``where`` at ``at``: "step" (train step ``at``), "forward" (right after this rank's first
         forward in train step ``at``), "join" / "load" (joining generation ``at`` / loading a
         checkpoint or snapshot in it) or "ckpt_write" (inside the background write of step ``at``'s
-        shard). ``delay_s`` is ignored at "forward" and "ckpt_write". "nan", "slow", "sleep" take
-        ``where="step"``; "sleep" also takes "microbatch" (every microbatch's forward, ``steps``
-        steps: a slower device), "ckpt_write" (every save from step ``at`` stalls ``delay_s``: slow
-        storage) or a ``SLEEP_POINTS`` point (workers/faults.py). Bad
-        arguments raise, so a test never arms nothing."""
+        shard, or of the first save after it: a save can be deferred, ``checkpoint.when_busy``).
+        ``delay_s`` is ignored at "forward" and "ckpt_write". "nan", "slow", "sleep" take
+        ``where="step"``; "sleep" also takes "microbatch" (every microbatch's forward, ``steps`` steps:
+        a slower device), "ckpt_write" (every save from step ``at`` stalls ``delay_s``: slow storage) or
+        a ``SLEEP_POINTS`` point (workers/faults.py). Bad arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 
     @training

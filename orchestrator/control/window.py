@@ -8,11 +8,11 @@ call. The controller keeps ``size`` steps queued that way and reads them oldest 
 step's answers in one batch (``WorkerGroup.collect``). What must happen *between* two steps on every
 rank in a given order is either done by the rank itself (in-memory snapshots) or known in advance, so
 the window stops short of it and drains first (a checkpoint save, an eval, a requested resize, a step
-hook, a step replayed as a recorded skip: ``handlers/running.py``, ``needs_empty_window``): an
-ordinary step never waits. Decisions that come up at a boundary unannounced (a stop, a drain notice, a
-straggler, a grow) stop the window from growing: the controller is then ``Draining``
-(handlers/draining.py), the steps in flight finish and are recorded, and the decision is carried out
-at the boundary after the last one.
+hook, a step replayed as a recorded skip: ``handlers/running.py``, ``needs_empty_window``; a save that
+must wait for a slow write under ``checkpoint.when_busy = "defer"`` does not): an ordinary step never
+waits. Decisions that come up at a boundary unannounced (a stop, a drain notice, a straggler, a grow)
+stop the window from growing: the controller is then ``Draining`` (handlers/draining.py), the steps in
+flight finish and are recorded, and the decision is carried out at the boundary after the last one.
 
 A broken step breaks every step queued behind it (the ranks refuse them once an error is latched,
 and the kick frees the ones blocked in a collective): ``broken`` hands all of them to the failure

@@ -8,8 +8,9 @@ rank (the group's timeout) or was dropped as "no ack" (the driver's), with every
 
 The stall is also longer than ``checkpoint.every`` steps take, so a save falls due while the one before
 still writes. With ``checkpoint.when_busy = "wait"`` training waits for it and every periodic save is
-made; with "defer" (#37) training goes on, the due save is owed (``checkpoint_deferred``)
-and made at the first step after the commit: every deferral is followed by a save at or after it.
+made; with "defer" (#37) training goes on, the due save is owed (``checkpoint_deferred``) and made at
+the first step after the commit: here, every periodic save is made or said deferred, and the run equals
+one process (the owed save's step is checked by tests/unit/test_controller.py).
 """
 
 from __future__ import annotations
