@@ -16,7 +16,8 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    ``RankActor.kick``) and wait for their calls to return, kicking again those still inside, soon
    at first and then every ``REKICK_S`` (``rekick_waits``): a survivor still leaving the last
    generation when the kick came reaches the rendezvous only afterwards and blocks there for the
-   whole store timeout unless kicked again (the chaos bench's kill during a rebuild lost 15 s to it). One that never returns is killed too.
+   whole store timeout unless kicked again (the chaos bench's kill during a rebuild lost 15 s to
+   it). One that never returns is killed too.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
 
@@ -186,11 +187,11 @@ def _wait_returned(group: WorkerGroup, still: dict, kick_args: tuple, wait_s: fl
                    stop_if_unreachable: bool = False, while_alive: bool = False) -> set[int]:
     """Wait up to ``wait_s`` for the kicked survivors' calls (``still``: ref -> actor id) to return,
     kicking again (``kick_args``) the ones still inside after each of ``rekick_waits`` (see the module
-    docstring); the actors that died meanwhile or never returned. The errors of the calls that failed unreachable are added to
-    ``reasons`` (a join that waited out a peer it could not connect to says so only now), and with
-    ``stop_if_unreachable`` the wait ends there. With ``while_alive``, the ones still inside at the end
-    that answer a liveness probe get ``wait_s`` again (``free_broken_call``). Bounded by rounds as well
-    as by the clock."""
+    docstring); the actors that died meanwhile or never returned. The errors of the calls that failed
+    unreachable are added to ``reasons`` (a join that waited out a peer it could not connect to says
+    so only now), and with ``stop_if_unreachable`` the wait ends there. With ``while_alive``, the ones
+    still inside at the end that answer a liveness probe get ``wait_s`` again (``free_broken_call``).
+    Bounded by rounds as well as by the clock."""
     lost: set[int] = set()
     deadline = time.monotonic() + wait_s
     waits = rekick_waits(wait_s)

@@ -336,9 +336,9 @@ class SnapshotCoordinator:
         In two halves, so that only the first is waited for before the join: each holder gives the
         shard (``give_snapshot``: its answer lands in Ray's object store, owned by the driver, so it
         outlives the holder's process, not its node), then its new home keeps it (``keep_snapshot``,
-        handed that answer) while the members join; ``wait_copies`` waits for the keeps. Done in one call and waited for whole,
-        the copies took 0.06-0.14 s of bench/recovery.py's recovery and 0.2-0.6 s of the chaos
-        campaign's (26 MB shards). Returns the keeps under way (ref -> actor)."""
+        handed that answer) while the members join; ``wait_copies`` waits for the keeps. Done in one
+        call and waited for whole, the copies took 0.06-0.14 s of bench/recovery.py's recovery and
+        0.2-0.6 s of the chaos campaign's (26 MB shards). Returns the keeps under way (ref -> actor)."""
         if plan.source != "snapshot":
             return {}
         key = plan.found[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from testbed.ray_start import free_ports
+
 FIRST_JOIN_AFTER_WARM = """
 import os, sys, types
 from workers.actor import RankActor
@@ -32,16 +34,8 @@ print(sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynam
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_first_fsdp2_step_after_the_actor_start_imports_no_dynamo():
-    out = subprocess.run([sys.executable, "-c", FIRST_JOIN_AFTER_WARM, str(_free_port())],
+    out = subprocess.run([sys.executable, "-c", FIRST_JOIN_AFTER_WARM, str(free_ports(1)[0])],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
