@@ -45,8 +45,8 @@ class RankCalls(Protocol):
     def ping(self) -> tuple[int, str, str]:
         """(pid, node IP, Ray node id)."""
 
-    def warm(self) -> None:
-        """Import what joining a generation needs (a hot spare)."""
+    def warm(self, family: str = "") -> None:
+        """Import what joining a generation needs (a hot spare), the job's ``model.family`` included."""
 
     def status(self) -> WorkerStatus:
         """Answered on a second thread while the training thread may be blocked."""

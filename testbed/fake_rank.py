@@ -154,7 +154,7 @@ class FakeRank:
         if generation is None or generation == self.generation:
             self.generation = self.world_rank = -1
 
-    def warm(self) -> None:
+    def warm(self, family: str = "") -> None:
         pass
 
     def status(self) -> WorkerStatus:

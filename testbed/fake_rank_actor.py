@@ -73,7 +73,7 @@ class FakeRankActor:
     def ping(self) -> tuple[int, str, str]:
         return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def warm(self) -> None:
+    def warm(self, family: str = "") -> None:
         pass
 
     def status(self) -> WorkerStatus:

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 
 import ray
@@ -136,10 +136,11 @@ class RankActor:
         return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     @plain
-    def warm(self) -> None:
+    def warm(self, family: str = "") -> None:
         """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
         joins as fast as a member re-forms (``elastic.spares``); the first call (from ``__init__``,
-        before any generation) freezes the heap, later ones find it frozen.
+        before any generation) freezes the heap, later ones find it frozen. ``family``: the job's
+        ``model.family`` reference (the driver's ``SparePool`` passes it): its module is imported too.
 
         The freeze moves every object alive then (the imported torch, Ray and model code: ~330k
         objects) out of the cyclic GC's reach, once per process. Leaving a generation runs a full
@@ -156,11 +157,29 @@ class RankActor:
 
         import torch._dynamo  # noqa: F401  (see above; the compute clock's decorators import it too)
 
+        # What the project's modules import only where first used, which for a spare is its first join
+        # or load, on the recovery's critical path (measured by listing the modules a promoted spare's
+        # join and load added: tests/unit/test_actor_start_imports.py). clear_dtensor_caches' import of
+        # torch.distributed.tensor.debug pulls torch.distributed._tools and torch.utils.flop_counter:
+        # 0.2-0.9 s of a spare's join on the loaded 2-core machine.
+        import torch.distributed.tensor.debug  # noqa: F401
+        import torch.utils.serialization.config  # noqa: F401  (a snapshot load's first torch.load)
+
         import checkpoints.direct_load  # noqa: F401  (a restore's; 0.08 s at the first one, under cProfile)
+        import checkpoints.memory  # noqa: F401
+        import checkpoints.reader  # noqa: F401
+        import checkpoints.snapshot_taker  # noqa: F401
+        import checkpoints.state  # noqa: F401
+        import checkpoints.writer  # noqa: F401
         import workers.groups  # noqa: F401
         import workers.runtime  # noqa: F401
         import workers.snapshot_restore  # noqa: F401
 
+        if family:  # a bad reference is the join's to report (model.family, exit 2), not a spare's warm-up
+            from meshmodels.family import load_family
+
+            with suppress(Exception):
+                load_family(family)
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()

@@ -133,6 +133,7 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
                   eval_mask_eos_id: int | None = None, steps_in_flight: int = DEFAULT_SIZE) -> DriverContext:
     """The context of one run on ``group``."""
     from meshdata.masks import mask_eos_for  # data.mask_document_boundaries -> an EOS id or None
+    from meshmodels.family import family_ref
 
     store = store_address if isinstance(store_address, StoreSource) else FixedStore(store_address)
     identity = RunIdentity(run_id=uuid.uuid4().hex[:8], store_secret=secrets.token_hex(16),
@@ -144,7 +145,7 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
         snapshots=SnapshotCoordinator(cfg.checkpoint, cfg.elastic, metrics),
         # the skipped steps are one set: saved with the checkpoints and restored from them
         health=StepHealth(cfg.elastic, cfg.train.max_bad_steps, metrics, coordinator.skipped_steps),
-        spares=SparePool(cfg.elastic.spares, group, metrics),
+        spares=SparePool(cfg.elastic.spares, group, metrics, family=family_ref(cfg.model)),
         scaling=policy_for(cfg),  # mesh and elastic, and the job's mesh rules (they span sections)
         rebalance=Rebalancer(cfg.elastic.rebalance, cfg.train, metrics),
         evaluator=Evaluator(cfg.eval, last_step=cfg.train.steps, step_timeout_s=cfg.elastic.step_timeout_s,

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 class SparePool:
-    def __init__(self, wanted: int, group, metrics) -> None:
+    def __init__(self, wanted: int, group, metrics, family: str = "") -> None:
         self.wanted = wanted  # elastic.spares
         self.group, self.metrics = group, metrics
+        self.family = family  # model.family's reference: a spare imports its module while it waits
         self.ids: list[int] = []  # live actors outside the current mesh
         self._after_first_step: tuple | None = None  # (world, scaling or None): see ask_after_first_step
 
@@ -112,6 +113,7 @@ class SparePool:
                 logger.info("grow: could not start actors yet (%s)", exc)
 
     def warm(self, actors: list[int]) -> None:
-        """Have new spares import the training code now (``RankActor.warm``); not waited for."""
+        """Have new spares import the training code and the model's family now (``RankActor.warm``);
+        not waited for."""
         if actors and self.wanted:
-            self.group.submit(actors, RankCalls.warm)
+            self.group.submit(actors, RankCalls.warm, (self.family,))

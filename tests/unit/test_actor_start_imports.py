@@ -34,6 +34,36 @@ print(sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynam
 """
 
 
+# What a promoted spare's first join and snapshot load imported before its warm-up did (listed from
+# sys.modules around those calls in tests/ray/test_rank_health.py's spare test): the project's lazily
+# imported checkpoint modules, the model family's module, and clear_dtensor_caches' import of
+# torch.distributed.tensor.debug (torch.distributed._tools, torch.utils.flop_counter; 0.2-0.9 s).
+SPARE_FIRST_JOIN_IMPORTS = ("checkpoints.layout", "checkpoints.memory", "checkpoints.snapshot_taker",
+                            "checkpoints.staging", "checkpoints.storage", "checkpoints.writer", "meshmodels.gpt",
+                            "torch.distributed._tools.fsdp2_mem_tracker", "torch.distributed.tensor.debug",
+                            "torch.utils.flop_counter", "torch.utils.module_tracker",
+                            "torch.utils.serialization.config")
+
+SPARE_WARM = """
+import sys, types
+from workers.actor import RankActor
+wanted = sys.argv[1].split(",")
+RankActor.warm(types.SimpleNamespace())  # the actor's start: no family yet
+print(sorted(m for m in wanted if m not in sys.modules))
+RankActor.warm(types.SimpleNamespace(), "gpt")  # SparePool.warm: the job's model.family
+print(sorted(m for m in wanted if m not in sys.modules))
+"""
+
+
+def test_a_spare_warmed_with_the_family_has_imported_what_its_first_join_and_load_import():
+    out = subprocess.run([sys.executable, "-c", SPARE_WARM, ",".join(SPARE_FIRST_JOIN_IMPORTS)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    at_start, with_family = out.stdout.strip().splitlines()[-2:]
+    assert at_start == "['meshmodels.gpt']"  # the family is named by the driver's warm call only
+    assert with_family == "[]"
+
+
 def test_a_first_fsdp2_step_after_the_actor_start_imports_no_dynamo():
     out = subprocess.run([sys.executable, "-c", FIRST_JOIN_AFTER_WARM, str(free_ports(1)[0])],
                          capture_output=True, text=True, timeout=120)

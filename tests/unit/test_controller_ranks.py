@@ -168,7 +168,8 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     requested, = r.events("spare_requested")
     assert requested["count"] == 1 and r.group.starting == 1
     assert r.c.advance() == State.RUNNING  # the next boundary takes the new spare in
-    assert [a for a, _ in r.group.calls(RankCalls.warm)] == [spare, r.c.spare_ids[0]]  # both spares warmed
+    # both spares warmed, with the job's model.family (default: gpt) to import while they wait
+    assert r.group.calls(RankCalls.warm) == [(spare, ("gpt",)), (r.c.spare_ids[0], ("gpt",))]
     assert len(r.c.spare_ids) == 1 and r.c.spare_ids[0] not in gen1.members.values()  # a new actor
     assert len(r.group.live_ids) == 5
     for _ in range(10):  # resumed from step 0 or 2 (step 2's save may have been in flight)
