@@ -13,8 +13,10 @@ and is taken again (``refresh``) when a failure or rollback ended them. In order
    just trained is committed, the run ends and a rerun re-runs no step (handlers/finished.py).
 2. ``decide_requested_resize``: ``controller.resize_requests`` (the context's ``inputs``) names this step (tests, operators).
 3. ``decide_preemption``: a node holding ranks is draining with time for a save (evacuate: commit,
-   drop its actors, re-form without them; no failure counted). A drain too short for a save only
-   logs (the node's loss later takes the failure path), and a drain of spares only drops them.
+   drop its actors, re-form without them; no failure counted). A drain too short for a save
+   evacuates from the in-memory snapshots when they hold every shard outside the draining nodes
+   (the save is owed), else only logs (the node's loss later takes the failure path); a drain of
+   spares only drops them.
 4. ``decide_eviction``: a straggler reported with ``elastic.evict_stragglers`` (unless dropping it
    would go below ``elastic.min_dp``).
 5. ``decide_grow``: every ``elastic.grow_check_s`` (or when actors just answered): spares refilled,
@@ -54,8 +56,11 @@ def decide_preemption(ctx: DriverContext, at: Boundary) -> Evacuate | None:
     if not ctx.preemptions.due(ctx.clock()):
         return None
     gen = ctx.generation
+    def covered(actors: frozenset[int]) -> bool:  # asked only for a deadline too short for a save
+        return ctx.snapshots.covers(ctx.group, gen, at.step - 1, without=actors)
+
     notice = ctx.preemptions.check(ctx.group.draining_nodes(), actor_nodes=ctx.group.node_ids, members=gen.members,
-                                 step=at.step, save_measured_s=ctx.checkpoints.save_measured_s)
+                                 step=at.step, save_measured_s=ctx.checkpoints.save_measured_s, covered=covered)
     if notice is None:
         return None
     ctx.metrics.event("preemption", **notice.event())
@@ -129,8 +134,10 @@ def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Fin
                 logger.warning("resize to dp=%d: %s", decision.dp, exc)
         return Forming(ctx.scaling.requested(decision.dp, len(ctx.group.live_ids)), save_first=True,
                        snapshot_may_replace_save=True)
-    if isinstance(decision, Evacuate):
-        return Forming(decision.decision, save_first=True, drop=decision.notice.actors)
+    if isinstance(decision, Evacuate):  # with time for a save, the step is saved before the node goes
+        from_snapshots = decision.notice.from_snapshots
+        return Forming(decision.decision, save_first=True, drop=decision.notice.actors,
+                       snapshot_may_replace_save=from_snapshots, owe_save=from_snapshots)
     if isinstance(decision, Evict):
         return Forming(decision.decision, save_first=True, drop=decision.actors, drop_event="evict",
                        snapshot_may_replace_save=True)

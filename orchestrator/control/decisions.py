@@ -31,7 +31,8 @@ class ResizeTo:
 
 @dataclass(frozen=True)
 class Evacuate:
-    """A draining node with time for a save: commit, drop its actors, re-form without them."""
+    """A draining node: commit (or, too short for a save, resume from the snapshots that cover the
+    state without it: ``notice.from_snapshots``), drop its actors, re-form without them."""
 
     notice: Preemption
     decision: ResizeDecision | TooFewWorkers

@@ -70,9 +70,11 @@ class Forming(_Kind):
     save_first: bool = False  # a planned re-form: commit the step just trained before anything else
     drop: frozenset[int] = field(default_factory=frozenset)  # actors to kill once that step is committed
     drop_event: str = ""  # an event to log when dropping them ("evict"), with the step and the actors
-    # No node is going: when the in-memory snapshot of that step has a copy of every shard on an
-    # actor that stays, the new generation resumes from it exactly as from the save, which is skipped.
+    # When the in-memory snapshot of that step has a copy of every shard on an actor that stays, the
+    # new generation resumes from it exactly as from the save, which is skipped (a grow, a resize, an
+    # eviction; a drain only when too short for a save: with time for one, the step is saved first).
     snapshot_may_replace_save: bool = False
+    owe_save: bool = False  # the save skipped so is owed: made at the new generation's first boundary
 
 
 @dataclass(frozen=True)

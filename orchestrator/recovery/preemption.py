@@ -11,16 +11,22 @@ deadline) at a step boundary and asks ``PreemptionWatcher.check``, which answers
 * ``evacuate``: save the current step, then re-form the mesh without the draining nodes' actors
   before they die: no failure, no step re-run, survivors keep their processes, and it does not count
   toward ``elastic.max_restarts``. A drain that takes only spares needs no save and no re-form.
+* ``evacuate`` from snapshots (``Preemption.from_snapshots``): the deadline is shorter than a save
+  needs, but the in-memory snapshots of the step just trained have a copy of every shard on actors
+  that stay (``covered``, asked of the driver's snapshot coordinator): the mesh re-forms from them
+  at once, without a save, which is owed and made at the new generation's first step boundary. A
+  re-form needs nothing of the draining actors, so any deadline is long enough.
 * ``fallback``: the deadline is shorter than a save needs (``save_budget_s``, from the measured time
-  of the last save), so nothing is started that the node's death would cut; the event says so and
-  the node's loss takes the failure path (it still does not count toward the restart budget).
+  of the last save) and no snapshot covers the state without the draining nodes, so nothing is
+  started that the node's death would cut; the event says so and the node's loss takes the failure
+  path (it still does not count toward the restart budget).
 
 Each draining node is decided once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 SAVE_GUESS_S = 10.0  # a save's duration before any was measured in this run
@@ -43,13 +49,14 @@ class Preemption:
     step: int  # the step boundary it is handled at: the next step to train
     needed_s: float  # what a save was judged to need (0 when no rank is taken)
     reason: str
+    from_snapshots: bool = False  # too short for a save: re-formed from the in-memory snapshots instead
 
     def event(self) -> dict:
         """The ``preemption`` metrics event."""
         return {"nodes": list(self.nodes), "ranks": list(self.ranks),
                 "deadline_s": None if self.deadline_s is None else round(self.deadline_s, 3),
                 "step": self.step, "action": self.action, "needed_s": round(self.needed_s, 3),
-                "reason": self.reason}
+                "from_snapshots": self.from_snapshots, "reason": self.reason}
 
 
 class PreemptionWatcher:
@@ -78,6 +85,7 @@ class PreemptionWatcher:
         members: Mapping[int, int],
         step: int,
         save_measured_s: float | None,
+        covered: Callable[[frozenset[int]], bool] | None = None,
     ) -> Preemption | None:
         """Decide the drains not decided yet that take actors of the job.
 
@@ -87,6 +95,8 @@ class PreemptionWatcher:
             members: world rank -> actor id of the current generation.
             step: the next step to train (we are at its boundary).
             save_measured_s: how long the last save took (stage + write), None before any.
+            covered: whether the in-memory snapshots of step ``step - 1`` hold every shard on actors
+                outside the given ones (asked only when the deadline is too short for a save).
         """
         ours = set(actor_nodes.values())
         new = {node: left for node, left in draining.items() if node in ours and node not in self.seen}
@@ -107,6 +117,12 @@ class PreemptionWatcher:
         if deadline is not None and deadline < needed:
             basis = "a guess, no save measured yet" if save_measured_s is None else \
                 f"the last save took {save_measured_s:.1f}s"
+            if covered is not None and covered(actors):
+                return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
+                                  f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
+                                  f"needs ({basis}), but the in-memory snapshots of step {step - 1} hold every "
+                                  "shard outside the draining nodes: re-forming from them now, the save owed "
+                                  "is made after", from_snapshots=True)
             return Preemption("fallback", nodes, actors, ranks, deadline, step, needed,
                               f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
                               f"needs ({basis}): falling back to the failure path when the node goes")

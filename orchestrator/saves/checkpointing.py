@@ -246,6 +246,20 @@ class CheckpointCoordinator:
                 self._owe(self._pending.step)
         self._pending = None
 
+    def set_aside(self, step: int) -> None:
+        """A planned re-form that resumes from the in-memory snapshots of ``step`` and cannot wait for a
+        save (a drain too short for one, orchestrator/recovery/preemption.py): the save in flight, which
+        the draining actors write too, is abandoned, and a save of ``step`` is owed (``due``: made at
+        the new generation's first step boundary). Said in a ``checkpoint_deferred`` event."""
+        writing = self._pending.step if self._pending is not None else None
+        if self._pending is not None:
+            self._abandoned.extend(self._pending.refs)
+            self._pending = None
+        self._owe(step if writing is None else min(step, writing))
+        logger.warning("checkpoint of step %d deferred to after the re-form (the drain leaves no time for a "
+                       "save)%s", step, "" if writing is None else f"; the save of step {writing} in flight abandoned")
+        self.metrics.event("checkpoint_deferred", step=step, writing=writing, reason="drain")
+
     def _reap_abandoned(self, group) -> None:
         # Read the acks of abandoned saves once they fail, so Ray does not log each as an
         # "Unhandled error" with a traceback: the failure was already reported as one event.

@@ -5,8 +5,10 @@ removed at the deadline.
 * 20 s of notice: the driver saves the step at the next boundary, re-forms the mesh without the
   node's ranks before it goes, and trains on: no step trained twice, no failure, no restart counted,
   the survivors keep their processes, losses equal one process's; a ``preemption`` event.
-* 1 s of notice: too short for a save; the event says so and the node's loss takes the failure
-  path (not counted against ``elastic.max_restarts``); losses still equal one process's.
+* 1 s of notice: too short for a save; with in-memory snapshots (the default) whose copies are on
+  the staying node, the mesh re-forms from them at once (no failure, no step re-run) and the save is
+  owed (made at the next boundary); without snapshots the event says so and the node's loss takes
+  the failure path (not counted against ``elastic.max_restarts``); losses equal one process's.
 
 Its own Ray cluster: a CPU-less head (driver, store host), a 2-CPU node that stays, and per test a
 2-CPU node that is drained, so the dp=4 mesh has 2 ranks on each.
@@ -60,12 +62,12 @@ def drain(nodes, node_id: str, deadline_s: float) -> None:
     assert accepted, why
 
 
-def _run_with_drain(nodes, provider, tmp_path, deadline_s: float):
+def _run_with_drain(nodes, provider, tmp_path, deadline_s: float, extra: tuple[str, ...] = ()):
     """dp=4 over the staying node and a fresh victim node; the victim is drained during step
     ``DRAIN_AT`` and removed at its deadline (its remaining worker processes killed with it, as a
     real node's would be). Returns (controller, summary, overrides, survivors' pids before)."""
     victim = nodes.add_node(num_cpus=2)
-    overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    overrides = OVERRIDES + [*extra, f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
     cfg = load_config(None, overrides)
     group = make_group(4)
     removal: list[threading.Timer] = []
@@ -121,9 +123,33 @@ def test_drain_with_20s_notice_saves_and_reforms_without_the_node(cluster, tmp_p
 
 
 @pytest.mark.timeout(600)
-def test_drain_with_1s_notice_falls_back_to_the_failure_path(cluster, tmp_path):
+def test_drain_with_1s_notice_reforms_from_the_snapshots_and_owes_the_save(cluster, tmp_path):
+    """Too short for a save, but each rank's in-memory snapshot has its copy on the other node (the
+    default checkpoint.memory_every = 1): the mesh re-forms from them at once, before the node goes."""
     nodes, provider = cluster
-    controller, summary, overrides, survivors, _ = _run_with_drain(nodes, provider, tmp_path, 1.0)
+    controller, summary, overrides, survivors, on_victim = _run_with_drain(nodes, provider, tmp_path, 1.0)
+    m = tmp_path / "m.jsonl"
+    preemption, = events(m, "preemption")
+    assert (preemption["action"], preemption["from_snapshots"]) == ("evacuate", True)
+    assert "shorter than" in preemption["reason"] and len(preemption["ranks"]) == 2
+    deferred, = events(m, "checkpoint_deferred")
+    assert (deferred["step"], deferred["reason"]) == (DRAIN_AT - 1, "drain")
+    assert not events(m, "failure") and summary.restarts == 0
+    rebuild, = events(m, "rebuild")
+    assert (rebuild["reason"], rebuild["restored_from"], rebuild["dp"]) == ("preemption", "snapshot", 2)
+    assert rebuild["resumed_from_step"] == DRAIN_AT - 1
+    assert [e["step"] for e in events(m, "checkpoint") if e["step"] >= DRAIN_AT][:1] == [DRAIN_AT]  # the owed save
+    trained = [r["step"] for r in map(json.loads, open(m)) if "loss" in r]
+    assert trained == list(range(1, STEPS + 1))  # no step logged twice
+    assert {a: summary.pids[a] for a in survivors} == survivors and not on_victim & set(summary.pids)
+    assert_matches_reference(last_losses(m), None, reference(overrides, STEPS), CONTROLLER_FP32)
+
+
+@pytest.mark.timeout(600)
+def test_drain_with_1s_notice_and_no_snapshots_falls_back_to_the_failure_path(cluster, tmp_path):
+    nodes, provider = cluster
+    controller, summary, overrides, survivors, _ = _run_with_drain(nodes, provider, tmp_path, 1.0,
+                                                                   ("checkpoint.memory_every=0",))
     m = tmp_path / "m.jsonl"
     preemption, = events(m, "preemption")
     assert preemption["action"] == "fallback" and "shorter than" in preemption["reason"]

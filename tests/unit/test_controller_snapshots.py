@@ -279,3 +279,44 @@ def test_a_grow_without_a_save_still_commits_the_save_in_flight(make):
     assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 4
     summary = r.c.run()
     assert summary.final_step == 6
+
+
+def test_a_drain_too_short_for_a_save_evacuates_from_the_snapshots_and_owes_the_save(make):
+    """Node B (actors 2 and 3) is drained with 1 s of notice, less than a save needs: the snapshots of
+    step 3 have copies of B's shards on A (the ring 0 -> 2 -> 1 -> 3 -> 0), so the mesh re-forms from
+    them at the boundary instead of waiting for the node to die: no failure, no step re-run, and the
+    save not made before is owed and made at the new generation's first boundary."""
+    r = make("train.steps=6", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.steps(4)  # start, steps 1-3 (step 2 committed)
+    r.group.draining = {"B": 1.0}  # the fake's saves measure 0.12 s: a save needs 1.18 s
+    r.clock.t += 1.0
+    assert r.c.advance() == State.FORMING  # the boundary before step 4
+    assert r.c.advance() == State.RUNNING
+    preemption, = r.events("preemption")
+    assert (preemption["action"], preemption["from_snapshots"], preemption["ranks"]) == ("evacuate", True, [2, 3])
+    deferred, = r.events("checkpoint_deferred")
+    assert (deferred["step"], deferred["reason"]) == (3, "drain")
+    assert sorted(r.group.killed) == [2, 3] and r.committed() == [2]  # nothing saved before the re-form
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 2, 4)
+    assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 3 and not r.group.calls(RankCalls.load_checkpoint)
+    r.c.run()
+    assert r.c.state.kind == State.FINISHED and r.c.restarts == 0 and not r.events("failure")
+    assert 4 in r.committed()  # the owed save: the first step trained after the re-form
+    rebuild = _restored(r)
+    assert (rebuild["reason"], rebuild["restored_from"], rebuild["resumed_from_step"]) == ("preemption", "snapshot", 3)
+    assert [x["step"] for x in r.records() if "loss" in x] == list(range(1, 7))  # no step trained twice
+
+
+def test_a_drain_too_short_for_a_save_that_takes_a_shard_and_its_copy_falls_back(make):
+    """Node B holds actors 1-3, so some of its shards have their copy on B too (rank 1's on actor 3): no
+    snapshot covers the state without B, and the drain falls back to the failure path as without
+    snapshots."""
+    r = make("train.steps=6", nodes={0: "A", 1: "B", 2: "B", 3: "B"})
+    r.steps(4)
+    assert _pushes(r, 3)[1] == 3
+    r.group.draining = {"B": 1.0}
+    r.clock.t += 1.0
+    assert r.c.advance() == State.RUNNING  # step 4 trains; the node's loss will take the failure path
+    preemption, = r.events("preemption")
+    assert preemption["action"] == "fallback" and not preemption["from_snapshots"]
+    assert not r.events("checkpoint_deferred") and not r.group.killed

@@ -11,9 +11,9 @@ ACTOR_NODES = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b"}
 MEMBERS = {0: 0, 1: 1, 2: 2, 3: 3}
 
 
-def check(watcher, draining, *, step=7, measured=2.0, actor_nodes=ACTOR_NODES):
+def check(watcher, draining, *, step=7, measured=2.0, actor_nodes=ACTOR_NODES, covered=None):
     return watcher.check(draining, actor_nodes=actor_nodes, members=MEMBERS, step=step,
-                         save_measured_s=measured)
+                         save_measured_s=measured, covered=covered)
 
 
 def test_drain_with_time_for_a_save_evacuates_the_nodes_ranks():
@@ -32,6 +32,32 @@ def test_deadline_too_short_for_a_save_falls_back():
     p = check(w, {"b": 1.0})
     assert p.action == "fallback" and p.ranks == (3,) and p.deadline_s == 1.0
     assert "shorter than" in p.reason and "the last save took 2.0s" in p.reason
+
+
+def test_deadline_too_short_for_a_save_evacuates_from_snapshots_that_cover_the_state_without_the_node():
+    asked = []
+
+    def covered(actors):
+        asked.append(actors)
+        return True
+
+    p = check(PreemptionWatcher(), {"b": 1.0}, covered=covered)
+    assert asked == [{3, 4}]  # the draining node's actors: the snapshots must do without them
+    assert p.action == "evacuate" and p.from_snapshots and p.ranks == (3,) and p.actors == {3, 4}
+    assert "in-memory snapshots of step 6" in p.reason and p.event()["from_snapshots"] is True
+
+
+def test_deadline_too_short_for_a_save_without_covering_snapshots_still_falls_back():
+    p = check(PreemptionWatcher(), {"b": 1.0}, covered=lambda actors: False)
+    assert p.action == "fallback" and not p.from_snapshots and "shorter than" in p.reason
+
+
+def test_a_drain_with_time_for_a_save_saves_and_does_not_ask_the_snapshots():
+    def covered(actors):
+        raise AssertionError("asked")
+
+    p = check(PreemptionWatcher(), {"b": 20.0}, covered=covered)
+    assert p.action == "evacuate" and not p.from_snapshots and "saving step 6" in p.reason
 
 
 def test_the_measured_save_time_decides():

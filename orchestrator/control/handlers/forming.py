@@ -25,12 +25,16 @@ logger = logging.getLogger(__name__)
 def handle(state: Forming, ctx: DriverContext) -> ControllerState:
     step = ctx.progress.next_step - 1
     if state.save_first:
-        # A covered snapshot of ``step`` replaces its save (a save in flight still commits).
-        only_pending = state.snapshot_may_replace_save and ctx.snapshots.covers(
+        # A covered snapshot of ``step`` replaces its save (a save in flight still commits, unless the
+        # save is owed: a drain too short for it, whose actors write the one in flight too).
+        covered = state.snapshot_may_replace_save and ctx.snapshots.covers(
             ctx.group, ctx.generation, step, without=state.drop)
-        broke = save_before_reform(ctx, step, only_pending=only_pending)
-        if broke is not None:
-            return broke
+        if covered and state.owe_save:
+            ctx.checkpoints.set_aside(step)
+        else:
+            broke = save_before_reform(ctx, step, only_pending=covered)
+            if broke is not None:
+                return broke
     if state.drop:
         if state.drop_event:
             ctx.metrics.event(state.drop_event, step=step, actors=sorted(state.drop))
