@@ -124,13 +124,15 @@ FSDP_UNIT_CASES = [
     ((2, 1, 1), 3, 0.1, 3),  # blocks paired + the root
     ((2, 1, 1), 2, 0.1, 3),
     ((2, 1, 1), 3, 25, 1),  # the default: 4 small blocks all in the root unit
-    ((2, 2, 2), 3, 0, 3),  # per stage: 2 blocks + the root
+    # per stage: 2 blocks + the root; slow (~18 s): the units' regrouping is the (2, 1, 1) cases'
+    pytest.param((2, 2, 2), 3, 0, 3, marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("shape", "zero", "unit_mb", "units"), FSDP_UNIT_CASES,
-                         ids=[f"{mesh_id(c[0])}-zero{c[1]}-unit{c[2]}MB" for c in FSDP_UNIT_CASES])
+                         ids=[f"{mesh_id(c[0])}-zero{c[1]}-unit{c[2]}MB"
+                              for c in (getattr(case, "values", case) for case in FSDP_UNIT_CASES)])
 def test_fsdp_unit_size_changes_collectives_not_math(shape, zero, unit_mb, units) -> None:
     """``mesh.fsdp_unit_mb`` regroups blocks into FSDP units; the training stays the reference's."""
     dp, pp, tp = shape
@@ -198,7 +200,8 @@ def test_harness_reports_a_failing_rank_without_hanging() -> None:
 @pytest.mark.parametrize(
     ("hook", "run_timeout", "expected", "ended_by"),
     [(exit_on_rank_one, 120.0, r"ranks died \(rank -> exit code\): \{1: 3\}", "died"),
-     (hang_on_rank_one, 15.0, r"no result from ranks \[0, 1\]", "timeout")],
+     # slow: it waits out the 15 s bound; the harness's kill itself is the "dies" case's
+     pytest.param(hang_on_rank_one, 15.0, r"no result from ranks \[0, 1\]", "timeout", marks=pytest.mark.slow)],
     ids=["dies", "hangs"],
 )  # fmt: skip
 def test_harness_kills_the_world_when_a_rank_dies_or_hangs(hook, run_timeout: float, expected: str,

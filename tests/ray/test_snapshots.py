@@ -115,6 +115,9 @@ def test_a_spare_promoted_into_the_mesh_restores_in_place(cluster, head_store, t
 
 
 @pytest.mark.timeout(420)
+# slow (~18 s): the fall back is decided by the driver, tested on the fake group in the default run
+# (tests/unit/test_controller_snapshots.py::test_a_rank_and_its_holder_lost_fall_back_to_storage)
+@pytest.mark.slow
 def test_a_rank_and_its_snapshots_holder_killed_fall_back_to_storage(cluster, head_store, tmp_path):
     def rank_and_holder(c):
         holders = c.snapshots._holders
