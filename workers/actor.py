@@ -140,7 +140,8 @@ class RankActor:
         """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
         joins as fast as a member re-forms (``elastic.spares``); the first call (from ``__init__``,
         before any generation) freezes the heap, later ones find it frozen. ``family``: the job's
-        ``model.family`` reference (the driver's ``SparePool`` passes it): its module is imported too.
+        ``model.family`` reference (the driver's ``SparePool`` passes it, in a later call): its module
+        is imported too, after the freeze (its few objects stay in the collector's reach).
 
         The freeze moves every object alive then (the imported torch, Ray and model code: ~330k
         objects) out of the cyclic GC's reach, once per process. Leaving a generation runs a full

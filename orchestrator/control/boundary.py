@@ -57,7 +57,10 @@ def decide_preemption(ctx: DriverContext, at: Boundary) -> Evacuate | None:
         return None
     gen = ctx.generation
     def covered(actors: frozenset[int]) -> bool:  # asked only for a deadline too short for a save
-        return ctx.snapshots.covers(ctx.group, gen, at.step - 1, without=actors)
+        # The newest step read, not at.step - 1: with steps in flight (the default window) that one's
+        # snapshots are not taken yet. Its copies are on the same holders (one ring per generation),
+        # and the Forming state asks again about the step it resumes from.
+        return ctx.snapshots.covers(ctx.group, gen, ctx.progress.next_step - 1, without=actors)
 
     notice = ctx.preemptions.check(ctx.group.draining_nodes(), actor_nodes=ctx.group.node_ids, members=gen.members,
                                  step=at.step, save_measured_s=ctx.checkpoints.save_measured_s, covered=covered)

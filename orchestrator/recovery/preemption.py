@@ -14,8 +14,9 @@ deadline) at a step boundary and asks ``PreemptionWatcher.check``, which answers
 * ``evacuate`` from snapshots (``Preemption.from_snapshots``): the deadline is shorter than a save
   needs, but the in-memory snapshots of the step just trained have a copy of every shard on actors
   that stay (``covered``, asked of the driver's snapshot coordinator): the mesh re-forms from them
-  at once, without a save, which is owed and made at the new generation's first step boundary. A
-  re-form needs nothing of the draining actors, so any deadline is long enough.
+  at once, without a save, which is owed and made at the new generation's first step boundary. The
+  re-form needs of the draining actors only their pushes of that step's snapshots (waited for at the
+  boundary), so any deadline that outlasts those is long enough.
 * ``fallback``: the deadline is shorter than a save needs (``save_budget_s``, from the measured time
   of the last save) and no snapshot covers the state without the draining nodes, so nothing is
   started that the node's death would cut; the event says so and the node's loss takes the failure
@@ -95,8 +96,9 @@ class PreemptionWatcher:
             members: world rank -> actor id of the current generation.
             step: the next step to train (we are at its boundary).
             save_measured_s: how long the last save took (stage + write), None before any.
-            covered: whether the in-memory snapshots of step ``step - 1`` hold every shard on actors
-                outside the given ones (asked only when the deadline is too short for a save).
+            covered: whether the in-memory snapshots of the newest step read hold every shard on
+                actors outside the given ones (every actor on a draining node; asked only when the
+                deadline is too short for a save).
         """
         ours = set(actor_nodes.values())
         new = {node: left for node, left in draining.items() if node in ours and node not in self.seen}
@@ -117,12 +119,13 @@ class PreemptionWatcher:
         if deadline is not None and deadline < needed:
             basis = "a guess, no save measured yet" if save_measured_s is None else \
                 f"the last save took {save_measured_s:.1f}s"
-            if covered is not None and covered(actors):
+            # Without every actor on a draining node: one decided earlier (a fallback) goes too.
+            if covered is not None and covered(frozenset(self.doomed & set(actor_nodes))):
                 return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
                                   f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
-                                  f"needs ({basis}), but the in-memory snapshots of step {step - 1} hold every "
-                                  "shard outside the draining nodes: re-forming from them now, the save owed "
-                                  "is made after", from_snapshots=True)
+                                  f"needs ({basis}), but the in-memory snapshots hold every shard outside the "
+                                  "draining nodes: re-forming from them now, the save owed is made after",
+                                  from_snapshots=True)
             return Preemption("fallback", nodes, actors, ranks, deadline, step, needed,
                               f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
                               f"needs ({basis}): falling back to the failure path when the node goes")

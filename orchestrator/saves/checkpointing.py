@@ -246,15 +246,20 @@ class CheckpointCoordinator:
                 self._owe(self._pending.step)
         self._pending = None
 
-    def set_aside(self, step: int) -> None:
+    def set_aside(self, group, step: int) -> None:
         """A planned re-form that resumes from the in-memory snapshots of ``step`` and cannot wait for a
         save (a drain too short for one, orchestrator/recovery/preemption.py): the save in flight, which
-        the draining actors write too, is abandoned, and a save of ``step`` is owed (``due``: made at
-        the new generation's first step boundary). Said in a ``checkpoint_deferred`` event."""
+        the draining actors write too, is committed if its writes are done, else abandoned, and a save
+        of ``step`` is owed (``due``: made at the new generation's first step boundary) unless it is
+        committed. Said in a ``checkpoint_deferred`` event. Without ``checkpoint.dir`` nothing is owed
+        (temporary saves only move state, which the snapshots do here)."""
+        self._try_commit(group, block=False)  # a save whose every write is done still commits
         writing = self._pending.step if self._pending is not None else None
         if self._pending is not None:
             self._abandoned.extend(self._pending.refs)
             self._pending = None
+        if not self.user_dir or step == self.last_committed:
+            return
         self._owe(step if writing is None else min(step, writing))
         logger.warning("checkpoint of step %d deferred to after the re-form (the drain leaves no time for a "
                        "save)%s", step, "" if writing is None else f"; the save of step {writing} in flight abandoned")

@@ -101,7 +101,7 @@ def test_dashboard_http_address_in_ray_address_is_explained():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow  # ~17 s; the e2e suite's test_ray_job_submit does the same through `ray job submit`
+@pytest.mark.slow  # ~17 s; in CI the e2e suite (run after the default one) checks it through `ray job submit`
 def test_gpu_job_on_a_cpu_only_ray_fails_after_the_placement_timeout():
     # No RAY_ADDRESS: the embedded local Ray, CPU only, no autoscaler.
     proc = run_cli("train", "--set", "resources.use_gpu=true", "--set", "resources.placement_timeout_s=3",

@@ -54,7 +54,9 @@ def test_eval_records_equal_reference_on_any_mesh(ray_local, store_address, tmp_
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.slow  # ~18 s; eval on real ranks: test_eval_records_equal_reference_on_any_mesh
+# slow (~18 s): eval beside snapshots on real ranks is test_eval_records_equal_reference_on_any_mesh's (snapshots
+# every step, eval every 2 steps); this one evaluates after every step
+@pytest.mark.slow
 def test_eval_beside_snapshots_every_step_equals_eval_without_them(ray_local, store_address, tmp_path):
     """checkpoint.memory_every=1 and eval.every=1: after each step the controller submits the
     snapshot (training work, not awaited) and then the eval. FSDP2's state-dict hook reshards the

@@ -76,8 +76,6 @@ def test_kill_drops_the_whole_replica_keeps_pp_tp(ray_local, store_address, tmp_
 
 
 @pytest.mark.timeout(400)
-# slow (~20 s): failures in a row are the chaos campaign's, and on the fake group in the default run
-@pytest.mark.slow
 def test_two_failures_in_a_row(ray_local, store_address, tmp_path):
     """Rank 1 dies in step 3; after that rebuild (dp=2 + a spare) rank 2 dies in step 6: the spare
     takes its place (dp=2 again) and the run still equals one process."""

@@ -24,10 +24,8 @@ OVERRIDES = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.mi
 
 
 @pytest.mark.timeout(600)
-# zero0 in the slow run only (~16 s): ZeRO-0's shrink is also the recovery bench's and the chaos
-# campaign's; hsdp's (two mesh axes for dp) stays in the default run.
-@pytest.mark.parametrize("strategy", [pytest.param(("mesh.zero=0",), marks=pytest.mark.slow),
-                                      ("mesh.zero=3", "mesh.dp_replicate=2")], ids=["zero0", "hsdp"])
+@pytest.mark.parametrize("strategy", [("mesh.zero=0",), ("mesh.zero=3", "mesh.dp_replicate=2")],
+                         ids=["zero0", "hsdp"])
 def test_shrink_and_grow_match_reference(strategy, ray_local, store_address, tmp_path):
     overrides = [*OVERRIDES, *strategy, f"checkpoint.dir={tmp_path / 'ckpt'}",
                  f"metrics.path={tmp_path / 'm.jsonl'}"]

@@ -124,7 +124,6 @@ def _rows(job, sweep_dir, samples: int, space: str = SPACE) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.slow  # ~29 s; the sweep's resume and its trials' rows: the two other tests here
 def test_sweep_stops_bad_trials_recovers_a_killed_rank_and_resumes(ray_local, tmp_path, capsys):
     job, sweep_dir = tmp_path / "job.toml", tmp_path / "sw"
     job.write_text(JOB)

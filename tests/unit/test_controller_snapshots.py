@@ -320,3 +320,24 @@ def test_a_drain_too_short_for_a_save_that_takes_a_shard_and_its_copy_falls_back
     preemption, = r.events("preemption")
     assert preemption["action"] == "fallback" and not preemption["from_snapshots"]
     assert not r.events("checkpoint_deferred") and not r.group.killed
+
+
+def test_with_steps_in_flight_a_short_drain_still_evacuates_from_the_snapshots(make):
+    """With a window of 2 the boundary that reads the notice comes while the step before it is still in
+    flight, its snapshots not taken: the decision asks about the newest step read (the same holders),
+    and the re-form, once the window drained, resumes from the step it read last."""
+    r = make("train.steps=8", nodes={0: "A", 1: "A", 2: "B", 3: "B"}, window=2)
+    r.steps(4)
+    r.group.draining = {"B": 1.0}
+    r.clock.t += 1.0
+    r.c.run()
+    preemption, = r.events("preemption")
+    assert (preemption["action"], preemption["from_snapshots"]) == ("evacuate", True)
+    assert r.c.state.kind == State.FINISHED and r.c.restarts == 0 and not r.events("failure")
+    assert sorted(r.group.killed) == [2, 3] and r.c.generation.shape.dp == 2
+    rebuild = _restored(r)
+    assert (rebuild["reason"], rebuild["restored_from"]) == ("preemption", "snapshot")
+    # Step 4's periodic save had written everything (the fake's writes are instant): it commits, and
+    # nothing is owed (CheckpointCoordinator.set_aside).
+    assert rebuild["resumed_from_step"] == 4 and 4 in r.committed() and not r.events("checkpoint_deferred")
+    assert [x["step"] for x in r.records() if "loss" in x] == list(range(1, 9))  # no step trained twice

@@ -44,7 +44,16 @@ def test_deadline_too_short_for_a_save_evacuates_from_snapshots_that_cover_the_s
     p = check(PreemptionWatcher(), {"b": 1.0}, covered=covered)
     assert asked == [{3, 4}]  # the draining node's actors: the snapshots must do without them
     assert p.action == "evacuate" and p.from_snapshots and p.ranks == (3,) and p.actors == {3, 4}
-    assert "in-memory snapshots of step 6" in p.reason and p.event()["from_snapshots"] is True
+    assert "in-memory snapshots hold every shard" in p.reason and p.event()["from_snapshots"] is True
+
+
+def test_the_snapshots_must_also_do_without_a_node_that_fell_back_before():
+    actor_nodes = {0: "a", 1: "a", 2: "c", 3: "b", 4: "b"}
+    w = PreemptionWatcher()
+    assert check(w, {"c": 1.0}, actor_nodes=actor_nodes, covered=lambda actors: False).action == "fallback"
+    asked = []
+    check(w, {"c": 0.5, "b": 1.0}, actor_nodes=actor_nodes, covered=lambda actors: asked.append(actors) or True)
+    assert asked == [{2, 3, 4}]  # node c's actor 2 is still alive, and goes too
 
 
 def test_deadline_too_short_for_a_save_without_covering_snapshots_still_falls_back():

@@ -30,8 +30,11 @@ def handle(state: Forming, ctx: DriverContext) -> ControllerState:
         covered = state.snapshot_may_replace_save and ctx.snapshots.covers(
             ctx.group, ctx.generation, step, without=state.drop)
         if covered and state.owe_save:
-            ctx.checkpoints.set_aside(step)
+            ctx.checkpoints.set_aside(ctx.group, step)
         else:
+            if state.owe_save:  # decided from snapshots that no longer cover the state (a holder was lost)
+                logger.warning("step %d: the snapshots no longer hold every shard without actors %s: saving it "
+                               "before they go instead", step, sorted(state.drop))
             broke = save_before_reform(ctx, step, only_pending=covered)
             if broke is not None:
                 return broke
