@@ -93,6 +93,29 @@ class GenerationLinks:
         return local, remote
 
 
+def _import_a_spares_first_join(family: str) -> None:
+    """What the project's modules import only where first used, which for a spare is its first join or
+    load, on the recovery's critical path (listed from the modules a promoted spare's join and load
+    added: tests/unit/test_actor_start_imports.py), and the job's model family. Only a spare's warm-up
+    (``SparePool.warm`` names the family) imports them: an actor's start does not, since the mesh's
+    first formation, which would import them anyway, waits for every start (on 2 cores ~0.5 s more
+    for four actors starting at once). clear_dtensor_caches' import of torch.distributed.tensor.debug
+    pulls torch.distributed._tools and torch.utils.flop_counter: 0.2-0.9 s of a spare's join on the
+    loaded 2-core machine."""
+    import torch.distributed.tensor.debug  # noqa: F401
+    import torch.utils.serialization.config  # noqa: F401  (a snapshot load's first torch.load)
+
+    import checkpoints.memory  # noqa: F401
+    import checkpoints.reader  # noqa: F401
+    import checkpoints.snapshot_taker  # noqa: F401
+    import checkpoints.state  # noqa: F401
+    import checkpoints.writer  # noqa: F401
+    from meshmodels.family import load_family
+
+    with suppress(Exception):  # a bad reference is the join's to report (model.family, exit 2)
+        load_family(family)
+
+
 class RankActor:
     def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP) -> None:
         try:
@@ -140,8 +163,9 @@ class RankActor:
         """Import what joining a generation needs (FSDP2, DTensor, the model code), so that a hot spare
         joins as fast as a member re-forms (``elastic.spares``); the first call (from ``__init__``,
         before any generation) freezes the heap, later ones find it frozen. ``family``: the job's
-        ``model.family`` reference (the driver's ``SparePool`` passes it, in a later call): its module
-        is imported too, after the freeze (its few objects stay in the collector's reach).
+        ``model.family`` reference, which the driver's ``SparePool`` passes to a spare in a later call:
+        the family's module and what a spare's first join and load would import are imported then
+        (``_import_a_spares_first_join``), after the freeze (their objects stay in the GC's reach).
 
         The freeze moves every object alive then (the imported torch, Ray and model code: ~330k
         objects) out of the cyclic GC's reach, once per process. Leaving a generation runs a full
@@ -158,29 +182,13 @@ class RankActor:
 
         import torch._dynamo  # noqa: F401  (see above; the compute clock's decorators import it too)
 
-        # What the project's modules import only where first used, which for a spare is its first join
-        # or load, on the recovery's critical path (measured by listing the modules a promoted spare's
-        # join and load added: tests/unit/test_actor_start_imports.py). clear_dtensor_caches' import of
-        # torch.distributed.tensor.debug pulls torch.distributed._tools and torch.utils.flop_counter:
-        # 0.2-0.9 s of a spare's join on the loaded 2-core machine.
-        import torch.distributed.tensor.debug  # noqa: F401
-        import torch.utils.serialization.config  # noqa: F401  (a snapshot load's first torch.load)
-
         import checkpoints.direct_load  # noqa: F401  (a restore's; 0.08 s at the first one, under cProfile)
-        import checkpoints.memory  # noqa: F401
-        import checkpoints.reader  # noqa: F401
-        import checkpoints.snapshot_taker  # noqa: F401
-        import checkpoints.state  # noqa: F401
-        import checkpoints.writer  # noqa: F401
         import workers.groups  # noqa: F401
         import workers.runtime  # noqa: F401
         import workers.snapshot_restore  # noqa: F401
 
-        if family:  # a bad reference is the join's to report (model.family, exit 2), not a spare's warm-up
-            from meshmodels.family import load_family
-
-            with suppress(Exception):
-                load_family(family)
+        if family:
+            _import_a_spares_first_join(family)
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()

@@ -48,7 +48,7 @@ SPARE_WARM = """
 import sys, types
 from workers.actor import RankActor
 wanted = sys.argv[1].split(",")
-RankActor.warm(types.SimpleNamespace())  # the actor's start: no family yet
+RankActor.warm(types.SimpleNamespace())  # the actor's start: a mesh member's too
 print(sorted(m for m in wanted if m not in sys.modules))
 RankActor.warm(types.SimpleNamespace(), "gpt")  # SparePool.warm: the job's model.family
 print(sorted(m for m in wanted if m not in sys.modules))
@@ -60,7 +60,7 @@ def test_a_spare_warmed_with_the_family_has_imported_what_its_first_join_and_loa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     at_start, with_family = out.stdout.strip().splitlines()[-2:]
-    assert at_start == "['meshmodels.gpt']"  # the family is named by the driver's warm call only
+    assert "meshmodels.gpt" in at_start and "torch.distributed.tensor.debug" in at_start  # a start stays light
     assert with_family == "[]"
 
 
