@@ -341,3 +341,22 @@ def test_with_steps_in_flight_a_short_drain_still_evacuates_from_the_snapshots(m
     # nothing is owed (CheckpointCoordinator.set_aside).
     assert rebuild["resumed_from_step"] == 4 and 4 in r.committed() and not r.events("checkpoint_deferred")
     assert [x["step"] for x in r.records() if "loss" in x] == list(range(1, 9))  # no step trained twice
+
+
+def test_a_short_drain_abandons_the_save_still_writing_and_owes_it(make):
+    """Step 3's save is still being written when node B's 1 s notice comes: the draining actors write it
+    too, so it cannot be waited for. It is abandoned (never committed) and owed: the first step trained
+    after the re-form is saved instead."""
+    r = make("train.steps=6", "checkpoint.every=3", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
+    r.group.slow_writes = True
+    r.steps(4)  # start, steps 1-3; step 3's save staged, its writes not answered
+    r.group.draining = {"B": 1.0}
+    r.clock.t += 1.0
+    assert r.c.advance() == State.FORMING
+    assert r.c.advance() == State.RUNNING
+    deferred, = r.events("checkpoint_deferred")
+    assert (deferred["step"], deferred["writing"], deferred["reason"]) == (3, 3, "drain")
+    assert r.committed() == [] and r.c.ckpt.owed_step == 3
+    r.c.run()
+    assert 3 not in r.committed() and 4 in r.committed()  # the owed save: step 4, the first after the re-form
+    assert not r.events("failure") and r.c.restarts == 0
