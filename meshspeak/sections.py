@@ -259,6 +259,8 @@ class ResourcesConfig:
                               choices=(True, False, "auto"))
     cpus_per_worker: float = key(1.0, "CPUs reserved per rank actor", gt=0)
     placement_timeout_s: float = key(60.0, "bound on placing the rank actors", gt=0)
+    connect_timeout_s: float = key(30.0, "bound on joining the Ray cluster at RAY_ADDRESS (ray.init itself retries "
+                                         "an address that accepts but never answers for minutes)", gt=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -64,8 +64,9 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         ) from None
 
 
-def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
-    """Join RAY_ADDRESS's cluster, or start a local one. Returns True for an embedded local Ray."""
+def connect(cfg: JobConfig) -> bool:
+    """Join RAY_ADDRESS's cluster (within ``resources.connect_timeout_s``), or start a local one. Returns
+    True for an embedded local Ray."""
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
@@ -82,9 +83,11 @@ def connect(cfg: JobConfig, *, connect_timeout_s: float = 30.0) -> bool:
 
         thread = threading.Thread(target=attempt, daemon=True)
         thread.start()
+        connect_timeout_s = cfg.resources.connect_timeout_s
         thread.join(connect_timeout_s)
         if thread.is_alive() or error:
-            why = f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0]}" if error else f"no answer in {connect_timeout_s:g}s"
+            why = (f"{type(error[0]).__name__}: {str(error[0]).splitlines()[0]}" if error
+                   else f"no answer in {connect_timeout_s:g}s, resources.connect_timeout_s")
             raise ClusterConnectError(f"RAY_ADDRESS={address}: cannot reach a Ray cluster ({why}); " + FIX_ADDRESS)
         return False
     world = cfg.mesh.world

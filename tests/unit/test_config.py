@@ -65,7 +65,7 @@ def test_all_keys_and_aliases() -> None:
     # + train.lr_decay, loss_scale_*, metrics.mlflow_*, wandb_* (#28); train.quant_block, optimizer,
     # onebit_warmup_steps, elastic.rebalance (#27); elastic.hang_probe_factor (#25); data.mix, eval.mix (#39);
     # checkpoint.lease_s, train.loss_scale_min, checkpoint.memory_keep (#36); checkpoint.when_busy (#37)
-    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 91
+    assert len(ALL_KEYS) == len(set(ALL_KEYS)) == 92
     assert "checkpoint.async" in ALL_KEYS and "checkpoint.async_write" not in ALL_KEYS
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(JobConfig)]
     assert {k.split(".")[0] for k in ALL_KEYS} == set(SECTIONS)
