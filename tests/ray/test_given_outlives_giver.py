@@ -7,6 +7,8 @@ driver waits for the answer without moving it (``fetch_local=False``), as ``Work
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,15 @@ def test_an_answer_given_before_the_giver_died_is_still_kept(ray_local):
     ready, _ = ray.wait([ref], timeout=60, fetch_local=False)
     assert ready == [ref]
     ray.kill(giver, no_restart=True)  # its process ends; the answer does not
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(giver.pid.remote(), timeout=60)
+    # ray.kill only asks: a call sent right after it may still be answered (seen once on a clean clone
+    # of e5adcaf, "DID NOT RAISE"). The giver is dead once a call to it raises.
+    for _ in range(100):
+        try:
+            ray.get(giver.pid.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the giver still answered 10 s after ray.kill")
     expected = int(np.arange(SIZE, dtype=np.uint64).view(np.uint8)[:SIZE].astype(np.uint64).sum())
     assert ray.get(keeper.keep.remote(ref), timeout=60) == expected
