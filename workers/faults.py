@@ -6,10 +6,10 @@ training step, right after the rank's first forward of a step (deterministically
 peers are then blocked in that step's collectives), at the start of joining a generation, at the
 start of loading a checkpoint or snapshot, and inside the background checkpoint write (of step ``at``
 or the first save after it). And faults that leave the process running, in ``steps`` train steps from
-``at``: "nan" puts a NaN into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds and "sleep" sleeps ``delay_s``
-inside the first block's forward of the step (a straggler: workers/compute_clock.py); "sleep" at
-``where="microbatch"`` sleeps there in every microbatch's forward (a slower device: bench/rebalance.py);
-"sleep" at ``where="ckpt_write"`` stalls every checkpoint write from step ``at`` on by ``delay_s`` (slow
+``at``: "nan" puts a NaN into this rank's gradient (a bad step); "slow" burns ``delay_s`` CPU seconds
+and "sleep" sleeps ``delay_s`` inside the first block's forward of the step (a straggler:
+workers/compute_clock.py); "sleep" at ``where="microbatch"`` sleeps there in every microbatch's forward
+(a slower device: bench/rebalance.py); "sleep" at ``where="ckpt_write"`` stalls every checkpoint write from step ``at`` on by ``delay_s`` (slow
 storage: the save's collectives wait for this rank).
 
 Two seams, and nothing else knows a fault by name: the actor tells ``Faults.reached`` where it is

@@ -56,6 +56,7 @@ def decide_preemption(ctx: DriverContext, at: Boundary) -> Evacuate | None:
     if not ctx.preemptions.due(ctx.clock()):
         return None
     gen = ctx.generation
+
     def covered(actors: frozenset[int]) -> bool:  # asked only for a deadline too short for a save
         # The newest step read, not at.step - 1: with steps in flight (the default window) that one's
         # snapshots are not taken yet. Its copies are on the same holders (one ring per generation),

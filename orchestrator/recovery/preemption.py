@@ -12,7 +12,7 @@ deadline) at a step boundary and asks ``PreemptionWatcher.check``, which answers
   before they die: no failure, no step re-run, survivors keep their processes, and it does not count
   toward ``elastic.max_restarts``. A drain that takes only spares needs no save and no re-form.
 * ``evacuate`` from snapshots (``Preemption.from_snapshots``): the deadline is shorter than a save
-  needs, but the in-memory snapshots of the step just trained have a copy of every shard on actors
+  needs, but the in-memory snapshots of the newest step read have a copy of every shard on actors
   that stay (``covered``, asked of the driver's snapshot coordinator): the mesh re-forms from them
   at once, without a save, which is owed and made at the new generation's first step boundary. The
   re-form needs of the draining actors only their pushes of that step's snapshots (waited for at the
@@ -119,16 +119,14 @@ class PreemptionWatcher:
         if deadline is not None and deadline < needed:
             basis = "a guess, no save measured yet" if save_measured_s is None else \
                 f"the last save took {save_measured_s:.1f}s"
+            short = f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save needs ({basis})"
             # Without every actor on a draining node: one decided earlier (a fallback) goes too.
             if covered is not None and covered(frozenset(self.doomed & set(actor_nodes))):
                 return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
-                                  f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
-                                  f"needs ({basis}), but the in-memory snapshots hold every shard outside the "
-                                  "draining nodes: re-forming from them now, the save owed is made after",
-                                  from_snapshots=True)
+                                  f"{short}, but the in-memory snapshots hold every shard outside the draining "
+                                  "nodes: re-forming from them now, the save owed is made after", from_snapshots=True)
             return Preemption("fallback", nodes, actors, ranks, deadline, step, needed,
-                              f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save "
-                              f"needs ({basis}): falling back to the failure path when the node goes")
+                              f"{short}: falling back to the failure path when the node goes")
         when = "no deadline" if deadline is None else f"deadline in {deadline:.1f}s"
         return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
                           f"{when}, a save needs {needed:.1f}s: saving step {step - 1} and re-forming "
