@@ -14,9 +14,11 @@ the worker node's `ray start` gets SIGTERM mid-run.
   the next step boundary and re-forms without the node: no failure, no step trained twice, the
   survivors keep their processes, losses equal.
 * The node drains with 1 s of notice (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=1): too short for a save.
-  If the driver sees the notice at all before the node goes (it polls every elastic.drain_poll_s),
-  its `preemption` event says "fallback"; either way the node's loss takes the failure path, the run
-  shrinks and finishes, and losses equal one process's.
+  If the driver sees the notice at all before the node goes (it polls every elastic.drain_poll_s) and
+  in-memory snapshots are on (the default), the survivors re-form from the snapshots at once: no
+  failure, the save owed. Without snapshots its `preemption` event says "fallback"; not seen, or
+  fallen back, the node's loss takes the failure path. Either way the run shrinks and finishes, and
+  losses equal one process's.
 """
 
 from __future__ import annotations
@@ -139,11 +141,12 @@ def test_worker_node_sigterm_drains_and_the_run_evacuates_it(cluster, tmp_path):
 
 
 @pytest.mark.timeout(1200)
-def test_worker_node_sigterm_with_1s_drain_falls_back_to_the_failure_path(cluster, tmp_path):
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "no-snapshots"])
+def test_worker_node_sigterm_with_1s_drain(cluster, tmp_path, snapshots):
     steps = 40
     # Polled at every step boundary, so the 1 s notice is usually seen before the node goes.
-    worker, driver, metrics, log, overrides, _ = start(cluster, tmp_path, steps, drain_s=1,
-                                                       extra=("elastic.drain_poll_s=0.001",))
+    extra = ("elastic.drain_poll_s=0.001",) + (() if snapshots else ("checkpoint.memory_every=0",))
+    worker, driver, metrics, log, overrides, _ = start(cluster, tmp_path, steps, drain_s=1, extra=extra)
     try:
         worker.send_signal(signal.SIGTERM)
         rc = driver.wait(timeout=900)
@@ -153,13 +156,28 @@ def test_worker_node_sigterm_with_1s_drain_falls_back_to_the_failure_path(cluste
     assert rc == 0, log.read_text()[-4000:]
     recs = records(metrics)
     preemptions = [r for r in recs if r.get("event") == "preemption"]
-    assert all(p["action"] == "fallback" and "shorter than" in p["reason"] for p in preemptions), preemptions
-    failure, = [r for r in recs if r.get("event") == "failure"]
-    assert failure["ranks"]
+    assert len(preemptions) <= 1 and all("shorter than" in p["reason"] for p in preemptions), preemptions
+    failures = [r for r in recs if r.get("event") == "failure"]
     rebuild, = [r for r in recs if r.get("event") == "rebuild"]
     assert rebuild["dp"] < 4
+    if snapshots and preemptions:
+        # Seen in time: the node's ranks are dropped and the rest re-form from the snapshots of the
+        # step read; the save is owed, not lost.
+        preemption, = preemptions
+        assert (preemption["action"], preemption["from_snapshots"]) == ("evacuate", True), preemption
+        assert not failures and (rebuild["reason"], rebuild["restored_from"]) == ("preemption", "snapshot")
+        # (None owed when the step re-formed from had just been committed.)
+        deferred = [r for r in recs if r.get("event") == "checkpoint_deferred"]
+        assert [(d["reason"], d["step"]) for d in deferred] in ([], [("drain", rebuild["resumed_from_step"])])
+        assert any(r.get("event") == "checkpoint" and r["step"] >= rebuild["resumed_from_step"] for r in recs)
+    else:
+        # Not seen before the node went, or no snapshots to re-form from: the failure path.
+        assert all(p["action"] == "fallback" for p in preemptions), preemptions
+        failure, = failures
+        assert failure["ranks"]
     assert [r["step"] for r in recs if r.get("event") == "done"] == [steps]
     assert_matches_reference({r["step"]: r["loss"] for r in recs if "loss" in r}, None,
                              reference(overrides, steps), CONTROLLER_FP32)
-    print(f"SIGTERM with a 1 s drain: notice seen: {bool(preemptions)}, failure at step {failure['step']}, "
-          f"rebuilt at dp={rebuild['dp']} from step {rebuild['resumed_from_step']}")
+    print(f"SIGTERM with a 1 s drain, snapshots {snapshots}: notice seen: {bool(preemptions)} "
+          f"({preemptions[0]['action'] if preemptions else '-'}), failures {len(failures)}, rebuilt at "
+          f"dp={rebuild['dp']} from step {rebuild['resumed_from_step']} ({rebuild['restored_from']})")
