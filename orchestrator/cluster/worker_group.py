@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -37,6 +38,10 @@ from orchestrator.errors import WorkerGroupStartupError
 
 logger = logging.getLogger(__name__)
 
+# While a call waits on actors of the driver's own Ray node, their processes are looked at this often:
+# one that is gone is dead at once, not when Ray reports it (50-140 ms after the SIGKILL on
+# bench/recovery.py's single node, the first part of every kill -> next step).
+EXIT_POLL_S = 0.02
 START_GRACE_S = 120.0  # a background start may take this long beyond placement (torch import under load)
 
 
@@ -218,13 +223,7 @@ class WorkerGroup:
         of waiting out a status poll on them (a killed rank's poll ran its full 3 s in the chaos
         campaign, and the rank was then blamed as hung). Actors on other Ray nodes are never in it,
         on this machine or not (``_local_pid``)."""
-        here = ray.get_runtime_context().get_node_id()
-        gone = set()
-        for actor_id in actor_ids:
-            pid = self._local_pid(actor_id, here)
-            if pid is not None and not _process_alive(pid):
-                gone.add(actor_id)
-        return gone
+        return {a for a, pid in self._local_pids(set(actor_ids)).items() if not _process_alive(pid)}
 
     def draining_nodes(self) -> dict[str, float | None]:
         """Nodes Ray is draining now: node id -> seconds until the drain deadline (``bundles.draining_nodes``)."""
@@ -278,26 +277,41 @@ class WorkerGroup:
         """Wait for refs until all answered or the deadline; ``stop_early(outcome)`` may end the wait
         sooner (the controller stops waiting for a step as soon as one actor died). Answers are read in
         batches: every ref ready at once is taken in one ``ray.wait`` and one ``ray.get`` (reading
-        them one ``ray.wait(num_returns=1)`` at a time cost the driver O(ranks^2) per step)."""
+        them one ``ray.wait(num_returns=1)`` at a time cost the driver O(ranks^2) per step). An actor
+        on the driver's node whose process exits is dead as soon as that is seen (``ExitWatch``, every
+        ``EXIT_POLL_S``), before Ray reports it."""
         outcome = CallOutcome()
         remaining = list(refs)
         deadline = time.monotonic() + timeout_s
-        while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=0)
-            if not ready:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                ready, remaining = ray.wait(remaining, num_returns=1, timeout=min(left, 1.0))
-                self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
+        with ExitWatch(self._local_pids({refs[r] for r in remaining})) as exits:
+            while remaining:
+                ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=0)
                 if not ready:
-                    continue
-            self._read(ready, refs, outcome)
-            if stop_early is not None and stop_early(outcome):
-                break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    ready, remaining = ray.wait(remaining, num_returns=1,
+                                                timeout=min(left, EXIT_POLL_S if exits.watching else 1.0))
+                    self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
+                    if not ready:
+                        remaining = _drop_exited(remaining, refs, exits, outcome)
+                        if outcome.dead and stop_early is not None and stop_early(outcome):
+                            break
+                        continue
+                self._read(ready, refs, outcome)
+                if stop_early is not None and stop_early(outcome):
+                    break
         outcome.pending = [refs[r] for r in remaining]
         outcome.pending_refs = {r: refs[r] for r in remaining}
         return outcome
+
+    def _local_pids(self, actor_ids: set[int]) -> dict[int, int]:
+        """Actor id -> pid of those among ``actor_ids`` on the driver's own Ray node (``_local_pid``)."""
+        if not actor_ids:
+            return {}
+        here = ray.get_runtime_context().get_node_id()
+        pids = {a: self._local_pid(a, here) for a in actor_ids}
+        return {a: pid for a, pid in pids.items() if pid is not None}
 
     def _read(self, ready: list, refs: dict, outcome: CallOutcome) -> None:
         try:
@@ -381,6 +395,53 @@ def reenter_cwd(path: str | None) -> None:
         logger.info("the working directory %s was replaced (a node unpacked the job's package again): re-entered", path)
     except OSError as exc:
         logger.warning("the working directory %s is gone and cannot be re-entered: %s", path, exc)
+
+
+class ExitWatch:
+    """While a call waits on actors of the driver's own Ray node (actor id -> pid): which of their
+    processes exited, through pidfds (Linux >= 5.3; readable once the process has exited, so a select
+    of them costs microseconds where psutil's status read costs ~85 us a process). Where there are no
+    pidfds (macOS) nothing is watched: Ray's report of the death decides, as for remote actors."""
+
+    def __init__(self, local: dict[int, int]) -> None:
+        self.fds: dict[int, int] = {}
+        self.exited: set[int] = set()  # gone before the watch began (the pid names no process)
+        for actor_id, pid in local.items():
+            try:
+                self.fds[actor_id] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self.exited.add(actor_id)
+            except (AttributeError, OSError):  # no pidfds on this system (or not for this pid)
+                continue
+
+    @property
+    def watching(self) -> bool:
+        return bool(self.fds or self.exited)
+
+    def gone(self, actor_ids: set[int]) -> set[int]:
+        """Those of ``actor_ids`` whose process exited."""
+        fds = {self.fds[a]: a for a in actor_ids if a in self.fds}
+        readable, _, _ = select.select(list(fds), [], [], 0) if fds else ([], [], [])
+        return {fds[fd] for fd in readable} | (self.exited & actor_ids)
+
+    def __enter__(self) -> ExitWatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _drop_exited(remaining: list, refs: dict, exits: ExitWatch, outcome: CallOutcome) -> list:
+    """``remaining`` without the refs of the actors whose process ``exits`` saw exit, which ``outcome``
+    gets as dead: liveness, read from the process table, decides at once."""
+    if not exits.watching:
+        return remaining
+    gone = exits.gone({refs[r] for r in remaining})
+    for actor_id in gone:
+        outcome.dead[actor_id] = "ActorDiedError (its process is gone)"
+    return [r for r in remaining if refs[r] not in gone]
 
 
 def _process_alive(pid: int) -> bool:

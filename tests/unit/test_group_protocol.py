@@ -132,3 +132,49 @@ def test_a_working_directory_unpacked_again_under_the_driver_is_reentered(tmp_pa
     assert os.getcwd() == str(job_dir) and os.path.exists("metrics.jsonl")
     reenter_cwd(str(tmp_path))  # a working directory that is there is left alone
     assert os.getcwd() == str(job_dir)
+
+
+def test_exit_watch_sees_a_watched_process_exit_and_one_gone_before():
+    import subprocess
+    import time
+
+    from orchestrator.cluster.worker_group import ExitWatch
+
+    gone_before = subprocess.Popen(["true"])
+    gone_before.wait()  # reaped: its pid names no process
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        with ExitWatch({1: running.pid, 2: gone_before.pid}) as watch:
+            assert watch.watching and watch.gone({1, 2}) == {2} and watch.gone({1}) == set()
+            running.kill()  # not reaped yet: a zombie, which has exited all the same
+            for _ in range(500):  # the signal's delivery is asynchronous; bounded, not timed
+                if watch.gone({1}):
+                    break
+                time.sleep(0.01)
+            assert watch.gone({1, 2}) == {1, 2}
+        assert watch.fds == {}  # closed
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_collect_takes_a_local_actor_whose_process_exited_as_dead_before_ray_says_so(monkeypatch):
+    """The step's call to actor 1 is still pending in Ray (``ray.wait`` finds nothing ready) but its
+    process on the driver's node is gone: ``collect`` reports it dead and stops early; actor 2, on
+    another Ray node, stays pending."""
+    import subprocess
+
+    import ray
+
+    from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
+
+    done = subprocess.Popen(["true"])
+    done.wait()
+    group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: ([], list(refs)))
+    group.pids.update({1: done.pid, 2: done.pid})
+    group.node_ids.update({1: "node-a", 2: "node-b"})
+    outcome = group.collect({"ref1": 1, "ref2": 2}, 2.0, stop_early=lambda o: bool(o.dead))
+    assert outcome.dead == {1: "ActorDiedError (its process is gone)"}
+    assert outcome.pending == [2]
