@@ -42,8 +42,8 @@ class RankCalls(Protocol):
     """What a rank actor answers (``workers/actor.py`` says how; the threads are its business)."""
 
     # -- life and health (any thread) -------------------------------------------------------------
-    def ping(self) -> tuple[int, str, str]:
-        """(pid, node IP, Ray node id)."""
+    def ping(self) -> tuple[int, str, str, int]:
+        """(pid, node IP, Ray node id, pid namespace: ``meshspeak.pids.pid_namespace``)."""
 
     def warm(self, family: str = "") -> None:
         """Import what joining a generation needs (a hot spare), the job's ``model.family`` included."""

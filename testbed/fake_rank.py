@@ -138,8 +138,8 @@ class FakeRank:
         self.snapshots_loaded: list[RestoreSource] = []
         self.awaiting_load = False  # joined with RuntimeSpec.load_follows and no load came yet
 
-    def ping(self) -> tuple[int, str, str]:
-        return self.pid, self.node_ip, f"node-{self.node_ip}"
+    def ping(self) -> tuple[int, str, str, int]:
+        return self.pid, self.node_ip, f"node-{self.node_ip}", 0
 
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         self.generation, self.world_rank, self.world = gen.generation, gen.world_rank, gen.shape.world

@@ -70,8 +70,10 @@ class FakeRankActor:
         self.idle: dict[int, tuple[float, float]] = {}
 
     # -- life and health --------------------------------------------------------------------------
-    def ping(self) -> tuple[int, str, str]:
-        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    def ping(self) -> tuple[int, str, str, int]:
+        from meshspeak.pids import pid_namespace
+
+        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), pid_namespace()
 
     def warm(self, family: str = "") -> None:
         pass

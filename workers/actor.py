@@ -48,6 +48,7 @@ from meshspeak.messages import (
     WriteAck,
     early_answer,
 )
+from meshspeak.pids import pid_namespace
 from meshspeak.rank_calls import SNAPSHOT_GROUP
 from meshspeak.rank_errors import RankError
 from workers import compile_stats
@@ -154,9 +155,11 @@ class RankActor:
         self.warm()
 
     @plain
-    def ping(self) -> tuple[int, str, str]:
-        """(pid, node IP, Ray node id): several nodes may share one IP (e.g. in tests)."""
-        return os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    def ping(self) -> tuple[int, str, str, int]:
+        """(pid, node IP, Ray node id, pid namespace): several nodes may share one IP (e.g. in tests),
+        and a pid means this process only to a driver in the same namespace (meshspeak/pids.py)."""
+        return (os.getpid(), ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+                pid_namespace())
 
     @plain
     def warm(self, family: str = "") -> None:

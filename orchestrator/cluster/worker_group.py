@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshspeak.messages import CallOutcome
+from meshspeak.pids import pid_namespace
 from meshspeak.rank_calls import SNAPSHOT_GROUP, TRAIN_GROUP, RankCall, RankCalls, call_name
 from meshspeak.rank_errors import kind_of
 from orchestrator.cluster.bundles import Placements, Slot, draining_nodes
@@ -66,9 +67,11 @@ class WorkerGroup:
         self.pids: dict[int, int] = {}  # actor id -> pid, meaningful on its own node only (see ``_local_pid``)
         self.node_ips: dict[int, str] = {}  # actor id -> its node's address (placement, events); never identity
         self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (what a process is told apart by)
+        self.pid_namespaces: dict[int, int] = {}  # actor id -> its pid namespace (meshspeak/pids.py)
         self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
+        self._unread: list = []  # refs of calls to actors seen dead before Ray said so (``_drop_exited``)
         self._cwd = _cwd_path()  # re-entered after a node unpacked the job's working_dir over it (_started)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -179,8 +182,8 @@ class WorkerGroup:
             ).remote(actor_id, **self.actor_kwargs)
         return handles
 
-    def _started(self, actor_id: int, answer: tuple[int, str, str]) -> None:
-        self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id] = answer
+    def _started(self, actor_id: int, answer: tuple[int, str, str, int]) -> None:
+        self.pids[actor_id], self.node_ips[actor_id], self.node_ids[actor_id], self.pid_namespaces[actor_id] = answer
         self.placements.placed(actor_id, self.node_ids[actor_id])
         reenter_cwd(self._cwd)
 
@@ -191,6 +194,7 @@ class WorkerGroup:
                 ray.kill(handle, no_restart=True)
             self.pids.pop(actor_id, None)
             self.node_ids.pop(actor_id, None)
+            self.pid_namespaces.pop(actor_id, None)
             self.placements.release(actor_id)
 
     def _local_pid(self, actor_id: int, here: str) -> int | None:
@@ -198,9 +202,12 @@ class WorkerGroup:
 
         By Ray node id, never by address: several Ray nodes may share one address (pods on the host
         network, ``ray.cluster_utils.Cluster``, containers on one machine), each with its own pid
-        namespace, where an actor's pid names some other process of this host, or none (issue 35)."""
+        namespace, where an actor's pid names some other process of this host, or none (issue 35);
+        and only when the actor's pid namespace is the driver's own (meshspeak/pids.py): a driver in a
+        container beside the node's raylet shares its node id, not its processes."""
         pid = self.pids.get(actor_id)
-        if pid and pid > 0 and self.node_ids.get(actor_id) == here:  # never pid -1 or 0: every process
+        if pid and pid > 0 and self.node_ids.get(actor_id) == here \
+                and self.pid_namespaces.get(actor_id) == pid_namespace():  # never pid -1 or 0: every process
             return pid
         return None
 
@@ -283,6 +290,7 @@ class WorkerGroup:
         outcome = CallOutcome()
         remaining = list(refs)
         deadline = time.monotonic() + timeout_s
+        self._unread = self.drain(self._unread)
         with ExitWatch(self._local_pids({refs[r] for r in remaining})) as exits:
             while remaining:
                 ready, remaining = ray.wait(remaining, num_returns=len(remaining), timeout=0)
@@ -294,7 +302,7 @@ class WorkerGroup:
                                                 timeout=min(left, EXIT_POLL_S if exits.watching else 1.0))
                     self.placements.watch()  # the driver waits here most of the time: a lost node is seen here
                     if not ready:
-                        remaining = _drop_exited(remaining, refs, exits, outcome)
+                        remaining = self._drop_exited(remaining, refs, exits, outcome)
                         if outcome.dead and stop_early is not None and stop_early(outcome):
                             break
                         continue
@@ -312,6 +320,18 @@ class WorkerGroup:
         here = ray.get_runtime_context().get_node_id()
         pids = {a: self._local_pid(a, here) for a in actor_ids}
         return {a: pid for a, pid in pids.items() if pid is not None}
+
+    def _drop_exited(self, remaining: list, refs: dict, exits: ExitWatch, outcome: CallOutcome) -> list:
+        """``remaining`` without the refs of the actors whose process ``exits`` saw exit, which
+        ``outcome`` gets as dead: liveness, read from the process table, decides at once. Their refs
+        are read later (``drain``), once Ray fails them, so it logs no "Unhandled error" for them."""
+        if not exits.watching:
+            return remaining
+        gone = exits.gone({refs[r] for r in remaining})
+        for actor_id in gone:
+            outcome.dead[actor_id] = "ActorDiedError (its process is gone)"
+        self._unread += [r for r in remaining if refs[r] in gone]
+        return [r for r in remaining if refs[r] not in gone]
 
     def _read(self, ready: list, refs: dict, outcome: CallOutcome) -> None:
         try:
@@ -399,20 +419,25 @@ def reenter_cwd(path: str | None) -> None:
 
 class ExitWatch:
     """While a call waits on actors of the driver's own Ray node (actor id -> pid): which of their
-    processes exited, through pidfds (Linux >= 5.3; readable once the process has exited, so a select
+    processes exited, through pidfds (Linux >= 5.3; readable once the process has exited, so a poll
     of them costs microseconds where psutil's status read costs ~85 us a process). Where there are no
     pidfds (macOS) nothing is watched: Ray's report of the death decides, as for remote actors."""
 
     def __init__(self, local: dict[int, int]) -> None:
         self.fds: dict[int, int] = {}
         self.exited: set[int] = set()  # gone before the watch began (the pid names no process)
+        # poll, not select: a driver with many sockets open (Ray's) hands out fds past select's 1024.
+        self._poll = select.poll()
         for actor_id, pid in local.items():
             try:
-                self.fds[actor_id] = os.pidfd_open(pid)
+                fd = os.pidfd_open(pid)
             except ProcessLookupError:
                 self.exited.add(actor_id)
             except (AttributeError, OSError):  # no pidfds on this system (or not for this pid)
                 continue
+            else:
+                self.fds[actor_id] = fd
+                self._poll.register(fd, select.POLLIN)
 
     @property
     def watching(self) -> bool:
@@ -421,7 +446,7 @@ class ExitWatch:
     def gone(self, actor_ids: set[int]) -> set[int]:
         """Those of ``actor_ids`` whose process exited."""
         fds = {self.fds[a]: a for a in actor_ids if a in self.fds}
-        readable, _, _ = select.select(list(fds), [], [], 0) if fds else ([], [], [])
+        readable = [fd for fd, _ in self._poll.poll(0) if fd in fds] if fds else []
         return {fds[fd] for fd in readable} | (self.exited & actor_ids)
 
     def __enter__(self) -> ExitWatch:
@@ -431,17 +456,6 @@ class ExitWatch:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-
-
-def _drop_exited(remaining: list, refs: dict, exits: ExitWatch, outcome: CallOutcome) -> list:
-    """``remaining`` without the refs of the actors whose process ``exits`` saw exit, which ``outcome``
-    gets as dead: liveness, read from the process table, decides at once."""
-    if not exits.watching:
-        return remaining
-    gone = exits.gone({refs[r] for r in remaining})
-    for actor_id in gone:
-        outcome.dead[actor_id] = "ActorDiedError (its process is gone)"
-    return [r for r in remaining if refs[r] not in gone]
 
 
 def _process_alive(pid: int) -> bool:

@@ -76,14 +76,14 @@ def test_a_join_slower_than_the_rebuild_timeout_completes_while_everyone_lives(s
     hf, marks, store = slow_reads
     group = make_group(2)
     try:
-        pids = {a: p for a, (p, _, _) in group.call(group.live_ids, RankCalls.ping, timeout_s=60).results.items()}
+        pids = {a: p for a, (p, *_) in group.call(group.live_ids, RankCalls.ping, timeout_s=60).results.items()}
         summary = make_controller(_cfg(hf, tmp_path, 3), group, store).run()
         alive = group.call(group.live_ids, RankCalls.ping, timeout_s=60).results
     finally:
         group.shutdown()
     assert summary.final_step == 3 and summary.restarts == 0
     assert not events(tmp_path / "m.jsonl", "failure")
-    assert {a: p for a, (p, _, _) in alive.items()} == pids  # nobody killed, nobody restarted
+    assert {a: p for a, (p, *_) in alive.items()} == pids  # nobody killed, nobody restarted
     for pid in pids.values():
         started, done = _reads(marks, pid)
         assert done - started >= 2 * REBUILD_TIMEOUT_S  # the join really outlasted the bound, twice
@@ -93,7 +93,7 @@ def test_a_rank_that_dies_during_a_slow_join_is_found_dead_and_the_reading_survi
     hf, marks, store = slow_reads
     group = make_group(2)
     controller = make_controller(_cfg(hf, tmp_path, 3), group, store)
-    pids = {a: p for a, (p, _, _) in group.call(group.live_ids, RankCalls.ping, timeout_s=60).results.items()}
+    pids = {a: p for a, (p, *_) in group.call(group.live_ids, RankCalls.ping, timeout_s=60).results.items()}
     victim, survivor = sorted(pids)
     ran: dict = {}
     runner = threading.Thread(target=lambda: ran.update(summary=controller.run()), daemon=True)
@@ -120,5 +120,5 @@ def test_a_rank_that_dies_during_a_slow_join_is_found_dead_and_the_reading_survi
     assert "ActorDiedError" in failure["reason"] and "probe" not in failure["reason"], failure
     # The survivor, still reading when the failure came, was waited for and kept (not killed by the
     # settle), and trained generation 2 alone.
-    assert {a: p for a, (p, _, _) in after.items()} == {survivor: pids[survivor]}
+    assert {a: p for a, (p, *_) in after.items()} == {survivor: pids[survivor]}
     assert _reads(marks, pids[survivor], 2)[1] > survivor_read[1]  # it joined (and read) again

@@ -198,7 +198,7 @@ def fake_actors(monkeypatch):
                             "S", (), {"placement_group": placement_group})())
     monkeypatch.setattr(worker_group.ray, "wait", lambda refs, timeout=0, **_: (
         [r for r in refs if r.pg.node], [r for r in refs if not r.pg.node]))
-    monkeypatch.setattr(worker_group.ray, "get", lambda ref, timeout=0: (4242, "10.0.0.9", ref.pg.node))
+    monkeypatch.setattr(worker_group.ray, "get", lambda ref, timeout=0: (4242, "10.0.0.9", ref.pg.node, 0))
     monkeypatch.setattr(worker_group.ray, "kill", lambda handle, no_restart=True: None)
 
 

@@ -8,6 +8,9 @@ import inspect
 import typing
 from types import SimpleNamespace
 
+import pytest
+
+from meshspeak.pids import pid_namespace
 from orchestrator.cluster.group_protocol import WorkerGroupLike
 from testbed.fake_group import FakeWorkerGroup
 
@@ -74,11 +77,13 @@ def test_exited_sees_a_gone_process_on_this_node_only(monkeypatch):
     done.wait()  # exited and reaped: its pid names no process now
     group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
-    group.pids.update({1: done.pid, 2: os.getpid(), 3: done.pid, 4: done.pid})
-    group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2", 4: "10.0.0.1"})
-    # 3: another node; 4: another Ray node at this node's address (its pid is its own namespace's)
-    group.node_ids.update({1: "node-a", 2: "node-a", 3: "node-b", 4: "node-c"})
-    assert group.exited([1, 2, 3, 4]) == {1}
+    group.pids.update({1: done.pid, 2: os.getpid(), 3: done.pid, 4: done.pid, 5: done.pid})
+    group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2", 4: "10.0.0.1", 5: "10.0.0.1"})
+    # 3: another node; 4: another Ray node at this node's address (its pid is its own namespace's);
+    # 5: this Ray node, but a pid namespace other than the driver's (a driver in a sidecar container)
+    group.node_ids.update({1: "node-a", 2: "node-a", 3: "node-b", 4: "node-c", 5: "node-a"})
+    group.pid_namespaces.update({a: pid_namespace() for a in (1, 2, 3, 4)} | {5: pid_namespace() + 1})
+    assert group.exited([1, 2, 3, 4, 5]) == {1}
 
 
 def test_kill_now_signals_only_processes_of_the_drivers_ray_node(monkeypatch):
@@ -97,11 +102,13 @@ def test_kill_now_signals_only_processes_of_the_drivers_ray_node(monkeypatch):
         signalled, ended = [], []
         monkeypatch.setattr(wg.os, "kill", lambda pid, sig: signalled.append(pid))
         monkeypatch.setattr(group, "kill", lambda ids: ended.extend(ids))
-        group.pids.update({1: 4242, 2: bystander.pid})
-        group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1"})
-        group.node_ids.update({1: "node-a", 2: "node-c"})
-        group.kill_now([1, 2])
-        assert signalled == [4242] and ended == [1, 2]
+        group.pids.update({1: 4242, 2: bystander.pid, 3: bystander.pid})
+        group.node_ips.update({1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.1"})
+        group.node_ids.update({1: "node-a", 2: "node-c", 3: "node-a"})
+        # 3: the driver's Ray node, another pid namespace: its pid may name any process here
+        group.pid_namespaces.update({1: pid_namespace(), 2: pid_namespace(), 3: pid_namespace() + 1})
+        group.kill_now([1, 2, 3])
+        assert signalled == [4242] and ended == [1, 2, 3]
     finally:
         monkeypatch.undo()  # os.kill itself was replaced above: Popen.kill needs the real one back
         bystander.kill()
@@ -134,6 +141,18 @@ def test_a_working_directory_unpacked_again_under_the_driver_is_reentered(tmp_pa
     assert os.getcwd() == str(job_dir)
 
 
+def _pidfds() -> bool:
+    """Whether this system gives pidfds (Linux >= 5.3, not blocked by a seccomp profile)."""
+    import os
+
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _pidfds(), reason="no pidfds here: nothing is watched (Ray's report decides)")
 def test_exit_watch_sees_a_watched_process_exit_and_one_gone_before():
     import subprocess
     import time
@@ -158,23 +177,40 @@ def test_exit_watch_sees_a_watched_process_exit_and_one_gone_before():
         running.wait()
 
 
-def test_collect_takes_a_local_actor_whose_process_exited_as_dead_before_ray_says_so(monkeypatch):
-    """The step's call to actor 1 is still pending in Ray (``ray.wait`` finds nothing ready) but its
-    process on the driver's node is gone: ``collect`` reports it dead and stops early; actor 2, on
-    another Ray node, stays pending."""
+@pytest.mark.skipif(not _pidfds(), reason="no pidfds here: nothing is watched (Ray's report decides)")
+def test_collect_takes_a_local_actor_whose_process_exits_as_dead_at_once(monkeypatch):
+    """Ray still has the step's calls pending (``ray.wait`` finds nothing ready); during its second
+    wait actor 1's process, on the driver's node, exits: ``collect`` reports it dead after that very
+    wait and stops early (without the watch it would wait out its 30 s with Ray's every answer
+    missing); actor 2, on another Ray node, stays pending. Its ref is read later (``drain``)."""
+    import os
     import subprocess
 
     import ray
 
     from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
 
-    done = subprocess.Popen(["true"])
-    done.wait()
-    group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: ([], list(refs)))
-    group.pids.update({1: done.pid, 2: done.pid})
-    group.node_ids.update({1: "node-a", 2: "node-b"})
-    outcome = group.collect({"ref1": 1, "ref2": 2}, 2.0, stop_early=lambda o: bool(o.dead))
-    assert outcome.dead == {1: "ActorDiedError (its process is gone)"}
-    assert outcome.pending == [2]
+    victim = subprocess.Popen(["sleep", "60"])
+    waits = []
+
+    def wait(refs, num_returns, timeout, **_):
+        waits.append(timeout)
+        if len(waits) == 2:
+            victim.kill()
+            os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+        return [], list(refs)
+
+    try:
+        group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=1)
+        monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+        monkeypatch.setattr(ray, "wait", wait)
+        group.pids.update({1: victim.pid, 2: victim.pid})
+        group.node_ids.update({1: "node-a", 2: "node-b"})
+        group.pid_namespaces.update({1: pid_namespace(), 2: pid_namespace()})
+        outcome = group.collect({"ref1": 1, "ref2": 2}, 30.0, stop_early=lambda o: bool(o.dead))
+        assert outcome.dead == {1: "ActorDiedError (its process is gone)"} and outcome.pending == [2]
+        assert len(waits) == 2 and waits[1] <= 0.1  # polled soon, stopped at once
+        assert group._unread == ["ref1"]
+    finally:
+        victim.kill()
+        victim.wait()
