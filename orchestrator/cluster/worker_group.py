@@ -428,16 +428,23 @@ class ExitWatch:
         self.exited: set[int] = set()  # gone before the watch began (the pid names no process)
         # poll, not select: a driver with many sockets open (Ray's) hands out fds past select's 1024.
         self._poll = select.poll()
-        for actor_id, pid in local.items():
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self.exited.add(actor_id)
-            except (AttributeError, OSError):  # no pidfds on this system (or not for this pid)
-                continue
-            else:
-                self.fds[actor_id] = fd
-                self._poll.register(fd, select.POLLIN)
+        try:
+            for actor_id, pid in local.items():
+                self._watch(actor_id, pid)
+        except BaseException:  # the with-block was not entered: nothing else would close them
+            self.__exit__()
+            raise
+
+    def _watch(self, actor_id: int, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.exited.add(actor_id)
+        except (AttributeError, OSError):  # no pidfds on this system (or not for this pid)
+            return
+        else:
+            self.fds[actor_id] = fd
+            self._poll.register(fd, select.POLLIN)
 
     @property
     def watching(self) -> bool:

@@ -214,3 +214,29 @@ def test_collect_takes_a_local_actor_whose_process_exits_as_dead_at_once(monkeyp
     finally:
         victim.kill()
         victim.wait()
+
+
+@pytest.mark.skipif(not _pidfds(), reason="no pidfds here: nothing is watched (Ray's report decides)")
+def test_exit_watch_closes_what_it_opened_when_its_start_fails(monkeypatch):
+    import os
+
+    from orchestrator.cluster import worker_group as wg
+
+    opened, closed = [], []
+    real_open, real_close = os.pidfd_open, os.close
+
+    class FailingPoll:
+        def __init__(self):
+            self.calls = 0
+
+        def register(self, fd, events):
+            self.calls += 1
+            if self.calls == 2:
+                raise OSError("no room")
+
+    monkeypatch.setattr(wg.os, "pidfd_open", lambda pid: opened.append(real_open(pid)) or opened[-1])
+    monkeypatch.setattr(wg.os, "close", lambda fd: closed.append(fd) or real_close(fd))
+    monkeypatch.setattr(wg.select, "poll", FailingPoll)
+    with pytest.raises(OSError, match="no room"):
+        wg.ExitWatch({1: os.getpid(), 2: os.getpid()})
+    assert len(opened) == 2 and sorted(closed) == sorted(opened)
