@@ -68,6 +68,7 @@ class WorkerGroup:
         self.node_ips: dict[int, str] = {}  # actor id -> its node's address (placement, events); never identity
         self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (what a process is told apart by)
         self.pid_namespaces: dict[int, int] = {}  # actor id -> its pid namespace (meshspeak/pids.py)
+        self._own_pid_namespace = pid_namespace()  # the driver's, read once: it never changes
         self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
@@ -207,21 +208,18 @@ class WorkerGroup:
         container beside the node's raylet shares its node id, not its processes."""
         pid = self.pids.get(actor_id)
         if pid and pid > 0 and self.node_ids.get(actor_id) == here \
-                and self.pid_namespaces.get(actor_id) == pid_namespace():  # never pid -1 or 0: every process
+                and self.pid_namespaces.get(actor_id) == self._own_pid_namespace:  # never pid -1 or 0: every process
             return pid
         return None
 
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         """SIGKILL processes on the driver's node directly (~0.1 s), then drop them from the group
         (``ray.kill`` alone takes ~5 s on a stopped process; it is what ends the others)."""
-        here = ray.get_runtime_context().get_node_id()
-        for actor_id in actor_ids:
-            pid = self._local_pid(actor_id, here)
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in self._local_pids(set(actor_ids)).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.kill(sorted(actor_ids))
 
     def exited(self, actor_ids: list[int]) -> set[int]:
