@@ -77,6 +77,69 @@ def test_store_is_hosted_on_the_drivers_node_and_rehosted_when_lost(cluster):
         provider.close()
 
 
+@pytest.mark.timeout(300)
+def test_a_node_lost_with_a_member_and_the_spare_reforms_without_the_spare(cluster, head_store, tmp_path):
+    """dp=2 with one spare on two 2-slot nodes: placement puts a member and the spare on one node.
+    That node vanishes in step 3. The spare dies with it, but Ray reports it dead only once the GCS
+    declares the node dead (~15 s): the failure path probes the spare beside the lost member and
+    drops it (``spares_lost``), so the next generation forms at once at dp=1 — one failure, no
+    promotion and no failed join (before: the spare was promoted, its join failed, a second failure).
+    The run then equals one process. The cluster gets its second worker node back afterwards."""
+    nodes, workers = cluster
+    overrides = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+                 "train.steps=6", "mesh.dp=2", "mesh.pp=1", "mesh.tp=1", "checkpoint.every=2",
+                 "elastic.spares=1", "elastic.collective_timeout_s=60",
+                 f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
+    from orchestrator.cluster.worker_group import ActorResources, WorkerGroup
+
+    cfg = load_config(None, overrides)
+    group = WorkerGroup(ActorResources(cpus=1, gpus=0), placement_timeout_s=60)
+    removed = []
+    try:
+        # Actors 0 and 1 one per node, actor 2 beside one of them. Placement keys nodes by address,
+        # which these share, so the members are actors 0 and 1 and the spare is actor 2.
+        group.add(2, strategy="SPREAD")
+        group.add(1)
+        controller = make_controller(cfg, group, head_store)
+        controller.advance()  # generation 1: two members, one spare
+        spare, = controller.spare_ids
+        placed = _actors_by_node(group)
+        victim_node = next(n for n in workers if spare in placed.get(n.node_id, ()))
+        lost = placed[victim_node.node_id]
+        assert len(lost) == 2  # the spare and a member
+        survivor, = set(group.live_ids) - lost
+        survivor_pid = group.pids[survivor]
+
+        def node_lost(c, step):
+            if step == 3 and c.generation.number == 1:
+                # A crash: on one machine the node's worker processes would outlive its raylet for a
+                # while (a real node takes them down with it): kill them too.
+                for actor in lost:
+                    os.kill(group.pids[actor], signal.SIGKILL)
+                nodes.remove_node(victim_node, allow_graceful=False)
+                removed.append(victim_node)
+
+        controller.add_step_hook(node_lost, steps=frozenset({3}))
+        summary = controller.run()
+
+        assert summary.final_step == 6
+        failure, = events(tmp_path / "m.jsonl", "failure")
+        assert failure["step"] == 3
+        dropped, = events(tmp_path / "m.jsonl", "spares_lost")
+        assert dropped["actors"] == [spare]
+        assert not events(tmp_path / "m.jsonl", "spare_promoted")
+        rebuild, = events(tmp_path / "m.jsonl", "rebuild")
+        assert rebuild["dp"] == 1 and controller.generation.members == {0: survivor}
+        assert group.pids[survivor] == survivor_pid  # never restarted
+        assert_matches_reference(last_losses(tmp_path / "m.jsonl"), mesh_params(controller),
+                                 reference(overrides, 6), CONTROLLER_FP32)
+    finally:
+        group.shutdown()
+        for node in removed:  # the next test has two worker nodes again
+            workers.remove(node)
+            workers.append(nodes.add_node(num_cpus=2))
+
+
 def _actors_by_node(group) -> dict[str, set[int]]:
     """Node id -> ids of the live actors on it."""
     outcome = group.call(group.live_ids, RankCalls.node_id, timeout_s=60)

@@ -178,6 +178,50 @@ def test_killed_rank_replaced_by_a_spare_keeps_dp_and_requests_a_new_spare(make)
     assert r.c.state.kind == State.FINISHED and r.c.generation.shape.dp == 4
 
 
+def _spare_beside_a_member_failing_in_step_3(r, rank: int, fault: str) -> tuple[int, int]:
+    """Form generation 1 (dp 4, one spare), move ``rank``'s actor and the spare to a node of their own,
+    arm ``fault`` in that member's step 3 and train steps 1-2: (spare, the member's actor)."""
+    r.steps(1)
+    spare, = r.c.spare_ids
+    victim = r.c.generation.members[rank]
+    r.group.node_ids[victim] = r.group.node_ids[spare] = "node-b"
+    r.group.fail(RankCalls.train_step, victim, fault, at=3)
+    r.steps(2)  # steps 1, 2
+    return spare, victim
+
+
+def test_a_spare_gone_with_a_lost_members_node_is_dropped_not_promoted(make):
+    """A node holding a member and the spare vanishes: the member's step never answers, nor does any
+    call to the spare (Ray reports them dead only once the GCS declares the node dead). The failure
+    path probes the spare beside the lost member and drops it (``spares_lost``): the next generation
+    forms at once without it (dp 2) instead of promoting it and failing its join
+    (recovery/settle.py, ``silent_spares_beside``)."""
+    r = make("train.steps=8", "elastic.spares=1", actors=5, capacity=0)
+    spare, victim = _spare_beside_a_member_failing_in_step_3(r, rank=1, fault="hang")
+    r.group.ranks[spare].hung = True  # its node goes with the member's, during step 3
+    assert r.c.advance() == State.REBUILDING
+    lost, = r.events("spares_lost")
+    assert lost["actors"] == [spare] and "liveness probe" in lost["reason"]
+    failure, = r.events("failure")
+    assert failure["ranks"] == [1]  # the spare is no rank: not blamed
+    assert sorted(r.group.killed) == sorted([victim, spare]) and spare not in r.c.spare_ids
+    assert r.c.advance() == State.RUNNING
+    assert r.c.generation.shape.dp == 2 and not r.events("spare_promoted")
+    assert len(r.events("failure")) == 1  # no failed join behind it
+
+
+def test_a_live_spare_beside_a_crashed_member_is_asked_and_promoted(make):
+    """A member's process dies; the spare on its node answers the probe in time and takes its place."""
+    r = make("train.steps=8", "elastic.spares=1", actors=5, capacity=0)
+    spare, victim = _spare_beside_a_member_failing_in_step_3(r, rank=2, fault="die")
+    assert r.c.advance() == State.REBUILDING
+    assert spare in [a for a, _ in r.group.calls(RankCalls.status)]  # asked, as the spare beside the lost member
+    assert not r.events("spares_lost") and r.group.killed == [victim]
+    assert r.c.advance() == State.RUNNING
+    promoted, = r.events("spare_promoted")
+    assert promoted["actors"] == [spare] and r.c.generation.shape.dp == 4
+
+
 def test_spare_that_cannot_be_placed_yet_is_asked_for_once_the_cluster_has_room(make):
     """No room: no placement group is left pending for the spare (issue 25/29: the autoscaler request
     stands for it), the steps go on; a node joins: the next grow check starts it."""

@@ -282,8 +282,9 @@ class SilentAfterTheStep:
     """A broken step's survivors on a scripted group: ``silent`` actors answer no status call (stopped),
     the others answer every one; a kick frees every live survivor. Records how each was asked."""
 
-    def __init__(self, members: list[int], silent: set[int]) -> None:
+    def __init__(self, members: list[int], silent: set[int], node_ids: dict[int, str] | None = None) -> None:
         self.live, self.silent = set(members), set(silent)
+        self.node_ids = dict(node_ids or {})  # actor id -> Ray node id (none known: no spare is beside)
         self.killed: list[int] = []
         self.status_asked: list[tuple[str, int]] = []  # ("probe" | "call", actor)
         self.kicked = False
@@ -334,6 +335,20 @@ def test_settle_sorts_the_hung_from_the_blocked_with_the_probe():
     assert found.lost == {2, 3} and found.reasons[2] == "hung in step 6" and group.killed == [2, 3]
     assert sorted(group.status_asked) == [("probe", 0), ("probe", 1), ("probe", 2)]  # each once, by the probe
     assert not hasattr(settle, "STATUS_POLL_S")  # the second definition is gone
+
+
+def test_settle_drops_the_silent_spares_beside_a_lost_member_and_asks_no_other():
+    """Member 3 died on node b: the spares on node b are probed (4 silent: gone with the node, dropped
+    and killed but not blamed; 6 answers and stays); spare 5 on node a is not asked, silent or not."""
+    from orchestrator.recovery import settle
+
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "b", 5: "a", 6: "b"}
+    group = SilentAfterTheStep([0, 1, 2, 3, 4, 5, 6], silent={4, 5}, node_ids=nodes)
+    broken = CallOutcome(dead={3: "ActorDiedError"}, results={0: "error", 1: "error", 2: "error"})
+    found = settle.free_broken_call(group, broken, [0, 1, 2, 3], listeners={}, wait_s=5.0, hang_reason="hung")
+    assert found.lost == {3} and set(found.spares_lost) == {4} and "liveness probe" in found.spares_lost[4]
+    assert sorted(group.status_asked) == [("probe", 4), ("probe", 6)]
+    assert group.killed == [3, 4] and group.live_ids == [0, 1, 2, 5, 6]
 
 
 def test_a_save_before_a_resize_that_failed_asks_the_probe_who_is_hung(make):

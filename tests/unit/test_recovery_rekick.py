@@ -20,6 +20,7 @@ class LateJoiners:
 
     def __init__(self, members: list[int], dead: int, late: dict[int, int]) -> None:
         self.live = set(members) - {dead}
+        self.node_ids: dict[int, str] = {}  # no node known: no spare is beside a lost member
         self.late = dict(late)
         self.returned: set[int] = set()
         self.kicks: list[list[int]] = []

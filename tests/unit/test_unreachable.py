@@ -29,6 +29,7 @@ class StuckJoiners:
 
     def __init__(self, members: list[int], stuck: set[int], late: dict[int, str] | None = None) -> None:
         self.live = set(members)
+        self.node_ids: dict[int, str] = {}  # no node known: no spare is beside a lost member
         self.stuck, self.late = stuck, dict(late or {})
         self.kicked = False
         self.killed: list[int] = []
