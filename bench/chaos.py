@@ -109,6 +109,7 @@ def run_campaign(args, tmp: Path) -> dict:
         ray.init(address=nodes.address, log_to_driver=False)
         campaign.provider = StoreProvider()
         t0 = time.time()
+        campaign.provider.begin()  # as launch.py: the store's start overlaps the actors'
         # The mesh's actors only, as ``elastimesh train`` starts them: the spare is asked for once the
         # first step trained (SparePool.ask_after_first_step).
         group = make_group(cfg.mesh.world)

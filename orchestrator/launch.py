@@ -238,7 +238,7 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
             logger.warning("checkpoint.dir is unset on a multi-node cluster: elastic recovery restarts "
                            "from step 1; set it to shared storage (e.g. s3://bucket/run)")
         store = StoreProvider()
-        store.address()  # host it now: a cluster that cannot host it fails before the ranks start
+        store.begin()  # its start overlaps the ranks' (both import torch); address() below waits for it
         group = WorkerGroup(
             ActorResources(cpus=cfg.resources.cpus_per_worker, gpus=1 if use_gpu else 0),
             placement_timeout_s=cfg.resources.placement_timeout_s, reserved=reserved,
@@ -250,6 +250,7 @@ def _run(cfg: JobConfig, data: JobData, progress: bool, started_local: bool, res
             capacity.ask(wanted_bundles(cfg, group.bundle()),
                          fits_now=bundles_that_fit(group.bundle(), alive_node_totals()))
         group.add(cfg.mesh.world)
+        store.address()  # hosted by now; a cluster that cannot host it fails here, before any step
         # Hot spares are not waited for here: the first generation's formation asks for them once its
         # first step trained (SparePool.ask_after_first_step), started in the background. Waited for
         # here, they came after the mesh's actors, one more actor start on every run's start-up.

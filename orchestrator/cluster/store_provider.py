@@ -16,7 +16,9 @@ non-draining node are tried.
 A second StoreHost waits on the same node as a hot standby: when the store dies, the next generation
 takes the standby's address at once instead of waiting for a new actor to start (it imports torch:
 ~1.1 s per re-host in the chaos bench's store kills), and a new standby starts in the background.
-One idle process (no CPU reserved) buys that, as a hot spare rank buys a fast rebuild.
+One idle process (no CPU reserved) buys that, as a hot spare rank buys a fast rebuild. The first
+store starts the same way (``begin``): ``launch.py`` starts it beside the ranks and takes it once
+they answered, instead of waiting for its start before theirs.
 
 Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
 machine), else the node's own address; never the wildcard nor a public address (the store has no
@@ -110,6 +112,21 @@ class StoreProvider:
         self._host(nodes)
         return self._address
 
+    def begin(self) -> None:
+        """Start hosting the store without waiting for it: the next ``address()`` takes this StoreHost
+        once it answers (``_promote_standby``). ``launch.py`` calls it before the ranks start, so the
+        store's start (a process importing torch: 2.6 s of a job's start-up on the 2-core machine,
+        before the ranks' 12.5 s) runs beside theirs. A no-op once a store is hosted or starting; a
+        cluster that cannot host one is told by ``address()``, with its error."""
+        import ray
+
+        if self.handle is not None or self._standby is not None:
+            return
+        nodes = ray.nodes()
+        candidates = host_candidates(ray.get_runtime_context().get_node_id(), nodes, _draining())
+        if candidates:
+            self._start_standby_on(candidates[0], one_machine(_ip_of(nodes, candidates[0]), _alive_ips(nodes)))
+
     def healthy(self) -> bool:
         """Does the current StoreHost answer? (False before the first ``address()``.)"""
         import ray
@@ -138,8 +155,11 @@ class StoreProvider:
 
     def _start_standby(self) -> None:
         """A second StoreHost on the current store's node, started now and not waited for."""
-        handle = _start_host(self.node_id, self.loopback)
-        self._standby = (handle, self.node_id, self.loopback, handle.where.remote())
+        self._start_standby_on(self.node_id, self.loopback)
+
+    def _start_standby_on(self, node: str, loopback: bool) -> None:
+        handle = _start_host(node, loopback)
+        self._standby = (handle, node, loopback, handle.where.remote())
 
     def _promote_standby(self, nodes: list[dict]) -> bool:
         """Take the standby as the store if its node is live, not draining, and its bind address
@@ -152,13 +172,14 @@ class StoreProvider:
         handle, node, loopback, ready = standby
         fits = node in host_candidates(node, nodes, _draining()) and one_machine(
             _ip_of(nodes, node), _alive_ips(nodes)) == loopback
+        first = self.hosted == 0  # the one ``begin`` started, perhaps still importing torch
         try:
             if fits:
-                placed, address = ray.get(ready, timeout=self.ping_timeout_s)
+                placed, address = ray.get(ready, timeout=self.start_timeout_s if first else self.ping_timeout_s)
                 self.handle, self.node_id, self.loopback, self._address = handle, placed, loopback, tuple(address)
                 self.hosted += 1
-                self.standbys_taken += 1
-                logger.info("rendezvous store: the standby at %s:%d took over", *self._address)
+                self.standbys_taken += not first
+                logger.info("rendezvous store at %s:%d%s", *self._address, "" if first else ": the standby took over")
                 self._start_standby()
                 return True
         except Exception as exc:  # the standby died too (its node went), or never started

@@ -85,7 +85,7 @@ def test_a_node_lost_with_a_member_and_the_spare_reforms_without_the_spare(clust
     drops it (``spares_lost``), so the next generation forms at once at dp=1 — one failure, no
     promotion and no failed join (before: the spare was promoted, its join failed, a second failure).
     The run then equals one process. The cluster gets its second worker node back afterwards."""
-    nodes, workers = cluster
+    nodes, worker_nodes = cluster
     overrides = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
                  "train.steps=6", "mesh.dp=2", "mesh.pp=1", "mesh.tp=1", "checkpoint.every=2",
                  "elastic.spares=1", "elastic.collective_timeout_s=60",
@@ -104,7 +104,7 @@ def test_a_node_lost_with_a_member_and_the_spare_reforms_without_the_spare(clust
         controller.advance()  # generation 1: two members, one spare
         spare, = controller.spare_ids
         placed = _actors_by_node(group)
-        victim_node = next(n for n in workers if spare in placed.get(n.node_id, ()))
+        victim_node = next(n for n in worker_nodes if spare in placed.get(n.node_id, ()))
         lost = placed[victim_node.node_id]
         assert len(lost) == 2  # the spare and a member
         survivor, = set(group.live_ids) - lost
@@ -136,8 +136,8 @@ def test_a_node_lost_with_a_member_and_the_spare_reforms_without_the_spare(clust
     finally:
         group.shutdown()
         for node in removed:  # the next test has two worker nodes again
-            workers.remove(node)
-            workers.append(nodes.add_node(num_cpus=2))
+            worker_nodes.remove(node)
+            worker_nodes.append(nodes.add_node(num_cpus=2))
 
 
 def _actors_by_node(group) -> dict[str, set[int]]:

@@ -29,12 +29,16 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
     overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
     cfg = load_config(None, overrides)
     provider = StoreProvider()
+    provider.begin()  # as launch.py: the store's start overlaps the ranks'
+    begun = provider._standby[0]
     group = make_group(2)
     try:
         controller = make_controller(cfg, group, provider)
         controller.advance()  # generation 1 formed through the first store
         first = provider.address()
         assert provider.hosted == 1 and first[0] == "127.0.0.1"  # one machine: loopback only
+        assert provider.handle._actor_id == begun._actor_id  # the begun host, no second start
+        assert provider.standbys_taken == 0  # the begun host is the first store, not a standby taking over
         killed = []
 
         def kill_store(c, step):
