@@ -150,6 +150,9 @@ class FakeWorkerGroup:
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         self.kill(sorted(actor_ids))
 
+    def driver_node(self) -> str:
+        return "node-driver"  # none of the fake actors runs there unless a test moves one
+
     def exited(self, actor_ids: list[int]) -> set[int]:
         return {a for a in actor_ids if a in self.exited_ids}
 

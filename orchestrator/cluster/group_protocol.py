@@ -60,6 +60,9 @@ class WorkerGroupLike(Protocol):
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         """SIGKILL local processes directly, then ``kill``."""
 
+    def driver_node(self) -> str:
+        """The Ray node id the driver runs on (up as long as the driver is)."""
+
     def exited(self, actor_ids: list[int]) -> set[int]:
         """Those of ``actor_ids`` whose process is seen gone before Ray reported their death."""
 

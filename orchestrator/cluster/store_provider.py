@@ -17,8 +17,8 @@ A second StoreHost waits on the same node as a hot standby: when the store dies,
 takes the standby's address at once instead of waiting for a new actor to start (it imports torch:
 ~1.1 s per re-host in the chaos bench's store kills), and a new standby starts in the background.
 One idle process (no CPU reserved) buys that, as a hot spare rank buys a fast rebuild. The first
-store starts the same way (``begin``): ``launch.py`` starts it beside the ranks and takes it once
-they answered, instead of waiting for its start before theirs.
+store and its standby start the same way (``begin``): ``launch.py`` starts them beside the ranks and
+takes the store once they answered, instead of waiting for its start before theirs.
 
 Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
 machine), else the node's own address; never the wildcard nor a public address (the store has no
@@ -90,6 +90,7 @@ class StoreProvider:
         self._address: tuple[str, int] | None = None
         self.hosted = 0  # how many StoreHosts were started (1 + re-hosts)
         self._standby = None  # (handle, node id, loopback, ref of its ``where``): see the module docstring
+        self._begun = None  # the first store, started by ``begin`` and not yet taken (same tuple)
         self.standbys_taken = 0  # re-hosts the standby served
 
     def address(self) -> tuple[str, int]:
@@ -113,19 +114,22 @@ class StoreProvider:
         return self._address
 
     def begin(self) -> None:
-        """Start hosting the store without waiting for it: the next ``address()`` takes this StoreHost
-        once it answers (``_promote_standby``). ``launch.py`` calls it before the ranks start, so the
-        store's start (a process importing torch: 2.6 s of a job's start-up on the 2-core machine,
-        before the ranks' 12.5 s) runs beside theirs. A no-op once a store is hosted or starting; a
-        cluster that cannot host one is told by ``address()``, with its error."""
+        """Start hosting the store, and its standby, without waiting for them: the next ``address()``
+        takes the first once it answers (``_take_begun``). ``launch.py`` calls it before the ranks
+        start, so the store's start (a process importing torch: 2.6 s of a job's start-up on the
+        2-core machine, before the ranks' 12.5 s) runs beside theirs. A no-op once a store is hosted
+        or starting; a cluster that cannot host one is told by ``address()``, with its error."""
         import ray
 
-        if self.handle is not None or self._standby is not None:
+        if self.handle is not None or self._begun is not None or self._standby is not None:
             return
         nodes = ray.nodes()
         candidates = host_candidates(ray.get_runtime_context().get_node_id(), nodes, _draining())
         if candidates:
-            self._start_standby_on(candidates[0], one_machine(_ip_of(nodes, candidates[0]), _alive_ips(nodes)))
+            node = candidates[0]
+            loopback = one_machine(_ip_of(nodes, node), _alive_ips(nodes))
+            self._begun = _started_host(node, loopback)
+            self._standby = _started_host(node, loopback)
 
     def healthy(self) -> bool:
         """Does the current StoreHost answer? (False before the first ``address()``.)"""
@@ -142,67 +146,71 @@ class StoreProvider:
     def close(self) -> None:
         self._drop()
         self._drop_standby()
+        if self._begun is not None:
+            _kill_host(self._begun[0])
+            self._begun = None
 
     def _drop_standby(self) -> None:
-        import ray
-
         if self._standby is not None:
-            try:
-                ray.kill(self._standby[0], no_restart=True)
-            except Exception as exc:  # already gone
-                logger.debug("kill the standby StoreHost: %s", exc)
+            _kill_host(self._standby[0])
         self._standby = None
 
     def _start_standby(self) -> None:
         """A second StoreHost on the current store's node, started now and not waited for."""
-        self._start_standby_on(self.node_id, self.loopback)
+        self._standby = _started_host(self.node_id, self.loopback)
 
-    def _start_standby_on(self, node: str, loopback: bool) -> None:
-        handle = _start_host(node, loopback)
-        self._standby = (handle, node, loopback, handle.where.remote())
-
-    def _promote_standby(self, nodes: list[dict]) -> bool:
-        """Take the standby as the store if its node is live, not draining, and its bind address
-        still suits the cluster; True if it was taken (and a new standby is started)."""
+    def _take(self, started: tuple, nodes: list[dict], timeout_s: float, what: str) -> bool:
+        """Make ``started`` (a StoreHost tuple, see ``__init__``) the store if its node is live, not
+        draining, and its bind address still suits the cluster, once it answers within ``timeout_s``;
+        else kill it. True if taken."""
         import ray
 
-        standby, self._standby = self._standby, None
-        if standby is None:
-            return False
-        handle, node, loopback, ready = standby
+        handle, node, loopback, ready = started
         fits = node in host_candidates(node, nodes, _draining()) and one_machine(
             _ip_of(nodes, node), _alive_ips(nodes)) == loopback
-        first = self.hosted == 0  # the one ``begin`` started, perhaps still importing torch
         try:
             if fits:
-                placed, address = ray.get(ready, timeout=self.start_timeout_s if first else self.ping_timeout_s)
+                placed, address = ray.get(ready, timeout=timeout_s)
                 self.handle, self.node_id, self.loopback, self._address = handle, placed, loopback, tuple(address)
                 self.hosted += 1
-                self.standbys_taken += not first
-                logger.info("rendezvous store at %s:%d%s", *self._address, "" if first else ": the standby took over")
-                self._start_standby()
                 return True
-        except Exception as exc:  # the standby died too (its node went), or never started
-            logger.info("the standby rendezvous store is not usable: %s", _last_line(exc))
-        self._standby = standby
-        self._drop_standby()
+        except Exception as exc:  # it died (its node went), or never started
+            logger.info("the %s rendezvous store is not usable: %s", what, _last_line(exc))
+        _kill_host(handle)
         return False
 
-    def _drop(self) -> None:
-        import ray
+    def _take_begun(self, nodes: list[dict]) -> bool:
+        """Take the store ``begin`` started (its standby started with it); True if it was taken. It
+        may still be importing torch: it gets the start timeout, as a new host would."""
+        begun, self._begun = self._begun, None
+        if begun is None or not self._take(begun, nodes, self.start_timeout_s, "begun"):
+            return False
+        logger.info("rendezvous store at %s:%d on node %s (started beside the ranks)", *self._address,
+                    self.node_id[:8])
+        if self._standby is None:
+            self._start_standby()
+        return True
 
+    def _promote_standby(self, nodes: list[dict]) -> bool:
+        """Take the standby as the store (``_take``); True if it was taken (and a new standby is started)."""
+        standby, self._standby = self._standby, None
+        if standby is None or not self._take(standby, nodes, self.ping_timeout_s, "standby"):
+            return False
+        self.standbys_taken += 1
+        logger.info("rendezvous store: the standby at %s:%d took over", *self._address)
+        self._start_standby()
+        return True
+
+    def _drop(self) -> None:
         if self.handle is not None:
-            try:
-                ray.kill(self.handle, no_restart=True)
-            except Exception as exc:  # already gone
-                logger.debug("kill StoreHost: %s", exc)
+            _kill_host(self.handle)
         self.handle, self._address = None, None
 
     def _host(self, nodes: list[dict]) -> None:
         import ray
 
         self._drop()
-        if self._promote_standby(nodes):
+        if self._take_begun(nodes) or self._promote_standby(nodes):
             return
         driver = ray.get_runtime_context().get_node_id()
         ips = _alive_ips(nodes)
@@ -233,6 +241,21 @@ def _start_host(node: str, loopback: bool):
     from workers.store import StoreHost
 
     return StoreHost.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(loopback)
+
+
+def _started_host(node: str, loopback: bool) -> tuple:
+    """A StoreHost started on ``node`` and not waited for: (handle, node, loopback, ref of ``where``)."""
+    handle = _start_host(node, loopback)
+    return handle, node, loopback, handle.where.remote()
+
+
+def _kill_host(handle) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:  # already gone
+        logger.debug("kill a StoreHost: %s", exc)
 
 
 def _last_line(exc: BaseException) -> str:

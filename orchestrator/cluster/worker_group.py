@@ -69,6 +69,7 @@ class WorkerGroup:
         self.node_ids: dict[int, str] = {}  # actor id -> Ray node id (what a process is told apart by)
         self.pid_namespaces: dict[int, int] = {}  # actor id -> its pid namespace (meshspeak/pids.py)
         self._own_pid_namespace = pid_namespace()  # the driver's, read once: it never changes
+        self._driver_node: str | None = None  # ``driver_node``: read at first use (Ray is up by then)
         self.placements = Placements(self.bundle(), reserved=reserved, clock=clock)
         self._next_id = 0
         self._starting: dict[int, tuple[Any, Any, float]] = {}  # start_background: id -> (handle, ping, deadline)
@@ -221,6 +222,12 @@ class WorkerGroup:
             except ProcessLookupError:
                 pass
         self.kill(sorted(actor_ids))
+
+    def driver_node(self) -> str:
+        """The Ray node id the driver runs on, read once (it never changes)."""
+        if self._driver_node is None:
+            self._driver_node = ray.get_runtime_context().get_node_id()
+        return self._driver_node
 
     def exited(self, actor_ids: list[int]) -> set[int]:
         """The actors among ``actor_ids`` whose process, on this node, is gone (a SIGKILL, a crash)

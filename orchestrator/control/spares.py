@@ -87,13 +87,13 @@ class SparePool:
             self.metrics.event("actors_ready", actors=ready)
         return bool(ready)
 
-    def lost(self, reasons: dict[int, str]) -> None:
+    def drop_lost(self, reasons: dict[int, str]) -> None:
         """Spares the failure path found gone with a lost member's node (already killed:
-        ``recovery.settle.silent_spares_beside``): no longer spares, reported (``spares_lost``)."""
+        ``recovery.settle.silent_spares``): no longer spares, reported (``spares_lost``)."""
         if not reasons:
             return
         self.ids = [a for a in self.ids if a not in reasons]
-        self.metrics.event("spares_lost", actors=sorted(reasons), reason=next(iter(reasons.values())))
+        self.metrics.event("spares_lost", actors=sorted(reasons), reason="; ".join(sorted(set(reasons.values()))))
 
     def step_read(self) -> None:
         """A step of the generation was read: what its formation asked for (``ask_after_first_step``)

@@ -19,8 +19,9 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    whole store timeout unless kicked again (the chaos bench's kill during a rebuild lost 15 s to
    it). One that never returns is killed too.
 
-The spares on a lost member's Ray node get a liveness probe too (``silent_spares_beside``): one gone
-with the node is dropped now, before the next formation could promote it.
+The spares on a lost member's Ray node get a liveness probe too (``spares_beside``, ``silent_spares``),
+asked while the survivors are freed: one gone with the node is dropped now, before the next formation
+could promote it.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
 
@@ -102,27 +103,38 @@ class Casualties:
     spares_lost: dict[int, str] = field(default_factory=dict)
 
 
-def silent_spares_beside(group: WorkerGroup, lost: set[int], members: list[int]) -> dict[int, str]:
-    """The spares on the Ray node of a ``lost`` member that answer no liveness probe (``probe``):
-    actor id -> why. A node that vanished takes its spares with it, but Ray reports them dead only
-    once the GCS declares the node dead (~15 s; a call meanwhile raises ActorUnavailableError after
-    ~1.8 s). The next formation would promote such a spare — placement knows nodes, not which of them
-    are gone — and its join failed only when that call did: in the chaos bench a node holding a rank
-    and the spare cost 6.6 s instead of ~2.5 s (a failed join, a second settle, two steps re-run).
-    A spare beside a member that merely crashed answers in milliseconds and stays."""
+def spares_beside(group: WorkerGroup, lost: set[int], members: list[int]) -> list[int]:
+    """The spares (live actors outside ``members``) on the Ray node of a ``lost`` member, other than
+    the driver's own node (which is up: the driver runs there), to be asked whether they live.
+
+    A node that vanished takes its spares with it, but Ray reports them dead only once the GCS
+    declares the node dead (~15 s; a call meanwhile raises ActorUnavailableError after ~1.8 s:
+    docs/design.md, F21). The next formation would promote such a spare — placement knows nodes,
+    not which of them are gone — and its join failed only when that call did: in the chaos bench a
+    node holding a rank and the spare cost 6.6 s instead of ~2.5 s (a failed join, a second settle,
+    two steps re-run). Read before the lost are killed (a kill forgets an actor's node)."""
     nodes = {group.node_ids.get(a) for a in lost} - {None, ""}
+    if nodes:
+        nodes.discard(group.driver_node())
     if not nodes:
-        return {}
-    asked = [a for a in group.live_ids if a not in lost and a not in members and group.node_ids.get(a) in nodes]
+        return []
+    return [a for a in group.live_ids if a not in lost and a not in members and group.node_ids.get(a) in nodes]
+
+
+def silent_spares(group: WorkerGroup, asked: list[int], refs: dict, asked_at: float) -> dict[int, str]:
+    """Of the spares ``asked`` (their status calls ``refs``, sent at ``asked_at``), those that did not
+    answer ``probe``'s wait: actor id -> why. A spare beside a member that merely crashed answers in
+    milliseconds and stays."""
     if not asked:
         return {}
-    polled, given_s = probe(group, asked, time.monotonic)
-    silent = sorted(set(asked) - set(polled.results))
+    polled, given_s = probe(group, asked, time.monotonic, refs=refs, start=asked_at)
+    why = {**{a: f"its probe failed: {r}" for a, r in polled.failed.items()},
+           **{a: f"its probe found it dead: {r}" for a, r in polled.dead.items()}}
+    silent = {a: why.get(a, f"no answer within {given_s:.1f} s to a liveness probe")
+              for a in sorted(set(asked) - set(polled.results))}
     if silent:
-        logger.warning("spares %s, on the node of lost member(s) %s, answered no liveness probe: dropped",
-                       silent, sorted(lost))
-    return {a: f"a spare on a lost member's node: no answer within {given_s:.1f} s to a liveness probe"
-            for a in silent}
+        logger.warning("spares on the node of a lost member did not answer a liveness probe: dropped: %s", silent)
+    return silent
 
 
 def free_broken_call(
@@ -170,10 +182,15 @@ def free_broken_call(
         hung = set(asked) - set(polled.results)  # silent, or died or failed while asked
         dead |= hung
         found.reasons.update({a: hang_reason for a in hung})
-    found.spares_lost = silent_spares_beside(group, dead, members)
-    group.kill_now(dead | set(found.spares_lost))
+    # The spares beside the lost are asked now and read after the survivors were freed: no wait added.
+    beside = spares_beside(group, dead, members)
+    beside_refs, asked_at = (group.submit(beside, RankCalls.status) if beside else {}), time.monotonic()
+    group.kill_now(dead)
     found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found, while_alive,
                                         generation)
+    found.spares_lost = silent_spares(group, beside, beside_refs, asked_at)
+    if found.spares_lost:
+        group.kill_now(set(found.spares_lost))
     return found
 
 

@@ -29,10 +29,11 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
     overrides = OVERRIDES + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
     cfg = load_config(None, overrides)
     provider = StoreProvider()
-    provider.begin()  # as launch.py: the store's start overlaps the ranks'
-    begun = provider._standby[0]
-    group = make_group(2)
+    group = None
     try:
+        provider.begin()  # as launch.py: the store's start overlaps the ranks'
+        begun = provider._begun[0]
+        group = make_group(2)
         controller = make_controller(cfg, group, provider)
         controller.advance()  # generation 1 formed through the first store
         first = provider.address()
@@ -63,5 +64,23 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
         assert rebuild["dp"] == 1
         assert_matches_reference(last_losses(tmp_path / "m.jsonl"), None, reference(overrides, STEPS), CONTROLLER_FP32)
     finally:
-        group.shutdown()
+        if group is not None:
+            group.shutdown()
+        provider.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_begun_store_that_died_before_it_was_taken_is_replaced_by_its_standby(ray_local):
+    """``begin`` starts the store and its standby beside the ranks; the first dies before ``address()``
+    takes it: the standby is taken instead (no start waited for), and a new standby is started."""
+    provider = StoreProvider(ping_timeout_s=60)  # the standby may still be importing torch
+    try:
+        provider.begin()
+        begun, standby = provider._begun[0], provider._standby[0]
+        ray.kill(begun, no_restart=True)
+        address = provider.address()
+        assert provider.handle._actor_id == standby._actor_id and (provider.hosted, provider.standbys_taken) == (1, 1)
+        assert provider.healthy() and address[0] == "127.0.0.1"
+        assert provider._standby is not None and provider._standby[0]._actor_id != standby._actor_id
+    finally:
         provider.close()

@@ -296,6 +296,9 @@ class SilentAfterTheStep:
     def exited(self, actor_ids) -> set[int]:
         return set()
 
+    def driver_node(self) -> str:
+        return "driver"
+
     def kill_now(self, actor_ids) -> None:
         self.killed += sorted(actor_ids)
         self.live -= set(actor_ids)
@@ -349,6 +352,18 @@ def test_settle_drops_the_silent_spares_beside_a_lost_member_and_asks_no_other()
     assert found.lost == {3} and set(found.spares_lost) == {4} and "liveness probe" in found.spares_lost[4]
     assert sorted(group.status_asked) == [("probe", 4), ("probe", 6)]
     assert group.killed == [3, 4] and group.live_ids == [0, 1, 2, 5, 6]
+
+
+def test_settle_asks_no_spare_on_the_drivers_node():
+    """A member lost on the driver's own node crashed (the node is up: the driver runs there), so the
+    spare beside it is not asked, even one that would not answer."""
+    from orchestrator.recovery import settle
+
+    group = SilentAfterTheStep([0, 1, 2], silent={2}, node_ids={0: "driver", 1: "a", 2: "driver"})
+    broken = CallOutcome(dead={0: "ActorDiedError"}, results={1: "error"})
+    found = settle.free_broken_call(group, broken, [0, 1], listeners={}, wait_s=5.0, hang_reason="hung")
+    assert found.lost == {0} and not found.spares_lost and group.status_asked == []
+    assert group.killed == [0] and group.live_ids == [1, 2]
 
 
 def test_a_save_before_a_resize_that_failed_asks_the_probe_who_is_hung(make):

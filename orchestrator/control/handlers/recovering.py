@@ -22,7 +22,7 @@ SETTLE_SNAPSHOTS_S = 5.0  # after a failure, how long the survivors' snapshot pu
 
 def handle(state: Recovering, ctx: DriverContext) -> Rebuilding | Errored:
     found = free_survivors(ctx, state)
-    ctx.spares.lost(found.spares_lost)
+    ctx.spares.drop_lost(found.spares_lost)
     gen = ctx.generation
     _leave_now(ctx, [a for a in gen.members.values() if a not in found.lost])
     # Forming broke with nobody lost: if the store died, the next formation re-hosts it (not a bug).
