@@ -92,6 +92,9 @@ class SimGroup:
     def kill_now(self, actor_ids: set[int] | list[int]) -> None:
         self.kill(list(actor_ids))
 
+    def driver_node(self) -> str:
+        return "node-driver"  # the simulated actors are all on nodes of their own
+
     def exited(self, actor_ids: list[int]) -> set[int]:
         return set()  # in-process ranks: a death is reported at once
 

@@ -55,6 +55,14 @@ def test_the_fake_worker_group_conforms():
     assert mismatches(FakeWorkerGroup, FakeWorkerGroup(2)) == []
 
 
+def test_the_simulated_group_of_bench_scale_conforms():
+    """testbed/sim_group.py drives the real Controller in bench/scale.py's simulated part (the suite runs
+    it: tests/process/test_bench_scripts.py); a member it lacked failed only there."""
+    from testbed.sim_group import SimGroup
+
+    assert mismatches(SimGroup, SimGroup(4, latency_s={})) == []
+
+
 def test_the_check_fires_on_a_group_that_drifted():
     class Drifted(FakeWorkerGroup):
         def collect(self, refs, timeout_s):  # lost stop_early
