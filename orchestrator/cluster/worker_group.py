@@ -322,7 +322,7 @@ class WorkerGroup:
         """Actor id -> pid of those among ``actor_ids`` on the driver's own Ray node (``_local_pid``)."""
         if not actor_ids:
             return {}
-        here = ray.get_runtime_context().get_node_id()
+        here = self.driver_node()
         pids = {a: self._local_pid(a, here) for a in actor_ids}
         return {a: pid for a, pid in pids.items() if pid is not None}
 
