@@ -157,6 +157,38 @@ def stalls_by_window(records: list[dict]) -> tuple[float, float]:
     return checkpoint, snapshot
 
 
+def recoveries_by_kind(records: list[dict]) -> dict[str, float]:
+    """Recovery seconds by kind, recomputed from the records: each recovery ends where the first step
+    of a new generation began; it began at the record before the first fault record since the
+    previous step (a preemption: at the notice), or, with no fault record, after the last step or
+    eval record (a grow)."""
+    expected: dict[str, float] = {}
+    prev = None
+    for i, r in enumerate(records):
+        if "event" in r:
+            continue
+        if prev is not None and r["generation"] != records[prev]["generation"]:
+            between = records[prev + 1:i]
+            opening = [j for j in range(prev + 1, i) if records[j].get("event") in ("failure", "evict")
+                       or (records[j].get("event") == "preemption" and records[j].get("action") == "evacuate")]
+            if opening:
+                j = opening[0]
+                fault = records[j]
+                before = j - 1  # an eviction's save (checkpoint records of its step) is part of it
+                while fault["event"] == "evict" and records[before].get("event") == "checkpoint" \
+                        and records[before]["step"] == fault["step"]:
+                    before -= 1
+                start = fault["time"] if fault["event"] == "preemption" else records[before]["time"]
+                kind = {"evict": "eviction", "preemption": "preemption"}.get(fault["event"]) or failure_kind(fault, set())
+            else:
+                begin = max([prev] + [j for j in range(prev + 1, i) if records[j].get("event") == "eval"])
+                start, kind = records[begin]["time"], "grow"
+                assert any(e.get("event") == "grow" for e in records[i:i + 3]), between
+            expected[kind] = expected.get(kind, 0.0) + (r["time"] - r["step_time_s"]) - start
+        prev = i
+    return expected
+
+
 def test_recorded_chaos_run_against_independent_figures() -> None:
     records = _recorded()
     ledger = account(records)
@@ -188,33 +220,7 @@ def test_recorded_chaos_run_against_independent_figures() -> None:
     assert checkpoint > 1.0 and snapshot > 1.0  # this run has both, the final save's wait among them
     assert ledger.seconds["evaluation"] == ledger.seconds["down"] == 0.0  # no eval, one process
 
-    # Recoveries, recomputed: each ends where the first step of a new generation began; it began at
-    # the record before the first fault record since the previous step (a preemption: at the notice),
-    # or, with no fault record, after the last step or eval record (a grow).
-    expected: dict[str, float] = {}
-    prev = None
-    for i, r in enumerate(records):
-        if "event" in r:
-            continue
-        if prev is not None and r["generation"] != records[prev]["generation"]:
-            between = records[prev + 1:i]
-            opening = [j for j in range(prev + 1, i) if records[j].get("event") in ("failure", "evict")
-                       or (records[j].get("event") == "preemption" and records[j].get("action") == "evacuate")]
-            if opening:
-                j = opening[0]
-                fault = records[j]
-                before = j - 1  # an eviction's save (checkpoint records of its step) is part of it
-                while fault["event"] == "evict" and records[before].get("event") == "checkpoint" \
-                        and records[before]["step"] == fault["step"]:
-                    before -= 1
-                start = fault["time"] if fault["event"] == "preemption" else records[before]["time"]
-                kind = {"evict": "eviction", "preemption": "preemption"}.get(fault["event"]) or failure_kind(fault, set())
-            else:
-                begin = max([prev] + [j for j in range(prev + 1, i) if records[j].get("event") == "eval"])
-                start, kind = records[begin]["time"], "grow"
-                assert any(e.get("event") == "grow" for e in records[i:i + 3]), between
-            expected[kind] = expected.get(kind, 0.0) + (r["time"] - r["step_time_s"]) - start
-        prev = i
+    expected = recoveries_by_kind(records)
     kinds = {k: v for k, v in ledger.recovery_by_kind.items() if v}
     assert kinds.keys() == expected.keys() and {"failure", "hang", "preemption", "eviction", "grow"} <= set(kinds)
     for kind, seconds in expected.items():
