@@ -30,6 +30,7 @@ from orchestrator.control.controller import Controller, RunSummary
 from orchestrator.data_inputs import JobData, check_job_data
 from orchestrator.errors import ClusterConnectError, UserInputError, WorkerGroupStartupError
 from orchestrator.metrics import MetricsLog, check_outputs
+from orchestrator.saves.checkpointing import check_resumable, job_record
 from orchestrator.tracking.sinks import open_trackers
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,24 @@ def stop_on_signals(stop: StopRequest):
             signal.signal(sig, signal.SIG_DFL if handler_before is None else handler_before)
 
 
+def check_checkpoint_dir(cfg: JobConfig) -> None:
+    """Exit 2 before Ray and the actors start: a checkpoint.dir that cannot be written (a wrong bucket
+    or path), and, when resuming, a checkpoint to resume that holds a crafted ``.metadata`` or that
+    this job cannot continue (another model, other data, another global batch: ``check_resumable``).
+    The controller checks again at every resume."""
+    if not cfg.checkpoint.dir:
+        return
+    try:
+        ensure_writable(cfg.checkpoint.dir)
+    except CheckpointError as exc:
+        raise UserInputError(f"checkpoint.dir: {exc}") from None
+    if cfg.checkpoint.resume:
+        info = latest_valid(cfg.checkpoint.dir)  # what the first formation resumes
+        if info is not None:
+            check_metadata_file(info.dcp_path)
+            check_resumable(info, job_record(cfg))
+
+
 def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listeners=()) -> RunSummary:
     """Run one job to the end. ``reserved``: a placement group already holding one bundle per rank
     (a Tune trial's, see orchestrator/sweep/trial.py); ``step_listeners`` get every step record."""
@@ -205,15 +224,7 @@ def run_job(cfg: JobConfig, *, progress: bool = True, reserved=None, step_listen
     cfg = data.cfg  # a mixture's paths resolved (the ranks may run elsewhere)
     check_init_from(cfg)  # the HF weights, before any actor starts
     check_outputs(cfg.metrics)  # before Ray and the actors start
-    if cfg.checkpoint.dir:  # a wrong bucket or path is exit 2 now, before Ray and the actors start
-        try:
-            ensure_writable(cfg.checkpoint.dir)
-        except CheckpointError as exc:
-            raise UserInputError(f"checkpoint.dir: {exc}") from None
-        if cfg.checkpoint.resume:  # the one it would resume: a crafted .metadata is exit 2 now too
-            info = latest_valid(cfg.checkpoint.dir)  # (the controller checks again, at every resume)
-            if info is not None:
-                check_metadata_file(info.dcp_path)
+    check_checkpoint_dir(cfg)  # before Ray and the actors start
     started_local = connect(cfg)
     try:
         check_host_memory(cfg)  # snapshot and staging copies against each node's memory: exit 2 now

@@ -116,6 +116,37 @@ def job_record(cfg: JobConfig) -> JobRecord:
                      global_batch_size=cfg.train.global_batch_size)
 
 
+def check_resumable(info: CheckpointInfo, job: JobRecord) -> None:
+    """Refuse (``UserInputError``, naming the keys) a checkpoint ``job`` cannot continue: saved from
+    another model config, trained on other data, or with another global batch (its data cursor counts
+    samples of that batch). ``resume_point`` checks every resume; ``run_job`` checks the one it would
+    resume before Ray and the actors start, so such a bad input costs no cluster start."""
+    if info.manifest.model_fingerprint != job.model_fingerprint:
+        keys = model_diff({"model": info.manifest.model_config}, {"model": job.model_config})
+        raise UserInputError(
+            f"checkpoint {info.path} was saved from a different model config "
+            f"(mismatching keys: {', '.join(keys) or 'unknown'}): use a new checkpoint.dir or "
+            "restore those keys"
+        )
+    saved_data = info.manifest.data_identity
+    if saved_data and saved_data != job.data_identity:
+        # Moving the corpus keeps its identity (content, not path); other data would silently
+        # change what "sample i" means for the data cursor.
+        raise UserInputError(
+            f"checkpoint {info.path} was trained on other data than {job.data_named} "
+            f"(content {saved_data[:12]} vs {job.data_identity[:12]}): to train this data from its "
+            f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
+            "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
+        )
+    saved_batch, batch = info.manifest.global_batch_size, job.global_batch_size
+    if saved_batch != batch:
+        raise UserInputError(
+            f"checkpoint {info.path} consumed {info.manifest.data_cursor} samples in batches of "
+            f"train.global_batch_size={saved_batch}; resuming with {batch} would skip or repeat "
+            f"samples: set train.global_batch_size={saved_batch} or use a new checkpoint.dir"
+        )
+
+
 def coordinator_for(cfg: JobConfig, metrics) -> CheckpointCoordinator:
     """The job's checkpoint coordinator: its checkpoint and elastic sections and its record."""
     return CheckpointCoordinator(cfg.checkpoint, cfg.elastic, job_record(cfg), metrics)
@@ -433,30 +464,7 @@ class CheckpointCoordinator:
         if vet_metadata and info.path not in self._safe:  # a crafted .metadata is refused before any rank unpickles it
             check_metadata_file(info.dcp_path)
             self._safe.add(info.path)
-        if info.manifest.model_fingerprint != self.job.model_fingerprint:
-            keys = model_diff({"model": info.manifest.model_config}, {"model": self.job.model_config})
-            raise UserInputError(
-                f"checkpoint {info.path} was saved from a different model config "
-                f"(mismatching keys: {', '.join(keys) or 'unknown'}): use a new checkpoint.dir or "
-                "restore those keys"
-            )
-        saved_data = info.manifest.data_identity
-        if saved_data and saved_data != self.job.data_identity:
-            # Moving the corpus keeps its identity (content, not path); other data would silently
-            # change what "sample i" means for the data cursor.
-            raise UserInputError(
-                f"checkpoint {info.path} was trained on other data than {self.job.data_named} "
-                f"(content {saved_data[:12]} vs {self.job.data_identity[:12]}): to train this data from its "
-                f"weights start a new run: `elastimesh export {info.path} --out WEIGHTS`, then set "
-                "checkpoint.init_from = WEIGHTS and a new checkpoint.dir"
-            )
-        saved_batch, batch = info.manifest.global_batch_size, self.job.global_batch_size
-        if saved_batch != batch:
-            raise UserInputError(
-                f"checkpoint {info.path} consumed {info.manifest.data_cursor} samples in batches of "
-                f"train.global_batch_size={saved_batch}; resuming with {batch} would skip or repeat "
-                f"samples: set train.global_batch_size={saved_batch} or use a new checkpoint.dir"
-            )
+        check_resumable(info, self.job)
         return info
 
     def _report_skip(self, info: CheckpointInfo) -> None:

@@ -252,7 +252,8 @@ def _assert_one_line_exit(proc: subprocess.CompletedProcess, code: int, *needles
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("change,needles", [
     (["model.d_model=32", "model.n_layers=2"], ["model.d_model", "model.n_layers", "checkpoint.dir"]),
-    # slow (~23 s): the same refusal path as other-model, for another key
+    # slow: the same refusal path as other-model, for another key (tests/unit/test_launch_checkpoint_dir.py
+    # has both, without the CLI)
     pytest.param([f"train.global_batch_size={BATCH // 2}"], ["train.global_batch_size=8", "checkpoint.dir"],
                  marks=pytest.mark.slow),
 ], ids=["other-model", "other-global-batch"])
