@@ -1,4 +1,5 @@
-"""Local-Ray fixtures: one embedded Ray and one pool of RankActors per test module.
+"""Local-Ray fixtures: an embedded Ray (shared with the next module that asks, when this one left it
+clean: testbed/shared_ray.py) and one pool of RankActors per test module.
 
 Reusing the same actor processes across tests is deliberate: every test then also proves that
 re-forming groups in long-lived processes works (and the pids let tests assert "no restart").
@@ -11,15 +12,18 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from testbed import shared_ray  # noqa: E402
 from testbed.ray_cluster import make_group  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_local():
+    """The embedded Ray shared by the modules that ask for it (testbed/shared_ray.py): kept for the
+    next one only if this module left no actor or placement group behind."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    shared_ray.up()
     yield
-    ray.shutdown()
+    shared_ray.keep_if_clean()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,80 @@
+"""One embedded local Ray that consecutive test modules share (tests/ray's ``ray_local`` fixture).
+
+Starting and stopping a local Ray costs ~5-7 s on 2 cores, and a fresh one per module was ~13 of
+them in the default suite. A module that asks for ``ray_local`` gets the running one, and keeps it
+for the next such module only if it left nothing behind: every CPU free again and no placement group
+still held (a module whose test failed mid-run, with actors left alive, hands the next module a fresh
+Ray, as before). Any module that does not ask for it (its own ``ray.init``, a multi-node
+``Cluster``, ``run_job``'s embedded Ray, or no Ray at all) finds none running: tests/conftest.py
+stops the shared one first (``release``), and the modules that ask are run one after another
+(``ray_local_first``). Ray is imported only once a module asks.
+"""
+
+from __future__ import annotations
+
+import time
+
+ARGS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_driver": False}
+FIXTURE = "ray_local"
+CLEAN_WAIT_S = 5.0  # ray.kill and a placement group's removal free their CPUs asynchronously
+_up = {"shared": False}
+
+
+def up() -> None:
+    """Start the shared Ray unless it runs already."""
+    import ray
+
+    if not (_up["shared"] and ray.is_initialized()):
+        ray.init(**ARGS)
+        _up["shared"] = True
+
+
+def release() -> None:
+    """Stop the shared Ray, if it runs (never a Ray this module did not start)."""
+    if not _up["shared"]:
+        return
+    import ray
+
+    _up["shared"] = False
+    ray.shutdown()
+
+
+def keep_if_clean() -> None:
+    """At a module's end: keep the shared Ray for the next module only when this one left no actor
+    holding a CPU and no placement group; otherwise stop it."""
+    if _up["shared"] and not _left_clean():
+        release()
+
+
+def _left_clean() -> bool:
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + CLEAN_WAIT_S
+    while True:
+        try:
+            cpus_free = ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0)
+            groups_gone = all(g["state"] == "REMOVED" for g in placement_group_table().values())
+        except Exception:  # a Ray the module broke: the next one starts afresh
+            return False
+        if cpus_free and groups_gone:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def ray_local_first(items: list) -> set[str]:
+    """Reorder ``items`` in place so that the modules asking for ``ray_local`` run one after another
+    (where the first of them was; everything else keeps its order); returns those modules."""
+    users = {module_of(item) for item in items if FIXTURE in getattr(item, "fixturenames", ())}
+    at = next((i for i, item in enumerate(items) if module_of(item) in users), None)
+    if at is not None:
+        rest = [item for item in items if module_of(item) not in users]
+        block = [item for item in items if module_of(item) in users]
+        items[:] = rest[:at] + block + rest[at:]
+    return users
