@@ -4,29 +4,40 @@ Starting and stopping a local Ray costs ~5-7 s on 2 cores, and a fresh one per m
 them in the default suite. A module that asks for ``ray_local`` gets the running one, and keeps it
 for the next such module only if it left nothing behind: every CPU free again and no placement group
 still held (a module whose test failed mid-run, with actors left alive, hands the next module a fresh
-Ray, as before). Any module that does not ask for it (its own ``ray.init``, a multi-node
-``Cluster``, ``run_job``'s embedded Ray, or no Ray at all) finds none running: tests/conftest.py
-stops the shared one first (``release``), and the modules that ask are run one after another
-(``ray_local_first``). Ray is imported only once a module asks.
+Ray, as before), and only to a module that runs in the same environment (``up``). Any module that
+does not ask for it (its own ``ray.init``, a multi-node ``Cluster``, ``run_job``'s embedded Ray, or no
+Ray at all) finds none running: tests/conftest.py stops the shared one first (``release``), and the
+modules that ask are run one after another (``ray_local_first``). Ray is imported only once a module
+asks.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 ARGS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_driver": False}
 FIXTURE = "ray_local"
 CLEAN_WAIT_S = 5.0  # ray.kill and a placement group's removal free their CPUs asynchronously
-_up = {"shared": False}
+_up = {"shared": False, "environment": None}
+
+
+def _environment() -> dict[str, str]:
+    """What Ray's processes inherit from this one (pytest's per-test variable aside)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 def up() -> None:
-    """Start the shared Ray unless it runs already."""
+    """Start the shared Ray unless it runs already, started from the environment this process has now:
+    Ray's workers inherit the variables of the process that started it, so a module that set some for
+    its actors (an S3 endpoint and its credentials: tests/ray/test_data_s3.py) gets a Ray of its own."""
     import ray
 
-    if not (_up["shared"] and ray.is_initialized()):
-        ray.init(**ARGS)
-        _up["shared"] = True
+    if _up["shared"] and ray.is_initialized() and _up["environment"] == _environment():
+        return
+    release()
+    ray.init(**ARGS)
+    _up["shared"], _up["environment"] = True, _environment()
 
 
 def release() -> None:
