@@ -8,9 +8,13 @@ they fail instead, so CI cannot pass with them skipped (.ci/run also checks the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from testbed.netns_hosts import HostNet, unavailable_reason
-from tests.e2e.raycluster import RayCluster
+from tests.e2e.raycluster import REPO, RayCluster
 
 
 def require_hosts() -> None:
@@ -103,3 +107,25 @@ def rank_log(root: Path) -> list[tuple[float, str]]:
                 continue
             lines.append((when, line))
     return sorted(lines)
+
+
+@contextmanager
+def armed_driver(cluster: RayCluster, module: str, spec: dict, log: Path, timeout_s: float = 600):
+    """(driver process, what it armed): runs ``python -m module <spec as JSON>`` against ``cluster`` (its
+    output to ``log``) and waits until it wrote ``spec["armed"]`` (the fault it armed, as JSON), failing
+    with the log's tail if it exits or the time runs out first. The driver is killed on leaving, should
+    it still run."""
+    env = {**cluster.env, "RAY_ADDRESS": cluster.gcs_address, "PYTHONPATH": str(REPO)}
+    with open(log, "ab") as out:
+        driver = subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not Path(spec["armed"]).exists():
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        yield driver, json.loads(Path(spec["armed"]).read_text())
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()

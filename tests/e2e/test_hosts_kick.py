@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,8 @@ from checkpoints.catalog import list_checkpoints
 from testbed.family_cases import HF_BATCH
 from testbed.ray_harness import events, last_losses
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
-from tests.e2e.hosts import hosts_cluster, rank_log
-from tests.e2e.raycluster import REPO, VENV_BIN
+from tests.e2e.hosts import armed_driver, hosts_cluster, rank_log
+from tests.e2e.raycluster import VENV_BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -99,6 +98,26 @@ def look_before_the_cut(armed: dict, survivor_ns: str) -> tuple[str, dict[int, t
     return stack(members[armed["partner"]]["pid"]), {r: tuple(c) for r, c in counts.items()}
 
 
+def run_and_cut_the_victims_host(spec: dict, log: Path) -> tuple:
+    """Run the driver (tests/e2e/hosts_kick_driver.py) on two namespace hosts; once the victim sleeps in the
+    tied sync and its partner has reached it, look at the survivors (``look_before_the_cut``), then cut the
+    victim's host for good. Returns (the driver's exit code, what it armed, the partner's stack, the gloo
+    connections per survivor, when the victim began its sleep, when its host was cut)."""
+    with hosts_cluster("em-hk-", workers=2, cpus=[1, 3]) as (cluster, net):
+        victim_host, survivor_host = net.hosts
+        spec = {**spec, "victim_ip": victim_host.ip}
+        with armed_driver(cluster, "tests.e2e.hosts_kick_driver", spec, log) as (driver, armed):
+            victim_actor = armed["members"][str(armed["victim"])]["actor"]
+            slept_at = wait_for_log(cluster.root, f"[actor={victim_actor}] workers.faults: fault injection: "
+                                    f"sleep {SLEEP_S:.2f}s at tied {SLEEP_AT}", driver, 600)
+            time.sleep(SETTLE_S)
+            partner_stack, dialled = look_before_the_cut(armed, survivor_host.ns)
+            cut_at = time.time()
+            net.cut(victim_host)  # for good: the host is lost
+            rc = driver.wait(timeout=1200)
+    return rc, armed, partner_stack, dialled, slept_at, cut_at
+
+
 @pytest.mark.timeout(1500)
 def test_a_survivor_in_the_tied_sync_and_one_that_dialled_the_cut_host_are_freed(tmp_path):
     pytest.importorskip("transformers")
@@ -111,34 +130,12 @@ def test_a_survivor_in_the_tied_sync_and_one_that_dialled_the_cut_host_are_freed
                  "mesh.dp=2", "mesh.pp=2", "mesh.tp=1", f"train.steps={STEPS}", f"checkpoint.every={EVERY}",
                  f"checkpoint.dir={ckpt}", f"metrics.path={metrics}", "elastic.grow_check_s=1e6",
                  "train.dtype=float64"]
-    with hosts_cluster("em-hk-", workers=2, cpus=[1, 3]) as (cluster, net):
-        victim_host, survivor_host = net.hosts
-        spec = {"overrides": overrides, "victim_ip": victim_host.ip, "sleep_at": SLEEP_AT, "sleep_s": SLEEP_S,
-                "armed": str(tmp_path / "armed.json"), "result": str(tmp_path / "result.json"),
-                "params": str(tmp_path / "params.npz")}
-        env = {**cluster.env, "RAY_ADDRESS": cluster.gcs_address, "PYTHONPATH": str(REPO)}
-        log = tmp_path / "driver.log"
-        with open(log, "ab") as out:
-            driver = subprocess.Popen([sys.executable, "-m", "tests.e2e.hosts_kick_driver", json.dumps(spec)],
-                                      env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            deadline = time.monotonic() + 600
-            while not Path(spec["armed"]).exists():
-                assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.1)
-            armed = json.loads(Path(spec["armed"]).read_text())
-            victim_actor = armed["members"][str(armed["victim"])]["actor"]
-            slept_at = wait_for_log(cluster.root, f"[actor={victim_actor}] workers.faults: fault injection: "
-                                    f"sleep {SLEEP_S:.2f}s at tied {SLEEP_AT}", driver, 600)
-            time.sleep(SETTLE_S)
-            partner_stack, dialled = look_before_the_cut(armed, survivor_host.ns)
-            cut_at = time.time()
-            net.cut(victim_host)  # for good: the host is lost
-            rc = driver.wait(timeout=1200)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait()
+    spec = {"overrides": overrides, "sleep_at": SLEEP_AT, "sleep_s": SLEEP_S,
+            "armed": str(tmp_path / "armed.json"), "result": str(tmp_path / "result.json"),
+            "params": str(tmp_path / "params.npz")}
+    log = tmp_path / "driver.log"
+    rc, armed, partner_stack, dialled, slept_at, cut_at = run_and_cut_the_victims_host(spec, log)
+    victim_actor = armed["members"][str(armed["victim"])]["actor"]
     out = log.read_text()
     print("\n".join(x for x in out.splitlines() if any(k in x for k in ("failure", "rebuild", "kick", "final step",
                                                                           "did not")))[-4000:])

@@ -19,9 +19,7 @@ manifest's files (nothing a stale rank wrote).
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,8 +31,7 @@ from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
 from testbed.ray_harness import last_losses
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
-from tests.e2e.hosts import hosts_cluster, rank_log
-from tests.e2e.raycluster import REPO
+from tests.e2e.hosts import armed_driver, hosts_cluster, rank_log
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -96,17 +93,8 @@ def test_a_write_kept_going_across_a_partition_never_lands_in_a_committed_or_lat
         victim = net.hosts[1]
         spec = {"overrides": overrides, "victim_ip": victim.ip, "save_at": SAVE_AT, "stall_s": STALL_S,
                 "armed": str(tmp_path / "armed.json"), "params": str(tmp_path / "params.npz")}
-        env = {**cluster.env, "RAY_ADDRESS": cluster.gcs_address, "PYTHONPATH": str(REPO)}
         log = tmp_path / "driver.log"
-        with open(log, "ab") as out:
-            driver = subprocess.Popen([sys.executable, "-m", "tests.e2e.partition_write_driver", json.dumps(spec)],
-                                      env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        try:
-            deadline = time.monotonic() + 600
-            while not Path(spec["armed"]).exists():
-                assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.1)
-            armed = json.loads(Path(spec["armed"]).read_text())
+        with armed_driver(cluster, "tests.e2e.partition_write_driver", spec, log) as (driver, armed):
             shards = wait_for_shards(ckpt / step_dir_name(SAVE_AT), armed["ranks"], driver, 600)
             stop = threading.Event()
             sizes = watch_sizes(shards, stop)
@@ -118,10 +106,6 @@ def test_a_write_kept_going_across_a_partition_never_lands_in_a_committed_or_lat
             rc = driver.wait(timeout=1200)
             stop.set()
             rank_lines = rank_log(cluster.root)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait()
     out = log.read_text()
     print("\n".join(x for x in out.splitlines() if any(k in x for k in ("failure", "rebuild", "abandon", "final step",
                                                                           "commit", "owed")))[-4000:])

@@ -21,6 +21,7 @@ import math
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,38 @@ def scrape(cluster: RayCluster, name: str, timeout_s: float = 60) -> str:
         time.sleep(2)
 
 
+def wait_for_step(cluster: RayCluster, job: str, metrics: Path, step: int, timeout_s: float = 600) -> None:
+    """Until ``job``'s metrics record ``step`` trained; fails if the job ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        recs = records(metrics) if metrics.exists() else []
+        done_steps = [r["step"] for r in steps_of(recs)]
+        if done_steps and max(done_steps) >= step:
+            return
+        assert time.monotonic() < deadline, f"no step {step} in time: {recs[-5:]}"
+        assert cluster.job_status(job) in ("PENDING", "RUNNING"), cluster.job_logs(job)[-3000:]
+        time.sleep(0.5)
+
+
+def check_stopped_cleanly(cluster: RayCluster, job: str, recs: list[dict], steps: int, ckpt: str) -> int:
+    """The stopped ``job`` saved where it stopped, withdrew its autoscaler request and exited 0 on its
+    own, with one line saying where it resumes (the supervisor never had to SIGKILL it), no traceback.
+    Returns the step it stopped after."""
+    assert "done" not in {r.get("event") for r in recs}
+    stopped, = [r for r in recs if r.get("event") == "stopped"]
+    stopped_at = stopped["step"]
+    assert stopped_at == max(r["step"] for r in steps_of(recs)) < steps  # saved where it stopped
+    logs = cluster.job_logs(job)
+    assert f"elastimesh: stopped after step {stopped_at}: committed in checkpoint.dir={ckpt}; running it " \
+        f"again resumes from step {stopped_at + 1}" in logs, logs[-3000:]
+    # (Lines of the actors are tagged "(RankActor pid=...)": ray.kill at teardown makes Ray print a
+    # SystemExit from inside an actor's thread pool, which is no output of the driver's.)
+    driver_lines = [line for line in logs.splitlines() if "(RankActor" not in line and "(StoreHost" not in line]
+    assert not [line for line in driver_lines if "Traceback" in line], logs[-3000:]
+    assert cluster.autoscaler_request() == []
+    return stopped_at
+
+
 @pytest.mark.timeout(1200)
 def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, tmp_path):
     from checkpoints.catalog import latest_valid
@@ -128,15 +161,7 @@ def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, 
     assert out.returncode == 0, out.stderr[-2000:]
 
     # Stop it mid-way, away from the periodic saves (so the stop's own save is what counts).
-    deadline = time.monotonic() + 600
-    while True:
-        recs = records(metrics) if metrics.exists() else []
-        done_steps = [r["step"] for r in steps_of(recs)]
-        if done_steps and max(done_steps) >= 13:
-            break
-        assert time.monotonic() < deadline, f"no step 13 in time: {recs[-5:]}"
-        assert cluster.job_status("resume-1") in ("PENDING", "RUNNING"), cluster.job_logs("resume-1")[-3000:]
-        time.sleep(0.5)
+    wait_for_step(cluster, "resume-1", metrics, 13)
     # While it runs the job's metrics reach Ray's Prometheus endpoint, and its standing request to
     # the autoscaler (one bundle per rank of the largest mesh, here dp=2 x tp=2) is in the cluster.
     exported = scrape(cluster, "ray_elastimesh_loss")
@@ -146,21 +171,7 @@ def test_stopped_job_saves_exits_cleanly_and_a_resubmit_reruns_no_step(cluster, 
     stop = cluster.ray("job", "stop", "--address", cluster.dashboard, "resume-1")
     assert stop.returncode == 0, stop.stderr[-2000:]
     assert cluster.wait_job("resume-1", 120) == "STOPPED"
-    recs = records(metrics)
-    assert "done" not in {r.get("event") for r in recs}
-    stopped, = [r for r in recs if r.get("event") == "stopped"]
-    stopped_at = stopped["step"]
-    assert stopped_at == max(r["step"] for r in steps_of(recs)) < steps  # saved where it stopped
-    logs = cluster.job_logs("resume-1")
-    # The driver saved, withdrew its autoscaler request and exited 0 on its own, with one line saying
-    # where it resumes (the supervisor never had to SIGKILL it); no traceback.
-    assert f"elastimesh: stopped after step {stopped_at}: committed in checkpoint.dir={ckpt}; running it " \
-        f"again resumes from step {stopped_at + 1}" in logs, logs[-3000:]
-    # (Lines of the actors are tagged "(RankActor pid=...)": ray.kill at teardown makes Ray print a
-    # SystemExit from inside an actor's thread pool, which is no output of the driver's.)
-    driver_lines = [line for line in logs.splitlines() if "(RankActor" not in line and "(StoreHost" not in line]
-    assert not [line for line in driver_lines if "Traceback" in line], logs[-3000:]
-    assert cluster.autoscaler_request() == []
+    stopped_at = check_stopped_cleanly(cluster, "resume-1", records(metrics), steps, ckpt)
     newest = latest_valid(ckpt)
     assert newest is not None and newest.step == stopped_at
 
