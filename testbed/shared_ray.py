@@ -2,13 +2,13 @@
 
 Starting and stopping a local Ray costs ~5-7 s on 2 cores, and a fresh one per module was ~13 of
 them in the default suite. A module that asks for ``ray_local`` gets the running one, and keeps it
-for the next such module only if it left nothing behind: every CPU free again and no placement group
-still held (a module whose test failed mid-run, with actors left alive, hands the next module a fresh
+for the next such module only if it left nothing behind: no rank actor or store host alive, no
+placement group held, every CPU free (a module whose test failed mid-run, with actors left alive, hands the next module a fresh
 Ray, as before), and only to a module that runs in the same environment (``up``). Any module that
 does not ask for it (its own ``ray.init``, a multi-node ``Cluster``, ``run_job``'s embedded Ray, or no
 Ray at all) finds none running: tests/conftest.py stops the shared one first (``release``), and the
-modules that ask are run one after another (``ray_local_first``). Ray is imported only once a module
-asks.
+modules that ask are run one after another (``ray_local_first``). A module that asks in any of its
+tests has the shared Ray through all of them. Ray is imported only once a module asks.
 """
 
 from __future__ import annotations
@@ -18,13 +18,20 @@ import time
 
 ARGS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_driver": False}
 FIXTURE = "ray_local"
+PROJECT_ACTORS = ("RankActor", "StoreHost")
 CLEAN_WAIT_S = 5.0  # ray.kill and a placement group's removal free their CPUs asynchronously
 _up = {"shared": False, "environment": None}
 
 
+# Variables that change in this process without concerning Ray's workers: pytest's per-test one, and
+# those libraries set for themselves when a test imports them here (torch's inductor, google-crc32c).
+# Any other change gets a fresh Ray: the safe side (only slower).
+NOT_FOR_WORKERS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "CRC32C_SW_MODE")
+
+
 def _environment() -> dict[str, str]:
-    """What Ray's processes inherit from this one (pytest's per-test variable aside)."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    """What Ray's processes inherit from this one (``NOT_FOR_WORKERS`` aside)."""
+    return {k: v for k, v in os.environ.items() if k not in NOT_FOR_WORKERS}
 
 
 def up() -> None:
@@ -51,14 +58,19 @@ def release() -> None:
 
 
 def keep_if_clean() -> None:
-    """At a module's end: keep the shared Ray for the next module only when this one left no actor
-    holding a CPU and no placement group; otherwise stop it."""
+    """At a module's end: keep the shared Ray for the next module only when this one left nothing
+    behind (``_left_clean``); otherwise stop it."""
     if _up["shared"] and not _left_clean():
         release()
 
 
 def _left_clean() -> bool:
+    """No rank actor or store host alive (a store host holds no CPU: only the actor table shows it, and
+    tests/ray/test_sweep.py counts every live one of both), no placement group held, every CPU free.
+    A test's own idle helper actors (tests/ray/test_given_outlives_giver.py's) are left to the final
+    shutdown."""
     import ray
+    from ray._private.state import state  # no public list of actors without the dashboard
     from ray.util.placement_group import placement_group_table
 
     deadline = time.monotonic() + CLEAN_WAIT_S
@@ -66,9 +78,11 @@ def _left_clean() -> bool:
         try:
             cpus_free = ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0)
             groups_gone = all(g["state"] == "REMOVED" for g in placement_group_table().values())
-        except Exception:  # a Ray the module broke: the next one starts afresh
+            actors_gone = not [a for a in state.actor_table(None).values()
+                               if a["State"] != "DEAD" and a["ActorClassName"] in PROJECT_ACTORS]
+        except Exception:  # a Ray the module broke (or an API that moved): the next one starts afresh
             return False
-        if cpus_free and groups_gone:
+        if cpus_free and groups_gone and actors_gone:
             return True
         if time.monotonic() > deadline:
             return False

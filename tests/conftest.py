@@ -37,6 +37,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             terminalreporter.write_line(line)
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the tests that will run count
 def pytest_collection_modifyitems(session, config, items) -> None:
     config.ray_local_modules = shared_ray.ray_local_first(items)
 
