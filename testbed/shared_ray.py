@@ -3,12 +3,13 @@
 Starting and stopping a local Ray costs ~5-7 s on 2 cores, and a fresh one per module was ~13 of
 them in the default suite. A module that asks for ``ray_local`` gets the running one, and keeps it
 for the next such module only if it left nothing behind: no rank actor or store host alive, no
-placement group held, every CPU free (a module whose test failed mid-run, with actors left alive, hands the next module a fresh
-Ray, as before), and only to a module that runs in the same environment (``up``). Any module that
-does not ask for it (its own ``ray.init``, a multi-node ``Cluster``, ``run_job``'s embedded Ray, or no
-Ray at all) finds none running: tests/conftest.py stops the shared one first (``release``), and the
-modules that ask are run one after another (``ray_local_first``). A module that asks in any of its
-tests has the shared Ray through all of them. Ray is imported only once a module asks.
+placement group held, every CPU free (a module whose test failed mid-run, with actors left alive,
+hands the next module a fresh Ray, as before), and only to a module that runs in the same
+environment (``up``). Any module that does not ask for it (its own ``ray.init``, a multi-node
+``Cluster``, ``run_job``'s embedded Ray, or no Ray at all) finds none running: tests/conftest.py
+stops the shared one first (``release``), and the modules that ask are run one after another
+(``ray_local_first``). A module that asks in any of its tests has the shared Ray through all of them.
+Ray is imported only once a module asks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ARGS = {"address": "local", "num_cpus": 8, "include_dashboard": False, "log_to_d
 FIXTURE = "ray_local"
 PROJECT_ACTORS = ("RankActor", "StoreHost")
 CLEAN_WAIT_S = 5.0  # ray.kill and a placement group's removal free their CPUs asynchronously
-_up = {"shared": False, "environment": None}
+_started_from: dict[str, str] | None = None  # the shared Ray's starting environment; None: none runs
 
 
 # Variables that change in this process without concerning Ray's workers: pytest's per-test one, and
@@ -38,29 +39,31 @@ def up() -> None:
     """Start the shared Ray unless it runs already, started from the environment this process has now:
     Ray's workers inherit the variables of the process that started it, so a module that set some for
     its actors (an S3 endpoint and its credentials: tests/ray/test_data_s3.py) gets a Ray of its own."""
+    global _started_from
     import ray
 
-    if _up["shared"] and ray.is_initialized() and _up["environment"] == _environment():
+    if _started_from is not None and ray.is_initialized() and _started_from == _environment():
         return
     release()
     ray.init(**ARGS)
-    _up["shared"], _up["environment"] = True, _environment()
+    _started_from = _environment()
 
 
 def release() -> None:
     """Stop the shared Ray, if it runs (never a Ray this module did not start)."""
-    if not _up["shared"]:
+    global _started_from
+    if _started_from is None:
         return
     import ray
 
-    _up["shared"] = False
+    _started_from = None
     ray.shutdown()
 
 
 def keep_if_clean() -> None:
     """At a module's end: keep the shared Ray for the next module only when this one left nothing
     behind (``_left_clean``); otherwise stop it."""
-    if _up["shared"] and not _left_clean():
+    if _started_from is not None and not _left_clean():
         release()
 
 
@@ -78,6 +81,7 @@ def _left_clean() -> bool:
         try:
             cpus_free = ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0)
             groups_gone = all(g["state"] == "REMOVED" for g in placement_group_table().values())
+            # Not DEAD yet, not only ALIVE (tests/ray/test_sweep.py's pids): one still starting counts too.
             actors_gone = not [a for a in state.actor_table(None).values()
                                if a["State"] != "DEAD" and a["ActorClassName"] in PROJECT_ACTORS]
         except Exception:  # a Ray the module broke (or an API that moved): the next one starts afresh

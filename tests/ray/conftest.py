@@ -19,7 +19,7 @@ from testbed.ray_cluster import make_group  # noqa: E402
 @pytest.fixture(scope="module")
 def ray_local():
     """The embedded Ray shared by the modules that ask for it (testbed/shared_ray.py): kept for the
-    next one only if this module left no actor or placement group behind."""
+    next one only if this module left nothing behind (``shared_ray.keep_if_clean``)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     shared_ray.up()
     yield
