@@ -53,6 +53,7 @@ from meshspeak.rank_calls import SNAPSHOT_GROUP
 from meshspeak.rank_errors import RankError
 from workers import compile_stats
 from workers.faults import Faults
+from workers.heavy_imports import collector_paused
 from workers.profiling import profiled_step
 from workers.rank_methods import on, plain, training
 from workers.snapshot_push import AskedAhead, SnapshotWorker, ask_ahead, keep_asked, serve_pieces
@@ -120,7 +121,8 @@ def _import_a_spares_first_join(family: str) -> None:
 class RankActor:
     def __init__(self, actor_id: int, profile=None, snapshot_keep: int = DEFAULT_KEEP) -> None:
         try:
-            self._start(actor_id, profile, snapshot_keep)
+            with collector_paused():  # the imports of a start (workers/heavy_imports.py)
+                self._start(actor_id, profile, snapshot_keep)
         except Exception as exc:  # as every call's error: text only (``workers.rank_methods.plain``)
             raise RankError.of(exc) from exc
 
@@ -183,15 +185,16 @@ class RankActor:
         against 0.3-1.1 s: tests/unit/test_actor_start_imports.py)."""
         import gc
 
-        import torch._dynamo  # noqa: F401  (see above; the compute clock's decorators import it too)
+        with collector_paused():  # a spare's warm-up imports too (workers/heavy_imports.py)
+            import torch._dynamo  # noqa: F401  (see above; the compute clock's decorators import it too)
 
-        import checkpoints.direct_load  # noqa: F401  (a restore's; 0.08 s at the first one, under cProfile)
-        import workers.groups  # noqa: F401
-        import workers.runtime  # noqa: F401
-        import workers.snapshot_restore  # noqa: F401
+            import checkpoints.direct_load  # noqa: F401  (a restore's; 0.08 s at the first one, under cProfile)
+            import workers.groups  # noqa: F401
+            import workers.runtime  # noqa: F401
+            import workers.snapshot_restore  # noqa: F401
 
-        if family:
-            _import_a_spares_first_join(family)
+            if family:
+                _import_a_spares_first_join(family)
         if gc.get_freeze_count() == 0:
             gc.collect()
             gc.freeze()

@@ -21,6 +21,7 @@ import socket
 import ray
 
 from meshspeak.rank_errors import RankError
+from workers.heavy_imports import collector_paused
 
 
 def listen_on(host: str) -> socket.socket:
@@ -54,7 +55,8 @@ def bind_host(node_ip: str, loopback: bool) -> str:
 class StoreHost:
     def __init__(self, loopback: bool = False) -> None:
         try:
-            self._start(loopback)
+            with collector_paused():  # the start imports torch (workers/heavy_imports.py)
+                self._start(loopback)
         except Exception as exc:  # text only: the driver never unpickles a torch error (meshspeak/rank_errors.py)
             raise RankError.of(exc) from exc
 
