@@ -65,6 +65,10 @@ class RankCalls(Protocol):
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         """Test hook: a fault at a step, a forward, a join, a load or a checkpoint write."""
 
+    def disarm_faults(self) -> None:
+        """Test hook: every fault armed and not yet spent is dropped (a step fault stays armed for its
+        step numbers, which the next run on the same actor counts again from 1)."""
+
     # -- generations (training thread) ------------------------------------------------------------
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
         """Leave the current generation and join ``gen``; ``orders`` hold what every step runs."""

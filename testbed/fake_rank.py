@@ -173,6 +173,9 @@ class FakeRank:
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         pass  # the real actor's test hook; faults here are armed on the group (FakeWorkerGroup.fail)
 
+    def disarm_faults(self) -> None:
+        pass  # faults here are armed on the group (FakeWorkerGroup.fail)
+
     def train_step(self, step: int, keep: tuple = (), after: int | None = None,
                    split: SplitOrders | None = None) -> StepResult:
         refusal = refused(step, after, self.step, self.world_rank)

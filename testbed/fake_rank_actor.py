@@ -97,6 +97,9 @@ class FakeRankActor:
     def arm_fault(self, at: int, kind: str, delay_s: float = 0.3, where: str = "step", steps: int = 1) -> None:
         pass
 
+    def disarm_faults(self) -> None:
+        pass
+
     # -- generations and steps --------------------------------------------------------------------
     @ray.method(concurrency_group=TRAIN_GROUP)
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:

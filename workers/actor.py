@@ -448,6 +448,12 @@ class RankActor:
         a ``SLEEP_POINTS`` point (workers/faults.py). Bad arguments raise, so a test never arms nothing."""
         self.faults.arm(at, kind, delay_s, where, steps)
 
+    @plain
+    def disarm_faults(self) -> None:
+        """Test hook: drop every armed fault, so that a test reusing this actor after a run with one
+        starts clean (``Faults.disarm``)."""
+        self.faults.disarm()
+
     @training
     def leave_generation(self, generation: int | None = None) -> None:
         with self._lock:

@@ -70,6 +70,16 @@ class Faults(StepHooks):
             dcp_write_function()  # fail now, not silently at the write, if torch moved it
         self._armed[where] = (at, kind, delay_s)
 
+    def disarm(self) -> None:
+        """Drop every armed fault. A step fault is kept after it fired (it covers ``steps`` step
+        numbers, and a re-run step is the same number), so an actor reused for another run, whose
+        steps count from 1 again, would meet it there; the runtime holds this object, so it is
+        emptied in place."""
+        self._armed.clear()
+        self._step.clear()
+        self._sleeps.clear()
+        self._slow_writes = None
+
     # -- the actor's seam -------------------------------------------------------------------------
     def reached(self, where: str, at: int, runtime=None) -> None:
         """The actor reached ``where`` ("join", "load", "step", "snapshot", "eval", "ckpt_write") at

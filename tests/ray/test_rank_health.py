@@ -10,6 +10,12 @@
   live run; only a step in which no rank progressed for that long is a hang.
 * A rank killed mid-step with ``elastic.spares = 1``: dp unchanged, the spare promoted, a new spare
   started.
+
+The two tests whose runs neither lose a process nor restore any state share one pair of actors
+(``pair``), disarmed after each run (``RankActor.disarm_faults``: a step fault stays armed for its step
+numbers, which the next run counts again from 1). A run that restores starts its own actors: their
+in-memory snapshots are keyed by (generation, life, step), and a new controller's generations count
+from 1 again, so an earlier run's snapshots could answer its restore.
 """
 
 from __future__ import annotations
@@ -31,25 +37,37 @@ BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_b
         "checkpoint.every=2", "elastic.collective_timeout_s=60", "elastic.grow_check_s=1e6", "mesh.tp=1"]
 
 
-def _start(tmp_path, store_address, extra: list[str], actors: int):
+@pytest.fixture(scope="module")
+def pair(ray_local):
+    """Two actors for the tests that neither kill nor restore (each disarms them when done: ``_disarm``)."""
+    group = make_group(2)
+    yield group
+    group.shutdown()
+
+
+def _start(tmp_path, store_address, extra: list[str], group):
     overrides = BASE + extra + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"metrics.path={tmp_path / 'm.jsonl'}"]
     cfg = load_config(None, overrides)
-    group = make_group(actors)
     controller = make_controller(cfg, group, store_address)
     controller.advance()  # INITIALIZING -> RUNNING
-    return overrides, group, controller
+    return overrides, controller
+
+
+def _disarm(group) -> None:
+    """The pair's faults dropped for the next test (a spent step fault would fire again there)."""
+    assert group.call(group.live_ids, RankCalls.disarm_faults, timeout_s=30).ok
 
 
 @pytest.mark.timeout(300)
-def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address, tmp_path):
-    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2"], actors=2)
+def test_nan_in_one_rank_gradient_is_skipped_everywhere(pair, store_address, tmp_path):
+    overrides, controller = _start(tmp_path, store_address, ["mesh.dp=2"], pair)
     try:
         victim = controller.generation.members[1]
-        group.call([victim], RankCalls.arm_fault, (3, "nan", 0.0, "step"), timeout_s=10)
+        pair.call([victim], RankCalls.arm_fault, (3, "nan", 0.0, "step"), timeout_s=10)
         summary = controller.run()
         params = mesh_params(controller)
     finally:
-        group.shutdown()
+        _disarm(pair)
     assert summary.final_step == 8 and summary.restarts == 0
     bad, = events(tmp_path / "m.jsonl", "bad_step")
     assert (bad["step"], bad["reason"]) == (3, "grad_norm")
@@ -62,18 +80,18 @@ def test_nan_in_one_rank_gradient_is_skipped_everywhere(ray_local, store_address
 
 
 @pytest.mark.timeout(300)
-def test_a_slow_step_that_progresses_outlives_the_step_timeout(ray_local, store_address, tmp_path):
+def test_a_slow_step_that_progresses_outlives_the_step_timeout(pair, store_address, tmp_path):
     extra = ["mesh.dp=2", "elastic.step_timeout_s=3", "elastic.hang_probe_factor=0"]
-    overrides, group, controller = _start(tmp_path, store_address, extra, actors=2)
+    overrides, controller = _start(tmp_path, store_address, extra, pair)
     try:
         slow = controller.generation.members[1]
         # Steps 3-4: 1.5 s in each of the rank's 2 microbatch forwards, so each step runs past the 3 s
         # bound while the rank finishes an action every 1.5 s (its peer waits in the gradients' reduce);
         # 1.5 s of slack for a loaded host's scheduling, as 2.5 s under 4 s had.
-        group.call([slow], RankCalls.arm_fault, (3, "sleep", 1.5, "microbatch", 2), timeout_s=10)
+        pair.call([slow], RankCalls.arm_fault, (3, "sleep", 1.5, "microbatch", 2), timeout_s=10)
         summary = controller.run()
     finally:
-        group.shutdown()
+        _disarm(pair)
     assert summary.final_step == 8 and summary.restarts == 0
     assert events(tmp_path / "m.jsonl", "failure") == []
     records = step_records(tmp_path / "m.jsonl")
@@ -91,8 +109,9 @@ def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, 
     # while no new spare is ready, and swapped for it if one is; the test is about the rank that sleeps.
     extra = ["mesh.dp=2", "elastic.spares=1", "elastic.straggler_steps=2", "elastic.straggler_factor=2.0",
              "elastic.evict_stragglers=true", "elastic.min_dp=2"]
-    overrides, group, controller = _start(tmp_path, store_address, extra, actors=3)
+    group = make_group(3)
     try:
+        overrides, controller = _start(tmp_path, store_address, extra, group)
         members = dict(controller.generation.members)
         spare, = controller.spare_ids
         slow, other = members[1], members[0]
@@ -119,8 +138,9 @@ def test_straggler_reported_and_evicted_for_the_spare(ray_local, store_address, 
 
 @pytest.mark.timeout(400)
 def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, store_address, tmp_path):
-    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "elastic.spares=1"], actors=3)
+    group = make_group(3)
     try:
+        overrides, controller = _start(tmp_path, store_address, ["mesh.dp=2", "elastic.spares=1"], group)
         spare, = controller.spare_ids
         victim = controller.generation.members[0]
         group.call([victim], RankCalls.arm_fault, (4, "kill", 0.0, "forward"), timeout_s=10)
@@ -147,8 +167,9 @@ def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, st
 
 @pytest.mark.timeout(300)
 def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, store_address, tmp_path):
-    overrides, group, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], actors=2)
+    group = make_group(2)  # its own: the rollback restores (see the module docstring)
     try:
+        overrides, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], group)
         victim = controller.generation.members[0]
         group.call([victim], RankCalls.arm_fault, (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
         summary = controller.run()

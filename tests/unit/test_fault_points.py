@@ -21,3 +21,20 @@ def test_other_points_fire_at_their_step_only():
     faults.arm(10, "kill", 0.0, "forward", 1)
     assert faults._take("forward", 11) is None
     assert faults._take("forward", 10) == (10, "kill", 0.0)
+
+
+def test_disarm_drops_every_armed_fault_including_spent_step_faults():
+    # A step fault stays armed after it fired (a re-run step has the same number): an actor reused for
+    # another run, whose steps count from 1 again, must be disarmed first (RankActor.disarm_faults).
+    faults = Faults()
+    faults.arm(3, "nan", 0.0, "step", 1)
+    faults.arm(2, "sleep", 0.5, "microbatch", 2)
+    faults.arm(5, "sleep", 1.0, "eval", 1)
+    faults.arm(4, "kill", 0.0, "forward", 1)
+    faults.arm(6, "sleep", 12.0, "ckpt_write", 1)
+    assert faults._step_fault("nan", 3) is not None and faults._step_fault("sleep_each", 3) is not None
+    faults.disarm()
+    assert faults._step_fault("nan", 3) is None and faults._step_fault("sleep_each", 3) is None
+    assert faults._take_sleep("eval", 5) == 0.0
+    assert faults._take("forward", 4) is None
+    assert faults._slow_writes is None
