@@ -66,8 +66,8 @@ class RankCalls(Protocol):
         """Test hook: a fault at a step, a forward, a join, a load or a checkpoint write."""
 
     def disarm_faults(self) -> None:
-        """Test hook: every fault armed and not yet spent is dropped (a step fault stays armed for its
-        step numbers, which the next run on the same actor counts again from 1)."""
+        """Test hook, between runs: every armed fault is dropped, a step fault that fired included (it
+        stays armed for its step numbers, which the next run on the same actor counts again from 1)."""
 
     # -- generations (training thread) ------------------------------------------------------------
     def join_generation(self, gen: JoinSpec, spec: RuntimeSpec, orders: GenerationOrders) -> RankInfo:
