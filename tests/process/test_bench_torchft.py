@@ -33,7 +33,7 @@ def test_torchft_compare_quick_writes_json(tmp_path: Path) -> None:
         assert clean["steps_wall_s"] > 0 and faults["steps_wall_s"] > 0
         summary = result["summary"][side]
         for key in ("retained", "steps_wall_s_clean", "samples_lost", "final_loss_rel_diff"):
-            # bench/stats.spread: the median with its spread, and every repeat's own figure (one here).
+            # bench/stats.py's spread: the median with its spread, and every repeat's own figure (one here).
             assert set(summary[key]) == {"median", "min", "max", "n", "per_repeat"} and summary[key]["n"] == 1
             assert summary[key]["per_repeat"] == [summary[key]["median"]]
         assert clean["loadavg_after"] is None or len(clean["loadavg_after"]) == 3
