@@ -139,6 +139,7 @@ class RankActor:
         self.runtime = None
         self.orders: GenerationOrders | None = None  # of the current generation
         self.split: SplitOrders | None = None  # its microbatch split, once one came (elastic.rebalance)
+        self.run_id: str | None = None  # of the generations it joined (JoinSpec.run_id); None before any
         self.generation = -1
         self.world_rank = -1
         self.life = 0  # loads done in this generation (part of its snapshots' keys)
@@ -221,6 +222,7 @@ class RankActor:
             t0 = time.perf_counter()
             self.asked = self._ask_ahead(orders.restore, gen)
             self._leave()
+            self._enter_run(gen.run_id)  # after the leave: its fence lands the last own snapshot first
             t_left = time.perf_counter()
             device = self._device_for(gen, spec)
             before = sockets.table()
@@ -262,6 +264,21 @@ class RankActor:
                 setup_s=time.perf_counter() - t0,
                 num_params_local=sum(p.numel() for p in self.runtime.params),
             )
+
+    def _enter_run(self, run_id: str) -> None:
+        """Joining a generation of another run than the last one (an actor reused by a new controller,
+        as tests do): the snapshots kept for the last run are dropped, their own and the peers' copies.
+        Their keys (generation, life, step) restart with every run, so the new run's restore could
+        otherwise count one of them as a live copy of its own set (``newest_covered``) and load it.
+        (A peer's push of the last run still in flight when this runs would land after it: a window of
+        one push, milliseconds, which runs seconds apart, as tests make them, do not meet.)"""
+        if run_id == self.run_id:
+            return
+        if self.run_id is not None:
+            dropped = self.snapshots.forget_all()
+            if dropped:
+                logger.info("joining run %s: dropped %d in-memory snapshots of run %s", run_id, dropped, self.run_id)
+        self.run_id = run_id
 
     def _ask_ahead(self, source: RestoreSource | None, gen: JoinSpec) -> AskedAhead | None:
         """The reads of the snapshot load that follows this join (``GenerationOrders.restore``), asked

@@ -117,6 +117,14 @@ class SnapshotStore:
             return False
         return True
 
+    def forget_all(self) -> int:
+        """Drop every snapshot, own and held, and the kept set's key (another run's: see
+        ``RankActor._enter_run``); returns how many there were."""
+        with self._lock:
+            count = len(self.own) + len(self.held)
+            self.own, self.held, self.keep_key = {}, {}, None
+        return count
+
     def nbytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s, _ in self.own.values()) + sum(s.nbytes for s in self.held.values())

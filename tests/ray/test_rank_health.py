@@ -11,11 +11,10 @@
 * A rank killed mid-step with ``elastic.spares = 1``: dp unchanged, the spare promoted, a new spare
   started.
 
-The two tests whose runs neither lose a process nor restore any state share one pair of actors
-(``pair``), disarmed after each run (``RankActor.disarm_faults``: a step fault stays armed for its step
-numbers, which the next run counts again from 1). A run that restores starts its own actors: their
-in-memory snapshots are keyed by (generation, life, step), and a new controller's generations count
-from 1 again, so an earlier run's snapshots could answer its restore.
+The tests that lose no process share one pair of actors (``pair``), disarmed after each run
+(``RankActor.disarm_faults``: a step fault stays armed for its step numbers, which the next run counts
+again from 1); the rollback's restore among them reads its own run's snapshots only (an actor joining
+another run drops the last one's: ``RankActor._enter_run``). Those with a spare start their own three.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ BASE = [TEST_LR, "model.seq_len=32", "train.global_batch_size=8", "train.micro_b
 
 @pytest.fixture(scope="module")
 def pair(ray_local):
-    """Two actors for the tests that neither kill nor restore (each disarms them when done: ``_disarm``)."""
+    """Two actors for the tests that kill none (each disarms them when done: ``_disarm``)."""
     group = make_group(2)
     yield group
     group.shutdown()
@@ -166,16 +165,15 @@ def test_killed_rank_replaced_by_the_spare_and_a_new_spare_started(ray_local, st
 
 
 @pytest.mark.timeout(300)
-def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(ray_local, store_address, tmp_path):
-    group = make_group(2)  # its own: the rollback restores (see the module docstring)
+def test_bad_steps_in_a_row_roll_back_and_go_on_past_the_batches(pair, store_address, tmp_path):
+    overrides, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], pair)
     try:
-        overrides, controller = _start(tmp_path, store_address, ["mesh.dp=2", "train.max_bad_steps=2"], group)
         victim = controller.generation.members[0]
-        group.call([victim], RankCalls.arm_fault, (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
+        pair.call([victim], RankCalls.arm_fault, (5, "nan", 0.0, "step", 2), timeout_s=10)  # steps 5 and 6
         summary = controller.run()
         params = mesh_params(controller)
     finally:
-        group.shutdown()
+        _disarm(pair)
     assert summary.final_step == 8 and summary.restarts == 0
     rollback, = events(tmp_path / "m.jsonl", "rollback")
     assert (rollback["step"], rollback["resumed_from_step"], rollback["skipped"]) == (6, 4, [5, 6])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshspeak.rank_calls import RankCalls
 from orchestrator.config.load import load_config
 from testbed.ray_harness import last_losses, make_controller, mesh_params
 from testbed.reference import CONTROLLER_FP32, TEST_LR, assert_matches_reference, reference
@@ -40,3 +41,27 @@ def test_rebuild_twice_in_same_processes(pool4, store_address, tmp_path):
     assert controller.generation.shape.dp == 1
     assert pool4.pids == pids_before  # no actor was restarted
     assert_matches_reference(summary.losses, mesh_params(controller), reference(overrides, 10), CONTROLLER_FP32)
+
+
+@pytest.mark.timeout(300)
+def test_a_new_run_on_the_same_actors_finds_none_of_the_last_runs_snapshots(pool4, store_address, tmp_path):
+    """In-memory snapshots are keyed (generation, life, step), which every run counts from 1: an actor
+    joining a generation of another run drops the last run's (``RankActor._enter_run``), so that run's
+    restore can never count one of them as a copy of its own (both runs at dp=4: every actor in both)."""
+    def cfg(run: str):
+        return load_config(None, SMALL + ["mesh.dp=4", "mesh.pp=1", "mesh.tp=1", "train.steps=3",
+                                          f"checkpoint.dir={tmp_path / run / 'ckpt'}",
+                                          f"metrics.path={tmp_path / run / 'm.jsonl'}"])
+
+    def inventories():
+        return pool4.call(pool4.live_ids, RankCalls.snapshot_inventory, timeout_s=30).results
+
+    pids = dict(pool4.pids)
+    assert make_controller(cfg("first"), pool4, store_address).run().final_step == 3
+    assert all(inv.own and inv.held for inv in inventories().values())  # its snapshots, and a peer's copy
+    second = make_controller(cfg("second"), pool4, store_address)
+    second.advance()  # the second run's generation 1 formed (every actor joined it), no step trained yet
+    assert all(not inv.own and not inv.held for inv in inventories().values()), inventories()
+    assert second.run().final_step == 3
+    assert all(inv.own for inv in inventories().values())  # the second run's own
+    assert pool4.pids == pids
