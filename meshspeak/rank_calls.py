@@ -115,8 +115,9 @@ class RankCalls(Protocol):
     def wait_snapshots(self, timeout_s: float) -> tuple:
         """Wait until every snapshot this rank took was pushed and acknowledged; the keys held."""
 
-    def snapshot_inventory(self) -> SnapshotInventory:
-        """The snapshots this actor can give: its own, and the copies it holds."""
+    def snapshot_inventory(self, run_id: str = "") -> SnapshotInventory:
+        """The snapshots this actor can give: its own, and the copies it holds; of run ``run_id`` only,
+        when given (an actor whose snapshots are another run's answers none, and drops them)."""
 
     def snapshot_meta(self, key: SnapKey, owner: int) -> Any:
         """The DCP metadata of rank ``owner``'s snapshot ``key`` (own or held)."""

@@ -274,7 +274,7 @@ class FakeRank:
         self._push_answered()
         return tuple(self.own)
 
-    def snapshot_inventory(self) -> SnapshotInventory:
+    def snapshot_inventory(self, run_id: str = "") -> SnapshotInventory:
         return SnapshotInventory(own=tuple((k, v["rank"]) for k, v in self.own.items()), held=tuple(self.held))
 
     def snapshot_meta(self, key: tuple, owner: int) -> Any:

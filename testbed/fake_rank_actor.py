@@ -216,7 +216,7 @@ class FakeRankActor:
             time.sleep(0.01)
         return tuple(self.own)
 
-    def snapshot_inventory(self) -> SnapshotInventory:
+    def snapshot_inventory(self, run_id: str = "") -> SnapshotInventory:
         with self._lock:
             return SnapshotInventory(own=tuple((k, rank) for k, (_, rank) in self.own.items()), held=tuple(self.held))
 

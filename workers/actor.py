@@ -277,7 +277,7 @@ class RankActor:
         if self.run_id is not None:
             dropped = self.snapshots.forget_all()
             if dropped:
-                logger.info("joining run %s: dropped %d in-memory snapshots of run %s", run_id, dropped, self.run_id)
+                logger.info("run %s: dropped %d in-memory snapshots of run %s", run_id, dropped, self.run_id)
         self.run_id = run_id
 
     def _ask_ahead(self, source: RestoreSource | None, gen: JoinSpec) -> AskedAhead | None:
@@ -424,7 +424,12 @@ class RankActor:
         return tuple(k for k, _ in self.snapshots.inventory().own)
 
     @plain
-    def snapshot_inventory(self) -> SnapshotInventory:
+    def snapshot_inventory(self, run_id: str = "") -> SnapshotInventory:
+        """``run_id`` (the asking driver's run): an actor that never joined that run (one left a spare
+        by a new controller reusing it, as tests do) answers none of the last run's, and drops them as
+        its first join of the run would (``_enter_run``; two racing calls each drop, then agree)."""
+        if run_id:
+            self._enter_run(run_id)
         return self.snapshots.inventory()
 
     @on(SNAPSHOT_GROUP)

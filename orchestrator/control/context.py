@@ -142,7 +142,7 @@ def build_context(cfg: JobConfig, group: WorkerGroupLike, *, metrics: MetricsLog
     return DriverContext(
         cfg=cfg, group=group, metrics=metrics, clock=clock, store=store, identity=identity,
         checkpoints=coordinator,
-        snapshots=SnapshotCoordinator(cfg.checkpoint, cfg.elastic, metrics),
+        snapshots=SnapshotCoordinator(cfg.checkpoint, cfg.elastic, metrics, run_id=identity.run_id),
         # the skipped steps are one set: saved with the checkpoints and restored from them
         health=StepHealth(cfg.elastic, cfg.train.max_bad_steps, metrics, coordinator.skipped_steps),
         spares=SparePool(cfg.elastic.spares, group, metrics, family=family_ref(cfg.model)),

@@ -212,9 +212,10 @@ class RestorePlan:
 class SnapshotCoordinator:
     """Counts complete sets from the step results and restores through the worker group."""
 
-    def __init__(self, checkpoint: CheckpointConfig, elastic: ElasticConfig, metrics) -> None:
+    def __init__(self, checkpoint: CheckpointConfig, elastic: ElasticConfig, metrics, run_id: str = "") -> None:
         self.elastic = elastic  # rebuild_timeout_s: how often the members of a snapshot load are probed
         self.metrics = metrics
+        self.run_id = run_id  # the inventories asked are of this run's snapshots only (RankActor._enter_run)
         self.every = checkpoint.memory_every if checkpoint.dir else 0
         self.newest: SnapshotSet | None = None  # the newest complete set
         self._sets: dict[SnapKey, SnapshotSet] = {}  # sets of the current generation not complete yet
@@ -447,6 +448,6 @@ class SnapshotCoordinator:
         # 10 s wait, which a loaded host's answer can miss, left a live holder's copies out, so a
         # covered set read as lost and the run went back to storage (step 0 when none was committed).
         # An actor silent to a probe is left out (its copies with it); the join or the load finds it.
-        refs = group.submit(live, RankCalls.snapshot_inventory)
+        refs = group.submit(live, RankCalls.snapshot_inventory, (self.run_id,))
         polled = collect_while_alive(group, refs, INVENTORY_TIMEOUT_S, "asking the live actors for their snapshots")
         return polled.results

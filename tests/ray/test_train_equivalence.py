@@ -45,23 +45,29 @@ def test_rebuild_twice_in_same_processes(pool4, store_address, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_new_run_on_the_same_actors_finds_none_of_the_last_runs_snapshots(pool4, store_address, tmp_path):
-    """In-memory snapshots are keyed (generation, life, step), which every run counts from 1: an actor
-    joining a generation of another run drops the last run's (``RankActor._enter_run``), so that run's
-    restore can never count one of them as a copy of its own (both runs at dp=4: every actor in both)."""
-    def cfg(run: str):
-        return load_config(None, SMALL + ["mesh.dp=4", "mesh.pp=1", "mesh.tp=1", "train.steps=3",
+    """In-memory snapshots are keyed (generation, life, step), which every run counts from 1, so a new
+    run on reused actors must never count the last run's as its own: its members drop them as they
+    join (``RankActor._enter_run``), and an actor it leaves a spare answers the restore's inventory
+    poll, which carries the run id, with none, dropping them then."""
+    def cfg(run: str, dp: int):
+        return load_config(None, SMALL + [f"mesh.dp={dp}", "mesh.pp=1", "mesh.tp=1", "train.steps=3",
                                           f"checkpoint.dir={tmp_path / run / 'ckpt'}",
                                           f"metrics.path={tmp_path / run / 'm.jsonl'}"])
 
-    def inventories():
-        return pool4.call(pool4.live_ids, RankCalls.snapshot_inventory, timeout_s=30).results
+    def inventories(*run_id: str):
+        return pool4.call(pool4.live_ids, RankCalls.snapshot_inventory, run_id, timeout_s=30).results
 
     pids = dict(pool4.pids)
-    assert make_controller(cfg("first"), pool4, store_address).run().final_step == 3
+    assert make_controller(cfg("first", 4), pool4, store_address).run().final_step == 3
     assert all(inv.own and inv.held for inv in inventories().values())  # its snapshots, and a peer's copy
-    second = make_controller(cfg("second"), pool4, store_address)
-    second.advance()  # the second run's generation 1 formed (every actor joined it), no step trained yet
+    second = make_controller(cfg("second", 2), pool4, store_address)
+    second.advance()  # the second run's generation 1 formed on two of the four, no step trained yet
+    members = set(second.generation.members.values())
+    assert len(members) == 2 and len(set(pool4.live_ids) - members) == 2
+    # The members dropped the first run's as they joined; the two spares as the formation's restore
+    # plan polled them with the second run's id.
     assert all(not inv.own and not inv.held for inv in inventories().values()), inventories()
+    assert all(not inv.own for inv in inventories(second.context.identity.run_id).values())
     assert second.run().final_step == 3
-    assert all(inv.own for inv in inventories().values())  # the second run's own
+    assert all(inventories()[a].own for a in members)  # the second run's own
     assert pool4.pids == pids

@@ -43,3 +43,15 @@ def test_joining_another_run_forgets_the_last_runs_snapshots_and_the_same_run_ke
     assert actor.snapshots.own and actor.snapshots.held
     RankActor._enter_run(actor, "run-b")
     assert actor.run_id == "run-b" and not actor.snapshots.own and not actor.snapshots.held
+
+
+def test_an_inventory_asked_for_another_run_answers_none_and_drops_the_last_runs():
+    # A spare of a new controller (never joined its run) asked by that run's restore (the run id in
+    # the poll): none of the last run's snapshots may count as a copy of the new run's.
+    actor = SimpleNamespace(run_id="run-a", snapshots=_store_with_snapshots())
+    actor._enter_run = lambda run_id: RankActor._enter_run(actor, run_id)
+    assert RankActor.snapshot_inventory(actor, "run-a").own  # its own run's: answered
+    assert RankActor.snapshot_inventory(actor).held  # no run named: everything it holds
+    inventory = RankActor.snapshot_inventory(actor, "run-b")
+    assert not inventory.own and not inventory.held and actor.run_id == "run-b"
+    assert not actor.snapshots.own and not actor.snapshots.held
