@@ -266,8 +266,9 @@ class RankActor:
             )
 
     def _enter_run(self, run_id: str) -> None:
-        """Joining a generation of another run than the last one (an actor reused by a new controller,
-        as tests do): the snapshots kept for the last run are dropped, their own and the peers' copies.
+        """Joining a generation of another run than the last one, or asked for its snapshots by that
+        run's restore (``snapshot_inventory``; an actor reused by a new controller, as tests do): the
+        snapshots kept for the last run are dropped, their own and the peers' copies.
         Their keys (generation, life, step) restart with every run, so the new run's restore could
         otherwise count one of them as a live copy of its own set (``newest_covered``) and load it.
         (A peer's push of the last run still in flight when this runs would land after it: a window of
