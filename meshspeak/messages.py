@@ -61,9 +61,6 @@ class JoinSpec:
     ``store_secret`` (128 random bits per run, kept out of ``repr`` and logs) is put in front of
     every key: the store has no authentication, and the secret travels only inside Ray's
     (token-authenticated) calls (README, Trust boundary).
-    ``run_id``: the run the generation belongs to. An actor joining a generation of another run than
-    its last forgets the in-memory snapshots it keeps: they are keyed by generation, which every run
-    counts from 1, so another run's could pass for this one's (a run never resumes another run's data).
     """
 
     generation: int
@@ -73,7 +70,6 @@ class JoinSpec:
     store_port: int
     store_prefix: str
     store_secret: str = field(default="", repr=False)
-    run_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,7 @@ class RankActor:
         self.runtime = None
         self.orders: GenerationOrders | None = None  # of the current generation
         self.split: SplitOrders | None = None  # its microbatch split, once one came (elastic.rebalance)
-        self.run_id: str | None = None  # of the generations it joined (JoinSpec.run_id); None before any
+        self.run_id: str | None = None  # whose restore polled it last (snapshot_inventory); None before any
         self.generation = -1
         self.world_rank = -1
         self.life = 0  # loads done in this generation (part of its snapshots' keys)
@@ -222,7 +222,6 @@ class RankActor:
             t0 = time.perf_counter()
             self.asked = self._ask_ahead(orders.restore, gen)
             self._leave()
-            self._enter_run(gen.run_id)  # after the leave: its fence lands the last own snapshot first
             t_left = time.perf_counter()
             device = self._device_for(gen, spec)
             before = sockets.table()
@@ -266,9 +265,10 @@ class RankActor:
             )
 
     def _enter_run(self, run_id: str) -> None:
-        """Joining a generation of another run than the last one, or asked for its snapshots by that
-        run's restore (``snapshot_inventory``; an actor reused by a new controller, as tests do): the
-        snapshots kept for the last run are dropped, their own and the peers' copies.
+        """Asked for its snapshots by another run's restore than the last one (``snapshot_inventory``; an
+        actor reused by a new controller, as tests do): the snapshots kept for the last run are dropped,
+        their own and the peers' copies. Every formation with snapshots on polls every live actor before
+        its members join, so members and spares alike drop them before the new run can read or retain any.
         Their keys (generation, life, step) restart with every run, so the new run's restore could
         otherwise count one of them as a live copy of its own set (``newest_covered``) and load it.
         (A peer's push of the last run still in flight when this runs would land after it: a window of
@@ -426,9 +426,9 @@ class RankActor:
 
     @plain
     def snapshot_inventory(self, run_id: str = "") -> SnapshotInventory:
-        """``run_id`` (the asking driver's run): an actor that never joined that run (one left a spare
-        by a new controller reusing it, as tests do) answers none of the last run's, and drops them as
-        its first join of the run would (``_enter_run``; two racing calls each drop, then agree)."""
+        """``run_id`` (the asking driver's run): an actor whose snapshots are another run's (one reused by
+        a new controller, as tests do) answers none of them, and drops them (``_enter_run``; two racing
+        calls each drop, then agree)."""
         if run_id:
             self._enter_run(run_id)
         return self.snapshots.inventory()

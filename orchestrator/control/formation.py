@@ -99,7 +99,7 @@ def _join_args(ctx: DriverContext, gen: GenerationRecord, spec: RuntimeSpec, hol
                                   holder=ctx.group.handle(members[holders[rank]]) if holders else None,
                                   holder_rank=holders.get(rank, -1), restore=source)
         args[actor] = (JoinSpec(number, plan.shape, rank, host, port, f"{ctx.identity.run_id}-gen{number}",
-                                store_secret=ctx.identity.store_secret, run_id=ctx.identity.run_id), spec, orders)
+                                store_secret=ctx.identity.store_secret), spec, orders)
     return args
 
 

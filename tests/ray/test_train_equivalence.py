@@ -46,9 +46,9 @@ def test_rebuild_twice_in_same_processes(pool4, store_address, tmp_path):
 @pytest.mark.timeout(300)
 def test_a_new_run_on_the_same_actors_finds_none_of_the_last_runs_snapshots(pool4, store_address, tmp_path):
     """In-memory snapshots are keyed (generation, life, step), which every run counts from 1, so a new
-    run on reused actors must never count the last run's as its own: its members drop them as they
-    join (``RankActor._enter_run``), and an actor it leaves a spare answers the restore's inventory
-    poll, which carries the run id, with none, dropping them then."""
+    run on reused actors must never count the last run's as its own: the restore's inventory poll,
+    which every formation sends to every live actor and which carries the run id, is answered with none
+    of them, each actor dropping them then (``RankActor._enter_run``), spares included."""
     def cfg(run: str, dp: int):
         return load_config(None, SMALL + [f"mesh.dp={dp}", "mesh.pp=1", "mesh.tp=1", "train.steps=3",
                                           f"checkpoint.dir={tmp_path / run / 'ckpt'}",
@@ -64,8 +64,7 @@ def test_a_new_run_on_the_same_actors_finds_none_of_the_last_runs_snapshots(pool
     second.advance()  # the second run's generation 1 formed on two of the four, no step trained yet
     members = set(second.generation.members.values())
     assert len(members) == 2 and len(set(pool4.live_ids) - members) == 2
-    # The members dropped the first run's as they joined; the two spares as the formation's restore
-    # plan polled them with the second run's id.
+    # Members and spares dropped the first run's when the formation's restore plan polled them.
     assert all(not inv.own and not inv.held for inv in inventories().values()), inventories()
     assert all(not inv.own for inv in inventories(second.context.identity.run_id).values())
     assert second.run().final_step == 3

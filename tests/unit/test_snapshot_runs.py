@@ -1,6 +1,6 @@
-"""An actor reused by another run forgets the last run's in-memory snapshots (``RankActor._enter_run``,
-``SnapshotStore.forget_all``): their keys (generation, life, step) restart with every run, so a new
-run's restore could take one for a copy of its own. The end-to-end check is
+"""An actor asked for its snapshots by another run's restore forgets the last run's
+(``RankActor._enter_run``, ``SnapshotStore.forget_all``): their keys (generation, life, step) restart
+with every run, so a new run's restore could take one for a copy of its own. The end-to-end check is
 tests/ray/test_train_equivalence.py (a second run on the same four actors finds none)."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def test_forget_all_drops_own_and_held_copies_and_the_kept_key():
     assert not store.holds((1, 0, 2), 1) and store.nbytes() == 0
 
 
-def test_joining_another_run_forgets_the_last_runs_snapshots_and_the_same_run_keeps_them():
+def test_another_run_forgets_the_last_runs_snapshots_and_the_same_run_keeps_them():
     actor = SimpleNamespace(run_id=None, snapshots=_store_with_snapshots())
-    RankActor._enter_run(actor, "run-a")  # the first run an actor joins: nothing of an earlier one to drop
+    RankActor._enter_run(actor, "run-a")  # the first run that asks: nothing of an earlier one to drop
     assert actor.run_id == "run-a" and actor.snapshots.own
     RankActor._enter_run(actor, "run-a")  # a rebuild of the same run: its snapshots are what it restores
     assert actor.snapshots.own and actor.snapshots.held
@@ -46,8 +46,8 @@ def test_joining_another_run_forgets_the_last_runs_snapshots_and_the_same_run_ke
 
 
 def test_an_inventory_asked_for_another_run_answers_none_and_drops_the_last_runs():
-    # A spare of a new controller (never joined its run) asked by that run's restore (the run id in
-    # the poll): none of the last run's snapshots may count as a copy of the new run's.
+    # An actor reused by a new controller, asked by that run's restore (the run id in the poll): none of
+    # the last run's snapshots may count as a copy of the new run's.
     actor = SimpleNamespace(run_id="run-a", snapshots=_store_with_snapshots())
     actor._enter_run = lambda run_id: RankActor._enter_run(actor, run_id)
     assert RankActor.snapshot_inventory(actor, "run-a").own  # its own run's: answered
