@@ -19,9 +19,12 @@ must happen before the next generation can form, and fast (seconds, not ``collec
    whole store timeout unless kicked again (the chaos bench's kill during a rebuild lost 15 s to
    it). One that never returns is killed too.
 
-The spares on a lost member's Ray node get a liveness probe too (``spares_beside``, ``silent_spares``),
-asked while the survivors are freed: one gone with the node is dropped now, before the next formation
-could promote it.
+The spares on the Ray node of a member lost or silent get a liveness probe too (``spares_beside``),
+in the same probe as the members (``probe_members_and_spares``): one gone with the node is dropped
+now, before the next formation could promote it. The members that already returned from the broken
+call are asked in that probe as well, though nothing is decided about them: they are the peers whose
+answers bound the wait for the silent (``hang_watch.probe``'s quiet window). Without them, a probe of
+only a vanished node's actors heard nobody and waited its whole ``PROBE_ANSWER_S``.
 
 The survivors' processes are never restarted: that is the point of the elastic design.
 
@@ -104,8 +107,9 @@ class Casualties:
 
 
 def spares_beside(group: WorkerGroup, lost: set[int], members: list[int]) -> list[int]:
-    """The spares (live actors outside ``members``) on the Ray node of a ``lost`` member, other than
-    the driver's own node (which is up: the driver runs there), to be asked whether they live.
+    """The spares (live actors outside ``members``) on the Ray node of a ``lost`` member (or of one not
+    yet known alive: a member still inside the broken call), other than the driver's own node (which
+    is up: the driver runs there), to be asked whether they live.
 
     A node that vanished takes its spares with it, but Ray reports them dead only once the GCS
     declares the node dead (~15 s; a call meanwhile raises ActorUnavailableError after ~1.8 s:
@@ -121,20 +125,22 @@ def spares_beside(group: WorkerGroup, lost: set[int], members: list[int]) -> lis
     return [a for a in group.live_ids if a not in lost and a not in members and group.node_ids.get(a) in nodes]
 
 
-def silent_spares(group: WorkerGroup, asked: list[int], refs: dict, asked_at: float) -> dict[int, str]:
-    """Of the spares ``asked`` (their status calls ``refs``, sent at ``asked_at``), those that did not
-    answer ``probe``'s wait: actor id -> why. A spare beside a member that merely crashed answers in
-    milliseconds and stays."""
-    if not asked:
-        return {}
-    polled, given_s = probe(group, asked, time.monotonic, refs=refs, start=asked_at)
+def probe_members_and_spares(group: WorkerGroup, asked: list[int], beside: list[int], reference: list[int],
+                             hang_reason: str) -> tuple[dict[int, str], dict[int, str]]:
+    """One liveness probe of the members still inside the broken call (``asked``), the spares on their
+    nodes or on a lost member's (``beside``) and the members that returned from it (``reference``):
+    (the hung members: actor id -> ``hang_reason``; the silent spares: actor id -> why). Nothing is
+    decided about ``reference``: live and idle, they answer in milliseconds, which gives the silent
+    ``hang_watch.probe``'s quiet window (``PROBE_QUIET_FLOOR_S``) instead of its whole
+    ``PROBE_ANSWER_S``. A spare is only judged here; whether it is dropped depends on whether a member
+    on its node was lost (``free_broken_call``)."""
+    polled, given_s = probe(group, [*asked, *beside, *reference], time.monotonic)
+    hung = {a: hang_reason for a in asked if a not in polled.results}
     why = {**{a: f"its probe failed: {r}" for a, r in polled.failed.items()},
            **{a: f"its probe found it dead: {r}" for a, r in polled.dead.items()}}
     silent = {a: why.get(a, f"no answer within {given_s:.1f} s to a liveness probe")
-              for a in sorted(set(asked) - set(polled.results))}
-    if silent:
-        logger.warning("spares on the node of a lost member did not answer a liveness probe: dropped: %s", silent)
-    return silent
+              for a in beside if a not in polled.results}
+    return hung, silent
 
 
 def free_broken_call(
@@ -177,20 +183,21 @@ def free_broken_call(
     dead |= gone
     found.reasons.update({a: "ActorDiedError (its process is gone)" for a in gone})
     asked = [a for a in outcome.pending if a not in dead]
-    if asked:
-        polled, _ = probe(group, asked, time.monotonic)
-        hung = set(asked) - set(polled.results)  # silent, or died or failed while asked
-        dead |= hung
-        found.reasons.update({a: hang_reason for a in hung})
-    # The spares beside the lost are asked now and read after the survivors were freed: no wait added.
-    beside = spares_beside(group, dead, members)
-    beside_refs, asked_at = (group.submit(beside, RankCalls.status) if beside else {}), time.monotonic()
-    group.kill_now(dead)
+    beside = spares_beside(group, dead | set(asked), members)  # read before any kill (it forgets nodes)
+    if asked or beside:
+        live = set(group.live_ids)
+        reference = [a for a in members if a not in dead and a not in asked and a in live]
+        hung, silent_spares = probe_members_and_spares(group, asked, beside, reference, hang_reason)
+        dead |= set(hung)  # silent, or died or failed while asked
+        found.reasons.update(hung)
+        lost_nodes = {group.node_ids.get(a) for a in dead} - {None, ""}
+        found.spares_lost = {a: why for a, why in silent_spares.items() if group.node_ids.get(a) in lost_nodes}
+        if found.spares_lost:
+            logger.warning("spares on the node of a lost member did not answer a liveness probe: dropped: %s",
+                           found.spares_lost)
+    group.kill_now(dead | set(found.spares_lost))
     found.lost = dead | _free_survivors(group, outcome, members, dead, listeners, wait_s, found, while_alive,
                                         generation)
-    found.spares_lost = silent_spares(group, beside, beside_refs, asked_at)
-    if found.spares_lost:
-        group.kill_now(set(found.spares_lost))
     return found
 
 

@@ -342,16 +342,39 @@ def test_settle_sorts_the_hung_from_the_blocked_with_the_probe():
 
 def test_settle_drops_the_silent_spares_beside_a_lost_member_and_asks_no_other():
     """Member 3 died on node b: the spares on node b are probed (4 silent: gone with the node, dropped
-    and killed but not blamed; 6 answers and stays); spare 5 on node a is not asked, silent or not."""
+    and killed but not blamed; 6 answers and stays); spare 5 on node a is not asked, silent or not.
+    The members that returned from the call (0, 1, 2) are asked in the same probe, judged not at all:
+    their answers give the silent spare the quiet window (1.0 s), not the probe's whole 2.0 s."""
     from orchestrator.recovery import settle
+    from orchestrator.recovery.hang_watch import PROBE_QUIET_FLOOR_S
 
     nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "b", 5: "a", 6: "b"}
     group = SilentAfterTheStep([0, 1, 2, 3, 4, 5, 6], silent={4, 5}, node_ids=nodes)
     broken = CallOutcome(dead={3: "ActorDiedError"}, results={0: "error", 1: "error", 2: "error"})
     found = settle.free_broken_call(group, broken, [0, 1, 2, 3], listeners={}, wait_s=5.0, hang_reason="hung")
-    assert found.lost == {3} and set(found.spares_lost) == {4} and "liveness probe" in found.spares_lost[4]
-    assert sorted(group.status_asked) == [("probe", 4), ("probe", 6)]
+    assert found.lost == {3} and set(found.spares_lost) == {4}
+    assert found.spares_lost[4] == f"no answer within {PROBE_QUIET_FLOOR_S:.1f} s to a liveness probe"
+    assert sorted(group.status_asked) == [("probe", 0), ("probe", 1), ("probe", 2), ("probe", 4), ("probe", 6)]
     assert group.killed == [3, 4] and group.live_ids == [0, 1, 2, 5, 6]
+
+
+def test_settle_asks_a_vanished_nodes_member_and_spare_in_one_probe_beside_the_returned():
+    """A node vanished with member 2 and spare 4 on it (neither answers; Ray has not reported them dead):
+    the survivors' step already failed (connection reset), so no member is left to answer beside the
+    silent ones. One probe asks 2 and 4 with the returned survivors 0 and 1: 2 is hung, 4 is dropped
+    within the quiet window, each asked once; spare 5, beside the live members on node a, stays."""
+    from orchestrator.recovery import settle
+    from orchestrator.recovery.hang_watch import PROBE_QUIET_FLOOR_S
+
+    nodes = {0: "a", 1: "a", 2: "b", 4: "b", 5: "a"}
+    group = SilentAfterTheStep([0, 1, 2, 4, 5], silent={2, 4}, node_ids=nodes)
+    broken = CallOutcome(failed={0: "RuntimeError: Connection reset by peer", 1: "RuntimeError: Connection reset"},
+                         pending=[2], pending_refs={"step2": 2})
+    found = settle.free_broken_call(group, broken, [0, 1, 2], listeners={}, wait_s=5.0, hang_reason="silent")
+    assert found.lost == {2} and found.reasons[2] == "silent"
+    assert found.spares_lost == {4: f"no answer within {PROBE_QUIET_FLOOR_S:.1f} s to a liveness probe"}
+    assert sorted(group.status_asked) == [("probe", 0), ("probe", 1), ("probe", 2), ("probe", 4)]
+    assert group.killed == [2, 4] and group.live_ids == [0, 1, 5]
 
 
 def test_settle_asks_no_spare_on_the_drivers_node():
