@@ -12,7 +12,8 @@ How: records are taken in file order, each with its ``time`` (when it was writte
 the previous record is given to the bucket of what happened in it: the step time of a step record,
 the stall of the checkpoint or snapshot taken after the previous step, an open recovery, ... so the
 buckets partition the time from the first ``launch`` to the last record exactly. A recovery opens at
-a ``failure`` (the gap before it, the failed step and its detection, included), an ``evict`` (the save
+a ``failure`` (from the last step or progress record before it: the failed step and its detection,
+markers written on the way included), an ``evict`` (the save
 before it included) or an evacuating ``preemption``, and closes when the next generation starts its
 first step (that step's record minus its step time); a grow or requested resize has no opening
 record: its gap is the one that ends with the new generation's first step (README, "Report").
@@ -233,7 +234,12 @@ def _account_session(session: list[dict], times: list[float], final: set[int], l
         if is_step(rec):
             gap, walk.carry = gap + walk.carry, 0.0
         elif walk.carry and not _marker(rec, walk.episode, walk.started):
-            _spend(walk.due, walk.carry, "overhead", ledger)  # as the marker's own gap was spent before
+            if walk.episode is None and rec.get("event") == "failure":
+                # The step in flight since the last step record was lost, whatever markers (a spare
+                # found gone, an ack) were logged on the way to the failure: its recovery starts there.
+                gap += walk.carry
+            else:
+                _spend(walk.due, walk.carry, "overhead", ledger)  # as the marker's own gap was spent before
             walk.carry = 0.0
         if walk.episode is None and i in walk.resizes:  # a grow or requested resize begins with this gap
             walk.episode = Recovery(walk.resizes[i], t - gap)
