@@ -12,11 +12,11 @@ and is taken again (``refresh``) when a failure or rollback ended them. In order
 1. ``decide_stop``: a signal asked to stop (`ray job stop`, Ctrl-C; launch.StopRequest): the step
    just trained is committed, the run ends and a rerun re-runs no step (handlers/finished.py).
 2. ``decide_requested_resize``: ``controller.resize_requests`` (the context's ``inputs``) names this step (tests, operators).
-3. ``decide_preemption``: a node holding ranks is draining with time for a save (evacuate: commit,
-   drop its actors, re-form without them; no failure counted). A drain too short for a save
-   evacuates from the in-memory snapshots when they hold every shard outside the draining nodes
-   (the save is owed), else only logs (the node's loss later takes the failure path); a drain of
-   spares only drops them.
+3. ``decide_preemption``: a node holding ranks is draining (evacuate: drop its actors, re-form
+   without them; no failure counted). When the in-memory snapshots hold every shard outside the
+   draining nodes it re-forms from them at once and the save is owed; else, with time for a save, it
+   commits the step first; a drain too short for one then only logs (the node's loss later takes the
+   failure path); a drain of spares only drops them.
 4. ``decide_eviction``: a straggler reported with ``elastic.evict_stragglers`` (unless dropping it
    would go below ``elastic.min_dp``).
 5. ``decide_grow``: every ``elastic.grow_check_s`` (or when actors just answered): spares refilled,
@@ -57,7 +57,7 @@ def decide_preemption(ctx: DriverContext, at: Boundary) -> Evacuate | None:
         return None
     gen = ctx.generation
 
-    def covered(actors: frozenset[int]) -> bool:  # asked only for a deadline too short for a save
+    def covered(actors: frozenset[int]) -> bool:  # asked of every drain that takes ranks
         # The newest step read, not at.step - 1: with steps in flight (the default window) that one's
         # snapshots are not taken yet. Its copies are on the same holders (one ring per generation),
         # and the Forming state asks again about the step it resumes from.
@@ -138,7 +138,7 @@ def carry_out_decision(ctx: DriverContext, decision: Decision, step: int) -> Fin
                 logger.warning("resize to dp=%d: %s", decision.dp, exc)
         return Forming(ctx.scaling.requested(decision.dp, len(ctx.group.live_ids)), save_first=True,
                        snapshot_may_replace_save=True)
-    if isinstance(decision, Evacuate):  # with time for a save, the step is saved before the node goes
+    if isinstance(decision, Evacuate):  # without covering snapshots, the step is saved before the node goes
         from_snapshots = decision.notice.from_snapshots
         return Forming(decision.decision, save_first=True, drop=decision.notice.actors,
                        snapshot_may_replace_save=from_snapshots, owe_save=from_snapshots)

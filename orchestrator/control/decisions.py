@@ -31,8 +31,8 @@ class ResizeTo:
 
 @dataclass(frozen=True)
 class Evacuate:
-    """A draining node: commit (or, too short for a save, resume from the snapshots that cover the
-    state without it: ``notice.from_snapshots``), drop its actors, re-form without them."""
+    """A draining node: resume from the snapshots that cover the state without it, the save owed
+    (``notice.from_snapshots``), or else commit first; drop its actors, re-form without them."""
 
     notice: Preemption
     decision: ResizeDecision | TooFewWorkers

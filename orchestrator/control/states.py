@@ -72,7 +72,7 @@ class Forming(_Kind):
     drop_event: str = ""  # an event to log when dropping them ("evict"), with the step and the actors
     # When the in-memory snapshot of that step has a copy of every shard on an actor that stays, the
     # new generation resumes from it exactly as from the save, which is skipped (a grow, a resize, an
-    # eviction; a drain only when too short for a save: with time for one, the step is saved first).
+    # eviction, a drain; a drain's is owed).
     snapshot_may_replace_save: bool = False
     owe_save: bool = False  # the save skipped so is owed: made at the new generation's first boundary
 

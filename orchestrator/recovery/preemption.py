@@ -8,15 +8,20 @@ polls the draining nodes (``WorkerGroup.draining_nodes``: node id -> seconds lef
 deadline) at a step boundary and asks ``PreemptionWatcher.check``, which answers with a
 ``Preemption``:
 
-* ``evacuate``: save the current step, then re-form the mesh without the draining nodes' actors
-  before they die: no failure, no step re-run, survivors keep their processes, and it does not count
+* ``evacuate`` from snapshots (``Preemption.from_snapshots``): the in-memory snapshots of the newest
+  step read have a copy of every shard on actors that stay (``covered``, asked of the driver's
+  snapshot coordinator): the mesh re-forms from them at once, without the draining nodes' actors and
+  without waiting for a save, which is owed and made at the new generation's first step boundary (by
+  the actors that stay). The re-form needs of the draining actors only their pushes of that step's
+  snapshots (waited for at the boundary), so any deadline that outlasts those is long enough. Asked
+  whatever the deadline: with time for a save, saving first cost the chaos bench's drains 0.3-0.6 s
+  each, and 4.2 s where a save of slow storage was still being written (a save waits for the one in
+  flight); the grows, resizes and evictions already skip theirs when the snapshots cover the step.
+* ``evacuate``: no snapshot covers the state without the draining nodes (snapshots off, or a shard
+  and its copy both there) but the deadline leaves time for a save: save the current step, then
+  re-form the mesh without the draining nodes' actors before they die.
+  Either way: no failure, no step re-run, survivors keep their processes, and it does not count
   toward ``elastic.max_restarts``. A drain that takes only spares needs no save and no re-form.
-* ``evacuate`` from snapshots (``Preemption.from_snapshots``): the deadline is shorter than a save
-  needs, but the in-memory snapshots of the newest step read have a copy of every shard on actors
-  that stay (``covered``, asked of the driver's snapshot coordinator): the mesh re-forms from them
-  at once, without a save, which is owed and made at the new generation's first step boundary. The
-  re-form needs of the draining actors only their pushes of that step's snapshots (waited for at the
-  boundary), so any deadline that outlasts those is long enough.
 * ``fallback``: the deadline is shorter than a save needs (``save_budget_s``, from the measured time
   of the last save) and no snapshot covers the state without the draining nodes, so nothing is
   started that the node's death would cut; the event says so and the node's loss takes the failure
@@ -50,7 +55,7 @@ class Preemption:
     step: int  # the step boundary it is handled at: the next step to train
     needed_s: float  # what a save was judged to need (0 when no rank is taken)
     reason: str
-    from_snapshots: bool = False  # too short for a save: re-formed from the in-memory snapshots instead
+    from_snapshots: bool = False  # re-formed from the in-memory snapshots at once, the save owed
 
     def event(self) -> dict:
         """The ``preemption`` metrics event."""
@@ -97,8 +102,7 @@ class PreemptionWatcher:
             step: the next step to train (we are at its boundary).
             save_measured_s: how long the last save took (stage + write), None before any.
             covered: whether the in-memory snapshots of the newest step read hold every shard on
-                actors outside the given ones (every actor on a draining node; asked only when the
-                deadline is too short for a save).
+                actors outside the given ones (every actor on a draining node); None: no snapshots.
         """
         ours = set(actor_nodes.values())
         new = {node: left for node, left in draining.items() if node in ours and node not in self.seen}
@@ -116,18 +120,22 @@ class PreemptionWatcher:
             return Preemption("evacuate", nodes, actors, ranks, deadline, step, 0.0,
                               "only spare actors on the draining nodes: dropped, the mesh stays")
         needed = save_budget_s(save_measured_s)
-        if deadline is not None and deadline < needed:
+        short = deadline is not None and deadline < needed
+        if short:
             basis = "a guess, no save measured yet" if save_measured_s is None else \
                 f"the last save took {save_measured_s:.1f}s"
-            short = f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save needs ({basis})"
-            # Without every actor on a draining node: one decided earlier (a fallback) goes too.
-            if covered is not None and covered(frozenset(self.doomed & set(actor_nodes))):
-                return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
-                                  f"{short}, but the in-memory snapshots hold every shard outside the draining "
-                                  "nodes: re-forming from them now, the save owed is made after", from_snapshots=True)
+            when = f"the drain deadline in {deadline:.1f}s is shorter than the {needed:.1f}s a save needs ({basis})"
+        else:
+            when = ("no deadline" if deadline is None else f"deadline in {deadline:.1f}s") + \
+                f", a save needs {needed:.1f}s"
+        # Without every actor on a draining node: one decided earlier (a fallback) goes too.
+        if covered is not None and covered(frozenset(self.doomed & set(actor_nodes))):
+            return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
+                              f"{when}; the in-memory snapshots hold every shard outside the draining nodes: "
+                              f"re-forming from them now, the save of step {step - 1} owed is made after",
+                              from_snapshots=True)
+        if short:
             return Preemption("fallback", nodes, actors, ranks, deadline, step, needed,
-                              f"{short}: falling back to the failure path when the node goes")
-        when = "no deadline" if deadline is None else f"deadline in {deadline:.1f}s"
+                              f"{when}: falling back to the failure path when the node goes")
         return Preemption("evacuate", nodes, actors, ranks, deadline, step, needed,
-                          f"{when}, a save needs {needed:.1f}s: saving step {step - 1} and re-forming "
-                          "without the draining nodes")
+                          f"{when}: saving step {step - 1} and re-forming without the draining nodes")

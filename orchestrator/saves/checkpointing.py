@@ -278,8 +278,8 @@ class CheckpointCoordinator:
         self._pending = None
 
     def set_aside(self, group, step: int) -> None:
-        """A planned re-form that resumes from the in-memory snapshots of ``step`` and cannot wait for a
-        save (a drain too short for one, orchestrator/recovery/preemption.py): the save in flight, which
+        """A planned re-form that resumes from the in-memory snapshots of ``step`` without waiting for a
+        save (a drain, orchestrator/recovery/preemption.py): the save in flight, which
         the draining actors write too, is committed if its writes are done, else abandoned, and a save
         of ``step`` is owed (``due``: made at the new generation's first step boundary) unless it is
         committed. Said in a ``checkpoint_deferred`` event. Without ``checkpoint.dir`` nothing is owed
@@ -292,8 +292,8 @@ class CheckpointCoordinator:
         if not self.user_dir or step == self.last_committed:
             return
         self._owe(step if writing is None else min(step, writing))
-        logger.warning("checkpoint of step %d deferred to after the re-form (the drain leaves no time for a "
-                       "save)%s", step, "" if writing is None else f"; the save of step {writing} in flight abandoned")
+        logger.warning("checkpoint of step %d deferred to after the re-form (a drain re-forms from the "
+                       "snapshots)%s", step, "" if writing is None else f"; the save of step {writing} in flight abandoned")
         self.metrics.event("checkpoint_deferred", step=step, writing=writing, reason="drain")
 
     def _reap_abandoned(self, group) -> None:

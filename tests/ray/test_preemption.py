@@ -2,9 +2,11 @@
 drained the way a cloud's notice drains it (``DRAIN_NODE_REASON_PREEMPTION`` with a deadline) and
 removed at the deadline.
 
-* 20 s of notice: the driver saves the step at the next boundary, re-forms the mesh without the
-  node's ranks before it goes, and trains on: no step trained twice, no failure, no restart counted,
-  the survivors keep their processes, losses equal one process's; a ``preemption`` event.
+* 20 s of notice: at the next boundary the driver re-forms the mesh without the node's ranks before
+  it goes — from the in-memory snapshots (the default) when their copies on the staying node hold
+  every shard, the step's save owed (made at the next boundary), else (snapshots off) after saving
+  the step — and trains on: no step trained twice, no failure, no restart counted, the survivors
+  keep their processes, losses equal one process's; a ``preemption`` event.
 * 1 s of notice: too short for a save; with in-memory snapshots (the default) whose copies are on
   the staying node, the mesh re-forms from them at once (no failure, no step re-run) and the save is
   owed (made at the next boundary); without snapshots the event says so and the node's loss takes
@@ -104,17 +106,27 @@ def _run_with_drain(nodes, provider, tmp_path, deadline_s: float, extra: tuple[s
 
 
 @pytest.mark.timeout(600)
-def test_drain_with_20s_notice_saves_and_reforms_without_the_node(cluster, tmp_path):
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "no-snapshots"])
+def test_drain_with_20s_notice_reforms_without_the_node(cluster, tmp_path, snapshots):
     nodes, provider = cluster
-    controller, summary, overrides, survivors, on_victim = _run_with_drain(nodes, provider, tmp_path, 20.0)
+    extra = () if snapshots else ("checkpoint.memory_every=0",)
+    controller, summary, overrides, survivors, on_victim = _run_with_drain(nodes, provider, tmp_path, 20.0, extra)
     m = tmp_path / "m.jsonl"
     preemption, = events(m, "preemption")
     assert preemption["action"] == "evacuate" and len(preemption["ranks"]) == 2
     assert 0 < preemption["deadline_s"] <= 20.0 and preemption["step"] == DRAIN_AT
+    assert preemption["from_snapshots"] is snapshots
     assert not events(m, "failure") and summary.restarts == 0
     rebuild, = events(m, "rebuild")
     assert (rebuild["reason"], rebuild["dp"]) == ("preemption", 2)
-    assert rebuild["resumed_from_step"] == preemption["step"] - 1  # the step just saved
+    assert rebuild["resumed_from_step"] == preemption["step"] - 1  # the step just trained
+    saved = [e["step"] for e in events(m, "checkpoint") if e["step"] >= DRAIN_AT - 1][:1]
+    if snapshots:  # re-formed at once; the save owed is the first step trained after it
+        assert rebuild["restored_from"] == "snapshot" and saved == [DRAIN_AT]
+        deferred, = events(m, "checkpoint_deferred")
+        assert (deferred["step"], deferred["reason"]) == (DRAIN_AT - 1, "drain")
+    else:  # saved before the re-form, and resumed from that save
+        assert rebuild["restored_from"] == "storage" and saved == [DRAIN_AT - 1]
     trained = [r["step"] for r in map(json.loads, open(m)) if "loss" in r]
     assert trained == list(range(1, STEPS + 1))  # no step logged twice
     assert {a: summary.pids[a] for a in survivors} == survivors  # the survivors kept their processes

@@ -281,14 +281,16 @@ def test_a_grow_without_a_save_still_commits_the_save_in_flight(make):
     assert summary.final_step == 6
 
 
-def test_a_drain_too_short_for_a_save_evacuates_from_the_snapshots_and_owes_the_save(make):
-    """Node B (actors 2 and 3) is drained with 1 s of notice, less than a save needs: the snapshots of
-    step 3 have copies of B's shards on A (the ring 0 -> 2 -> 1 -> 3 -> 0), so the mesh re-forms from
-    them at the boundary instead of waiting for the node to die: no failure, no step re-run, and the
-    save not made before is owed and made at the new generation's first boundary."""
+@pytest.mark.parametrize("notice_s", [1.0, 20.0], ids=["too-short-for-a-save", "time-for-a-save"])
+def test_a_drain_evacuates_from_the_snapshots_and_owes_the_save(make, notice_s):
+    """Node B (actors 2 and 3) is drained with 1 s of notice, less than a save needs (the fake's saves
+    measure 0.12 s: a save needs 1.18 s), or with 20 s: the snapshots of step 3 have copies of B's
+    shards on A (the ring 0 -> 2 -> 1 -> 3 -> 0), so the mesh re-forms from them at the boundary, without
+    waiting for a save or for the node to die: no failure, no step re-run, and the save not made
+    before is owed and made at the new generation's first boundary."""
     r = make("train.steps=6", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
     r.steps(4)  # start, steps 1-3 (step 2 committed)
-    r.group.draining = {"B": 1.0}  # the fake's saves measure 0.12 s: a save needs 1.18 s
+    r.group.draining = {"B": notice_s}
     r.clock.t += 1.0
     assert r.c.advance() == State.FORMING  # the boundary before step 4
     assert r.c.advance() == State.RUNNING
@@ -343,14 +345,16 @@ def test_with_steps_in_flight_a_short_drain_still_evacuates_from_the_snapshots(m
     assert [x["step"] for x in r.records() if "loss" in x] == list(range(1, 9))  # no step trained twice
 
 
-def test_a_short_drain_abandons_the_save_still_writing_and_owes_it(make):
-    """Step 3's save is still being written when node B's 1 s notice comes: the draining actors write it
-    too, so it cannot be waited for. It is abandoned (never committed) and owed: the first step trained
-    after the re-form is saved instead."""
+@pytest.mark.parametrize("notice_s", [1.0, 20.0], ids=["too-short-for-a-save", "time-for-a-save"])
+def test_a_drain_abandons_the_save_still_writing_and_owes_it(make, notice_s):
+    """Step 3's save is still being written when node B's notice comes: the draining actors write it
+    too, so it cannot be waited for without waiting for its storage (with a 20 s notice it could be,
+    and the chaos bench's drain then waited 4.2 s behind a save to slow storage). It is abandoned
+    (never committed) and owed: the first step trained after the re-form is saved instead."""
     r = make("train.steps=6", "checkpoint.every=3", nodes={0: "A", 1: "A", 2: "B", 3: "B"})
     r.group.slow_writes = True
     r.steps(4)  # start, steps 1-3; step 3's save staged, its writes not answered
-    r.group.draining = {"B": 1.0}
+    r.group.draining = {"B": notice_s}
     r.clock.t += 1.0
     assert r.c.advance() == State.FORMING
     assert r.c.advance() == State.RUNNING

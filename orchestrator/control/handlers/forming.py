@@ -26,7 +26,7 @@ def handle(state: Forming, ctx: DriverContext) -> ControllerState:
     step = ctx.progress.next_step - 1
     if state.save_first:
         # A covered snapshot of ``step`` replaces its save (a save in flight still commits, unless the
-        # save is owed: a drain too short for it, whose actors write the one in flight too).
+        # save is owed: a drain, whose actors write the one in flight too).
         covered = state.snapshot_may_replace_save and ctx.snapshots.covers(
             ctx.group, ctx.generation, step, without=state.drop)
         if covered and state.owe_save:
