@@ -38,7 +38,7 @@ def form_generation(ctx: DriverContext, decision: ResizeDecision,
     previous = ctx.generation
     number = (previous.number + 1) if previous else 1
     plan = make_plan(ctx.cfg, decision.dp)
-    members, spares = assign_ranks(ctx.group.live_ids, ctx.group.node_ips, plan.shape)
+    members, spares = assign_ranks(ctx.group.live_ids, ctx.group.node_ips, plan.shape, previous)
     ctx.spares.formed(number, members, spares)
     ctx.health.stragglers.forget(set(members.values()))
     # Decided before the join: the members are told whether a load follows (they then skip the init).

@@ -14,7 +14,7 @@ from meshspeak.mesh import MeshShape
 from meshspeak.messages import RankInfo, RuntimeSpec
 from meshspeak.sections import JobConfig
 from orchestrator.plan.mesh_plan import MeshPlan, model_fields
-from orchestrator.plan.placement import place_ranks
+from orchestrator.plan.placement import keep_ranks, place_ranks
 
 
 @dataclass
@@ -71,8 +71,13 @@ def runtime_spec(cfg: JobConfig, plan: MeshPlan, *, data_path: str, use_gpu: boo
     )
 
 
-def assign_ranks(live: list[int], node_ips: dict[int, str], shape: MeshShape) -> tuple[dict[int, int], list[int]]:
+def assign_ranks(live: list[int], node_ips: dict[int, str], shape: MeshShape,
+                 previous: GenerationRecord | None = None) -> tuple[dict[int, int], list[int]]:
     """World rank -> actor id for ``shape.world`` of the live actors, and the spares: TP groups inside
-    a node, then PP, then DP across nodes (orchestrator/plan/placement.py)."""
-    ordered = place_ranks(live, node_ips, shape).order
+    a node, then PP, then DP across nodes; after a ``previous`` generation of the same shape, its
+    survivors at the ranks they held where the placement allows (orchestrator/plan/placement.py)."""
+    placement = place_ranks(live, node_ips, shape)
+    if previous is not None and previous.shape == shape:
+        placement = keep_ranks(placement, previous.members, shape)
+    ordered = placement.order
     return {rank: ordered[rank] for rank in range(shape.world)}, ordered[shape.world:]

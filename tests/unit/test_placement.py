@@ -93,3 +93,69 @@ def test_deterministic_and_too_few_actors_refused():
         assert place_ranks(list(perm), node_of, shape) == place_ranks(actors, node_of, shape)
     with pytest.raises(ValueError, match="cannot hold"):
         place_ranks(actors[:7], node_of, shape)
+
+
+# -- a re-formed generation of the same shape keeps its survivors' ranks (keep_ranks) -----------------
+def test_a_spare_takes_the_lost_ranks_place_and_the_survivors_keep_theirs():
+    """dp=4 on one host: rank 1's actor died, spare 4 joins. Placed afresh the survivors 2 and 3 move
+    down a rank (three shards to move); kept, only rank 1 changes hands."""
+    from orchestrator.plan.placement import keep_ranks
+
+    shape = MeshShape(dp=4, pp=1, tp=1)
+    node_of = dict.fromkeys([0, 2, 3, 4], "host")
+    fresh = place_ranks([0, 2, 3, 4], node_of, shape)
+    assert fresh.members == (0, 2, 3, 4)
+    kept = keep_ranks(fresh, {0: 0, 1: 1, 2: 2, 3: 3}, shape)
+    assert kept.members == (0, 4, 2, 3) and kept.spares == fresh.spares
+
+
+def test_kept_ranks_move_whole_replicas_so_every_tp_group_stays_on_its_node():
+    """pp=2 x tp=2 replicas on two nodes: the replica that held dp index 0 before keeps it, though the
+    placement ordered it second; members, spares and each TP group's node are the placement's."""
+    from orchestrator.plan.placement import keep_ranks
+
+    shape = MeshShape(dp=2, pp=2, tp=2)
+    actors, node_of = _cluster({"a": 5, "b": 4})
+    fresh = place_ranks(actors, node_of, shape)
+    first, second = fresh.members[:4], fresh.members[4:]
+    previous = dict(enumerate(second + (99, 98, 97, 96)))  # the second replica held dp index 0
+    kept = keep_ranks(fresh, previous, shape)
+    assert kept.members == second + first and kept.spares == fresh.spares
+    assert sorted(_tp_nodes(kept.members, node_of, shape), key=sorted) == \
+        sorted(_tp_nodes(fresh.members, node_of, shape), key=sorted)
+    assert all(len(nodes) == 1 for nodes in _tp_nodes(kept.members, node_of, shape))
+
+
+def test_keeping_ranks_never_keeps_fewer_and_is_a_reordering_of_replicas():
+    from orchestrator.plan.placement import keep_ranks
+
+    rng = random.Random(7)
+    for _ in range(200):
+        shape = MeshShape(dp=rng.choice([2, 3, 4]), pp=rng.choice([1, 2]), tp=rng.choice([1, 2]))
+        actors, node_of = _cluster({f"n{i}": rng.randint(2, 6) for i in range(rng.randint(2, 4))})
+        if len(actors) < shape.world:
+            continue
+        fresh = place_ranks(actors, node_of, shape)
+        previous = dict(enumerate(rng.sample(actors, shape.world)))
+        kept = keep_ranks(fresh, previous, shape)
+        replica = shape.pp * shape.tp
+        blocks = lambda m: sorted(m[i:i + replica] for i in range(0, len(m), replica))  # noqa: E731
+        assert blocks(kept.members) == blocks(fresh.members) and kept.spares == fresh.spares
+        same = lambda m: sum(previous[r] == a for r, a in enumerate(m))  # noqa: E731
+        assert same(kept.members) >= same(fresh.members)
+        if replica == 1:  # pure dp: every member that was a member keeps its rank
+            assert same(kept.members) == sum(a in fresh.members for a in previous.values())
+
+
+def test_an_unsplit_placement_reports_no_split_after_reordering_and_a_split_one_follows_its_replica():
+    from orchestrator.plan.placement import keep_ranks
+
+    shape = MeshShape(dp=2, pp=1, tp=2)
+    node_of = {0: "a", 1: "b", 2: "c", 3: "c"}  # the first replica's TP group spans a and b
+    fresh = place_ranks([0, 1, 2, 3], node_of, shape)
+    assert len(fresh.split_tp_groups) == 1
+    split_block = fresh.split_tp_groups[0]
+    previous = dict(enumerate(fresh.members[2:] + fresh.members[:2]))  # the blocks swapped before
+    kept = keep_ranks(fresh, previous, shape)
+    assert kept.members == fresh.members[2:] + fresh.members[:2]
+    assert kept.split_tp_groups == (1 - split_block,)
