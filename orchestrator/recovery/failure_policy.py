@@ -46,9 +46,13 @@ class Phase(StrEnum):
         """A failure while a generation forms (not while it trains)."""
         return self is not Phase.STEP
 
-    def hang_reason(self) -> str:
-        """The reason recorded for a member that answers no status poll."""
+    def hang_reason(self, broke_early: bool = False) -> str:
+        """The reason recorded for a member that answers no status poll. ``broke_early``: the step's
+        call broke before its timeout (a peer died or raised), so the member is silent, not timed out:
+        stopped, wedged, or gone with a node that vanished (Ray reports such actors dead only later)."""
         if self is Phase.STEP:
+            if broke_early:
+                return "no answer to a liveness probe after the step broke (stopped, wedged, or its node gone)"
             return "no progress within elastic.step_timeout_s"
         return f"no answer within elastic.rebuild_timeout_s while {self.value}"
 

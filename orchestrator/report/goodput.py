@@ -30,7 +30,7 @@ from typing import Any
 
 BUCKETS = ("useful", "startup", "checkpoint", "snapshot", "evaluation", "recovery", "rerun", "overhead", "down")
 FAULT_KINDS = ("failure", "hang", "preemption", "eviction", "grow", "resize", "rollback")
-HANG_WORDS = ("step_timeout_s", "no progress", "no answer within")
+HANG_WORDS = ("step_timeout_s", "no progress", "no answer within", "no answer to a liveness probe")
 
 
 def is_step(rec: dict) -> bool:

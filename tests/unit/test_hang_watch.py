@@ -88,6 +88,24 @@ def test_a_rebuilt_generation_is_not_probed_before_its_own_pace(make):
     assert _statuses(r).count(2) == asked_before + 1  # settle's poll only, no probe
 
 
+def test_a_member_silent_after_a_peer_broke_the_step_is_not_said_to_have_timed_out(make):
+    """Actor 1 dies in step 3 (no pace yet: no probe while the step runs) and actor 2 is stopped in it:
+    the step breaks on the death long before elastic.step_timeout_s, and settle's probe finds actor 2
+    silent. Its reason says so (stopped, wedged, or its node gone: a node that vanished looks the same),
+    not "no progress within elastic.step_timeout_s", which had not passed; still a hang in the report."""
+    from orchestrator.report.goodput import failure_kind
+
+    r = make("train.steps=10")
+    r.group.fail(RankCalls.train_step, 1, "die", at=3)
+    r.group.fail(RankCalls.train_step, 2, "hang", at=3)
+    r.steps(3)
+    assert r.c.advance() == State.REBUILDING
+    failure, = r.events("failure")
+    assert failure["ranks"] == [1, 2] and "step_timeout_s" not in failure["reason"]
+    assert "no answer to a liveness probe after the step broke" in failure["reason"]
+    assert failure_kind(failure, set()) == "hang" and sorted(r.group.killed) == [1, 2]
+
+
 def _statuses(r) -> list[int]:
     return [actor for actor, _ in r.group.calls(RankCalls.status)]
 
