@@ -21,7 +21,8 @@ Actors left over are spares. Ties break on node key, then actor id (oldest first
 a deterministic function of its inputs. No ray, no torch.
 
 A re-formed generation of the same shape keeps the ranks it can (``keep_ranks``): the replicas this
-rule placed are reordered so that survivors hold the world ranks they held before. Under ZeRO a dp
+rule placed are reordered so that survivors hold the world ranks they held before (under pure dp,
+every survivor: one that the rule left out is swapped in). Under ZeRO a dp
 rank's shard is its rank's, so a survivor that kept its rank restores from its own in-memory
 snapshot with nothing fetched, and only the replacement's shard moves; placed afresh, a spare
 promoted for rank 1 of 4 shifted ranks 2 and 3 down and three shards moved (the chaos bench: 79.5 MB
@@ -120,9 +121,12 @@ def keep_ranks(placement: Placement, previous: Mapping[int, int], shape: MeshSha
     A replica — ``pp * tp`` consecutive ranks — lies on its nodes whatever its dp index, so any order
     of the replicas is as good a placement: the members, the spares and every TP group's node stay
     what ``place_ranks`` chose. Greedy, the replica keeping the most actors at their old positions
-    first (exact for pure dp, where a replica is one actor); ties and the replicas that keep nobody
-    stay in ``placement``'s order."""
+    first; ties and the replicas that keep nobody stay in ``placement``'s order. Pure dp (a replica is
+    one actor, which fits any node) goes further: every live actor of ``previous`` keeps its rank, a
+    survivor ``place_ranks`` left out (it fills small nodes first) swapped in for an actor it chose."""
     replica = shape.pp * shape.tp
+    if replica == 1:
+        return _keep_pure_dp(placement, previous, shape.dp)
     blocks = [placement.members[i * replica:(i + 1) * replica] for i in range(shape.dp)]
     old = [tuple(previous.get(j * replica + k) for k in range(replica)) for j in range(shape.dp)]
     scored = sorted(((-sum(a == b for a, b in zip(block, old[j])), i, j)
@@ -141,3 +145,13 @@ def keep_ranks(placement: Placement, previous: Mapping[int, int], shape: MeshSha
     members = tuple(a for i in order for a in blocks[i])
     split = tuple(sorted(slot_of[g // shape.pp] * shape.pp + g % shape.pp for g in placement.split_tp_groups))
     return Placement(members, placement.spares, split)
+
+
+def _keep_pure_dp(placement: Placement, previous: Mapping[int, int], dp: int) -> Placement:
+    """``keep_ranks`` for pure dp: the live actors of ``previous`` at their ranks, the other ranks
+    filled with ``placement``'s members in its order (then its spares), the rest spares."""
+    live = [*placement.members, *placement.spares]
+    kept = {rank: actor for rank, actor in previous.items() if rank < dp and actor in live}
+    others = iter(a for a in live if a not in kept.values())
+    members = tuple(kept[rank] if rank in kept else next(others) for rank in range(dp))
+    return Placement(members, tuple(sorted(set(live) - set(members))), ())

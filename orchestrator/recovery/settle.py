@@ -126,21 +126,21 @@ def spares_beside(group: WorkerGroup, lost: set[int], members: list[int]) -> lis
 
 
 def probe_members_and_spares(group: WorkerGroup, asked: list[int], beside: list[int], reference: list[int],
-                             hang_reason: str) -> tuple[dict[int, str], dict[int, str]]:
+                             hang_reason: str) -> tuple[dict[int, str], dict[int, str], set[int]]:
     """One liveness probe of the members still inside the broken call (``asked``), the spares on their
     nodes or on a lost member's (``beside``) and the members that returned from it (``reference``):
-    (the hung members: actor id -> ``hang_reason``; the silent spares: actor id -> why). Nothing is
-    decided about ``reference``: live and idle, they answer in milliseconds, which gives the silent
-    ``hang_watch.probe``'s quiet window (``PROBE_QUIET_FLOOR_S``) instead of its whole
-    ``PROBE_ANSWER_S``. A spare is only judged here; whether it is dropped depends on whether a member
-    on its node was lost (``free_broken_call``)."""
+    (the hung members: actor id -> ``hang_reason``; the silent spares: actor id -> why; the spares the
+    probe found dead). Nothing is decided about ``reference``: live and idle, they answer in
+    milliseconds, which gives the silent ``hang_watch.probe``'s quiet window (``PROBE_QUIET_FLOOR_S``)
+    instead of its whole ``PROBE_ANSWER_S``. A silent spare is only judged here; whether it is dropped
+    depends on whether a member on its node was lost (``free_broken_call``)."""
     polled, given_s = probe(group, [*asked, *beside, *reference], time.monotonic)
     hung = {a: hang_reason for a in asked if a not in polled.results}
     why = {**{a: f"its probe failed: {r}" for a, r in polled.failed.items()},
            **{a: f"its probe found it dead: {r}" for a, r in polled.dead.items()}}
     silent = {a: why.get(a, f"no answer within {given_s:.1f} s to a liveness probe")
               for a in beside if a not in polled.results}
-    return hung, silent
+    return hung, silent, set(polled.dead) & set(beside)
 
 
 def free_broken_call(
@@ -186,12 +186,16 @@ def free_broken_call(
     beside = spares_beside(group, dead | set(asked), members)  # read before any kill (it forgets nodes)
     if asked or beside:
         live = set(group.live_ids)
-        reference = [a for a in members if a not in dead and a not in asked and a in live]
-        hung, silent_spares = probe_members_and_spares(group, asked, beside, reference, hang_reason)
+        # In a join or a load (``while_alive``) a whole host may stall for a moment: members that are
+        # idle elsewhere would cut its members' wait to the quiet window, so they are not asked there.
+        reference = [] if while_alive else [a for a in members if a not in dead and a not in asked and a in live]
+        hung, silent_spares, dead_spares = probe_members_and_spares(group, asked, beside, reference, hang_reason)
         dead |= set(hung)  # silent, or died or failed while asked
         found.reasons.update(hung)
         lost_nodes = {group.node_ids.get(a) for a in dead} - {None, ""}
-        found.spares_lost = {a: why for a, why in silent_spares.items() if group.node_ids.get(a) in lost_nodes}
+        # Dropped: the silent spares beside a lost member, and any the probe found dead.
+        found.spares_lost = {a: why for a, why in silent_spares.items()
+                             if group.node_ids.get(a) in lost_nodes or a in dead_spares}
         if found.spares_lost:
             logger.warning("spares on the node of a lost member did not answer a liveness probe: dropped: %s",
                            found.spares_lost)

@@ -218,7 +218,8 @@ class _SessionWalk:
     # Seconds before a marker event (a snapshot or checkpoint completing, a spare requested...) that
     # the next step record takes as part of its own gap: with steps in flight the driver logs the
     # acknowledgements that come with step k's results just before step k's record, so the marker,
-    # not the step, closes the interval in which step k trained (control/window.py).
+    # not the step, closes the interval in which step k trained (control/window.py). A failure
+    # record instead takes it into the recovery it opens (the step in flight was lost).
     carry: float = 0.0
 
 

@@ -300,8 +300,9 @@ class SilentAfterTheStep:
     """A broken step's survivors on a scripted group: ``silent`` actors answer no status call (stopped),
     the others answer every one; a kick frees every live survivor. Records how each was asked."""
 
-    def __init__(self, members: list[int], silent: set[int], node_ids: dict[int, str] | None = None) -> None:
-        self.live, self.silent = set(members), set(silent)
+    def __init__(self, members: list[int], silent: set[int], node_ids: dict[int, str] | None = None,
+                 dead: set[int] = frozenset()) -> None:
+        self.live, self.silent, self.dead = set(members), set(silent), set(dead)  # dead: a probe raises ActorDiedError
         self.node_ids = dict(node_ids or {})  # actor id -> Ray node id (none known: no spare is beside)
         self.killed: list[int] = []
         self.status_asked: list[tuple[str, int]] = []  # ("probe" | "call", actor)
@@ -334,7 +335,9 @@ class SilentAfterTheStep:
     def collect(self, refs: dict, timeout_s: float, *, stop_early=None) -> CallOutcome:
         out = CallOutcome()
         for ref, actor in refs.items():
-            if isinstance(ref, tuple) and actor not in self.silent:
+            if isinstance(ref, tuple) and actor in self.dead:
+                out.dead[actor] = "ActorDiedError"
+            elif isinstance(ref, tuple) and actor not in self.silent:
                 out.results[actor] = WorkerStatus(world_rank=actor, pid=1, generation=1, busy=True, step=6, error=None)
             elif not isinstance(ref, tuple) and self.kicked:
                 out.results[actor] = "kicked out of the step"
@@ -393,6 +396,35 @@ def test_settle_asks_a_vanished_nodes_member_and_spare_in_one_probe_beside_the_r
     assert found.spares_lost == {4: f"no answer within {PROBE_QUIET_FLOOR_S:.1f} s to a liveness probe"}
     assert sorted(group.status_asked) == [("probe", 0), ("probe", 1), ("probe", 2), ("probe", 4)]
     assert group.killed == [2, 4] and group.live_ids == [0, 1, 5]
+
+
+def test_settle_drops_a_spare_its_probe_found_dead_though_no_member_on_its_node_was_lost():
+    """Member 2 is still inside the call on node b and answers (alive): spare 4 beside it is asked in the
+    same probe and found dead (ActorDiedError): it is dropped, not left for the next formation to
+    promote; spare 5 there answers and stays."""
+    from orchestrator.recovery import settle
+
+    nodes = {0: "a", 1: "a", 2: "b", 4: "b", 5: "b"}
+    group = SilentAfterTheStep([0, 1, 2, 4, 5], silent=set(), node_ids=nodes, dead={4})
+    broken = CallOutcome(dead={1: "ActorDiedError"}, results={0: "error"}, pending=[2], pending_refs={"step2": 2})
+    found = settle.free_broken_call(group, broken, [0, 1, 2], listeners={}, wait_s=5.0, hang_reason="hung")
+    assert found.lost == {1} and set(found.spares_lost) == {4} and "found it dead" in found.spares_lost[4]
+    assert sorted(group.killed) == [1, 4] and group.live_ids == [0, 2, 5]
+
+
+def test_a_broken_join_asks_no_returned_member_for_reference():
+    """In a join or a load (``while_alive``) a host may stall as a whole: members idle elsewhere are not
+    asked beside the silent, who keep the probe's whole wait (no quiet window from the idle)."""
+    from orchestrator.recovery import settle
+    from orchestrator.recovery.hang_watch import PROBE_ANSWER_S
+
+    nodes = {0: "a", 1: "a", 2: "b", 4: "b"}
+    group = SilentAfterTheStep([0, 1, 2, 4], silent={2, 4}, node_ids=nodes)
+    broken = CallOutcome(failed={0: "RuntimeError: x", 1: "RuntimeError: y"}, pending=[2], pending_refs={"join2": 2})
+    found = settle.free_broken_call(group, broken, [0, 1, 2], listeners={}, wait_s=5.0, hang_reason="silent",
+                                    while_alive=True)
+    assert sorted(group.status_asked) == [("probe", 2), ("probe", 4)]
+    assert found.lost == {2} and found.spares_lost == {4: f"no answer within {PROBE_ANSWER_S:.1f} s to a liveness probe"}
 
 
 def test_settle_asks_no_spare_on_the_drivers_node():

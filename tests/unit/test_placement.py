@@ -109,6 +109,20 @@ def test_a_spare_takes_the_lost_ranks_place_and_the_survivors_keep_theirs():
     assert kept.members == (0, 4, 2, 3) and kept.spares == fresh.spares
 
 
+def test_pure_dp_keeps_a_survivor_the_placement_left_out_for_a_spare():
+    """Survivors 0, 1, 4 on node A (ranks 0-2), actor 5 (rank 3) died; spares 2 and 3 alone on nodes B
+    and C. ``place_ranks`` fills the smaller nodes first and leaves survivor 4 out; kept, 4 holds rank 2
+    again and one spare takes rank 3 (one shard moves, not two)."""
+    from orchestrator.plan.placement import keep_ranks
+
+    shape = MeshShape(dp=4, pp=1, tp=1)
+    node_of = {0: "A", 1: "A", 4: "A", 2: "B", 3: "C"}
+    fresh = place_ranks([0, 1, 2, 3, 4], node_of, shape)
+    assert 4 in fresh.spares
+    kept = keep_ranks(fresh, {0: 0, 1: 1, 2: 4, 3: 5}, shape)
+    assert kept.members[:3] == (0, 1, 4) and kept.members[3] in (2, 3) and len(kept.spares) == 1
+
+
 def test_kept_ranks_move_whole_replicas_so_every_tp_group_stays_on_its_node():
     """pp=2 x tp=2 replicas on two nodes: the replica that held dp index 0 before keeps it, though the
     placement ordered it second; members, spares and each TP group's node are the placement's."""
@@ -139,12 +153,14 @@ def test_keeping_ranks_never_keeps_fewer_and_is_a_reordering_of_replicas():
         previous = dict(enumerate(rng.sample(actors, shape.world)))
         kept = keep_ranks(fresh, previous, shape)
         replica = shape.pp * shape.tp
-        blocks = lambda m: sorted(m[i:i + replica] for i in range(0, len(m), replica))  # noqa: E731
-        assert blocks(kept.members) == blocks(fresh.members) and kept.spares == fresh.spares
         same = lambda m: sum(previous[r] == a for r, a in enumerate(m))  # noqa: E731
         assert same(kept.members) >= same(fresh.members)
-        if replica == 1:  # pure dp: every member that was a member keeps its rank
-            assert same(kept.members) == sum(a in fresh.members for a in previous.values())
+        assert sorted(kept.members + kept.spares) == sorted(actors) and list(kept.spares) == sorted(kept.spares)
+        if replica == 1:  # pure dp: every live actor of the generation before keeps its rank
+            assert same(kept.members) == shape.world
+        else:  # a reordering of the placement's replicas
+            blocks = lambda m: sorted(m[i:i + replica] for i in range(0, len(m), replica))  # noqa: E731
+            assert blocks(kept.members) == blocks(fresh.members) and kept.spares == fresh.spares
 
 
 def test_an_unsplit_placement_reports_no_split_after_reordering_and_a_split_one_follows_its_replica():

@@ -127,7 +127,7 @@ def _recorded() -> list[dict]:
 
 # Records that are progress, not markers written on the way (acks, spares found or lost): a failure's
 # recovery starts at the last of these before it (README, Metrics: "from the last progress before the fault").
-PROGRESS_EVENTS = ("eval", "done", "stopped", "bad_step", "rollback", "failure", "evict", "preemption")
+PROGRESS_EVENTS = ("eval", "done", "stopped", "bad_step", "rollback", "failure", "evict")
 
 
 def last_progress(records: list[dict], k: int) -> int:

@@ -45,7 +45,8 @@ def free_survivors(ctx: DriverContext, state: Recovering) -> Casualties:
     listeners = {actor: info.gloo_listeners for actor, info in gen.infos.items()}
     pace = ctx.hang_watch.pace_s() if state.phase is Phase.STEP else None  # a join or load has none
     wait_s = kicked_wait_s(ctx.cfg.elastic.collective_timeout_s + 5, pace)
-    broke_early = bool(state.outcome.dead or state.outcome.failed)  # not the step timeout: a peer broke it
+    # Not the step timeout: a peer died, raised, or was found hung by a probe while the step ran.
+    broke_early = bool(state.outcome.dead or state.outcome.failed or state.outcome.hung)
     found = free_broken_call(ctx.group, state.outcome, list(gen.members.values()), listeners=listeners,
                              wait_s=wait_s, hang_reason=state.phase.hang_reason(broke_early),
                              while_alive=pace is None, generation=gen.number)
