@@ -8,8 +8,10 @@ The JSON holds ``overrides`` (config), ``victim_ip`` (the address of the host wh
 stall), ``save_at`` and ``stall_s`` (from the save of step ``save_at`` on, each of those ranks' checkpoint
 writes stalls ``stall_s`` before its first byte: RankActor.arm_fault "sleep" at "ckpt_write"),
 ``armed`` (where to write the victim ranks and actors once armed, for the test to watch their shard
-files and logs) and
-``params`` (where the final parameters go, an .npz). Exits 0 only if the run reached its last step.
+files and logs),
+``params`` (where the final parameters go, an .npz) and ``release`` (a file the test creates once it saw
+the victims' writes end: the driver keeps its actors until then). Exits 0 only if the run reached its
+last step.
 """
 
 from __future__ import annotations
@@ -60,10 +62,23 @@ def main(spec: dict) -> int:
         summary = controller.run()
         np.savez(spec["params"], **mesh_params(controller))
         print(f"final step {summary.final_step}, restarts {summary.restarts}", flush=True)
+        _hold(spec.get("release"))
         return 0 if summary.final_step == cfg.train.steps else 1
     finally:
         group.shutdown()
         provider.close()
+
+
+def _hold(release: str | None, most_s: float = 300.0) -> None:
+    """Keep the actors (the group is shut down after this) until the test creates ``release``: a run that
+    ends inside the partition must not take the cut-off ranks' writes down with it before the test saw
+    how they ended. At most ``most_s``."""
+    import os
+    import time
+
+    deadline = time.monotonic() + most_s
+    while release and not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

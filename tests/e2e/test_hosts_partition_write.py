@@ -76,6 +76,17 @@ def write_span(log: list[tuple[float, str]], actor: int, attempt: Path) -> tuple
     return (began[0] if began else None), (ended[-1] if ended else None)
 
 
+def wait_for_write_ends(root: Path, actors: list[int], attempts: set[Path], deadline: float) -> None:
+    """Until every one of ``actors`` logged the end of its write to the one attempt in ``attempts``
+    (``write_span``), or ``deadline`` (``time.time()``); the test judges what it finds either way."""
+    attempt = next(iter(attempts))
+    while time.time() < deadline:
+        lines = rank_log(root)
+        if all(write_span(lines, a, attempt)[1] is not None for a in actors):
+            return
+        time.sleep(0.5)
+
+
 def committed_attempts(ckpt: Path) -> list:
     committed = [c for c in list_checkpoints(str(ckpt)) if c.committed]
     assert committed and all(c.valid for c in committed), [(c.step, c.reason) for c in committed]
@@ -92,7 +103,8 @@ def test_a_write_kept_going_across_a_partition_never_lands_in_a_committed_or_lat
     with hosts_cluster("em-hw-", workers=2, cpus=2) as (cluster, net):
         victim = net.hosts[1]
         spec = {"overrides": overrides, "victim_ip": victim.ip, "save_at": SAVE_AT, "stall_s": STALL_S,
-                "armed": str(tmp_path / "armed.json"), "params": str(tmp_path / "params.npz")}
+                "armed": str(tmp_path / "armed.json"), "params": str(tmp_path / "params.npz"),
+                "release": str(tmp_path / "release")}
         log = tmp_path / "driver.log"
         with armed_driver(cluster, "tests.e2e.partition_write_driver", spec, log) as (driver, armed):
             shards = wait_for_shards(ckpt / step_dir_name(SAVE_AT), armed["ranks"], driver, 600)
@@ -103,6 +115,11 @@ def test_a_write_kept_going_across_a_partition_never_lands_in_a_committed_or_lat
             net.cut_for(victim, CUT_S)
             time.sleep(CUT_S - 1)
             alive_before_heal = len(net.pids(victim))  # the cut-off host's processes live on
+            # The run may end before the partition heals (its 120 steps took ~11 s on a fast machine): the
+            # driver then holds its actors until the victims' writes ended (or 120 s), so that what is
+            # judged below is the write, not a driver that exited first (spec "release").
+            wait_for_write_ends(cluster.root, armed["actors"], {p.parent for p in shards}, cut_at + CUT_S + 120)
+            Path(spec["release"]).touch()
             rc = driver.wait(timeout=1200)
             stop.set()
             rank_lines = rank_log(cluster.root)
