@@ -162,18 +162,13 @@ def extended_bound(polled: CallOutcome, timeout_s: float, ran_s: float, step: in
     return bound
 
 
-def probe(group, actors: list[int], clock: Callable[[], float], *, refs: dict | None = None,
-          start: float | None = None) -> tuple[CallOutcome, float]:
+def probe(group, actors: list[int], clock: Callable[[], float]) -> tuple[CallOutcome, float]:
     """Ask ``actors`` for their status: (what came back — the silent ones in ``pending`` —, the seconds
     the silent ones were given). Each gets up to ``PROBE_ANSWER_S``; once some answered, the rest get
     ``PROBE_QUIET_FACTOR`` times the slowest answer so far, at least ``PROBE_QUIET_FLOOR_S``. A live
     rank answers within milliseconds like its peers (measured in the chaos bench: ~10 ms), so one still
-    silent after that is stopped; when none answers, all get the full wait (a host-wide stall).
-    ``refs``/``start``: status calls the caller already sent, at ``start`` (``clock``'s time), read
-    here; answers already in are timed at their reading, so the silent then get up to
-    ``PROBE_ANSWER_S`` from ``start`` (the wait only errs long)."""
-    if refs is None:
-        refs, start = group.submit(actors, RankCalls.status), clock()
+    silent after that is stopped; when none answers, all get the full wait (a host-wide stall)."""
+    refs, start = group.submit(actors, RankCalls.status), clock()
     merged = CallOutcome(pending=list(actors), pending_refs=dict(refs))
     slowest: float | None = None
     bound = PROBE_ANSWER_S
