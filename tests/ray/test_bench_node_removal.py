@@ -1,4 +1,4 @@
-"""The benches' node removal (``bench/common.remove_node``) takes every process of the node at once, as a
+"""The benches' node removal (``remove_node`` in bench/common.py) takes every process of the node at once, as a
 machine that vanishes would: also an actor the caller does not know the pid of (one still starting
 when the chaos campaign removes its node). Left to notice its raylet's death by itself, such a process
 lived on for a second in the chaos campaign, answered the failure path's liveness probe and was
