@@ -17,8 +17,11 @@ A second StoreHost waits on the same node as a hot standby: when the store dies,
 takes the standby's address at once instead of waiting for a new actor to start (it imports torch:
 ~1.1 s per re-host in the chaos bench's store kills), and a new standby starts in the background.
 One idle process (no CPU reserved) buys that, as a hot spare rank buys a fast rebuild. The first
-store and its standby start the same way (``begin``): ``launch.py`` starts them beside the ranks and
-takes the store once they answered, instead of waiting for its start before theirs.
+store starts beside the ranks (``begin``): ``launch.py`` takes it once it answered, instead of waiting
+for its start before theirs. A standby is started only once a step was trained after the store was
+(re)hosted (``step_read``), as the spares are (``SparePool.ask_after_first_step``): started with the
+first store it competed for the cores with the ranks' own start (0.6 s of the chaos campaign's 6.5 s
+start-up on 2 cores), and started at a re-host with the rebuild's join and first step.
 
 Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
 machine), else the node's own address; never the wildcard nor a public address (the store has no
@@ -64,6 +67,8 @@ class StoreSource(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def step_read(self) -> None: ...
+
 
 class FixedStore:
     """A store address that never changes (tests that host their own StoreHost)."""
@@ -76,6 +81,9 @@ class FixedStore:
 
     def healthy(self) -> bool:
         return True
+
+    def step_read(self) -> None:
+        """Nothing to start: the tests that use it host their own store."""
 
 
 class StoreProvider:
@@ -91,6 +99,7 @@ class StoreProvider:
         self.hosted = 0  # how many StoreHosts were started (1 + re-hosts)
         self._standby = None  # (handle, node id, loopback, ref of its ``where``): see the module docstring
         self._begun = None  # the first store, started by ``begin`` and not yet taken (same tuple)
+        self._standby_due = False  # a standby is to start at the next ``step_read``
         self.standbys_taken = 0  # re-hosts the standby served
 
     def address(self) -> tuple[str, int]:
@@ -114,11 +123,11 @@ class StoreProvider:
         return self._address
 
     def begin(self) -> None:
-        """Start hosting the store, and its standby, without waiting for them: the next ``address()``
-        takes the first once it answers (``_take_begun``). ``launch.py`` calls it before the ranks
-        start, so the store's start (a process importing torch: 2.6 s of a job's start-up on the
-        2-core machine, before the ranks' 12.5 s) runs beside theirs. A no-op once a store is hosted
-        or starting; a cluster that cannot host one is told by ``address()``, with its error."""
+        """Start hosting the store without waiting for it: the next ``address()`` takes it once it
+        answers (``_take_begun``). ``launch.py`` calls it before the ranks start, so the store's start
+        (a process importing torch: 2.6 s of a job's start-up on the 2-core machine, before the ranks'
+        12.5 s) runs beside theirs; its standby waits for the first step (``step_read``). A no-op once
+        a store is hosted or starting; a cluster that cannot host one is told by ``address()``, with its error."""
         import ray
 
         if self.handle is not None or self._begun is not None or self._standby is not None:
@@ -129,7 +138,6 @@ class StoreProvider:
             node = candidates[0]
             loopback = one_machine(_ip_of(nodes, node), _alive_ips(nodes))
             self._begun = _started_host(node, loopback)
-            self._standby = _started_host(node, loopback)
 
     def healthy(self) -> bool:
         """Does the current StoreHost answer? (False before the first ``address()``.)"""
@@ -142,6 +150,13 @@ class StoreProvider:
             return True
         except Exception:  # died (RayActorError), or hung past the timeout
             return False
+
+    def step_read(self) -> None:
+        """A step was trained: the standby a (re)hosting asked for starts now, in the background (see
+        the module docstring)."""
+        if self._standby_due and self.handle is not None and self._standby is None:
+            self._start_standby()
+        self._standby_due = False
 
     def close(self) -> None:
         self._drop()
@@ -180,15 +195,14 @@ class StoreProvider:
         return False
 
     def _take_begun(self, nodes: list[dict]) -> bool:
-        """Take the store ``begin`` started (its standby started with it); True if it was taken. It
-        may still be importing torch: it gets the start timeout, as a new host would."""
+        """Take the store ``begin`` started; True if it was taken. It may still be importing torch: it
+        gets the start timeout, as a new host would."""
         begun, self._begun = self._begun, None
         if begun is None or not self._take(begun, nodes, self.start_timeout_s, "begun"):
             return False
         logger.info("rendezvous store at %s:%d on node %s (started beside the ranks)", *self._address,
                     self.node_id[:8])
-        if self._standby is None:
-            self._start_standby()
+        self._standby_due = True
         return True
 
     def _promote_standby(self, nodes: list[dict]) -> bool:
@@ -198,7 +212,7 @@ class StoreProvider:
             return False
         self.standbys_taken += 1
         logger.info("rendezvous store: the standby at %s:%d took over", *self._address)
-        self._start_standby()
+        self._standby_due = True
         return True
 
     def _drop(self) -> None:
@@ -228,7 +242,7 @@ class StoreProvider:
             self.hosted += 1
             logger.info("rendezvous store at %s:%d on node %s%s", *self._address, placed[:8],
                         " (driver's node)" if placed == driver else "")
-            self._start_standby()
+            self._standby_due = True
             return
         raise TrainingFailed("could not host the rendezvous store on any live node ("
                              + ("; ".join(errors) or "no live node") + "): check the cluster's health")

@@ -173,6 +173,7 @@ def _record(ctx: DriverContext, step: int, results: list[StepResult]) -> None:
     ctx.rebalance.observe(step, results)
     ctx.recovery_clock.trained()
     ctx.spares.step_read()  # what the generation's formation asked for, once its first step trained
+    ctx.store.step_read()  # the store's standby, likewise (orchestrator/cluster/store_provider.py)
 
 
 def step_broken(o: CallOutcome) -> bool:

@@ -69,18 +69,29 @@ def test_store_host_killed_mid_run_then_a_rank_dies(ray_local, tmp_path):
         provider.close()
 
 
-@pytest.mark.timeout(120)
-def test_a_begun_store_that_died_before_it_was_taken_is_replaced_by_its_standby(ray_local):
-    """``begin`` starts the store and its standby beside the ranks; the first dies before ``address()``
-    takes it: the standby is taken instead (no start waited for), and a new standby is started."""
+@pytest.mark.timeout(180)
+def test_the_standby_starts_after_a_step_and_takes_over_when_the_store_dies(ray_local):
+    """``begin`` starts the store alone (a standby importing torch beside the ranks slowed their start);
+    the standby starts at the first ``step_read`` after the store was taken, and when the store dies
+    the next ``address()`` takes the standby (no start waited for) and asks for a new one, again
+    started only at the next ``step_read``."""
     provider = StoreProvider(ping_timeout_s=60)  # the standby may still be importing torch
     try:
         provider.begin()
-        begun, standby = provider._begun[0], provider._standby[0]
-        ray.kill(begun, no_restart=True)
+        begun = provider._begun[0]
+        assert provider._standby is None
+        first = provider.address()
+        assert provider.handle._actor_id == begun._actor_id and provider._standby is None
+        provider.step_read()
+        standby = provider._standby[0]
+        provider.step_read()  # one standby, not one per step
+        assert provider._standby[0]._actor_id == standby._actor_id
+        ray.kill(provider.handle, no_restart=True)
         address = provider.address()
-        assert provider.handle._actor_id == standby._actor_id and (provider.hosted, provider.standbys_taken) == (1, 1)
-        assert provider.healthy() and address[0] == "127.0.0.1"
+        assert provider.handle._actor_id == standby._actor_id and (provider.hosted, provider.standbys_taken) == (2, 1)
+        assert provider.healthy() and address != first and address[0] == "127.0.0.1"
+        assert provider._standby is None
+        provider.step_read()
         assert provider._standby is not None and provider._standby[0]._actor_id != standby._actor_id
     finally:
         provider.close()

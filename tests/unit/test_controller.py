@@ -303,6 +303,9 @@ class LostStore:
     def healthy(self) -> bool:
         return self.alive
 
+    def step_read(self) -> None:
+        pass
+
 
 def test_join_broken_by_a_lost_store_rehosts_it(make):
     r = make()
