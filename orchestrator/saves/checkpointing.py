@@ -216,6 +216,10 @@ class CheckpointCoordinator:
             return
         self._start_save(group, gen, step)
 
+    def writing(self, group) -> bool:
+        """Whether a save is in flight whose writes are not all done (a re-form now would wait for it)."""
+        return self._pending is not None and not group.all_done(self._pending.refs)
+
     def wants_empty_window(self, group, step: int) -> bool:
         """Whether the step after ``step`` must wait until ``step`` was read, for ``step``'s save: it is
         due and can start then (nothing writing, or the write done, or ``when_busy`` "wait"). A

@@ -59,6 +59,7 @@ from checkpoints.catalog import list_checkpoints
 from checkpoints.layout import step_dir_name
 from meshspeak.rank_calls import RankCalls
 from orchestrator.control.controller import State
+from orchestrator.control.context import GROW_HOLD_STEPS
 from orchestrator.errors import RebuildTimeoutError, TrainingFailed
 from testbed.controller_run import make  # noqa: F401  (the fixture)
 
@@ -603,25 +604,48 @@ def test_requested_resize_starts_missing_actors_or_fits(make, capacity, dp):
     assert len(r.group.live_ids) == 2 + capacity
 
 
-def test_grow_adopts_new_actors_and_commits_the_save_in_flight_first(make):
+def test_grow_adopts_new_actors_held_while_a_save_writes(make):
+    """The grow waits at the step boundaries while step 4's save is still being written (training on
+    at dp=2), and is made at the first boundary after the write ended: no rank idles waiting for it."""
     r = make("mesh.dp=2", "elastic.max_dp=4", capacity=2)
     r.group.slow_writes = True
-    r.steps(4)  # start, steps 1-3 (no grow check yet: the clock stands still)
+    r.steps(4)  # start, steps 1-3 (no grow check yet: the clock stands still); step 2's save writes
     assert r.c.generation.shape.dp == 2 and r.committed() == []
     r.clock.t = 10.0
     assert r.c.advance() == State.RUNNING  # the step-4 boundary's grow check: 2 actors begun, step 4 trains
     assert r.group.live_ids == [0, 1] and r.group.starting == 2 and r.c.next_step == 5
-    assert r.c.advance() == State.FORMING  # the step-5 boundary: they answered, so grow now
+    assert r.c.advance() == State.RUNNING  # the step-5 boundary: they answered, step 4's save writes: held
+    assert r.group.live_ids == [0, 1, 2, 3] and r.c.generation.shape.dp == 2 and r.c.next_step == 6
+    assert r.committed() == [2]  # step 4's still writing
+    r.group.finish_writes()
+    assert r.c.advance() == State.FORMING  # the step-6 boundary: the write is done, so grow now
     assert r.c.advance() == State.RUNNING
-    assert r.group.live_ids == [0, 1, 2, 3] and r.committed()[-1] == 4  # the save in flight, then 4
-    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 5)
+    assert r.committed() == [2, 4, 5]  # the save in flight committed, then step 5 saved before the re-form
+    assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 6)
+    assert r.c.context.grow_check.held_since is None
     ready, = r.events("actors_ready")
     assert ready["actors"] == [2, 3]
     r.clock.t = 12.0
     r.steps(1)
     grow, = r.events("grow")
-    assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 4, 2.0)
+    assert (grow["reason"], grow["resumed_from_step"], grow["recovery_s"]) == ("grow", 5, 2.0)
     assert not r.events("rebuild")
+
+
+def test_a_grow_held_by_a_slow_write_is_made_after_grow_hold_steps(make):
+    """Storage slower than a few steps (the write never ends here until waited for): the grow is held
+    for GROW_HOLD_STEPS boundaries, then made, waiting for the write as before."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "train.steps=12", capacity=2)
+    r.group.slow_writes = True
+    r.steps(4)
+    r.clock.t = 10.0
+    assert r.c.advance() == State.RUNNING  # the step-4 boundary: 2 actors begun, step 4 trains
+    for step in range(5, 5 + GROW_HOLD_STEPS):
+        assert r.c.advance() == State.RUNNING, step  # held at the boundary before this step
+    assert r.c.generation.shape.dp == 2 and r.c.next_step == 5 + GROW_HOLD_STEPS
+    assert r.c.advance() == State.FORMING
+    assert r.c.advance() == State.RUNNING
+    assert r.c.generation.shape.dp == 4 and 4 in r.committed()
 
 
 def test_a_rank_whose_process_is_gone_is_dead_without_a_status_poll(make):

@@ -13,6 +13,7 @@ import pytest
 
 from checkpoints.layout import step_dir_name
 from meshspeak.rank_calls import RankCalls
+from orchestrator.control.context import GROW_HOLD_STEPS
 from orchestrator.control.controller import State
 from orchestrator.control.scaling import ResizeDecision
 from orchestrator.control.states import Forming
@@ -263,22 +264,26 @@ def test_an_eviction_whose_straggler_holds_a_shard_alone_saves_first(make):
 
 
 def test_a_grow_without_a_save_still_commits_the_save_in_flight(make):
-    """Step 4's periodic save is still being written at the step-5 boundary where the run grows: the
-    snapshot of step 4 replaces a new save, but the one in flight commits before the ranks leave
-    their generation (leaving would abandon it, and the driver would take storage as failing)."""
-    r = make("mesh.dp=2", "elastic.max_dp=4", "checkpoint.every=4", capacity=2, nodes={0: "A", 1: "B"})
+    """Step 4's periodic save is still being written when the run grows (held by that write for
+    GROW_HOLD_STEPS boundaries: the fake's slow write ends only when waited for): the snapshot of the
+    last step replaces a new save, but the one in flight commits before the ranks leave their
+    generation (leaving would abandon it, and the driver would take storage as failing)."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "checkpoint.every=4", "train.steps=12", capacity=2,
+             nodes={0: "A", 1: "B"})
     r.group.slow_writes = True
     r.steps(4)  # start, steps 1-3
     r.clock.t = 10.0
     assert r.c.advance() == State.RUNNING  # the grow check begins 2 actors; step 4 trains, its save starts
+    for _ in range(GROW_HOLD_STEPS):
+        assert r.c.advance() == State.RUNNING  # held while step 4's save writes
     assert r.committed() == []
     assert r.c.advance() == State.FORMING
     assert r.c.advance() == State.RUNNING
     assert r.committed() == [4] and r.c.generation.shape.dp == 4
     assert [args[1] for _, args in r.group.calls(RankCalls.save_checkpoint)] == [4, 4]  # one save, 2 ranks
-    assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 4
+    assert r.group.ranks[0].snapshots_loaded[-1].key[2] == 4 + GROW_HOLD_STEPS
     summary = r.c.run()
-    assert summary.final_step == 6
+    assert summary.final_step == 12
 
 
 @pytest.mark.parametrize("notice_s", [1.0, 20.0], ids=["too-short-for-a-save", "time-for-a-save"])
