@@ -15,13 +15,16 @@ non-draining node are tried.
 
 A second StoreHost waits on the same node as a hot standby: when the store dies, the next generation
 takes the standby's address at once instead of waiting for a new actor to start (it imports torch:
-~1.1 s per re-host in the chaos bench's store kills), and a new standby starts in the background.
-One idle process (no CPU reserved) buys that, as a hot spare rank buys a fast rebuild. The first
-store starts beside the ranks (``begin``): ``launch.py`` takes it once it answered, instead of waiting
-for its start before theirs. A standby is started only once a step was trained after the store was
-(re)hosted (``step_read``), as the spares are (``SparePool.ask_after_first_step``): started with the
-first store it competed for the cores with the ranks' own start (0.6 s of the chaos campaign's 6.5 s
-start-up on 2 cores), and started at a re-host with the rebuild's join and first step.
+~1.1 s per re-host in the chaos bench's store kills), and a new standby starts in the background
+once that generation trained a step. One idle process (no CPU reserved) buys that, as a hot spare
+rank buys a fast rebuild. The first store starts beside the ranks (``begin``): ``launch.py`` takes it
+once it answered, instead of waiting for its start before theirs. A standby is started only once a
+step was trained after the store was (re)hosted (``step_read``), as the spares are
+(``SparePool.ask_after_first_step``): started with the first store it competed for the cores with
+the ranks' own start (0.6 s of the chaos campaign's 6.5 s start-up on 2 cores), and started at a
+re-host with the rebuild's join and first step. The trade: from a (re)hosting to the first step
+after it there is no standby, so a store that dies in that window (the first generation's join, a
+second store loss inside one rebuild) is replaced by a new host's start (~1.1 s), as before standbys.
 
 Bind address: loopback when every Ray node has the store node's IP (the whole job is on one
 machine), else the node's own address; never the wildcard nor a public address (the store has no
@@ -206,7 +209,7 @@ class StoreProvider:
         return True
 
     def _promote_standby(self, nodes: list[dict]) -> bool:
-        """Take the standby as the store (``_take``); True if it was taken (and a new standby is started)."""
+        """Take the standby as the store (``_take``); True if it was taken (a new standby is then due: ``step_read``)."""
         standby, self._standby = self._standby, None
         if standby is None or not self._take(standby, nodes, self.ping_timeout_s, "standby"):
             return False

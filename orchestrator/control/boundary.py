@@ -103,7 +103,7 @@ def decide_grow(ctx: DriverContext, at: Boundary) -> Grow | None:
     if not isinstance(decision, ResizeDecision):
         ctx.grow_check.release()
         return None
-    if ctx.checkpoints.writing(ctx.group) and ctx.grow_check.hold(at.step):
+    if ctx.checkpoints.writing(ctx.group) and ctx.grow_check.hold():
         return None
     ctx.grow_check.release()
     return Grow(decision)

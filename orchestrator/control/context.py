@@ -91,15 +91,16 @@ GROW_HOLD_STEPS = 3
 
 class GrowCheck:
     """Every ``elastic.grow_check_s``: time for the boundary's grow check. A grow held while a save
-    writes (``hold``) is checked again at every boundary until it is made or lapses."""
+    writes (``hold``) is checked again at every boundary until it is made, lapses, or a new generation
+    forms (``release``)."""
 
     def __init__(self, every_s: float, clock: Callable[[], float]) -> None:
         self.every_s, self.clock = every_s, clock
         self._last = clock()
-        self.held_since: int | None = None  # the boundary (step) a grow was first held at
+        self.held = 0  # boundaries in a row a grow was held at (counted, not stepped: a rollback goes back)
 
     def due(self) -> bool:
-        if self.held_since is not None:
+        if self.held:
             return True
         now = self.clock()
         if now - self._last < self.every_s:
@@ -107,16 +108,18 @@ class GrowCheck:
         self._last = now
         return True
 
-    def hold(self, step: int) -> bool:
-        """Whether a grow decided at the boundary before ``step`` waits for the save being written:
-        yes for ``GROW_HOLD_STEPS`` boundaries from the first it was held at, then no."""
-        if self.held_since is None:
-            self.held_since = step
-        return step - self.held_since < GROW_HOLD_STEPS
+    def hold(self) -> bool:
+        """Whether a grow decided at this boundary waits for the save being written: yes at up to
+        ``GROW_HOLD_STEPS`` boundaries in a row, then no."""
+        if self.held >= GROW_HOLD_STEPS:
+            return False
+        self.held += 1
+        return True
 
     def release(self) -> None:
-        """The grow was made, or there is none to make: the next check waits for ``grow_check_s``."""
-        self.held_since = None
+        """The grow was made, there is none to make, or a generation formed (what was held is decided
+        afresh): the next check waits for ``grow_check_s``."""
+        self.held = 0
 
 
 @dataclass

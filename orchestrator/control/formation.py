@@ -139,6 +139,7 @@ def _resume_from(ctx: DriverContext, restored: Restored, holders: dict[int, int]
     ctx.rebalance.begin(ctx.generation)  # elastic.rebalance: the even split, measured again
     ctx.window.reset(restored.step)
     ctx.hang_watch.new_generation()  # the formation is no step interval, and its pace is its own
+    ctx.grow_check.release()  # a grow held in the generation before is decided afresh in this one
     ctx.progress.next_step = restored.step + 1
 
 

@@ -95,3 +95,21 @@ def test_the_standby_starts_after_a_step_and_takes_over_when_the_store_dies(ray_
         assert provider._standby is not None and provider._standby[0]._actor_id != standby._actor_id
     finally:
         provider.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_begun_store_that_died_before_it_was_taken_is_replaced_by_a_new_host(ray_local):
+    """No standby waits before the first step: a begun store that died before ``address()`` took it
+    is replaced by a new host (its start waited for), and a standby is due at the next step."""
+    provider = StoreProvider()
+    try:
+        provider.begin()
+        begun = provider._begun[0]
+        ray.kill(begun, no_restart=True)
+        address = provider.address()
+        assert provider.handle._actor_id != begun._actor_id and (provider.hosted, provider.standbys_taken) == (1, 0)
+        assert provider.healthy() and address[0] == "127.0.0.1" and provider._standby is None
+        provider.step_read()
+        assert provider._standby is not None
+    finally:
+        provider.close()

@@ -292,6 +292,7 @@ class LostStore:
 
     def __init__(self) -> None:
         self.port, self.alive, self.dies = 29500, True, False
+        self.steps_read = 0
 
     def address(self) -> tuple[str, int]:
         if not self.alive:
@@ -305,7 +306,7 @@ class LostStore:
         return self.alive
 
     def step_read(self) -> None:
-        pass
+        self.steps_read += 1  # the step loop tells the store each step (StoreProvider starts its standby)
 
 
 def test_join_broken_by_a_lost_store_rehosts_it(make):
@@ -324,6 +325,9 @@ def test_join_broken_by_a_lost_store_rehosts_it(make):
     ports = {(args[0].generation, args[0].store_port) for _, args in r.group.calls(RankCalls.join_generation)}
     assert ports == {(1, 29500), (2, 29500), (3, 29501)}  # generation 3 joined the re-hosted store
     assert r.c.restarts == 2
+    r.steps(1)
+    trained = [x for x in r.records() if "loss" in x and "event" not in x]
+    assert store.steps_read == len(trained) > 0  # each step read is told to the store (its standby's start)
 
 
 def test_step_failure_beyond_the_budget_stops(make):
@@ -622,7 +626,7 @@ def test_grow_adopts_new_actors_held_while_a_save_writes(make):
     assert r.c.advance() == State.RUNNING
     assert r.committed() == [2, 4, 5]  # the save in flight committed, then step 5 saved before the re-form
     assert (r.c.generation.number, r.c.generation.shape.dp, r.c.next_step) == (2, 4, 6)
-    assert r.c.context.grow_check.held_since is None
+    assert r.c.context.grow_check.held == 0
     ready, = r.events("actors_ready")
     assert ready["actors"] == [2, 3]
     r.clock.t = 12.0
@@ -646,6 +650,37 @@ def test_a_grow_held_by_a_slow_write_is_made_after_grow_hold_steps(make):
     assert r.c.advance() == State.FORMING
     assert r.c.advance() == State.RUNNING
     assert r.c.generation.shape.dp == 4 and 4 in r.committed()
+
+
+def test_a_grow_held_when_a_rank_dies_is_decided_afresh_by_the_next_generation(make):
+    """Rank 1 dies in the step trained while a grow was held: the rebuilt generation starts with no
+    grow held, so its boundaries wait for ``grow_check_s`` again instead of checking (and starting
+    actors) at every one of them."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "train.steps=12", capacity=2)
+    r.group.slow_writes = True
+    r.steps(4)
+    r.clock.t = 10.0
+    assert r.c.advance() == State.RUNNING  # the step-4 boundary: 2 actors begun, step 4 trains, its save starts
+    r.group.fail(RankCalls.train_step, 1, "die", at=5)
+    states = [r.c.advance() for _ in range(2)]
+    assert r.c.context.grow_check.held == 0 and State.REBUILDING in states
+    assert r.c.generation.number == 2 and not r.c.context.grow_check.due()  # the clock stood still
+
+
+def test_a_held_grow_that_lapses_releases_the_check(make):
+    """The actors a held grow counted on are gone at the next boundary (no larger mesh to form): the
+    hold ends with the decision, and the next check waits for ``grow_check_s``."""
+    r = make("mesh.dp=2", "elastic.max_dp=4", "train.steps=12", capacity=2)
+    r.group.slow_writes = True
+    r.steps(4)
+    r.clock.t = 10.0
+    assert r.c.advance() == State.RUNNING  # 2 actors begun; step 4 trains
+    assert r.c.advance() == State.RUNNING  # they answered: the grow is held (step 4's save writes)
+    assert r.c.context.grow_check.held == 1
+    r.group.kill([2])  # one of them went: dp=2 is all the live actors allow
+    assert r.c.advance() == State.RUNNING
+    assert r.c.context.grow_check.held == 0 and r.c.generation.shape.dp == 2
+    assert not r.c.context.grow_check.due()
 
 
 def test_a_rank_whose_process_is_gone_is_dead_without_a_status_poll(make):
