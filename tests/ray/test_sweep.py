@@ -88,9 +88,11 @@ def _trial_metrics(sweep_dir, index: int) -> str:
 class AtResult(Callback):
     """A Tune callback on the sweep's driver: once trial ``index`` reports step ``step``, ``action()``.
 
-    Tune's function runner reports synchronously: the trial waits inside that report until the driver
-    has handled the result, so the action lands between two steps, however fast the steps are. A marker
-    file makes it one-shot across a resume (Tune keeps the callbacks it was first given)."""
+    Tune's function runner reports synchronously: the trial's controller waits inside that report until
+    the driver has handled the result, so no later step is *recorded* before the action. The ranks may
+    still be training the next step meanwhile (the controller's window sent it before this one's result
+    was read: orchestrator/control/window.py), so an action on a rank lands in that step or right after
+    it. A marker file makes it one-shot across a resume (Tune keeps the callbacks it was first given)."""
 
     def __init__(self, marker, index: int, step: int, action) -> None:
         self.marker, self.index, self.step, self.action = str(marker), index, step, action
@@ -142,7 +144,9 @@ def test_sweep_stops_bad_trials_recovers_a_killed_rank_and_resumes(ray_local, tm
     # Trial 0 lost a rank and recovered in place: one failure, one rebuild to dp=1, and it completed.
     assert good["status"] == "TERMINATED" and good["outcome"] == "completed" and good["step"] == 4
     m0 = _trial_metrics(sweep_dir, 0)
-    assert [e["step"] for e in _events(m0, "failure")] == [3]  # killed between steps 2 and 3
+    # Killed once step 2 was reported: inside step 3, which the window had already sent, or, when the
+    # ranks finished step 3 before the kill (seen once, in a full suite run on a loaded machine), in step 4.
+    assert [e["step"] for e in _events(m0, "failure")] in ([3], [4])
     assert [e["dp"] for e in _events(m0, "rebuild")] == [1]
     # Trial 1 was stopped by ASHA at its first rung (step 2), worse than trial 0 there.
     assert bad["outcome"] == "stopped early at step 2" and bad["loss"] > good["loss"]
