@@ -102,7 +102,6 @@ class StoreProvider:
         self.hosted = 0  # how many StoreHosts were started (1 + re-hosts)
         self._standby = None  # (handle, node id, loopback, ref of its ``where``): see the module docstring
         self._begun = None  # the first store, started by ``begin`` and not yet taken (same tuple)
-        self._standby_due = False  # a standby is to start at the next ``step_read``
         self.standbys_taken = 0  # re-hosts the standby served
 
     def address(self) -> tuple[str, int]:
@@ -155,11 +154,10 @@ class StoreProvider:
             return False
 
     def step_read(self) -> None:
-        """A step was trained: the standby a (re)hosting asked for starts now, in the background (see
-        the module docstring)."""
-        if self._standby_due and self.handle is not None and self._standby is None:
+        """A step was trained: a hosted store without a standby (just (re)hosted, or its standby taken
+        over) gets one now, started in the background (see the module docstring)."""
+        if self.handle is not None and self._standby is None:
             self._start_standby()
-        self._standby_due = False
 
     def close(self) -> None:
         self._drop()
@@ -205,17 +203,15 @@ class StoreProvider:
             return False
         logger.info("rendezvous store at %s:%d on node %s (started beside the ranks)", *self._address,
                     self.node_id[:8])
-        self._standby_due = True
         return True
 
     def _promote_standby(self, nodes: list[dict]) -> bool:
-        """Take the standby as the store (``_take``); True if it was taken (a new standby is then due: ``step_read``)."""
+        """Take the standby as the store (``_take``); True if it was taken (``step_read`` starts the next one)."""
         standby, self._standby = self._standby, None
         if standby is None or not self._take(standby, nodes, self.ping_timeout_s, "standby"):
             return False
         self.standbys_taken += 1
         logger.info("rendezvous store: the standby at %s:%d took over", *self._address)
-        self._standby_due = True
         return True
 
     def _drop(self) -> None:
@@ -245,7 +241,6 @@ class StoreProvider:
             self.hosted += 1
             logger.info("rendezvous store at %s:%d on node %s%s", *self._address, placed[:8],
                         " (driver's node)" if placed == driver else "")
-            self._standby_due = True
             return
         raise TrainingFailed("could not host the rendezvous store on any live node ("
                              + ("; ".join(errors) or "no live node") + "): check the cluster's health")

@@ -226,8 +226,7 @@ class CheckpointCoordinator:
         save that must wait for a slow write does not hold the steps in flight back."""
         if not self.due(step):
             return False
-        pending = self._pending
-        return pending is None or self.checkpoint.when_busy == "wait" or group.all_done(pending.refs)
+        return self.checkpoint.when_busy == "wait" or not self.writing(group)
 
     def _defer(self, step: int, writing: int | None) -> None:
         """Save ``step`` is due while the previous save (of step ``writing``) still writes: owe it
